@@ -1,0 +1,12 @@
+"""seq2seq_fast: fused additive (Bahdanau) attention and the attention seq2seq models built on it."""
+
+from seq2seq_fast.ops import AdditiveAttentionFunction, additive_attention, fused_available
+from seq2seq_fast.reference import additive_attention_ref
+
+__all__ = [
+    "AdditiveAttentionFunction",
+    "additive_attention",
+    "additive_attention_ref",
+    "fused_available",
+]
+__version__ = "0.1.0"

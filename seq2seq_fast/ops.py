@@ -1,0 +1,304 @@
+"""The fused additive-attention op: schemas, fake kernels, backend registration, autograd, functional.
+
+Layers (one name throughout):
+    seq2seq_fast::additive_attention_fwd / _bwd   op schemas, defined once here with torch.library
+    csrc/additive_attention.cpp -> seq2seq_fast._C  registers the CPU kernels for those schemas
+    triton_kernels/additive_attention.py -> seq2seq_fast._triton  the CUDA kernels, registered below
+    AdditiveAttentionFunction                      torch.autograd.Function calling the two ops
+    additive_attention()                           the public functional (checks its inputs)
+
+The schemas live in Python so that the package imports and serves CUDA tensors through Triton on a
+machine where ``_C`` was not built for the running torch; the dispatcher picks the kernel by device.
+
+Op-level contract (inputs already checked and normalised by ``additive_attention``):
+    fwd(query [B,Tq,H], keys [B,Tk,H], values [B,Tk,Dv], v [H], bias [H], lengths int64 [B]?,
+        mask bool [B,Tk]?, return_weights) -> (context [B,Tq,Dv], weights [B,Tq,Tk] or [0], lse f32 [B,Tq])
+    lse = max + log(sum exp) of the valid scores of a row; +inf for a row with no valid key.
+    bwd(grad_context [B,Tq,Dv], grad_weights [B,Tq,Tk]?, query, keys, values, v, bias, lengths?, mask?,
+        context, lse) -> (grad_query, grad_keys, grad_values, grad_v, grad_bias), input dtype.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+LIBRARY = "seq2seq_fast"
+FWD_NAME = f"{LIBRARY}::additive_attention_fwd"
+BWD_NAME = f"{LIBRARY}::additive_attention_bwd"
+
+torch.library.define(
+    FWD_NAME,
+    "(Tensor query, Tensor keys, Tensor values, Tensor v, Tensor bias, Tensor? lengths, "
+    "Tensor? mask, bool return_weights) -> (Tensor, Tensor, Tensor)",
+)
+torch.library.define(
+    BWD_NAME,
+    "(Tensor grad_context, Tensor? grad_weights, Tensor query, Tensor keys, Tensor values, "
+    "Tensor v, Tensor bias, Tensor? lengths, Tensor? mask, Tensor context, Tensor lse) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+
+
+@torch.library.register_fake(FWD_NAME)
+def _fwd_fake(query, keys, values, v, bias, lengths, mask, return_weights):
+    batch, num_queries, _ = query.shape
+    num_keys, value_dim = values.shape[1], values.shape[2]
+    context = query.new_empty((batch, num_queries, value_dim))
+    weights = query.new_empty((batch, num_queries, num_keys) if return_weights else (0,))
+    lse = query.new_empty((batch, num_queries), dtype=torch.float32)
+    return context, weights, lse
+
+
+@torch.library.register_fake(BWD_NAME)
+def _bwd_fake(grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, context, lse):
+    return (
+        torch.empty_like(query),
+        torch.empty_like(keys),
+        torch.empty_like(values),
+        torch.empty_like(v),
+        torch.empty_like(bias),
+    )
+
+
+# --- backends --------------------------------------------------------------------------------------
+
+_CPU_DTYPES = (torch.float32, torch.float64)
+_CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+try:  # the C++ extension registers the CPU kernels for the schemas above when it loads
+    from seq2seq_fast import _C  # noqa: F401
+
+    CPU_KERNEL_ERROR: str | None = None
+except ImportError as exc:  # not built, or built against another torch
+    CPU_KERNEL_ERROR = f"{type(exc).__name__}: {exc}"
+
+try:
+    from seq2seq_fast._triton import additive_attention as _triton_attention
+
+    torch.library.register_kernel(FWD_NAME, "cuda", _triton_attention.additive_attention_fwd)
+    torch.library.register_kernel(BWD_NAME, "cuda", _triton_attention.additive_attention_bwd)
+    CUDA_KERNEL_ERROR: str | None = None
+except ImportError as exc:  # Triton missing, or kernels not written yet
+    CUDA_KERNEL_ERROR = f"{type(exc).__name__}: {exc}"
+
+
+def fused_unavailable_reason(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """None when a fused kernel serves tensors of this device and dtype, else why not."""
+    device_type = torch.device(device).type
+    if device_type == "cpu":
+        if CPU_KERNEL_ERROR is not None:
+            return f"the C++ extension seq2seq_fast._C did not load ({CPU_KERNEL_ERROR})"
+        supported = _CPU_DTYPES
+    elif device_type == "cuda":
+        if CUDA_KERNEL_ERROR is not None:
+            return f"the Triton kernels did not load ({CUDA_KERNEL_ERROR})"
+        supported = _CUDA_DTYPES
+    else:
+        return f"no fused kernel for device type {device_type!r} (cpu and cuda are served)"
+    if dtype not in supported:
+        names = ", ".join(str(d) for d in supported)
+        return f"no fused kernel for dtype {dtype} on {device_type} (supported: {names})"
+    return None
+
+
+def fused_available(device: torch.device | str, dtype: torch.dtype) -> bool:
+    return fused_unavailable_reason(device, dtype) is None
+
+
+# --- autograd --------------------------------------------------------------------------------------
+
+
+class AdditiveAttentionFunction(torch.autograd.Function):
+    """Autograd over the fwd/bwd ops. Saves the inputs, the context and the O(B*Tq) row statistics."""
+
+    @staticmethod
+    def forward(query, keys, values, v, bias, lengths, mask, return_weights):
+        return torch.ops.seq2seq_fast.additive_attention_fwd(
+            query, keys, values, v, bias, lengths, mask, return_weights
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        query, keys, values, v, bias, lengths, mask, _ = inputs
+        context, _, lse = output
+        ctx.save_for_backward(query, keys, values, v, bias, lengths, mask, context, lse)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, grad_context, grad_weights, _grad_lse):
+        query, keys, values, v, bias, lengths, mask, context, lse = ctx.saved_tensors
+        if grad_context is None:
+            grad_context = torch.zeros_like(context)
+        if grad_weights is not None and grad_weights.numel() == 0:
+            grad_weights = None
+        grads = torch.ops.seq2seq_fast.additive_attention_bwd(
+            grad_context.contiguous(),
+            None if grad_weights is None else grad_weights.contiguous(),
+            query, keys, values, v, bias, lengths, mask, context, lse,
+        )  # fmt: skip
+        return (*grads, None, None, None)
+
+
+# --- input checks ----------------------------------------------------------------------------------
+
+
+def _shape(t: Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def _require_float_tensor(name: str, value: object) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
+    return value
+
+
+def _as_lengths(lengths: object, batch: int, num_keys: int, device: torch.device) -> Tensor:
+    if isinstance(lengths, Sequence) and not isinstance(lengths, (str, bytes)):
+        lengths = torch.tensor(list(lengths), dtype=torch.int64, device=device)
+    if not isinstance(lengths, Tensor):
+        raise TypeError(f"lengths must be an integer tensor of shape [{batch}], got {type(lengths).__name__}")
+    if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
+        raise TypeError(f"lengths must be an integer tensor, got dtype {lengths.dtype}")
+    if lengths.shape != (batch,):
+        raise ValueError(f"lengths must have shape [B]=[{batch}], got {_shape(lengths)}")
+    if lengths.device != device:
+        raise ValueError(f"lengths is on {lengths.device} but query is on {device}")
+    if not torch.compiler.is_compiling() and lengths.numel() > 0:
+        low, high = int(lengths.min()), int(lengths.max())
+        if low < 0 or high > num_keys:
+            raise ValueError(
+                f"lengths must lie in [0, Tk={num_keys}], got values from {low} to {high}"
+            )
+    return lengths.to(torch.int64).contiguous()
+
+
+def _as_mask(mask: object, batch: int, num_keys: int, device: torch.device) -> Tensor:
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"mask must be a bool tensor of shape [{batch}, {num_keys}], got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}")
+    if mask.shape != (batch, num_keys):
+        raise ValueError(f"mask must have shape [B, Tk]=[{batch}, {num_keys}], got {_shape(mask)}")
+    if mask.device != device:
+        raise ValueError(f"mask is on {mask.device} but query is on {device}")
+    return mask.contiguous()
+
+
+def check_inputs(query, keys, values, v, bias=None, lengths=None, mask=None):
+    """Validate the public contract; return (query3d, keys, values, v, bias, lengths, mask, single_step).
+
+    Raises TypeError for non-tensors / wrong dtypes and ValueError for shapes, devices, ranges.
+    """
+    tensors = {"query": query, "keys": keys, "values": values, "v": v}
+    if bias is not None:
+        tensors["bias"] = bias
+    for name, value in tensors.items():
+        _require_float_tensor(name, value)
+    if query.dim() not in (2, 3):
+        raise ValueError(f"query must be [B, Tq, H] or [B, H], got shape {_shape(query)}")
+    if keys.dim() != 3:
+        raise ValueError(f"keys must be [B, Tk, H], got shape {_shape(keys)}")
+    if values.dim() != 3:
+        raise ValueError(f"values must be [B, Tk, Dv], got shape {_shape(values)}")
+    batch, num_keys, hidden = keys.shape
+    if query.shape[0] != batch or query.shape[-1] != hidden:
+        raise ValueError(
+            f"query {_shape(query)} does not match keys {_shape(keys)}: "
+            f"need query [B={batch}, Tq, H={hidden}] or [B={batch}, H={hidden}]"
+        )
+    if values.shape[0] != batch or values.shape[1] != num_keys:
+        raise ValueError(
+            f"values {_shape(values)} does not match keys {_shape(keys)}: need [B={batch}, Tk={num_keys}, Dv]"
+        )
+    if v.shape != (hidden,):
+        raise ValueError(f"v must have shape [H]=[{hidden}], got {_shape(v)}")
+    if bias is not None and bias.shape != (hidden,):
+        raise ValueError(f"bias must have shape [H]=[{hidden}] or be None, got {_shape(bias)}")
+    for name, value in tensors.items():
+        if value.device != query.device:
+            raise ValueError(f"{name} is on {value.device} but query is on {query.device}")
+        if value.dtype != query.dtype:
+            raise TypeError(f"{name} has dtype {value.dtype} but query has dtype {query.dtype}")
+    if lengths is not None and mask is not None:
+        raise ValueError("pass either lengths or mask, not both")
+    if lengths is not None:
+        lengths = _as_lengths(lengths, batch, num_keys, query.device)
+    if mask is not None:
+        mask = _as_mask(mask, batch, num_keys, query.device)
+    single_step = query.dim() == 2
+    return (query.unsqueeze(1) if single_step else query), keys, values, v, bias, lengths, mask, single_step
+
+
+def additive_attention(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    v: Tensor,
+    bias: Tensor | None = None,
+    *,
+    lengths: Tensor | None = None,
+    mask: Tensor | None = None,
+    return_weights: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """Fused additive attention: scores, mask, softmax and context in one pass, no [B,Tq,Tk,H] tensor.
+
+        e[b,t,s] = sum_h v[h] * tanh(query[b,t,h] + keys[b,s,h] + bias[h])
+        weights = softmax of e over the valid s (masked positions get exactly 0)
+        context[b,t] = sum_s weights[b,t,s] * values[b,s]
+
+    Args:
+        query: [B, Tq, H], or [B, H] for one decoding step.
+        keys: [B, Tk, H] projected encoder states.
+        values: [B, Tk, Dv].
+        v: [H] score vector.
+        bias: [H] or None, added inside the tanh.
+        lengths: integer [B] with 0 <= length <= Tk: keys at positions >= length are masked.
+        mask: bool [B, Tk], True = may attend. Not together with ``lengths``.
+        return_weights: also return the attention weights (else None, and they are not computed).
+
+    Returns:
+        context [B, Tq, Dv] ([B, Dv] for a [B, H] query) and weights [B, Tq, Tk] ([B, Tk]) or None,
+        in the input dtype. Rows with no valid key give zero context and weights, never NaN.
+
+    Gradients flow to query, keys, values, v and bias. Served on CPU (float32, float64) by the C++
+    kernel and on CUDA (float32, float16, bfloat16) by Triton; other inputs raise TypeError.
+    """
+    query3, keys, values, v, bias, lengths, mask, single_step = check_inputs(
+        query, keys, values, v, bias, lengths, mask
+    )
+    if min(query3.shape) == 0 or min(keys.shape) == 0 or values.shape[2] == 0:
+        # Degenerate sizes (B, Tq, Tk, H or Dv = 0): nothing for a kernel to do; the reference is exact.
+        from seq2seq_fast.reference import additive_attention_ref
+
+        return additive_attention_ref(
+            query, keys, values, v, bias, lengths=lengths, mask=mask, return_weights=return_weights
+        )
+    reason = fused_unavailable_reason(query.device, query.dtype)
+    if reason is not None:
+        raise TypeError(f"additive_attention: {reason}; use the reference (backend='reference')")
+    if bias is None:
+        bias = query.new_zeros(query.shape[-1])
+    context, weights, _ = AdditiveAttentionFunction.apply(
+        query3, keys, values, v, bias, lengths, mask, return_weights
+    )
+    if single_step:
+        context = context.squeeze(1)
+        weights = weights.squeeze(1) if return_weights else weights
+    return context, (weights if return_weights else None)
+
+
+_warned: set[tuple[str, torch.dtype]] = set()
+
+
+def warn_fallback_once(device: torch.device, dtype: torch.dtype, reason: str) -> None:
+    key = (torch.device(device).type, dtype)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"seq2seq_fast: falling back to the reference attention: {reason}", stacklevel=3)
