@@ -1,9 +1,12 @@
 """seq2seq_fast: fused additive (Bahdanau) attention and the attention seq2seq models built on it."""
 
+from seq2seq_fast.attention import BahdanauAttention, fuse_attention
 from seq2seq_fast.ops import AdditiveAttentionFunction, additive_attention, fused_available
 from seq2seq_fast.reference import additive_attention_ref
 
 __all__ = [
+    "BahdanauAttention",
+    "fuse_attention",
     "AdditiveAttentionFunction",
     "additive_attention",
     "additive_attention_ref",

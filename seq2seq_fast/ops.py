@@ -54,7 +54,9 @@ def _fwd_fake(query, keys, values, v, bias, lengths, mask, return_weights):
 
 
 @torch.library.register_fake(BWD_NAME)
-def _bwd_fake(grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, context, lse):
+def _bwd_fake(
+    grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, context, lse
+):
     return (
         torch.empty_like(query),
         torch.empty_like(keys),
@@ -163,7 +165,9 @@ def _as_lengths(lengths: object, batch: int, num_keys: int, device: torch.device
     if isinstance(lengths, Sequence) and not isinstance(lengths, (str, bytes)):
         lengths = torch.tensor(list(lengths), dtype=torch.int64, device=device)
     if not isinstance(lengths, Tensor):
-        raise TypeError(f"lengths must be an integer tensor of shape [{batch}], got {type(lengths).__name__}")
+        raise TypeError(
+            f"lengths must be an integer tensor of shape [{batch}], got {type(lengths).__name__}"
+        )
     if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
         raise TypeError(f"lengths must be an integer tensor, got dtype {lengths.dtype}")
     if lengths.shape != (batch,):
@@ -181,7 +185,9 @@ def _as_lengths(lengths: object, batch: int, num_keys: int, device: torch.device
 
 def _as_mask(mask: object, batch: int, num_keys: int, device: torch.device) -> Tensor:
     if not isinstance(mask, Tensor):
-        raise TypeError(f"mask must be a bool tensor of shape [{batch}, {num_keys}], got {type(mask).__name__}")
+        raise TypeError(
+            f"mask must be a bool tensor of shape [{batch}, {num_keys}], got {type(mask).__name__}"
+        )
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}")
     if mask.shape != (batch, num_keys):
@@ -233,7 +239,16 @@ def check_inputs(query, keys, values, v, bias=None, lengths=None, mask=None):
     if mask is not None:
         mask = _as_mask(mask, batch, num_keys, query.device)
     single_step = query.dim() == 2
-    return (query.unsqueeze(1) if single_step else query), keys, values, v, bias, lengths, mask, single_step
+    return (
+        (query.unsqueeze(1) if single_step else query),
+        keys,
+        values,
+        v,
+        bias,
+        lengths,
+        mask,
+        single_step,
+    )
 
 
 def additive_attention(
@@ -301,4 +316,6 @@ def warn_fallback_once(device: torch.device, dtype: torch.dtype, reason: str) ->
     key = (torch.device(device).type, dtype)
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(f"seq2seq_fast: falling back to the reference attention: {reason}", stacklevel=3)
+        warnings.warn(
+            f"seq2seq_fast: falling back to the reference attention: {reason}", stacklevel=3
+        )
