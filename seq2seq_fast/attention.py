@@ -303,7 +303,7 @@ def fuse_attention(model: nn.Module, *, backend: str = "auto") -> int:
             "replaces submodules in place: wrap it in a parent module (e.g. nn.Sequential) first"
         )
     replaced = 0
-    for parent_name, parent in list(model.named_modules()):
+    for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             fused = _fused_replacement(child, backend)
             if fused is not None:
