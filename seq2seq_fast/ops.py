@@ -92,18 +92,18 @@ def fused_unavailable_reason(device: torch.device | str, dtype: torch.dtype) -> 
     """None when a fused kernel serves tensors of this device and dtype, else why not."""
     device_type = torch.device(device).type
     if device_type == "cpu":
-        if CPU_KERNEL_ERROR is not None:
-            return f"the C++ extension seq2seq_fast._C did not load ({CPU_KERNEL_ERROR})"
-        supported = _CPU_DTYPES
+        supported, error = _CPU_DTYPES, CPU_KERNEL_ERROR
+        what = "the C++ extension seq2seq_fast._C"
     elif device_type == "cuda":
-        if CUDA_KERNEL_ERROR is not None:
-            return f"the Triton kernels did not load ({CUDA_KERNEL_ERROR})"
-        supported = _CUDA_DTYPES
+        supported, error = _CUDA_DTYPES, CUDA_KERNEL_ERROR
+        what = "the Triton kernels (seq2seq_fast._triton)"
     else:
         return f"no fused kernel for device type {device_type!r} (cpu and cuda are served)"
     if dtype not in supported:
         names = ", ".join(str(d) for d in supported)
         return f"no fused kernel for dtype {dtype} on {device_type} (supported: {names})"
+    if error is not None:
+        return f"{what} did not load ({error})"
     return None
 
 
