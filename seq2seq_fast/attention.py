@@ -12,8 +12,12 @@ import math
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.ops import additive_attention, fused_unavailable_reason, warn_fallback_once
-from seq2seq_fast.reference import additive_attention_ref
+from seq2seq_fast.ops import (
+    check_inputs,
+    fused_unavailable_reason,
+    run_checked,
+    warn_fallback_once,
+)
 
 BACKENDS = ("auto", "fused", "reference")
 
@@ -37,18 +41,16 @@ def attend(
     return_weights: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """``additive_attention`` through ``backend`` ("auto", "fused" or "reference"); same contract."""
+    checked = check_inputs(query, keys, values, v, bias, lengths, mask)
     use_reference = backend == "reference"
-    if backend != "reference":
+    if not use_reference:
         reason = fused_unavailable_reason(query.device, query.dtype)
         if reason is not None:
             if backend == "fused":
                 raise RuntimeError(f"backend='fused' but {reason}")
             warn_fallback_once(query.device, query.dtype, reason)
             use_reference = True
-    fn = additive_attention_ref if use_reference else additive_attention
-    return fn(
-        query, keys, values, v, bias, lengths=lengths, mask=mask, return_weights=return_weights
-    )
+    return run_checked(checked, return_weights, use_reference)
 
 
 class BahdanauAttention(nn.Module):

@@ -285,21 +285,27 @@ def additive_attention(
     Gradients flow to query, keys, values, v and bias. Served on CPU (float32, float64) by the C++
     kernel and on CUDA (float32, float16, bfloat16) by Triton; other inputs raise TypeError.
     """
-    query3, keys, values, v, bias, lengths, mask, single_step = check_inputs(
-        query, keys, values, v, bias, lengths, mask
-    )
-    if min(query3.shape) == 0 or min(keys.shape) == 0 or values.shape[2] == 0:
-        # Degenerate sizes (B, Tq, Tk, H or Dv = 0): nothing for a kernel to do; the reference is exact.
+    checked = check_inputs(query, keys, values, v, bias, lengths, mask)
+    return run_checked(checked, return_weights, use_reference=False)
+
+
+def run_checked(checked: tuple, return_weights: bool, use_reference: bool):
+    """Run inputs that ``check_inputs`` returned through the fused op or the reference."""
+    query3, keys, values, v, bias, lengths, mask, single_step = checked
+    degenerate = min(query3.shape) == 0 or min(keys.shape) == 0 or values.shape[2] == 0
+    if use_reference or degenerate:
+        # Degenerate sizes (B, Tq, Tk, H or Dv = 0) leave a kernel nothing to do; the reference is exact.
         from seq2seq_fast.reference import additive_attention_ref
 
+        query = query3.squeeze(1) if single_step else query3
         return additive_attention_ref(
             query, keys, values, v, bias, lengths=lengths, mask=mask, return_weights=return_weights
         )
-    reason = fused_unavailable_reason(query.device, query.dtype)
+    reason = fused_unavailable_reason(query3.device, query3.dtype)
     if reason is not None:
         raise TypeError(f"additive_attention: {reason}; use the reference (backend='reference')")
     if bias is None:
-        bias = query.new_zeros(query.shape[-1])
+        bias = query3.new_zeros(query3.shape[-1])
     context, weights, _ = AdditiveAttentionFunction.apply(
         query3, keys, values, v, bias, lengths, mask, return_weights
     )
