@@ -1,1 +1,932 @@
-raise ImportError("Triton kernels not written yet")
+"""Triton kernels for fused additive (Bahdanau) attention, the CUDA backend of the op.
+
+    e[b,t,s]   = sum_h v[h] * tanh(query[b,t,h] + keys[b,s,h] + bias[h])
+    p[b,t,:]   = softmax of e[b,t,:] over the valid keys (masked keys get exactly 0)
+    ctx[b,t,:] = sum_s p[b,t,s] * values[b,s,:]
+
+Installed as ``seq2seq_fast._triton.additive_attention``; ``seq2seq_fast.ops`` registers the two
+launchers as the CUDA kernels of ``seq2seq_fast::additive_attention_fwd`` / ``_bwd``. Under
+``TRITON_INTERPRET=1`` the same launchers run on CPU tensors through Triton's interpreter (tests).
+
+Kernels (the [B, Tq, Tk, H] tensor is never written anywhere; scratch is O(B*Tq*Tk)):
+    _additive_attention_fwd_kernel   one program per (batch, query tile). Phase 1 loops over key
+        tiles, and inside over H chunks, building the [BLOCK_Q, BLOCK_K] score tile from a
+        [BLOCK_Q, BLOCK_K, BLOCK_H] tanh tile in registers; masks it; keeps an online max/sum
+        (flash-attention style) and parks the raw scores in an fp32 scratch [B, Tq, Tk]. Phase 2
+        (same program, after a barrier) normalises with lse = max + log(sum), optionally writes
+        the weights, and accumulates the context over Dv chunks. Two phases instead of a single
+        rescaled accumulator because Dv is often 1024: a [BLOCK_Q, Dv] fp32 accumulator does not
+        fit in registers, while re-reading the scores costs Tk floats per row, next to Tk*H tanh.
+    _additive_attention_bwd_ds_kernel   per (batch, query tile): recomputes the scores (Tk*H tanh
+        per row), p = exp(s - lse), dp = dO . values + dWeights, delta = sum_s p*dp, and writes
+        p and ds = p * (dp - delta) to fp32 scratch [B, Tq, Tk].
+    _additive_attention_bwd_grad_kernel  per (batch, H chunk): recomputes u = tanh(...) once more
+        and reduces g = ds * (1 - u^2) over queries (grad keys, in registers), over keys (grad
+        query, a read-modify-write of an fp32 buffer this program alone owns) and ds*u over both
+        (grad v, one partial row per program, summed by torch). grad bias = sum of the fp32 grad
+        query over (b, t) because d(pre)/d(bias) = d(pre)/d(query).
+    _additive_attention_bwd_dvalues_kernel  per (batch, key tile, Dv tile): grad values = p^T dO.
+    Backward costs 2 * B*Tq*Tk*H tanh; no float atomics anywhere, so results are bitwise
+    reproducible run to run.
+
+tanh paths (constexpr FAST_TANH):
+    "exp"    tanh|x| = (1 - t) / (1 + t), t = exp(-2|x|), sign restored. Never overflows, never NaN
+             for finite x. Absolute error a few float32 ulps of 1 (measured <= 1.2e-7 on CPU over
+             [-20, 20]; on CUDA tl.exp is ex2.approx and '/' is div.full, each ~2 ulp, so about
+             3e-7). Relative error grows for |x| < ~1e-3 (cancellation in 1 - t), but a score is a
+             sum of v[h] * tanh, so the absolute bound is what reaches the output.
+    "approx" PTX ``tanh.approx.f32`` (one MUFU instruction, CUDA only): maximum relative error
+             2^-10.987 (about 4.9e-4) by the PTX ISA; bench/gpu_check.py measures it again.
+    Default ("auto"): "approx" for float16/bfloat16 inputs on CUDA (their input rounding,
+    2^-8 / 2^-11, is as large), "exp" for float32 (fp32 results stay within ~1e-5 of the
+    reference) and always "exp" under the interpreter (it cannot run inline PTX). Override with
+    SEQ2SEQ_FAST_TANH=auto|approx|exp, read at every call.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "TANH_MODES",
+    "TileConfig",
+    "additive_attention_bwd",
+    "additive_attention_fwd",
+    "backward_configs",
+    "forward_config",
+    "is_interpreted",
+    "use_fast_tanh",
+]
+
+TANH_MODES = ("auto", "approx", "exp")
+TANH_ENV = "SEQ2SEQ_FAST_TANH"
+# Elements of the [BLOCK_Q, BLOCK_K, BLOCK_H] tanh tile a program holds at once (4 warps: 32 a thread).
+DEFAULT_TILE = 4096
+DEFAULT_NUM_WARPS = 4
+
+
+# --- device helpers --------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(x, FAST_TANH: tl.constexpr):
+    """Elementwise tanh of a float32 tensor; see the module docstring for both paths' error bounds."""
+    if FAST_TANH:
+        return tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        t = tl.exp(-2.0 * tl.abs(x))
+        y = (1.0 - t) / (1.0 + t)
+        return tl.where(x < 0.0, -y, y)
+
+
+@triton.jit
+def _score_tile(
+    query_rows_ptr,  # [BLOCK_Q, 1] pointers to query[b, t, 0]
+    keys_rows_ptr,  # [BLOCK_K, 1] pointers to keys[b, s, 0]
+    v_ptr,
+    bias_ptr,
+    q_in,  # [BLOCK_Q, 1] bool: t < Tq
+    k_in,  # [BLOCK_K, 1] bool: s < Tk
+    hidden,
+    stride_query_h,
+    stride_keys_h,
+    stride_v_h,
+    stride_bias_h,
+    FAST_TANH: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Scores [BLOCK_Q, BLOCK_K] = sum_h v[h] tanh(q[t,h] + k[s,h] + bias[h]), fp32, unmasked."""
+    # Accumulate in 3D and reduce over h once at the end: one cross-lane reduction per key tile
+    # instead of one per H chunk.
+    acc = tl.zeros((BLOCK_Q, BLOCK_K, BLOCK_H), dtype=tl.float32)
+    for h_start in range(0, hidden, BLOCK_H):
+        offs_h = h_start + tl.arange(0, BLOCK_H)
+        h_in = offs_h < hidden
+        offs_h64 = offs_h.to(tl.int64)
+        q = tl.load(
+            query_rows_ptr + offs_h64[None, :] * stride_query_h,
+            mask=q_in & h_in[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        k = tl.load(
+            keys_rows_ptr + offs_h64[None, :] * stride_keys_h, mask=k_in & h_in[None, :], other=0.0
+        ).to(tl.float32)
+        bias = tl.load(bias_ptr + offs_h64 * stride_bias_h, mask=h_in, other=0.0).to(tl.float32)
+        # v = 0 on padded h, so padded lanes add nothing.
+        v = tl.load(v_ptr + offs_h64 * stride_v_h, mask=h_in, other=0.0).to(tl.float32)
+        pre = (q + bias[None, :])[:, None, :] + k[None, :, :]
+        acc += v[None, None, :] * _tanh(pre, FAST_TANH)
+    return tl.sum(acc, axis=2)
+
+
+@triton.jit
+def _valid_keys(offs_k, num_keys, key_end, mask_row_ptr, stride_mask_s, HAS_MASK: tl.constexpr):
+    """Bool [BLOCK_K]: key s exists, lies below the row's length and is allowed by the mask."""
+    valid = (offs_k < num_keys) & (offs_k < key_end)
+    if HAS_MASK:
+        allowed = tl.load(
+            mask_row_ptr + offs_k.to(tl.int64) * stride_mask_s, mask=offs_k < num_keys, other=0
+        )
+        valid = valid & (allowed != 0)
+    return valid
+
+
+# --- forward ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _additive_attention_fwd_kernel(
+    query_ptr,
+    keys_ptr,
+    values_ptr,
+    v_ptr,
+    bias_ptr,
+    lengths_ptr,
+    mask_ptr,
+    context_ptr,
+    weights_ptr,
+    scores_ptr,
+    lse_ptr,
+    num_queries,
+    num_keys,
+    hidden,
+    value_dim,
+    num_q_tiles,
+    stride_query_b,
+    stride_query_t,
+    stride_query_h,
+    stride_keys_b,
+    stride_keys_s,
+    stride_keys_h,
+    stride_values_b,
+    stride_values_s,
+    stride_values_d,
+    stride_v_h,
+    stride_bias_h,
+    stride_lengths_b,
+    stride_mask_b,
+    stride_mask_s,
+    stride_context_b,
+    stride_context_t,
+    stride_context_d,
+    stride_weights_b,
+    stride_weights_t,
+    stride_weights_s,
+    stride_scores_b,
+    stride_scores_t,
+    stride_scores_s,
+    stride_lse_b,
+    stride_lse_t,
+    HAS_LENGTHS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    RETURN_WEIGHTS: tl.constexpr,
+    FAST_TANH: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_b = (pid // num_q_tiles).to(tl.int64)
+    pid_q = pid % num_q_tiles
+
+    offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q_valid = offs_q < num_queries
+    q_in = q_valid[:, None]
+    offs_q64 = offs_q.to(tl.int64)
+    query_rows_ptr = query_ptr + pid_b * stride_query_b + offs_q64[:, None] * stride_query_t
+    keys_batch_ptr = keys_ptr + pid_b * stride_keys_b
+    values_batch_ptr = values_ptr + pid_b * stride_values_b
+    scores_rows_ptr = scores_ptr + pid_b * stride_scores_b + offs_q64[:, None] * stride_scores_t
+    mask_row_ptr = mask_ptr + pid_b * stride_mask_b
+
+    # Keys at or past the row's length are never scored: their tanh work is skipped outright.
+    key_end = num_keys
+    if HAS_LENGTHS:
+        key_end = tl.minimum(num_keys, tl.load(lengths_ptr + pid_b * stride_lengths_b).to(tl.int32))
+
+    # Phase 1: scores, online max / sum, raw scores parked in the fp32 scratch.
+    m_i = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+    for k_start in range(0, key_end, BLOCK_K):
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        k_in = offs_k[:, None] < num_keys
+        keys_rows_ptr = keys_batch_ptr + offs_k.to(tl.int64)[:, None] * stride_keys_s
+        s = _score_tile(
+            query_rows_ptr, keys_rows_ptr, v_ptr, bias_ptr, q_in, k_in, hidden,
+            stride_query_h, stride_keys_h, stride_v_h, stride_bias_h,
+            FAST_TANH, BLOCK_Q, BLOCK_K, BLOCK_H,
+        )  # fmt: skip
+        valid = _valid_keys(offs_k, num_keys, key_end, mask_row_ptr, stride_mask_s, HAS_MASK)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        tl.store(
+            scores_rows_ptr + offs_k.to(tl.int64)[None, :] * stride_scores_s,
+            s,
+            mask=q_in & (offs_k[None, :] < num_keys),
+        )
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no -inf - -inf
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    # +inf for a row with no valid key: exp(s - lse) is then 0 everywhere, never NaN.
+    lse = tl.where(l_i > 0.0, m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0)), float("inf"))
+    tl.store(lse_ptr + pid_b * stride_lse_b + offs_q64 * stride_lse_t, lse, mask=q_valid)
+
+    # The scratch written above is read back below in another thread layout.
+    tl.debug_barrier()
+
+    # Phase 2: normalised weights (optional) and the context.
+    if RETURN_WEIGHTS:
+        weights_rows_ptr = (
+            weights_ptr + pid_b * stride_weights_b + offs_q64[:, None] * stride_weights_t
+        )
+        for k_start in range(0, num_keys, BLOCK_K):
+            offs_k = k_start + tl.arange(0, BLOCK_K)
+            offs_k64 = offs_k.to(tl.int64)
+            s = tl.load(
+                scores_rows_ptr + offs_k64[None, :] * stride_scores_s,
+                mask=q_in & (offs_k[None, :] < key_end),
+                other=float("-inf"),
+            )
+            p = tl.exp(s - lse[:, None])
+            tl.store(
+                weights_rows_ptr + offs_k64[None, :] * stride_weights_s,
+                p.to(weights_ptr.dtype.element_ty),
+                mask=q_in & (offs_k[None, :] < num_keys),
+            )
+
+    context_rows_ptr = context_ptr + pid_b * stride_context_b + offs_q64[:, None] * stride_context_t
+    for d_start in range(0, value_dim, BLOCK_DV):
+        offs_d = d_start + tl.arange(0, BLOCK_DV)
+        d_in = offs_d < value_dim
+        offs_d64 = offs_d.to(tl.int64)
+        acc = tl.zeros((BLOCK_Q, BLOCK_DV), dtype=tl.float32)
+        for k_start in range(0, key_end, BLOCK_K):
+            offs_k = k_start + tl.arange(0, BLOCK_K)
+            offs_k64 = offs_k.to(tl.int64)
+            s = tl.load(
+                scores_rows_ptr + offs_k64[None, :] * stride_scores_s,
+                mask=q_in & (offs_k[None, :] < key_end),
+                other=float("-inf"),
+            )
+            p = tl.exp(s - lse[:, None])
+            vals = tl.load(
+                values_batch_ptr
+                + offs_k64[:, None] * stride_values_s
+                + offs_d64[None, :] * stride_values_d,
+                mask=(offs_k[:, None] < key_end) & d_in[None, :],
+                other=0.0,
+            )
+            if USE_DOT:
+                if values_ptr.dtype.element_ty == tl.float32:
+                    acc += tl.dot(p, vals, input_precision="ieee")
+                else:
+                    acc += tl.dot(p.to(vals.dtype), vals)
+            else:
+                acc += tl.sum(p[:, :, None] * vals.to(tl.float32)[None, :, :], axis=1)
+        tl.store(
+            context_rows_ptr + offs_d64[None, :] * stride_context_d,
+            acc.to(context_ptr.dtype.element_ty),
+            mask=q_in & d_in[None, :],
+        )
+
+
+# --- backward --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _additive_attention_bwd_ds_kernel(
+    grad_context_ptr,
+    grad_weights_ptr,
+    query_ptr,
+    keys_ptr,
+    values_ptr,
+    v_ptr,
+    bias_ptr,
+    lengths_ptr,
+    mask_ptr,
+    lse_ptr,
+    probs_ptr,
+    ds_ptr,
+    num_queries,
+    num_keys,
+    hidden,
+    value_dim,
+    num_q_tiles,
+    stride_grad_context_b,
+    stride_grad_context_t,
+    stride_grad_context_d,
+    stride_grad_weights_b,
+    stride_grad_weights_t,
+    stride_grad_weights_s,
+    stride_query_b,
+    stride_query_t,
+    stride_query_h,
+    stride_keys_b,
+    stride_keys_s,
+    stride_keys_h,
+    stride_values_b,
+    stride_values_s,
+    stride_values_d,
+    stride_v_h,
+    stride_bias_h,
+    stride_lengths_b,
+    stride_mask_b,
+    stride_mask_s,
+    stride_lse_b,
+    stride_lse_t,
+    stride_scratch_b,
+    stride_scratch_t,
+    stride_scratch_s,
+    HAS_LENGTHS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_GRAD_WEIGHTS: tl.constexpr,
+    FAST_TANH: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_b = (pid // num_q_tiles).to(tl.int64)
+    pid_q = pid % num_q_tiles
+
+    offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q_valid = offs_q < num_queries
+    q_in = q_valid[:, None]
+    offs_q64 = offs_q.to(tl.int64)
+    query_rows_ptr = query_ptr + pid_b * stride_query_b + offs_q64[:, None] * stride_query_t
+    keys_batch_ptr = keys_ptr + pid_b * stride_keys_b
+    values_batch_ptr = values_ptr + pid_b * stride_values_b
+    grad_context_rows_ptr = (
+        grad_context_ptr + pid_b * stride_grad_context_b + offs_q64[:, None] * stride_grad_context_t
+    )
+    grad_weights_rows_ptr = (
+        grad_weights_ptr + pid_b * stride_grad_weights_b + offs_q64[:, None] * stride_grad_weights_t
+    )
+    scratch_offset = pid_b * stride_scratch_b + offs_q64[:, None] * stride_scratch_t
+    mask_row_ptr = mask_ptr + pid_b * stride_mask_b
+
+    key_end = num_keys
+    if HAS_LENGTHS:
+        key_end = tl.minimum(num_keys, tl.load(lengths_ptr + pid_b * stride_lengths_b).to(tl.int32))
+    # Padded query rows get lse = +inf, hence p = 0 and ds = 0.
+    lse = tl.load(
+        lse_ptr + pid_b * stride_lse_b + offs_q64 * stride_lse_t, mask=q_valid, other=float("inf")
+    )
+
+    # Phase 1: p and dp = dO . values (+ dWeights); delta = sum_s p * dp.
+    delta = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+    for k_start in range(0, key_end, BLOCK_K):
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        offs_k64 = offs_k.to(tl.int64)
+        k_in = offs_k[:, None] < num_keys
+        keys_rows_ptr = keys_batch_ptr + offs_k64[:, None] * stride_keys_s
+        s = _score_tile(
+            query_rows_ptr, keys_rows_ptr, v_ptr, bias_ptr, q_in, k_in, hidden,
+            stride_query_h, stride_keys_h, stride_v_h, stride_bias_h,
+            FAST_TANH, BLOCK_Q, BLOCK_K, BLOCK_H,
+        )  # fmt: skip
+        valid = _valid_keys(offs_k, num_keys, key_end, mask_row_ptr, stride_mask_s, HAS_MASK)
+        p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
+
+        dp = tl.zeros((BLOCK_Q, BLOCK_K), dtype=tl.float32)
+        for d_start in range(0, value_dim, BLOCK_DV):
+            offs_d = d_start + tl.arange(0, BLOCK_DV)
+            d_in = offs_d < value_dim
+            offs_d64 = offs_d.to(tl.int64)
+            grad_out = tl.load(
+                grad_context_rows_ptr + offs_d64[None, :] * stride_grad_context_d,
+                mask=q_in & d_in[None, :],
+                other=0.0,
+            )
+            vals = tl.load(
+                values_batch_ptr
+                + offs_k64[:, None] * stride_values_s
+                + offs_d64[None, :] * stride_values_d,
+                mask=k_in & d_in[None, :],
+                other=0.0,
+            )
+            if USE_DOT:
+                if values_ptr.dtype.element_ty == tl.float32:
+                    dp += tl.dot(grad_out.to(tl.float32), tl.trans(vals), input_precision="ieee")
+                else:
+                    dp += tl.dot(grad_out.to(vals.dtype), tl.trans(vals))
+            else:
+                dp += tl.sum(
+                    grad_out.to(tl.float32)[:, None, :] * vals.to(tl.float32)[None, :, :], axis=2
+                )
+        if HAS_GRAD_WEIGHTS:
+            dp += tl.load(
+                grad_weights_rows_ptr + offs_k64[None, :] * stride_grad_weights_s,
+                mask=q_in & k_in.reshape(1, BLOCK_K),
+                other=0.0,
+            ).to(tl.float32)
+        delta += tl.sum(p * dp, axis=1)
+        scratch_ptrs = scratch_offset + offs_k64[None, :] * stride_scratch_s
+        in_tile = q_in & (offs_k[None, :] < num_keys)
+        tl.store(probs_ptr + scratch_ptrs, p, mask=in_tile)
+        tl.store(ds_ptr + scratch_ptrs, dp, mask=in_tile)
+
+    tl.debug_barrier()
+
+    # Phase 2: ds = p * (dp - delta), in place of dp.
+    for k_start in range(0, key_end, BLOCK_K):
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        scratch_ptrs = scratch_offset + offs_k.to(tl.int64)[None, :] * stride_scratch_s
+        in_tile = q_in & (offs_k[None, :] < num_keys)
+        p = tl.load(probs_ptr + scratch_ptrs, mask=in_tile, other=0.0)
+        dp = tl.load(ds_ptr + scratch_ptrs, mask=in_tile, other=0.0)
+        tl.store(ds_ptr + scratch_ptrs, p * (dp - delta[:, None]), mask=in_tile)
+
+
+@triton.jit
+def _additive_attention_bwd_grad_kernel(
+    query_ptr,
+    keys_ptr,
+    v_ptr,
+    bias_ptr,
+    lengths_ptr,
+    ds_ptr,
+    grad_query_ptr,  # fp32 [B, Tq, H], zero-filled, contiguous
+    grad_keys_ptr,  # input dtype [B, Tk, H], zero-filled (keys past the length are not visited)
+    grad_v_partial_ptr,  # fp32 [B, H]
+    num_queries,
+    num_keys,
+    hidden,
+    num_h_tiles,
+    stride_query_b,
+    stride_query_t,
+    stride_query_h,
+    stride_keys_b,
+    stride_keys_s,
+    stride_keys_h,
+    stride_v_h,
+    stride_bias_h,
+    stride_lengths_b,
+    stride_scratch_b,
+    stride_scratch_t,
+    stride_scratch_s,
+    stride_grad_query_b,
+    stride_grad_query_t,
+    stride_grad_query_h,
+    stride_grad_keys_b,
+    stride_grad_keys_s,
+    stride_grad_keys_h,
+    stride_grad_v_partial_b,
+    HAS_LENGTHS: tl.constexpr,
+    FAST_TANH: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_b = (pid // num_h_tiles).to(tl.int64)
+    pid_h = pid % num_h_tiles
+
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_in = offs_h < hidden
+    offs_h64 = offs_h.to(tl.int64)
+    v = tl.load(v_ptr + offs_h64 * stride_v_h, mask=h_in, other=0.0).to(tl.float32)
+    bias = tl.load(bias_ptr + offs_h64 * stride_bias_h, mask=h_in, other=0.0).to(tl.float32)
+    query_batch_ptr = query_ptr + pid_b * stride_query_b + offs_h64[None, :] * stride_query_h
+    keys_batch_ptr = keys_ptr + pid_b * stride_keys_b + offs_h64[None, :] * stride_keys_h
+    grad_query_batch_ptr = (
+        grad_query_ptr + pid_b * stride_grad_query_b + offs_h64[None, :] * stride_grad_query_h
+    )
+    grad_keys_batch_ptr = (
+        grad_keys_ptr + pid_b * stride_grad_keys_b + offs_h64[None, :] * stride_grad_keys_h
+    )
+    ds_batch_ptr = ds_ptr + pid_b * stride_scratch_b
+
+    key_end = num_keys
+    if HAS_LENGTHS:
+        key_end = tl.minimum(num_keys, tl.load(lengths_ptr + pid_b * stride_lengths_b).to(tl.int32))
+
+    grad_v_acc = tl.zeros((BLOCK_K, BLOCK_H), dtype=tl.float32)
+    for k_start in range(0, key_end, BLOCK_K):
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        offs_k64 = offs_k.to(tl.int64)
+        k_in = offs_k[:, None] < num_keys
+        k = tl.load(
+            keys_batch_ptr + offs_k64[:, None] * stride_keys_s, mask=k_in & h_in[None, :], other=0.0
+        ).to(tl.float32)
+        grad_k_acc = tl.zeros((BLOCK_K, BLOCK_H), dtype=tl.float32)
+        for q_start in range(0, num_queries, BLOCK_Q):
+            offs_q = q_start + tl.arange(0, BLOCK_Q)
+            offs_q64 = offs_q.to(tl.int64)
+            q_in = offs_q[:, None] < num_queries
+            q = tl.load(
+                query_batch_ptr + offs_q64[:, None] * stride_query_t,
+                mask=q_in & h_in[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            ds = tl.load(
+                ds_batch_ptr
+                + offs_q64[:, None] * stride_scratch_t
+                + offs_k64[None, :] * stride_scratch_s,
+                mask=q_in & (offs_k[None, :] < num_keys),
+                other=0.0,
+            )
+            u = _tanh((q + bias[None, :])[:, None, :] + k[None, :, :], FAST_TANH)
+            w = ds[:, :, None] * u  # d score / d v, weighted by ds
+            g = ds[:, :, None] - w * u  # ds * (1 - u^2): d loss / d pre, without the factor v
+            grad_k_acc += tl.sum(g, axis=0)
+            grad_v_acc += tl.sum(w, axis=0)
+            grad_q_ptrs = grad_query_batch_ptr + offs_q64[:, None] * stride_grad_query_t
+            grad_q_mask = q_in & h_in[None, :]
+            grad_q = tl.load(grad_q_ptrs, mask=grad_q_mask, other=0.0)
+            grad_q += tl.sum(g, axis=1) * v[None, :]
+            tl.store(grad_q_ptrs, grad_q, mask=grad_q_mask)
+        tl.store(
+            grad_keys_batch_ptr + offs_k64[:, None] * stride_grad_keys_s,
+            (grad_k_acc * v[None, :]).to(grad_keys_ptr.dtype.element_ty),
+            mask=k_in & h_in[None, :],
+        )
+        # This program re-reads its grad-query rows in the next key tile.
+        tl.debug_barrier()
+    tl.store(
+        grad_v_partial_ptr + pid_b * stride_grad_v_partial_b + offs_h64,
+        tl.sum(grad_v_acc, axis=0),
+        mask=h_in,
+    )
+
+
+@triton.jit
+def _additive_attention_bwd_dvalues_kernel(
+    probs_ptr,
+    grad_context_ptr,
+    grad_values_ptr,
+    num_queries,
+    num_keys,
+    value_dim,
+    num_k_tiles,
+    num_d_tiles,
+    stride_scratch_b,
+    stride_scratch_t,
+    stride_scratch_s,
+    stride_grad_context_b,
+    stride_grad_context_t,
+    stride_grad_context_d,
+    stride_grad_values_b,
+    stride_grad_values_s,
+    stride_grad_values_d,
+    USE_DOT: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_b = (pid // (num_k_tiles * num_d_tiles)).to(tl.int64)
+    pid_rest = pid % (num_k_tiles * num_d_tiles)
+    pid_k = pid_rest // num_d_tiles
+    pid_d = pid_rest % num_d_tiles
+
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_d = pid_d * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    offs_k64 = offs_k.to(tl.int64)
+    offs_d64 = offs_d.to(tl.int64)
+    k_in = offs_k < num_keys
+    d_in = offs_d < value_dim
+    probs_batch_ptr = probs_ptr + pid_b * stride_scratch_b + offs_k64[None, :] * stride_scratch_s
+    grad_context_batch_ptr = (
+        grad_context_ptr + pid_b * stride_grad_context_b + offs_d64[None, :] * stride_grad_context_d
+    )
+
+    acc = tl.zeros((BLOCK_K, BLOCK_DV), dtype=tl.float32)
+    for q_start in range(0, num_queries, BLOCK_Q):
+        offs_q = q_start + tl.arange(0, BLOCK_Q)
+        offs_q64 = offs_q.to(tl.int64)
+        q_in = offs_q[:, None] < num_queries
+        p = tl.load(
+            probs_batch_ptr + offs_q64[:, None] * stride_scratch_t,
+            mask=q_in & k_in[None, :],
+            other=0.0,
+        )  # [BLOCK_Q, BLOCK_K]
+        grad_out = tl.load(
+            grad_context_batch_ptr + offs_q64[:, None] * stride_grad_context_t,
+            mask=q_in & d_in[None, :],
+            other=0.0,
+        )  # [BLOCK_Q, BLOCK_DV]
+        if USE_DOT:
+            if grad_context_ptr.dtype.element_ty == tl.float32:
+                acc += tl.dot(tl.trans(p), grad_out, input_precision="ieee")
+            else:
+                acc += tl.dot(tl.trans(p.to(grad_out.dtype)), grad_out)
+        else:
+            acc += tl.sum(p[:, :, None] * grad_out.to(tl.float32)[:, None, :], axis=0)
+    tl.store(
+        grad_values_ptr
+        + pid_b * stride_grad_values_b
+        + offs_k64[:, None] * stride_grad_values_s
+        + offs_d64[None, :] * stride_grad_values_d,
+        acc.to(grad_values_ptr.dtype.element_ty),
+        mask=k_in[:, None] & d_in[None, :],
+    )
+
+
+# --- tile choice -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Block sizes of one kernel launch (powers of two)."""
+
+    block_q: int
+    block_k: int
+    block_h: int
+    block_dv: int
+    num_warps: int = DEFAULT_NUM_WARPS
+
+    @property
+    def use_dot(self) -> bool:
+        # tl.dot needs every dimension >= 16; smaller tiles use a broadcast multiply-sum.
+        return min(self.block_q, self.block_k, self.block_dv) >= 16
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _pick_block(n: int, cap: int, max_waste: float = 0.125) -> int:
+    """Largest power of two <= cap whose padding of n wastes at most max_waste of the work.
+
+    Padding is paid in tanh evaluations, the kernel's bottleneck, so a smaller tile that fits n
+    beats a large half-empty one (e.g. Tk=66 -> 8, not 128; Tq=50 -> 8; Tq=1 -> 1).
+    """
+    n = max(1, int(n))
+    block = min(_pow2_at_least(n), max(1, int(cap)))
+    while block > 1:
+        padded = -(-n // block) * block
+        if (padded - n) <= max_waste * padded:
+            return block
+        block //= 2
+    return 1
+
+
+def forward_config(
+    num_queries: int, num_keys: int, hidden: int, value_dim: int, tile: int = DEFAULT_TILE
+) -> TileConfig:
+    """Tiles for the forward and the backward-ds kernels (one program per batch x query tile).
+
+    BLOCK_Q <= 16 rows share each loaded key tile; BLOCK_K fills what the query rows leave of
+    ~256 (query x key) pairs, so the one-query decoding step spreads its lanes over keys and H
+    (Tq=1, Tk=66, H=1024 -> [1, 8, 512]) instead of idling 15 of 16 query rows.
+    """
+    block_q = _pick_block(num_queries, 16)
+    block_k = _pick_block(num_keys, max(16, 256 // block_q))
+    block_h = _pick_block(hidden, max(16, tile // (block_q * block_k)))
+    if min(block_q, block_k) >= 16:
+        block_dv = _pick_block(value_dim, 64)
+    else:
+        block_dv = _pick_block(value_dim, max(16, tile // (block_q * block_k)))
+    return TileConfig(block_q, block_k, block_h, block_dv)
+
+
+def backward_configs(
+    batch: int,
+    num_queries: int,
+    num_keys: int,
+    hidden: int,
+    value_dim: int,
+    tile: int = DEFAULT_TILE,
+    min_programs: int = 1024,
+) -> tuple[TileConfig, TileConfig, TileConfig]:
+    """Tiles for the ds kernel, the grad kernel (batch x H chunk) and the grad-values kernel."""
+    ds_cfg = forward_config(num_queries, num_keys, hidden, value_dim, tile)
+    block_q = _pick_block(num_queries, 16)
+    block_k = _pick_block(num_keys, max(16, 256 // block_q))
+    block_h = _pick_block(hidden, max(16, tile // (block_q * block_k)))
+    # One program per H chunk: keep enough programs to fill the GPU (132 SMs x several).
+    while block_h > 16 and batch * -(-hidden // block_h) < min_programs:
+        block_h //= 2
+    grad_cfg = TileConfig(block_q, block_k, block_h, 1)
+    dv_block_k = _pick_block(num_keys, 64)
+    dv_block_q = _pick_block(num_queries, 16)
+    dv_block_dv = _pick_block(value_dim, 64 if dv_block_k >= 16 and dv_block_q >= 16 else 32)
+    dvalues_cfg = TileConfig(dv_block_q, dv_block_k, 1, dv_block_dv)
+    return ds_cfg, grad_cfg, dvalues_cfg
+
+
+# --- launchers -------------------------------------------------------------------------------------
+
+
+def is_interpreted() -> bool:
+    """True when the kernels were defined under TRITON_INTERPRET=1 (they then run on CPU tensors)."""
+    return type(_additive_attention_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def use_fast_tanh(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the hardware tanh.approx.f32 path is taken for inputs of this dtype and device."""
+    mode = os.environ.get(TANH_ENV, "auto").strip().lower() or "auto"
+    if mode not in TANH_MODES:
+        raise ValueError(f"{TANH_ENV} must be one of {', '.join(TANH_MODES)}, got {mode!r}")
+    if is_interpreted() or torch.device(device).type != "cuda":
+        return False
+    if mode == "auto":
+        return dtype in (torch.float16, torch.bfloat16)
+    return mode == "approx"
+
+
+def _mask_arg(mask: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    if mask is None:
+        return fallback, 0, 0
+    mask_u8 = mask.view(torch.uint8)  # bool is one byte: same storage, loadable as integers
+    return mask_u8, mask_u8.stride(0), mask_u8.stride(1)
+
+
+def _lengths_arg(lengths: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch.Tensor, int]:
+    if lengths is None:
+        return fallback, 0
+    if lengths.dtype != torch.int64:
+        lengths = lengths.to(torch.int64)
+    return lengths, lengths.stride(0)
+
+
+def additive_attention_fwd(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    lengths: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    return_weights: bool,
+    *,
+    config: TileConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward of the op (contract in ``seq2seq_fast.ops``).
+
+    Args:
+        query [B, Tq, H], keys [B, Tk, H], values [B, Tk, Dv], v [H], bias [H] or None: one dtype
+            (float32, float16 or bfloat16), any strides.
+        lengths: int [B] (0 <= length <= Tk) or None. mask: bool [B, Tk] (True = attend) or None.
+        return_weights: also write the [B, Tq, Tk] weights.
+        config: tile override (benchmarks); None picks :func:`forward_config`.
+
+    Returns:
+        context [B, Tq, Dv] and weights [B, Tq, Tk] (an empty [0] tensor when not asked) in the
+        input dtype; lse float32 [B, Tq] = max + log(sum(exp)) of the valid scores, +inf for a row
+        without a valid key.
+    """
+    batch, num_queries, hidden = query.shape
+    num_keys, value_dim = values.shape[1], values.shape[2]
+    dtype, device = query.dtype, query.device
+    if bias is None:
+        bias = query.new_zeros(hidden)
+    context = torch.empty((batch, num_queries, value_dim), dtype=dtype, device=device)
+    if return_weights:
+        weights = torch.empty((batch, num_queries, num_keys), dtype=dtype, device=device)
+    else:
+        weights = torch.empty((0,), dtype=dtype, device=device)
+    lse = torch.empty((batch, num_queries), dtype=torch.float32, device=device)
+    if batch * num_queries == 0:
+        return context, weights, lse
+
+    cfg = config or forward_config(num_queries, num_keys, hidden, value_dim)
+    scores = torch.empty((batch, num_queries, num_keys), dtype=torch.float32, device=device)
+    lengths_t, stride_lengths_b = _lengths_arg(lengths, lse)
+    mask_t, stride_mask_b, stride_mask_s = _mask_arg(mask, lse)
+    weights_t = weights if return_weights else scores
+    num_q_tiles = triton.cdiv(num_queries, cfg.block_q)
+    grid = (batch * num_q_tiles,)
+    _additive_attention_fwd_kernel[grid](
+        query, keys, values, v, bias, lengths_t, mask_t,
+        context, weights_t, scores, lse,
+        num_queries, num_keys, hidden, value_dim, num_q_tiles,
+        *query.stride(), *keys.stride(), *values.stride(),
+        v.stride(0), bias.stride(0), stride_lengths_b, stride_mask_b, stride_mask_s,
+        *context.stride(), *weights_t.stride(), *scores.stride(), *lse.stride(),
+        HAS_LENGTHS=lengths is not None,
+        HAS_MASK=mask is not None,
+        RETURN_WEIGHTS=bool(return_weights),
+        FAST_TANH=use_fast_tanh(dtype, device),
+        USE_DOT=cfg.use_dot,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_K=cfg.block_k,
+        BLOCK_H=cfg.block_h,
+        BLOCK_DV=cfg.block_dv,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return context, weights, lse
+
+
+def additive_attention_bwd(
+    grad_context: torch.Tensor,
+    grad_weights: torch.Tensor | None,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    lengths: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    context: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    configs: tuple[TileConfig, TileConfig, TileConfig] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of the op: grads for (query, keys, values, v, bias), each in its input's dtype.
+
+    Args:
+        grad_context [B, Tq, Dv]; grad_weights [B, Tq, Tk] or None; query, keys, values, v, bias,
+        lengths, mask as in :func:`additive_attention_fwd`; context [B, Tq, Dv] (unused: delta is
+        recomputed exactly from p and dp rather than from the rounded context); lse float32 [B, Tq]
+        from the forward. configs: tile override (benchmarks).
+    """
+    del context
+    batch, num_queries, hidden = query.shape
+    num_keys, value_dim = values.shape[1], values.shape[2]
+    dtype, device = query.dtype, query.device
+    if bias is None:
+        bias = query.new_zeros(hidden)
+    grad_query = torch.empty_like(query)
+    grad_keys = torch.zeros_like(keys)
+    grad_values = torch.empty_like(values)
+    grad_v = torch.empty_like(v)
+    grad_bias = torch.empty_like(bias)
+    if batch * num_queries * num_keys == 0:  # no (query, key) pair: every gradient is zero
+        for grad in (grad_query, grad_values, grad_v, grad_bias):
+            grad.zero_()
+        return grad_query, grad_keys, grad_values, grad_v, grad_bias
+
+    ds_cfg, grad_cfg, dvalues_cfg = configs or backward_configs(
+        batch, num_queries, num_keys, hidden, value_dim
+    )
+    fast_tanh = use_fast_tanh(dtype, device)
+    lengths_t, stride_lengths_b = _lengths_arg(lengths, lse)
+    mask_t, stride_mask_b, stride_mask_s = _mask_arg(mask, lse)
+    # Keys past a row's length are never visited: their p and ds must read as 0.
+    probs = torch.zeros((batch, num_queries, num_keys), dtype=torch.float32, device=device)
+    ds = torch.zeros_like(probs)
+    grad_weights_t = grad_weights if grad_weights is not None else probs
+
+    num_q_tiles = triton.cdiv(num_queries, ds_cfg.block_q)
+    _additive_attention_bwd_ds_kernel[(batch * num_q_tiles,)](
+        grad_context, grad_weights_t, query, keys, values, v, bias, lengths_t, mask_t, lse,
+        probs, ds,
+        num_queries, num_keys, hidden, value_dim, num_q_tiles,
+        *grad_context.stride(), *grad_weights_t.stride(), *query.stride(), *keys.stride(),
+        *values.stride(), v.stride(0), bias.stride(0), stride_lengths_b,
+        stride_mask_b, stride_mask_s, *lse.stride(), *probs.stride(),
+        HAS_LENGTHS=lengths is not None,
+        HAS_MASK=mask is not None,
+        HAS_GRAD_WEIGHTS=grad_weights is not None,
+        FAST_TANH=fast_tanh,
+        USE_DOT=ds_cfg.use_dot,
+        BLOCK_Q=ds_cfg.block_q,
+        BLOCK_K=ds_cfg.block_k,
+        BLOCK_H=ds_cfg.block_h,
+        BLOCK_DV=ds_cfg.block_dv,
+        num_warps=ds_cfg.num_warps,
+    )  # fmt: skip
+
+    grad_query_f32 = torch.zeros((batch, num_queries, hidden), dtype=torch.float32, device=device)
+    grad_v_partial = torch.zeros((batch, hidden), dtype=torch.float32, device=device)
+    num_h_tiles = triton.cdiv(hidden, grad_cfg.block_h)
+    if num_h_tiles > 0:
+        _additive_attention_bwd_grad_kernel[(batch * num_h_tiles,)](
+            query, keys, v, bias, lengths_t, ds, grad_query_f32, grad_keys, grad_v_partial,
+            num_queries, num_keys, hidden, num_h_tiles,
+            *query.stride(), *keys.stride(), v.stride(0), bias.stride(0), stride_lengths_b,
+            *ds.stride(), *grad_query_f32.stride(), *grad_keys.stride(), grad_v_partial.stride(0),
+            HAS_LENGTHS=lengths is not None,
+            FAST_TANH=fast_tanh,
+            BLOCK_Q=grad_cfg.block_q,
+            BLOCK_K=grad_cfg.block_k,
+            BLOCK_H=grad_cfg.block_h,
+            num_warps=grad_cfg.num_warps,
+        )  # fmt: skip
+
+    num_k_tiles = triton.cdiv(num_keys, dvalues_cfg.block_k)
+    num_d_tiles = triton.cdiv(value_dim, dvalues_cfg.block_dv)
+    if num_d_tiles > 0:
+        _additive_attention_bwd_dvalues_kernel[(batch * num_k_tiles * num_d_tiles,)](
+            probs, grad_context, grad_values,
+            num_queries, num_keys, value_dim, num_k_tiles, num_d_tiles,
+            *probs.stride(), *grad_context.stride(), *grad_values.stride(),
+            USE_DOT=dvalues_cfg.use_dot,
+            BLOCK_Q=dvalues_cfg.block_q,
+            BLOCK_K=dvalues_cfg.block_k,
+            BLOCK_DV=dvalues_cfg.block_dv,
+            num_warps=dvalues_cfg.num_warps,
+        )  # fmt: skip
+
+    # Fixed-order reductions in torch: deterministic, no float atomics.
+    grad_query.copy_(grad_query_f32)
+    grad_v.copy_(grad_v_partial.sum(dim=0))
+    grad_bias.copy_(grad_query_f32.sum(dim=(0, 1)))
+    return grad_query, grad_keys, grad_values, grad_v, grad_bias
