@@ -1,0 +1,41 @@
+"""pytest-benchmark files of seq2seq_fast: ``pytest bench/ --benchmark-only``.
+
+Files here are named ``bench_<thing>.py`` (the stem of the layer they measure) and collected by
+the hook below. Knobs, shared with ``python -m seq2seq_fast.bench``:
+
+    SEQ2SEQ_FAST_BENCH_SIZE=tiny|quick|full   shape set (default full; tiny is what CI runs)
+    SEQ2SEQ_FAST_BENCH_DEVICE=cpu|cuda        default: cuda when available
+    SEQ2SEQ_FAST_BENCH_THREADS=N              torch.set_num_threads(N)
+    SEQ2SEQ_FAST_BENCH_PROVIDERS=fused,eager  subset of fused,eager,compile
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from seq2seq_fast import bench as sb
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    threads = os.environ.get(sb.THREADS_ENV)
+    if threads:
+        torch.set_num_threads(int(threads))
+
+
+def pytest_collect_file(file_path, parent):
+    if file_path.suffix == ".py" and file_path.name.startswith("bench_"):
+        return pytest.Module.from_parent(parent, path=file_path)
+    return None
+
+
+@pytest.fixture(scope="session")
+def bench_device() -> str:
+    return sb.default_device()
+
+
+@pytest.fixture(scope="session")
+def bench_dtype() -> torch.dtype:
+    return torch.float32
