@@ -1,0 +1,536 @@
+// CPU kernels of seq2seq_fast::additive_attention_fwd / _bwd (schemas: seq2seq_fast/ops.py).
+//
+//   e[b,t,s]  = sum_h v[h] tanh(query[b,t,h] + keys[b,s,h] + bias[h])
+//   p[b,t,:]  = softmax of e[b,t,:] over the valid keys (masked: exactly 0; no valid key: all 0)
+//   ctx[b,t]  = sum_s p[b,t,s] values[b,s]
+//
+// Work is split into items (batch row b, block of queries); each item packs its query rows and
+// its batch row's keys into per-thread scratch padded to a multiple of 16, computes the scores with
+// SIMD kernels (kernels.h; AVX-512 / AVX2 / portable chosen at run time), and the softmax of its
+// rows into the [B,Tq,Tk] weights. The value-side products (context = p values,
+// dvalues = p^T dctx, dp = dctx values^T) are batched matmuls (BLAS). Nothing of size
+// B*Tq*Tk*H is ever allocated: scratch is O(rows * H) per thread, buffers O(B*Tq*Tk).
+//
+// Backward recomputes the scores of each item, re-normalises them (from the recomputed row
+// maximum and sum, which equals exp(e - lse) but keeps float64 exact although lse is float32),
+// forms de = p (dp - sum_s p dp), and accumulates per element
+//   dq[t] += de sech^2 v,  dk[s] += de sech^2 v,  dv += de tanh,  dbias = sum_t dq[t].
+// dkeys of a batch row that is split over several items goes through per-item partial buffers
+// reduced in a fixed order (only when B is small, so they stay O(threads * Tk * H)); dv partials
+// are per item: results are bitwise reproducible run to run for a fixed thread count.
+#include <ATen/Parallel.h>
+#include <Python.h>
+#include <torch/library.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+namespace seq2seq_fast {
+namespace {
+
+using at::Tensor;
+
+// ---- instruction-set selection ---------------------------------------------------------------
+
+bool cpu_has_avx512() {
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx2() {
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// SEQ2SEQ_FAST_ISA=portable|avx2|avx512 forces a path (read on every call, so tests can switch);
+// a path the CPU lacks falls back to the best one it has.
+const KernelTable<float>& float_kernels() {
+  const char* env = std::getenv("SEQ2SEQ_FAST_ISA");
+  const std::string want = env ? env : "";
+  if (want == "portable") return portable_float_kernels();
+#if defined(__x86_64__) || defined(_M_X64)
+  if (want == "avx2" && cpu_has_avx2()) return avx2_float_kernels();
+  if (want != "avx2" && cpu_has_avx512()) return avx512_float_kernels();
+  if (cpu_has_avx2()) return avx2_float_kernels();
+#endif
+  return portable_float_kernels();
+}
+
+template <typename T>
+const KernelTable<T>& kernels();
+template <>
+const KernelTable<float>& kernels<float>() {
+  return float_kernels();
+}
+template <>
+const KernelTable<double>& kernels<double>() {
+  return portable_double_kernels();
+}
+
+template <typename T>
+T product_limit();
+template <>
+float product_limit<float>() {
+  return kProductLimitFloat;
+}
+template <>
+double product_limit<double>() {
+  return kProductLimitDouble;
+}
+
+// The product path pays exp() on every packed query and key element; it wins once a work item
+// holds enough queries to reuse each key's exponentials (and never for one decoding step).
+constexpr int64_t kMinQueriesForProduct = 4;
+// Below this many tanh evaluations per task a thread is not worth waking.
+constexpr int64_t kMinWorkPerTask = 1 << 16;
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+// ---- work plan -------------------------------------------------------------------------------
+
+struct Plan {
+  int64_t blocks_per_row;  // query blocks per batch row
+  int64_t block;           // queries per block
+  int64_t items;           // B * blocks_per_row
+  int64_t grain;           // items per task at least
+};
+
+Plan make_plan(int64_t B, int64_t Tq, int64_t Tk, int64_t H) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t blocks = 1;
+  if (B < 4 * threads) {  // too few batch rows to balance: split the queries of a row too
+    blocks = std::min(ceil_div(Tq, kMinQueriesForProduct), ceil_div(4 * threads, B));
+    blocks = std::max<int64_t>(blocks, 1);
+  }
+  const int64_t block = ceil_div(Tq, blocks);
+  blocks = ceil_div(Tq, block);
+  const int64_t work = std::max<int64_t>(1, block * Tk * H);
+  return {blocks, block, B * blocks, std::max<int64_t>(1, kMinWorkPerTask / work)};
+}
+
+// ---- checks ----------------------------------------------------------------------------------
+
+struct Sizes {
+  int64_t B, Tq, Tk, H, Dv;
+};
+
+Sizes check_inputs(const char* op, const Tensor& query, const Tensor& keys, const Tensor& values,
+                   const Tensor& v, const Tensor& bias, const std::optional<Tensor>& lengths,
+                   const std::optional<Tensor>& mask) {
+  TORCH_CHECK(query.dim() == 3, op, ": query must be [B, Tq, H], got ", query.sizes());
+  TORCH_CHECK(keys.dim() == 3, op, ": keys must be [B, Tk, H], got ", keys.sizes());
+  TORCH_CHECK(values.dim() == 3, op, ": values must be [B, Tk, Dv], got ", values.sizes());
+  const Sizes n{keys.size(0), query.size(1), keys.size(1), keys.size(2), values.size(2)};
+  TORCH_CHECK(query.size(0) == n.B && query.size(2) == n.H, op, ": query ", query.sizes(),
+              " does not match keys ", keys.sizes());
+  TORCH_CHECK(values.size(0) == n.B && values.size(1) == n.Tk, op, ": values ", values.sizes(),
+              " does not match keys ", keys.sizes());
+  TORCH_CHECK(v.dim() == 1 && v.size(0) == n.H, op, ": v must be [H=", n.H, "], got ", v.sizes());
+  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n.H, op, ": bias must be [H=", n.H, "], got ",
+              bias.sizes());
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, op,
+              ": CPU kernel supports float32 and float64, got ", dtype);
+  for (const Tensor* t : {&query, &keys, &values, &v, &bias}) {
+    TORCH_CHECK(t->scalar_type() == dtype, op, ": all inputs must share query's dtype ", dtype,
+                ", got ", t->scalar_type());
+    TORCH_CHECK(t->device().is_cpu(), op, ": CPU kernel got a tensor on ", t->device());
+  }
+  TORCH_CHECK(!(lengths.has_value() && mask.has_value()), op,
+              ": pass either lengths or mask, not both");
+  if (lengths.has_value()) {
+    TORCH_CHECK(lengths->scalar_type() == at::kLong && lengths->dim() == 1 &&
+                    lengths->size(0) == n.B,
+                op, ": lengths must be int64 [B=", n.B, "], got ", lengths->scalar_type(), " ",
+                lengths->sizes());
+  }
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 2 && mask->size(0) == n.B &&
+                    mask->size(1) == n.Tk,
+                op, ": mask must be bool [B=", n.B, ", Tk=", n.Tk, "], got ", mask->scalar_type(),
+                " ", mask->sizes());
+  }
+  return n;
+}
+
+// Valid keys of each batch row: a prefix length (the kernels only visit s < len) and, for a
+// mask, the bool row (all Tk keys are scored, masked ones dropped in the softmax).
+struct KeyValidity {
+  Tensor lengths, mask;  // contiguous copies kept alive
+  const int64_t* len = nullptr;
+  const bool* mask_ptr = nullptr;
+  int64_t Tk = 0;
+  int64_t count(int64_t b) const { return len ? len[b] : Tk; }
+  const bool* row_mask(int64_t b) const { return mask_ptr ? mask_ptr + b * Tk : nullptr; }
+};
+
+KeyValidity key_validity(const char* op, const std::optional<Tensor>& lengths,
+                         const std::optional<Tensor>& mask, int64_t Tk) {
+  KeyValidity kv;
+  kv.Tk = Tk;
+  if (lengths.has_value()) {
+    kv.lengths = lengths->contiguous();
+    kv.len = kv.lengths.data_ptr<int64_t>();
+    for (int64_t b = 0; b < kv.lengths.numel(); ++b) {
+      TORCH_CHECK(kv.len[b] >= 0 && kv.len[b] <= Tk, op, ": lengths must lie in [0, Tk=", Tk,
+                  "], got ", kv.len[b], " at batch row ", b);
+    }
+  }
+  if (mask.has_value()) {
+    kv.mask = mask->contiguous();
+    kv.mask_ptr = kv.mask.data_ptr<bool>();
+  }
+  return kv;
+}
+
+// ---- per-item pieces -------------------------------------------------------------------------
+
+// Score vectors for both paths, padded with zeros to Hp.
+template <typename T>
+struct ScoreVectors {
+  std::vector<T> rational;  // v
+  std::vector<T> product;   // -2 v
+  T sum_v = 0;              // sum v (tanh = 1 - 2r)
+};
+
+template <typename T>
+ScoreVectors<T> score_vectors(const Tensor& v, int64_t H, int64_t Hp) {
+  ScoreVectors<T> sv;
+  sv.rational.assign(Hp, T(0));
+  sv.product.assign(Hp, T(0));
+  const T* vp = v.data_ptr<T>();
+  double sum = 0;
+  for (int64_t h = 0; h < H; ++h) {
+    sv.rational[h] = vp[h];
+    sv.product[h] = T(-2) * vp[h];
+    sum += vp[h];
+  }
+  sv.sum_v = T(sum);
+  return sv;
+}
+
+// Packs an item's query rows (+ bias) and its batch row's keys; picks the tanh path; returns it.
+template <typename T>
+int pack_item(const KernelTable<T>& kt, const T* q_rows, int64_t nq, const T* k_rows, int64_t nk,
+              const T* bias, int64_t H, int64_t Hp, T* qbuf, T* kbuf) {
+  const T limit = product_limit<T>();
+  bool in_range = kt.pack_rows(q_rows, nq, H, bias, qbuf, Hp, limit);
+  in_range = kt.pack_rows(k_rows, nk, H, nullptr, kbuf, Hp, limit) && in_range;
+  if (in_range && nq >= kMinQueriesForProduct) {
+    kt.exp_inplace(qbuf, nq * Hp, T(2));
+    kt.exp_inplace(kbuf, nk * Hp, T(2));
+    return kProduct;
+  }
+  return kRational;
+}
+
+// In place: scores -> softmax weights over the valid keys of each of nq rows (row stride Tk;
+// keys s >= nk were not scored). Writes lse (max + log sum exp; +inf for a row with no valid
+// key, whose weights are all 0). NaN scores make their row NaN.
+template <typename T>
+void softmax_rows(const KernelTable<T>& kt, T* rows, int64_t nq, int64_t Tk, int64_t nk,
+                  const bool* valid, float* lse) {
+  for (int64_t t = 0; t < nq; ++t) {
+    T* row = rows + t * Tk;
+    T m = -std::numeric_limits<T>::infinity();
+    bool any = false;
+    for (int64_t s = 0; s < nk; ++s) {
+      if (valid && !valid[s]) continue;
+      any = true;
+      const T e = row[s];
+      if (e > m || e != e) m = (m != m) ? m : e;  // NaN is sticky
+    }
+    if (!any) {
+      std::fill(row, row + Tk, T(0));
+      if (lse) lse[t] = std::numeric_limits<float>::infinity();
+      continue;
+    }
+    for (int64_t s = 0; s < nk; ++s) row[s] -= m;
+    kt.exp_inplace(row, nk, T(1));
+    double sum = 0;
+    for (int64_t s = 0; s < nk; ++s) {
+      if (valid && !valid[s]) {
+        row[s] = T(0);
+      } else {
+        sum += row[s];
+      }
+    }
+    const T inv = T(1.0 / sum);
+    for (int64_t s = 0; s < nk; ++s) row[s] *= inv;
+    std::fill(row + nk, row + Tk, T(0));
+    if (lse) lse[t] = static_cast<float>(static_cast<double>(m) + std::log(sum));
+  }
+}
+
+// ---- forward ---------------------------------------------------------------------------------
+
+template <typename T>
+std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Tensor& keys_in,
+                                                const Tensor& values_in, const Tensor& v_in,
+                                                const Tensor& bias_in, const KeyValidity& kv,
+                                                const Sizes& n, bool return_weights) {
+  const Tensor query = query_in.contiguous(), keys = keys_in.contiguous();
+  const Tensor v = v_in.contiguous(), bias = bias_in.contiguous();
+  const auto& kt = kernels<T>();
+  const int64_t Hp = round_up(n.H, kPadTo);
+  const auto opts = query.options();
+  Tensor weights = at::empty({n.B, n.Tq, n.Tk}, opts);
+  Tensor lse = at::empty({n.B, n.Tq}, opts.dtype(at::kFloat));
+  const ScoreVectors<T> sv = score_vectors<T>(v, n.H, Hp);
+  const Plan plan = make_plan(n.B, n.Tq, n.Tk, n.H);
+  const T* qp = query.data_ptr<T>();
+  const T* kp = keys.data_ptr<T>();
+  const T* bp = bias.data_ptr<T>();
+  T* wp = weights.data_ptr<T>();
+  float* lp = lse.data_ptr<float>();
+
+  at::parallel_for(0, plan.items, plan.grain, [&](int64_t begin, int64_t end) {
+    std::vector<T> qbuf(plan.block * Hp), kbuf(n.Tk * Hp);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / plan.blocks_per_row;
+      const int64_t t0 = (item % plan.blocks_per_row) * plan.block;
+      const int64_t nq = std::min(plan.block, n.Tq - t0);
+      if (nq <= 0) continue;
+      const int64_t nk = kv.count(b);
+      T* rows = wp + (b * n.Tq + t0) * n.Tk;
+      if (nk > 0) {
+        const int path = pack_item<T>(kt, qp + (b * n.Tq + t0) * n.H, nq, kp + b * n.Tk * n.H,
+                                      nk, bp, n.H, Hp, qbuf.data(), kbuf.data());
+        const bool prod = path == kProduct;
+        kt.scores(path, qbuf.data(), nq, kbuf.data(), nk, Hp,
+                  prod ? sv.product.data() : sv.rational.data(), prod ? sv.sum_v : T(0), rows,
+                  n.Tk);
+      }
+      softmax_rows<T>(kt, rows, nq, n.Tk, nk, kv.row_mask(b), lp + b * n.Tq + t0);
+    }
+  });
+
+  Tensor context = at::bmm(weights, values_in);
+  return {context, return_weights ? weights : at::empty({0}, opts), lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> additive_attention_fwd(
+    const Tensor& query, const Tensor& keys, const Tensor& values, const Tensor& v,
+    const Tensor& bias, const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
+    bool return_weights) {
+  const char* op = "seq2seq_fast::additive_attention_fwd";
+  const Sizes n = check_inputs(op, query, keys, values, v, bias, lengths, mask);
+  const KeyValidity kv = key_validity(op, lengths, mask, n.Tk);
+  if (query.scalar_type() == at::kDouble) {
+    return forward_impl<double>(query, keys, values, v, bias, kv, n, return_weights);
+  }
+  return forward_impl<float>(query, keys, values, v, bias, kv, n, return_weights);
+}
+
+// ---- backward --------------------------------------------------------------------------------
+
+template <typename T>
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
+    const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query_in,
+    const Tensor& keys_in, const Tensor& values_in, const Tensor& v_in, const Tensor& bias_in,
+    const KeyValidity& kv, const Sizes& n) {
+  const Tensor query = query_in.contiguous(), keys = keys_in.contiguous();
+  const Tensor v = v_in.contiguous(), bias = bias_in.contiguous();
+  const Tensor dctx = grad_context.contiguous();
+  const auto& kt = kernels<T>();
+  const int64_t Hp = round_up(n.H, kPadTo);
+  const auto opts = query.options();
+
+  // dp[b,t,s] = dctx[b,t] . values[b,s] + grad_weights[b,t,s]
+  Tensor dp = at::bmm(dctx, values_in.transpose(1, 2));
+  if (grad_weights.has_value()) dp.add_(*grad_weights);
+  dp = dp.contiguous();
+  Tensor probs = at::empty({n.B, n.Tq, n.Tk}, opts);
+  Tensor dq = at::empty({n.B, n.Tq, n.H}, opts);
+  Tensor dk = at::zeros({n.B, n.Tk, n.H}, opts);
+  const Plan plan = make_plan(n.B, n.Tq, n.Tk, n.H);
+  const bool split = plan.blocks_per_row > 1;
+  // Split rows: each item's dkeys (already scaled) in its own slot, summed in order afterwards.
+  Tensor dk_parts = split ? at::zeros({n.B, plan.blocks_per_row, n.Tk, n.H}, opts) : Tensor();
+  // Per item: dv contribution (Hp) then sum of de.
+  Tensor dv_parts = at::zeros({plan.items, Hp}, opts);
+
+  const ScoreVectors<T> sv = score_vectors<T>(v, n.H, Hp);
+  const T* qp = query.data_ptr<T>();
+  const T* kp = keys.data_ptr<T>();
+  const T* bp = bias.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const T* dpp = dp.data_ptr<T>();
+  T* pp = probs.data_ptr<T>();
+  T* dqp = dq.data_ptr<T>();
+  T* dkp = split ? dk_parts.data_ptr<T>() : dk.data_ptr<T>();
+  T* dvp = dv_parts.data_ptr<T>();
+
+  at::parallel_for(0, plan.items, plan.grain, [&](int64_t begin, int64_t end) {
+    std::vector<T> qbuf(plan.block * Hp), kbuf(n.Tk * Hp), de(plan.block * n.Tk);
+    std::vector<T> gq(plan.block * Hp), gk(n.Tk * Hp);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / plan.blocks_per_row;
+      const int64_t blk = item % plan.blocks_per_row;
+      const int64_t t0 = blk * plan.block;
+      const int64_t nq = std::min(plan.block, n.Tq - t0);
+      if (nq <= 0) continue;
+      const int64_t nk = kv.count(b);
+      const bool* valid = kv.row_mask(b);
+      T* p_rows = pp + (b * n.Tq + t0) * n.Tk;
+      T* dq_rows = dqp + (b * n.Tq + t0) * n.H;
+      if (nk == 0) {
+        std::fill(p_rows, p_rows + nq * n.Tk, T(0));
+        std::fill(dq_rows, dq_rows + nq * n.H, T(0));
+        continue;
+      }
+      const int path = pack_item<T>(kt, qp + (b * n.Tq + t0) * n.H, nq, kp + b * n.Tk * n.H, nk,
+                                    bp, n.H, Hp, qbuf.data(), kbuf.data());
+      const bool prod = path == kProduct;
+      kt.scores(path, qbuf.data(), nq, kbuf.data(), nk, Hp,
+                prod ? sv.product.data() : sv.rational.data(), prod ? sv.sum_v : T(0), p_rows,
+                n.Tk);
+      softmax_rows<T>(kt, p_rows, nq, n.Tk, nk, valid, nullptr);
+
+      // de = p (dp - sum_s p dp) on the valid keys, 0 elsewhere.
+      double sum_de = 0;
+      for (int64_t t = 0; t < nq; ++t) {
+        const T* p = p_rows + t * n.Tk;
+        const T* g = dpp + (b * n.Tq + t0 + t) * n.Tk;
+        T* d = de.data() + t * n.Tk;
+        double dot = 0;
+        for (int64_t s = 0; s < nk; ++s) {
+          if (!valid || valid[s]) dot += double(p[s]) * double(g[s]);
+        }
+        for (int64_t s = 0; s < nk; ++s) {
+          d[s] = (!valid || valid[s]) ? p[s] * (g[s] - T(dot)) : T(0);
+          sum_de += d[s];
+        }
+      }
+
+      std::fill(gq.begin(), gq.begin() + nq * Hp, T(0));
+      std::fill(gk.begin(), gk.begin() + nk * Hp, T(0));
+      T* gv = dvp + item * Hp;
+      kt.grads(path, qbuf.data(), nq, kbuf.data(), nk, Hp, de.data(), n.Tk, gq.data(), gk.data(),
+               gv);
+      // Product path: sech^2 = 4u and tanh = 1 - 2r; rational: sech^2 = u, tanh = y.
+      const T scale = prod ? T(4) : T(1);
+      for (int64_t t = 0; t < nq; ++t) {
+        for (int64_t h = 0; h < n.H; ++h) dq_rows[t * n.H + h] = scale * vp[h] * gq[t * Hp + h];
+      }
+      T* dk_rows = split ? dkp + (b * plan.blocks_per_row + blk) * n.Tk * n.H : dkp + b * n.Tk * n.H;
+      for (int64_t s = 0; s < nk; ++s) {
+        for (int64_t h = 0; h < n.H; ++h) dk_rows[s * n.H + h] = scale * vp[h] * gk[s * Hp + h];
+      }
+      if (prod) {
+        for (int64_t h = 0; h < Hp; ++h) gv[h] = T(sum_de) - T(2) * gv[h];
+      }
+    }
+  });
+
+  if (split) dk = dk_parts.sum(1);
+  Tensor dv = dv_parts.sum(0).narrow(0, 0, n.H).contiguous();
+  Tensor dbias = dq.sum({0, 1});
+  Tensor dvalues = at::bmm(probs.transpose(1, 2), dctx);
+  return {dq, dk, dvalues, dv, dbias};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_attention_bwd(
+    const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query,
+    const Tensor& keys, const Tensor& values, const Tensor& v, const Tensor& bias,
+    const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
+    const Tensor& context, const Tensor& lse) {
+  const char* op = "seq2seq_fast::additive_attention_bwd";
+  const Sizes n = check_inputs(op, query, keys, values, v, bias, lengths, mask);
+  TORCH_CHECK(grad_context.dim() == 3 && grad_context.size(0) == n.B &&
+                  grad_context.size(1) == n.Tq && grad_context.size(2) == n.Dv,
+              op, ": grad_context must be [B, Tq, Dv]=[", n.B, ", ", n.Tq, ", ", n.Dv, "], got ",
+              grad_context.sizes());
+  TORCH_CHECK(grad_context.scalar_type() == query.scalar_type(), op,
+              ": grad_context must have query's dtype, got ", grad_context.scalar_type());
+  if (grad_weights.has_value()) {
+    TORCH_CHECK(grad_weights->dim() == 3 && grad_weights->size(0) == n.B &&
+                    grad_weights->size(1) == n.Tq && grad_weights->size(2) == n.Tk,
+                op, ": grad_weights must be [B, Tq, Tk]=[", n.B, ", ", n.Tq, ", ", n.Tk,
+                "], got ", grad_weights->sizes());
+    TORCH_CHECK(grad_weights->scalar_type() == query.scalar_type(), op,
+                ": grad_weights must have query's dtype, got ", grad_weights->scalar_type());
+  }
+  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == n.B && lse.size(1) == n.Tq, op,
+              ": lse must be [B, Tq], got ", lse.sizes());
+  (void)context;  // dp . p is formed from dp directly; context is part of the contract only
+  const KeyValidity kv = key_validity(op, lengths, mask, n.Tk);
+  if (query.scalar_type() == at::kDouble) {
+    return backward_impl<double>(grad_context, grad_weights, query, keys, values, v, bias, kv, n);
+  }
+  return backward_impl<float>(grad_context, grad_weights, query, keys, values, v, bias, kv, n);
+}
+
+// ---- test hooks ------------------------------------------------------------------------------
+
+// tanh(x + y) elementwise exactly as the kernels evaluate it. path: 0 = product (needs
+// |x|, |y| <= the product limit), 1 = rational. Lets tests bound the error against torch.tanh.
+Tensor fast_tanh(const Tensor& x, const Tensor& y, int64_t path) {
+  TORCH_CHECK(x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type(),
+              "_fast_tanh: x and y must have one shape and dtype");
+  TORCH_CHECK(path == kProduct || path == kRational, "_fast_tanh: path must be 0 or 1");
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const auto& kt = kernels<T>();
+    const int64_t numel = x.numel();
+    const int64_t padded = round_up(std::max<int64_t>(numel, 1), kPadTo);
+    Tensor a = at::zeros({padded}, x.options()), b = at::zeros({padded}, x.options());
+    a.narrow(0, 0, numel).copy_(x.reshape(-1));
+    b.narrow(0, 0, numel).copy_(y.reshape(-1));
+    if (path == kProduct) {
+      kt.exp_inplace(a.data_ptr<T>(), padded, T(2));
+      kt.exp_inplace(b.data_ptr<T>(), padded, T(2));
+    }
+    Tensor out = at::empty({padded}, x.options());
+    kt.tanh_pairs(int(path), a.data_ptr<T>(), b.data_ptr<T>(), out.data_ptr<T>(), padded);
+    return out.narrow(0, 0, numel).reshape(x.sizes()).clone();
+  };
+  if (x.scalar_type() == at::kDouble) return run(double{});
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "_fast_tanh: float32 or float64, got ",
+              x.scalar_type());
+  return run(float{});
+}
+
+std::string cpu_isa() { return float_kernels().name; }
+
+}  // namespace
+}  // namespace seq2seq_fast
+
+// The two main schemas are defined in Python (seq2seq_fast/ops.py); only their CPU kernels here.
+TORCH_LIBRARY_IMPL(seq2seq_fast, CPU, m) {
+  m.impl("additive_attention_fwd", &seq2seq_fast::additive_attention_fwd);
+  m.impl("additive_attention_bwd", &seq2seq_fast::additive_attention_bwd);
+}
+
+// Test and benchmark hooks, private to the C++ extension.
+TORCH_LIBRARY_FRAGMENT(seq2seq_fast, m) {
+  m.def("_fast_tanh(Tensor x, Tensor y, int path) -> Tensor");
+  m.def("_cpu_isa() -> str", &seq2seq_fast::cpu_isa);
+}
+
+TORCH_LIBRARY_IMPL(seq2seq_fast, CPU, m) { m.impl("_fast_tanh", &seq2seq_fast::fast_tanh); }
+
+// `from seq2seq_fast import _C` loads the library (running the registrations above).
+extern "C" {
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}

@@ -1,0 +1,211 @@
+// Kernel bodies shared by every instruction set. Included (inside a per-ISA namespace, after that
+// ISA's SIMD wrapper `S` is defined) by kernels_portable.cpp, kernels_avx2.cpp, kernels_avx512.cpp.
+// No #include here: system headers are included by the translation unit before its target pragma,
+// so no inline library function is ever compiled with wider instructions than the default.
+//
+// S provides: T, V (one vector), W (lanes), QB/KB (register tile), load/store/set1/zero, add/mul,
+// fma(a,b,c) = a*b + c, fnma(a,b,c) = c - a*b, rcp (~full precision), tanh (clamped rational),
+// exp, hsum, and a range flag (flag_init/flag_update/flag_any).
+
+template <int P>
+inline typename S::V elem(typename S::V a, typename S::V b, typename S::V one) {
+  if constexpr (P == kProduct) {
+    return S::rcp(S::fma(a, b, one));  // r = 1 / (1 + e^{2a} e^{2b}); tanh(a + b) = 1 - 2r
+  } else {
+    return S::tanh(S::add(a, b));
+  }
+}
+
+// u = sech^2 / 4 = r - r^2 (product path) or sech^2 = 1 - tanh^2 (rational path).
+template <int P>
+inline typename S::V deriv(typename S::V y, typename S::V one) {
+  if constexpr (P == kProduct) {
+    return S::fnma(y, y, y);
+  } else {
+    return S::fnma(y, y, one);
+  }
+}
+
+template <int P, int QB, int KB>
+void score_tile(const typename S::T* A, const typename S::T* Bk, int64_t Hp,
+                const typename S::T* veff, typename S::T offset, typename S::T* out, int64_t ldo) {
+  using V = typename S::V;
+  using T = typename S::T;
+  const V one = S::set1(T(1));
+  V acc[QB][KB];
+  for (int i = 0; i < QB; ++i)
+    for (int j = 0; j < KB; ++j) acc[i][j] = S::zero();
+  for (int64_t h = 0; h < Hp; h += S::W) {
+    const V vv = S::load(veff + h);
+    V a[QB];
+    for (int i = 0; i < QB; ++i) a[i] = S::load(A + i * Hp + h);
+    for (int j = 0; j < KB; ++j) {
+      const V b = S::load(Bk + j * Hp + h);
+      for (int i = 0; i < QB; ++i) acc[i][j] = S::fma(vv, elem<P>(a[i], b, one), acc[i][j]);
+    }
+  }
+  for (int i = 0; i < QB; ++i)
+    for (int j = 0; j < KB; ++j) out[i * ldo + j] = offset + S::hsum(acc[i][j]);
+}
+
+template <int P, int QB>
+void score_cols(const typename S::T* A, const typename S::T* Bk, int64_t nk, int64_t Hp,
+                const typename S::T* veff, typename S::T offset, typename S::T* out, int64_t ldo) {
+  int64_t s = 0;
+  for (; s + S::KB <= nk; s += S::KB)
+    score_tile<P, QB, S::KB>(A, Bk + s * Hp, Hp, veff, offset, out + s, ldo);
+  for (; s < nk; ++s) score_tile<P, QB, 1>(A, Bk + s * Hp, Hp, veff, offset, out + s, ldo);
+}
+
+template <int P>
+void scores_rows(const typename S::T* A, int64_t nq, const typename S::T* Bk, int64_t nk,
+                 int64_t Hp, const typename S::T* veff, typename S::T offset, typename S::T* out,
+                 int64_t ldo) {
+  for (int64_t t = 0; t < nq; t += S::QB) {
+    const int64_t qn = nq - t < S::QB ? nq - t : S::QB;
+    const auto* a = A + t * Hp;
+    auto* o = out + t * ldo;
+    switch (qn) {
+      case 1: score_cols<P, 1>(a, Bk, nk, Hp, veff, offset, o, ldo); break;
+      case 2: score_cols<P, 2>(a, Bk, nk, Hp, veff, offset, o, ldo); break;
+      case 3: score_cols<P, 3>(a, Bk, nk, Hp, veff, offset, o, ldo); break;
+      default: score_cols<P, 4>(a, Bk, nk, Hp, veff, offset, o, ldo); break;
+    }
+  }
+}
+
+void scores(int path, const typename S::T* A, int64_t nq, const typename S::T* Bk, int64_t nk,
+            int64_t Hp, const typename S::T* veff, typename S::T offset, typename S::T* out,
+            int64_t ldo) {
+  if (path == kProduct) {
+    scores_rows<kProduct>(A, nq, Bk, nk, Hp, veff, offset, out, ldo);
+  } else {
+    scores_rows<kRational>(A, nq, Bk, nk, Hp, veff, offset, out, ldo);
+  }
+}
+
+template <int P, int QB, int KB>
+void grad_tile(const typename S::T* A, const typename S::T* Bk, int64_t Hp,
+               const typename S::T* de, int64_t ldd, typename S::T* gq, typename S::T* gk,
+               typename S::T* gv) {
+  using V = typename S::V;
+  using T = typename S::T;
+  const V one = S::set1(T(1));
+  for (int64_t h = 0; h < Hp; h += S::W) {
+    V a[QB], gqa[QB];
+    for (int i = 0; i < QB; ++i) {
+      a[i] = S::load(A + i * Hp + h);
+      gqa[i] = S::load(gq + i * Hp + h);
+    }
+    V gva[2] = {S::load(gv + h), S::zero()};  // two chains: shorter FMA latency chain
+    for (int j = 0; j < KB; ++j) {
+      const V b = S::load(Bk + j * Hp + h);
+      V gka = S::load(gk + j * Hp + h);
+      for (int i = 0; i < QB; ++i) {
+        const V d = S::set1(de[i * ldd + j]);
+        const V y = elem<P>(a[i], b, one);
+        const V u = deriv<P>(y, one);
+        gqa[i] = S::fma(d, u, gqa[i]);
+        gka = S::fma(d, u, gka);
+        gva[(i + j) & 1] = S::fma(d, y, gva[(i + j) & 1]);
+      }
+      S::store(gk + j * Hp + h, gka);
+    }
+    for (int i = 0; i < QB; ++i) S::store(gq + i * Hp + h, gqa[i]);
+    S::store(gv + h, S::add(gva[0], gva[1]));
+  }
+}
+
+template <int P, int QB>
+void grad_cols(const typename S::T* A, const typename S::T* Bk, int64_t nk, int64_t Hp,
+               const typename S::T* de, int64_t ldd, typename S::T* gq, typename S::T* gk,
+               typename S::T* gv) {
+  int64_t s = 0;
+  for (; s + S::KB <= nk; s += S::KB)
+    grad_tile<P, QB, S::KB>(A, Bk + s * Hp, Hp, de + s, ldd, gq, gk + s * Hp, gv);
+  for (; s < nk; ++s) grad_tile<P, QB, 1>(A, Bk + s * Hp, Hp, de + s, ldd, gq, gk + s * Hp, gv);
+}
+
+template <int P>
+void grads_rows(const typename S::T* A, int64_t nq, const typename S::T* Bk, int64_t nk,
+                int64_t Hp, const typename S::T* de, int64_t ldd, typename S::T* gq,
+                typename S::T* gk, typename S::T* gv) {
+  for (int64_t t = 0; t < nq; t += S::QB) {
+    const int64_t qn = nq - t < S::QB ? nq - t : S::QB;
+    const auto* a = A + t * Hp;
+    const auto* d = de + t * ldd;
+    auto* g = gq + t * Hp;
+    switch (qn) {
+      case 1: grad_cols<P, 1>(a, Bk, nk, Hp, d, ldd, g, gk, gv); break;
+      case 2: grad_cols<P, 2>(a, Bk, nk, Hp, d, ldd, g, gk, gv); break;
+      case 3: grad_cols<P, 3>(a, Bk, nk, Hp, d, ldd, g, gk, gv); break;
+      default: grad_cols<P, 4>(a, Bk, nk, Hp, d, ldd, g, gk, gv); break;
+    }
+  }
+}
+
+void grads(int path, const typename S::T* A, int64_t nq, const typename S::T* Bk, int64_t nk,
+           int64_t Hp, const typename S::T* de, int64_t ldd, typename S::T* gq, typename S::T* gk,
+           typename S::T* gv) {
+  if (path == kProduct) {
+    grads_rows<kProduct>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv);
+  } else {
+    grads_rows<kRational>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv);
+  }
+}
+
+bool pack_rows(const typename S::T* src, int64_t rows, int64_t H, const typename S::T* add,
+               typename S::T* dst, int64_t Hp, typename S::T limit) {
+  using V = typename S::V;
+  using T = typename S::T;
+  const V lim = S::set1(limit);
+  auto flag = S::flag_init();
+  bool bad = false;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* x = src + r * H;
+    T* y = dst + r * Hp;
+    int64_t h = 0;
+    for (; h + S::W <= H; h += S::W) {
+      V xv = S::load(x + h);
+      if (add != nullptr) xv = S::add(xv, S::load(add + h));
+      S::store(y + h, xv);
+      flag = S::flag_update(flag, xv, lim);
+    }
+    for (; h < H; ++h) {
+      const T xs = add != nullptr ? x[h] + add[h] : x[h];
+      y[h] = xs;
+      bad |= !(xs <= limit && xs >= -limit);
+    }
+    for (; h < Hp; ++h) y[h] = T(0);
+  }
+  return !bad && !S::flag_any(flag);
+}
+
+void exp_inplace(typename S::T* p, int64_t n, typename S::T scale) {
+  const auto sv = S::set1(scale);
+  int64_t i = 0;
+  for (; i + S::W <= n; i += S::W) S::store(p + i, S::exp(S::mul(S::load(p + i), sv)));
+  for (; i < n; ++i) p[i] = std::exp(scale * p[i]);
+}
+
+void tanh_pairs(int path, const typename S::T* a, const typename S::T* b, typename S::T* out,
+                int64_t n) {
+  using V = typename S::V;
+  using T = typename S::T;
+  const V one = S::set1(T(1));
+  const V two = S::set1(T(2));
+  for (int64_t i = 0; i + S::W <= n; i += S::W) {
+    const V x = S::load(a + i);
+    const V y = S::load(b + i);
+    if (path == kProduct) {
+      S::store(out + i, S::fnma(two, elem<kProduct>(x, y, one), one));
+    } else {
+      S::store(out + i, elem<kRational>(x, y, one));
+    }
+  }
+}
+
+const KernelTable<typename S::T>& table(const char* name) {
+  static const KernelTable<typename S::T> t{name, pack_rows, exp_inplace, scores, grads, tanh_pairs};
+  return t;
+}

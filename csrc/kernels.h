@@ -1,0 +1,57 @@
+// Plain-pointer compute kernels of the CPU additive attention, one table per instruction set.
+//
+// The kernels know nothing about torch: additive_attention.cpp allocates, packs rows per work item
+// and calls through a table chosen at run time (AVX-512, AVX2+FMA or portable C++). Each table is
+// compiled in its own translation unit with its own target options, so a binary built on one
+// x86-64 runs on any other and the portable one builds on aarch64.
+//
+// Two ways to evaluate tanh(a + b) for the score e = sum_h v_h tanh(a_h + b_h):
+//   kProduct:  rows are packed as A = exp(2a), B = exp(2b), so tanh(a + b) = 1 - 2 r with
+//              r = 1 / (1 + A B): one FMA, a reciprocal and one Newton step per element. Used when
+//              every |a|, |b| of a work item is <= kProductLimit (the product cannot overflow).
+//   kRational: tanh(a + b) by a clamped rational function of a + b; any finite input, NaN and inf.
+#pragma once
+
+#include <cstdint>
+
+namespace seq2seq_fast {
+
+enum TanhPath : int { kProduct = 0, kRational = 1 };
+
+template <typename T>
+struct KernelTable {
+  const char* name;
+  // dst[r * Hp + h] = src[r * H + h] + (add ? add[h] : 0) for h < H, 0 for H <= h < Hp.
+  // Returns true when every packed |value| <= limit (false for NaN / inf).
+  bool (*pack_rows)(const T* src, int64_t rows, int64_t H, const T* add, T* dst, int64_t Hp,
+                    T limit);
+  // p[i] = exp(scale * p[i]) for i < n; exp(-inf) = 0, NaN stays NaN.
+  void (*exp_inplace)(T* p, int64_t n, T scale);
+  // out[t * ldo + s] = offset + sum_h veff[h] * f(A[t], B[s])[h] for t < nq, s < nk, where
+  // f = r = 1/(1 + A B) (kProduct; veff = -2 v, offset = sum v) or tanh(A + B) (kRational; veff = v).
+  void (*scores)(int path, const T* A, int64_t nq, const T* Bk, int64_t nk, int64_t Hp,
+                 const T* veff, T offset, T* out, int64_t ldo);
+  // Accumulates, for t < nq, s < nk, with d = de[t * ldd + s] and y = f(A[t], B[s]):
+  //   u = y - y^2 (kProduct, = sech^2 / 4) or 1 - y^2 (kRational, = sech^2)
+  //   gq[t] += d u,  gk[s] += d u,  gv += d y          (all rows Hp long)
+  void (*grads)(int path, const T* A, int64_t nq, const T* Bk, int64_t nk, int64_t Hp,
+                const T* de, int64_t ldd, T* gq, T* gk, T* gv);
+  // out[i] = tanh(a[i] + b[i]) as the kernels evaluate it (test hook); n a multiple of 16.
+  // kProduct expects a, b already mapped to exp(2a), exp(2b).
+  void (*tanh_pairs)(int path, const T* a, const T* b, T* out, int64_t n);
+};
+
+// Largest |a|, |b| for the product path: exp(2a) exp(2b) <= exp(80) stays a normal float.
+constexpr float kProductLimitFloat = 20.0f;
+constexpr double kProductLimitDouble = 150.0;
+// Rows are padded to a multiple of this many elements (the widest vector, 16 floats).
+constexpr int64_t kPadTo = 16;
+
+const KernelTable<float>& portable_float_kernels();
+const KernelTable<double>& portable_double_kernels();
+#if defined(__x86_64__) || defined(_M_X64)
+const KernelTable<float>& avx2_float_kernels();
+const KernelTable<float>& avx512_float_kernels();
+#endif
+
+}  // namespace seq2seq_fast

@@ -1,0 +1,98 @@
+// AVX-512 (F + DQ) float kernels. Compiled with a target pragma after every system header, and
+// only called after the CPU reported AVX-512 at run time (additive_attention.cpp).
+#include <cmath>
+#include <cstdint>
+
+#include "kernels.h"
+#include "tanh_coeffs.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512dq,avx2,fma"))), \
+                             apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx2,fma")
+#endif
+
+namespace seq2seq_fast {
+namespace avx512 {
+
+struct S {
+  using T = float;
+  using V = __m512;
+  static constexpr int W = 16;
+  static constexpr int QB = 4;  // 4 queries x 4 keys: 16 accumulators + 8 operands in 32 registers
+  static constexpr int KB = 4;
+  static inline V load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static inline V set1(float x) { return _mm512_set1_ps(x); }
+  static inline V zero() { return _mm512_setzero_ps(); }
+  static inline V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static inline V fnma(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  // 14-bit estimate + one Newton step: relative error < 2^-23 + rounding.
+  static inline V rcp(V d) {
+    const V r = _mm512_rcp14_ps(d);
+    return _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.0f)), r);
+  }
+  static inline float hsum(V x) { return _mm512_reduce_add_ps(x); }
+  // Clamp keeping NaN: max/min return their second operand when either is NaN.
+  static inline V clamp(V x, float lo, float hi) {
+    return _mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(lo), x));
+  }
+  static inline V tanh(V x) {
+    x = clamp(x, -float(S2S_TANH_CLAMP), float(S2S_TANH_CLAMP));
+    const V x2 = mul(x, x);
+    V p = fma(set1(float(S2S_TANH_P4)), x2, set1(float(S2S_TANH_P3)));
+    V q = fma(set1(float(S2S_TANH_Q4)), x2, set1(float(S2S_TANH_Q3)));
+    p = fma(p, x2, set1(float(S2S_TANH_P2)));
+    q = fma(q, x2, set1(float(S2S_TANH_Q2)));
+    p = fma(p, x2, set1(float(S2S_TANH_P1)));
+    q = fma(q, x2, set1(float(S2S_TANH_Q1)));
+    p = fma(p, x2, set1(1.0f));
+    q = fma(q, x2, set1(1.0f));
+    return mul(mul(x, p), rcp(q));
+  }
+  static inline V exp(V x) {
+    x = clamp(x, -104.0f, 88.7f);  // scalef handles results down to the denormals
+    const V n = _mm512_roundscale_ps(mul(x, set1(float(S2S_LOG2E))),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = fnma(n, set1(float(S2S_LN2_HI)), x);
+    r = fnma(n, set1(float(S2S_LN2_LO)), r);
+    V p = fma(set1(1.0f / 5040), r, set1(1.0f / 720));
+    p = fma(p, r, set1(1.0f / 120));
+    p = fma(p, r, set1(1.0f / 24));
+    p = fma(p, r, set1(1.0f / 6));
+    p = fma(p, r, set1(0.5f));
+    p = fma(p, r, set1(1.0f));
+    p = fma(p, r, set1(1.0f));
+    return _mm512_scalef_ps(p, n);
+  }
+  using Flag = __mmask16;
+  static inline Flag flag_init() { return 0; }
+  static inline Flag flag_update(Flag f, V x, V lim) {
+    const V ax = _mm512_abs_ps(x);
+    return f | _mm512_cmp_ps_mask(ax, lim, _CMP_NLE_UQ);  // true for |x| > lim and for NaN
+  }
+  static inline bool flag_any(Flag f) { return f != 0; }
+};
+
+#include "kernel_impl.h"
+
+}  // namespace avx512
+
+const KernelTable<float>& avx512_float_kernels() { return avx512::table("avx512"); }
+
+}  // namespace seq2seq_fast
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#endif  // x86-64
