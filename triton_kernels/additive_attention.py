@@ -191,6 +191,7 @@ def _additive_attention_fwd_kernel(
     RETURN_WEIGHTS: tl.constexpr,
     FAST_TANH: tl.constexpr,
     USE_DOT: tl.constexpr,
+    LOWP_DOT: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -290,10 +291,10 @@ def _additive_attention_fwd_kernel(
                 other=0.0,
             )
             if USE_DOT:
-                if values_ptr.dtype.element_ty == tl.float32:
-                    acc += tl.dot(p, vals, input_precision="ieee")
-                else:
+                if LOWP_DOT:
                     acc += tl.dot(p.to(vals.dtype), vals)
+                else:
+                    acc += tl.dot(p, vals.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.sum(p[:, :, None] * vals.to(tl.float32)[None, :, :], axis=1)
         tl.store(
@@ -355,6 +356,7 @@ def _additive_attention_bwd_ds_kernel(
     HAS_GRAD_WEIGHTS: tl.constexpr,
     FAST_TANH: tl.constexpr,
     USE_DOT: tl.constexpr,
+    LOWP_DOT: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -421,10 +423,14 @@ def _additive_attention_bwd_ds_kernel(
                 other=0.0,
             )
             if USE_DOT:
-                if values_ptr.dtype.element_ty == tl.float32:
-                    dp += tl.dot(grad_out.to(tl.float32), tl.trans(vals), input_precision="ieee")
-                else:
+                if LOWP_DOT:
                     dp += tl.dot(grad_out.to(vals.dtype), tl.trans(vals))
+                else:
+                    dp += tl.dot(
+                        grad_out.to(tl.float32),
+                        tl.trans(vals.to(tl.float32)),
+                        input_precision="ieee",
+                    )
             else:
                 dp += tl.sum(
                     grad_out.to(tl.float32)[:, None, :] * vals.to(tl.float32)[None, :, :], axis=2
@@ -585,6 +591,7 @@ def _additive_attention_bwd_dvalues_kernel(
     stride_grad_values_s,
     stride_grad_values_d,
     USE_DOT: tl.constexpr,
+    LOWP_DOT: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_DV: tl.constexpr,
@@ -622,10 +629,10 @@ def _additive_attention_bwd_dvalues_kernel(
             other=0.0,
         )  # [BLOCK_Q, BLOCK_DV]
         if USE_DOT:
-            if grad_context_ptr.dtype.element_ty == tl.float32:
-                acc += tl.dot(tl.trans(p), grad_out, input_precision="ieee")
-            else:
+            if LOWP_DOT:
                 acc += tl.dot(tl.trans(p.to(grad_out.dtype)), grad_out)
+            else:
+                acc += tl.dot(tl.trans(p), grad_out.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.sum(p[:, :, None] * grad_out.to(tl.float32)[:, None, :], axis=0)
     tl.store(
@@ -669,12 +676,14 @@ def _pick_block(n: int, cap: int, max_waste: float = 0.125) -> int:
     """
     n = max(1, int(n))
     block = min(_pow2_at_least(n), max(1, int(cap)))
-    while block > 1:
+    # Below 4 the padding of a tiny size costs nothing worth the extra loop trips.
+    floor = min(block, 4)
+    while block > floor:
         padded = -(-n // block) * block
         if (padded - n) <= max_waste * padded:
             return block
         block //= 2
-    return 1
+    return floor
 
 
 def forward_config(
@@ -739,6 +748,17 @@ def use_fast_tanh(dtype: torch.dtype, device: torch.device) -> bool:
     if mode == "auto":
         return dtype in (torch.float16, torch.bfloat16)
     return mode == "approx"
+
+
+def _lowp_dot(dtype: torch.dtype) -> bool:
+    """Feed float16/bfloat16 operands to tl.dot as they are (tensor cores, fp32 accumulation).
+
+    Triton's interpreter multiplies bfloat16 dot operands as raw 16-bit integers (seen with
+    triton 3.9), so there bfloat16 tiles are widened to float32 first.
+    """
+    if dtype == torch.float16:
+        return True
+    return dtype == torch.bfloat16 and not is_interpreted()
 
 
 def _mask_arg(mask: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -815,6 +835,7 @@ def additive_attention_fwd(
         RETURN_WEIGHTS=bool(return_weights),
         FAST_TANH=use_fast_tanh(dtype, device),
         USE_DOT=cfg.use_dot,
+        LOWP_DOT=_lowp_dot(dtype),
         BLOCK_Q=cfg.block_q,
         BLOCK_K=cfg.block_k,
         BLOCK_H=cfg.block_h,
@@ -887,6 +908,7 @@ def additive_attention_bwd(
         HAS_GRAD_WEIGHTS=grad_weights is not None,
         FAST_TANH=fast_tanh,
         USE_DOT=ds_cfg.use_dot,
+        LOWP_DOT=_lowp_dot(dtype),
         BLOCK_Q=ds_cfg.block_q,
         BLOCK_K=ds_cfg.block_k,
         BLOCK_H=ds_cfg.block_h,
@@ -919,6 +941,7 @@ def additive_attention_bwd(
             num_queries, num_keys, value_dim, num_k_tiles, num_d_tiles,
             *probs.stride(), *grad_context.stride(), *grad_values.stride(),
             USE_DOT=dvalues_cfg.use_dot,
+            LOWP_DOT=_lowp_dot(dtype),
             BLOCK_Q=dvalues_cfg.block_q,
             BLOCK_K=dvalues_cfg.block_k,
             BLOCK_DV=dvalues_cfg.block_dv,
