@@ -1,7 +1,7 @@
-"""BahdanauAttention in a greedy-decoding loop: keys projected once, then Tq=1 steps; fused vs reference.
+"""BahdanauAttention in a greedy-decoding loop over cached projected keys, Tq=1 steps; fused vs reference.
 
-Providers: "fused" (backend="fused") and "eager" (backend="reference"). The timed region is the
-whole loop: the key projection once, then per step the query projection and the attention.
+Providers: "fused" (backend="fused") and "eager" (backend="reference"). The keys are projected
+once outside the timed region; each timed step projects its query and attends.
 """
 
 from __future__ import annotations
