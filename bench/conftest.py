@@ -26,7 +26,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collect_file(file_path, parent):
-    if file_path.suffix == ".py" and file_path.name.startswith("bench_"):
+    # A file named on the command line is collected by pytest itself; collect the rest here.
+    if (
+        file_path.suffix == ".py"
+        and file_path.name.startswith("bench_")
+        and not parent.session.isinitpath(file_path)
+    ):
         return pytest.Module.from_parent(parent, path=file_path)
     return None
 
