@@ -24,6 +24,7 @@
 #include <torch/types.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -109,7 +110,7 @@ struct Plan {
   int64_t blocks_per_row;  // query blocks per batch row
   int64_t block;           // queries per block
   int64_t items;           // B * blocks_per_row
-  int64_t grain;           // items per task at least
+  int64_t work_per_item;   // tanh evaluations in one item, at most
 };
 
 Plan make_plan(int64_t B, int64_t Tq, int64_t Tk, int64_t H) {
@@ -121,8 +122,32 @@ Plan make_plan(int64_t B, int64_t Tq, int64_t Tk, int64_t H) {
   }
   const int64_t block = ceil_div(Tq, blocks);
   blocks = ceil_div(Tq, block);
-  const int64_t work = std::max<int64_t>(1, block * Tk * H);
-  return {blocks, block, B * blocks, std::max<int64_t>(1, kMinWorkPerTask / work)};
+  return {blocks, block, B * blocks, std::max<int64_t>(1, block * Tk * H)};
+}
+
+// Runs fn(item, scratch) for every item. Threads take items from a shared counter, so a thread
+// that the OS deschedules (a shared machine) does not hold the others back. Every item writes
+// only its own outputs and partial buffers: results do not depend on which thread ran an item.
+// Tiny work runs inline, without waking a thread.
+template <typename MakeScratch, typename Fn>
+void for_each_item(const Plan& plan, MakeScratch make_scratch, Fn fn) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t by_work = std::max<int64_t>(1, plan.items * plan.work_per_item / kMinWorkPerTask);
+  const int64_t tasks = std::min({threads, by_work, plan.items});
+  if (tasks <= 1 || at::in_parallel_region()) {
+    auto scratch = make_scratch();
+    for (int64_t item = 0; item < plan.items; ++item) fn(item, scratch);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    auto scratch = make_scratch();
+    for (int64_t task = begin; task < end; ++task) {
+      for (int64_t item = next.fetch_add(1); item < plan.items; item = next.fetch_add(1)) {
+        fn(item, scratch);
+      }
+    }
+  });
 }
 
 // ---- checks ----------------------------------------------------------------------------------
@@ -301,20 +326,25 @@ std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Te
   T* wp = weights.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
 
-  at::parallel_for(0, plan.items, plan.grain, [&](int64_t begin, int64_t end) {
-    std::vector<T> qbuf(plan.block * Hp), kbuf(n.Tk * Hp);
-    for (int64_t item = begin; item < end; ++item) {
+  struct Scratch {
+    std::vector<T> qbuf, kbuf;
+  };
+  auto make_scratch = [&] { return Scratch{std::vector<T>(plan.block * Hp), std::vector<T>(n.Tk * Hp)}; };
+  for_each_item(plan, make_scratch, [&](int64_t item, Scratch& scratch) {
+    {
+      T* qbuf = scratch.qbuf.data();
+      T* kbuf = scratch.kbuf.data();
       const int64_t b = item / plan.blocks_per_row;
       const int64_t t0 = (item % plan.blocks_per_row) * plan.block;
       const int64_t nq = std::min(plan.block, n.Tq - t0);
-      if (nq <= 0) continue;
+      if (nq <= 0) return;
       const int64_t nk = kv.count(b);
       T* rows = wp + (b * n.Tq + t0) * n.Tk;
       if (nk > 0) {
         const int path = pack_item<T>(kt, qp + (b * n.Tq + t0) * n.H, nq, kp + b * n.Tk * n.H,
-                                      nk, bp, n.H, Hp, qbuf.data(), kbuf.data());
+                                      nk, bp, n.H, Hp, qbuf, kbuf);
         const bool prod = path == kProduct;
-        kt.scores(path, qbuf.data(), nq, kbuf.data(), nk, Hp,
+        kt.scores(path, qbuf, nq, kbuf, nk, Hp,
                   prod ? sv.product.data() : sv.rational.data(), prod ? sv.sum_v : T(0), rows,
                   n.Tk);
       }
@@ -378,15 +408,26 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   T* dkp = split ? dk_parts.data_ptr<T>() : dk.data_ptr<T>();
   T* dvp = dv_parts.data_ptr<T>();
 
-  at::parallel_for(0, plan.items, plan.grain, [&](int64_t begin, int64_t end) {
-    std::vector<T> qbuf(plan.block * Hp), kbuf(n.Tk * Hp), de(plan.block * n.Tk);
-    std::vector<T> gq(plan.block * Hp), gk(n.Tk * Hp);
-    for (int64_t item = begin; item < end; ++item) {
+  struct Scratch {
+    std::vector<T> qbuf, kbuf, de, gq, gk;
+  };
+  auto make_scratch = [&] {
+    return Scratch{std::vector<T>(plan.block * Hp), std::vector<T>(n.Tk * Hp),
+                   std::vector<T>(plan.block * n.Tk), std::vector<T>(plan.block * Hp),
+                   std::vector<T>(n.Tk * Hp)};
+  };
+  for_each_item(plan, make_scratch, [&](int64_t item, Scratch& scratch) {
+    {
+      auto& qbuf = scratch.qbuf;
+      auto& kbuf = scratch.kbuf;
+      auto& de = scratch.de;
+      auto& gq = scratch.gq;
+      auto& gk = scratch.gk;
       const int64_t b = item / plan.blocks_per_row;
       const int64_t blk = item % plan.blocks_per_row;
       const int64_t t0 = blk * plan.block;
       const int64_t nq = std::min(plan.block, n.Tq - t0);
-      if (nq <= 0) continue;
+      if (nq <= 0) return;
       const int64_t nk = kv.count(b);
       const bool* valid = kv.row_mask(b);
       T* p_rows = pp + (b * n.Tq + t0) * n.Tk;
@@ -394,7 +435,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
       if (nk == 0) {
         std::fill(p_rows, p_rows + nq * n.Tk, T(0));
         std::fill(dq_rows, dq_rows + nq * n.H, T(0));
-        continue;
+        return;
       }
       const int path = pack_item<T>(kt, qp + (b * n.Tq + t0) * n.H, nq, kp + b * n.Tk * n.H, nk,
                                     bp, n.H, Hp, qbuf.data(), kbuf.data());
