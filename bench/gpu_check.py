@@ -1,0 +1,550 @@
+"""One prepared GPU check of the Triton kernels: tests, accuracy probes, then a benchmark table.
+
+Run it through ``bench/gpu_check.sh`` (it builds the ``seq2seq_fast._triton`` package view that an
+editable install would give, and tees the log into $OUT). Stages, in order, within --budget-s:
+
+  1. environment: device, driver-visible versions, date
+  2. the CUDA tests: ``pytest tests/test_triton.py`` (all dtypes, opcheck, torch.compile with
+     backward); without pytest, only the built-in checks below run
+  3. accuracy probes: max error of both tanh paths against float64; an int64-offset check with
+     keys past 2^31 elements
+  4. benchmark: fused (seq2seq_fast.additive_attention) vs eager reference vs torch.compile of the
+     reference, forward and forward+backward, float32 / float32 with tanh.approx / bfloat16, at
+     (B,Tq,Tk,H) = (128,50,50,1024), (1280,1,66,1024), (32,74,75,1024), (128,10,128,1024), Dv=H:
+     median time (triton.testing.do_bench, L2 flushed between runs), peak memory above the inputs,
+     tanh rate (N = B*Tq*Tk*H per forward, 3N per forward+backward) against 4.2e12/s
+  5. a tile sweep of the fused forward (tuning data for the next session), if time is left
+  6. the summary table, printed last
+
+``--dry-run`` runs the same stages on tiny shapes on the CPU under TRITON_INTERPRET=1 (the fused
+provider then calls the Triton launchers directly, since CPU tensors dispatch to the C++ kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib.util
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+TANH_CEILING = 4.2e12  # tanh.approx per second on an H200: 16/clk/SM x 132 SMs x ~1.98 GHz
+GPU_SHAPES = ((128, 50, 50, 1024), (1280, 1, 66, 1024), (32, 74, 75, 1024), (128, 10, 128, 1024))
+DRY_SHAPES = ((2, 3, 5, 16), (3, 1, 7, 16))
+MODES = ("forward", "forward+backward")
+WORK_FACTOR = {"forward": 1, "forward+backward": 3}
+CPU_REPEATS = 1  # dry run: the interpreter is slow and the numbers mean nothing
+
+
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.start = time.monotonic()
+        self.seconds = seconds
+
+    def left(self) -> float:
+        return self.seconds - (time.monotonic() - self.start)
+
+
+def log(*parts: object) -> None:
+    print(*parts, flush=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, CPU, interpreter")
+    parser.add_argument(
+        "--budget-s", type=float, default=420.0, help="stop starting new work after"
+    )
+    parser.add_argument("--test-timeout-s", type=float, default=200.0)
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--out-dir", default=os.environ.get("OUT") or None)
+    return parser.parse_args(argv)
+
+
+# --- stage 2: tests --------------------------------------------------------------------------------
+
+
+def run_tests(args: argparse.Namespace, budget: Budget) -> dict:
+    if importlib.util.find_spec("pytest") is None:
+        log("pytest is not installed: skipping tests/test_triton.py (built-in checks still run)")
+        return {"status": "no pytest"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton.py"]
+    if args.dry_run:  # the interpreter is slow: one representative test proves the invocation
+        cmd += ["-k", "fp32_matches_reference and 2x3x5x7x4"]
+    timeout = max(30.0, min(args.test_timeout_s, budget.left() - 60))
+    log("$", " ".join(cmd[2:]), f"(timeout {timeout:.0f} s)")
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        output = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        log(output[-4000:])
+        log(f"tests TIMED OUT after {timeout:.0f} s")
+        return {"status": "timeout", "seconds": timeout}
+    output = proc.stdout + proc.stderr
+    log(output[-6000:])
+    summary = output.strip().splitlines()[-1] if output.strip() else ""
+    status = "passed" if proc.returncode == 0 else f"FAILED (rc={proc.returncode})"
+    log(f"tests {status} in {time.monotonic() - start:.0f} s: {summary}")
+    return {"status": status, "summary": summary, "seconds": time.monotonic() - start}
+
+
+# --- stage 3: accuracy probes ----------------------------------------------------------------------
+
+
+def tanh_errors(tk, torch, device: str, fast: bool) -> tuple[float, float]:
+    """(max abs error, max rel error) of the kernel's tanh path against float64 torch.tanh."""
+    count = 1 << 20 if device == "cuda" else 1 << 14
+    x = torch.cat([torch.linspace(-12, 12, count), torch.logspace(-10, 1, count // 4)])
+    x = torch.cat([x, -x]).to(device)
+    y = tk.tanh_probe(x, fast)
+    exact = torch.tanh(x.double())
+    err = (y.double() - exact).abs()
+    return err.max().item(), (err / exact.abs().clamp_min(1e-300)).max().item()
+
+
+def int64_offset_check(tk, torch, device: str) -> dict:
+    """Keys of more than 2^31 elements: the rows past 2^31 must be read and written correctly."""
+    if device != "cuda":
+        return {"status": "skipped (needs a GPU with ~20 GB free)"}
+    free, _ = torch.cuda.mem_get_info()
+    hidden, value_dim = 1024, 8
+    num_keys = (1 << 21) + 37  # keys[0, s, :] starts at s*1024: rows >= 2^21 lie past 2^31
+    if free < 24 * 2**30:
+        return {"status": f"skipped (only {free / 2**30:.0f} GiB free)"}
+    gen = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16
+    query = torch.randn(1, 1, hidden, device=device, generator=gen).to(dtype)
+    keys = torch.randn(1, num_keys, hidden, device=device, generator=gen).to(dtype)
+    values = torch.randn(1, num_keys, value_dim, device=device, generator=gen).to(dtype)
+    v = (torch.randn(hidden, device=device, generator=gen) * 0.1).to(dtype)
+    bias = torch.zeros(hidden, device=device, dtype=dtype)
+    context, weights, lse = tk.additive_attention_fwd(
+        query, keys, values, v, bias, None, None, True
+    )
+    # Reference scores in float32, in chunks (never the whole float32 pre-activation).
+    scores = torch.empty(num_keys, device=device)
+    qf, vf = query[0, 0].float(), v.float()
+    for start in range(0, num_keys, 1 << 18):
+        chunk = keys[0, start : start + (1 << 18)].float()
+        scores[start : start + chunk.shape[0]] = torch.tanh(chunk + qf) @ vf
+    ref_weights = torch.softmax(scores, dim=0)
+    ref_context = ref_weights @ values[0].float()
+    grad_context = torch.ones_like(context)
+    grads = tk.additive_attention_bwd(
+        grad_context, None, query, keys, values, v, bias, None, None, context, lse
+    )
+    tail = slice(num_keys - 64, num_keys)
+    # d loss / d values[s] = p[s] * grad_context; d / d keys[s] = ds[s] * v * (1 - u^2).
+    dp = values[0, tail].float() @ grad_context[0, 0].float()
+    delta = (ref_weights * (values[0].float() @ grad_context[0, 0].float())).sum()
+    ds = ref_weights[tail] * (dp - delta)
+    u = torch.tanh(keys[0, tail].float() + qf)
+    ref_grad_keys_tail = ds[:, None] * vf * (1 - u * u)
+    errors = {
+        "lse": abs(lse.item() - torch.logsumexp(scores, 0).item()),
+        "weights_tail": (weights[0, 0, tail].float() - ref_weights[tail]).abs().max().item(),
+        "context": (context[0, 0].float() - ref_context).abs().max().item(),
+        "grad_values_tail": (grads[2][0, tail].float() - ref_weights[tail, None])
+        .abs()
+        .max()
+        .item(),
+        "grad_keys_tail": (grads[1][0, tail].float() - ref_grad_keys_tail).abs().max().item(),
+    }
+    scale = {"lse": 1e-2, "weights_tail": 1e-7, "context": 5e-2, "grad_values_tail": 1e-7}
+    scale["grad_keys_tail"] = 1e-7 + 0.02 * ref_grad_keys_tail.abs().max().item()
+    ok = all(errors[name] <= scale[name] for name in errors)
+    del keys, values, grads, scores
+    torch.cuda.empty_cache()
+    return {"status": "passed" if ok else "FAILED", "errors": errors}
+
+
+# --- stage 4: benchmark ----------------------------------------------------------------------------
+
+
+def make_inputs(torch, shape, dtype, device, seed=0):
+    batch, num_queries, num_keys, hidden = shape
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, device=device, generator=gen) * scale).to(dtype)
+
+    return (
+        randn(batch, num_queries, hidden, scale=0.5),
+        randn(batch, num_keys, hidden, scale=0.5),
+        randn(batch, num_keys, hidden),
+        randn(hidden, scale=hidden**-0.5),
+        randn(hidden, scale=0.1),
+    )
+
+
+def launcher_attention(torch, tk):
+    """The Triton launchers behind an autograd.Function, for CPU tensors in the dry run."""
+
+    class Direct(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, query, keys, values, v, bias):
+            context, weights, lse = tk.additive_attention_fwd(
+                query, keys, values, v, bias, None, None, True
+            )
+            ctx.save_for_backward(query, keys, values, v, bias, context, lse)
+            return context, weights
+
+        @staticmethod
+        def backward(ctx, grad_context, grad_weights):
+            query, keys, values, v, bias, context, lse = ctx.saved_tensors
+            return tk.additive_attention_bwd(
+                grad_context.contiguous(), grad_weights, query, keys, values, v, bias,
+                None, None, context, lse,
+            )  # fmt: skip
+
+    return lambda q, k, vals, v, b: Direct.apply(q, k, vals, v, b)
+
+
+def time_ms(triton, fn, device, grad_to_none=None) -> tuple[float, float, float]:
+    """(median, 20th, 80th percentile) in milliseconds."""
+    if device == "cuda":
+        q50, q20, q80 = triton.testing.do_bench(
+            fn, warmup=25, rep=100, grad_to_none=grad_to_none, quantiles=[0.5, 0.2, 0.8]
+        )
+        return q50, q20, q80
+    samples = []
+    for _ in range(CPU_REPEATS):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    samples.sort()
+    return statistics.median(samples), samples[0], samples[-1]
+
+
+def peak_mib(torch, fn, device) -> float:
+    """Peak bytes allocated during one call, above what was allocated before it (MiB)."""
+    if device != "cuda":
+        return float("nan")
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**20
+
+
+def bench_one(torch, triton, attention, inputs, mode, device, tanh_env=None) -> dict:
+    saved_env = os.environ.get("SEQ2SEQ_FAST_TANH")
+    if tanh_env is not None:
+        os.environ["SEQ2SEQ_FAST_TANH"] = tanh_env
+    try:
+        if mode == "forward":
+
+            def call():
+                with torch.no_grad():
+                    return attention(*inputs)
+
+            grad_to_none = None
+        else:
+            leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+            grad_context = torch.randn(
+                inputs[0].shape[0], inputs[0].shape[1], inputs[2].shape[2], device=device
+            ).to(inputs[0].dtype)
+
+            def call():
+                context, _ = attention(*leaves)
+                context.backward(grad_context)
+                return context
+
+            grad_to_none = leaves
+        start = time.monotonic()
+        out = call()  # first call: compilation / autotuning
+        if device == "cuda":
+            torch.cuda.synchronize()
+        first_s = time.monotonic() - start
+        del out
+        if grad_to_none is not None:
+            for leaf in grad_to_none:
+                leaf.grad = None
+        median, q20, q80 = time_ms(triton, call, device, grad_to_none)
+        if grad_to_none is not None:
+            for leaf in grad_to_none:
+                leaf.grad = None
+        peak = peak_mib(torch, call, device)
+        return {"ms": median, "q20": q20, "q80": q80, "peak_mib": peak, "first_s": first_s}
+    except Exception as exc:  # an OOM or compile failure must not sink the whole table
+        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    finally:
+        if tanh_env is not None:
+            if saved_env is None:
+                os.environ.pop("SEQ2SEQ_FAST_TANH", None)
+            else:
+                os.environ["SEQ2SEQ_FAST_TANH"] = saved_env
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def forward_error(torch, fused, eager_ref, inputs) -> float:
+    """max |fused - float32 reference| / max |reference| of the context (the fused output's dtype)."""
+    with torch.no_grad():
+        context, _ = fused(*inputs)
+        ref, _ = eager_ref(*(t.float() for t in inputs))
+    return ((context.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def run_benchmark(args, budget, torch, triton, tk, device, results) -> None:
+    import seq2seq_fast
+    from seq2seq_fast.reference import additive_attention_ref
+
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+
+    if device == "cuda":
+        fused = seq2seq_fast.additive_attention
+    else:
+        fused = launcher_attention(torch, tk)
+    shapes = DRY_SHAPES if args.dry_run else GPU_SHAPES
+    variants = [("fp32", torch.float32, None), ("fp32+approx", torch.float32, "approx")]
+    variants.append(("bf16", torch.bfloat16, None))
+
+    def eager(q, k, vals, v, b):
+        return additive_attention_ref(q, k, vals, v, b)
+
+    compiled = torch.compile(additive_attention_ref, dynamic=False)
+    if args.dry_run:  # exercise the path without inductor's minutes of CPU compilation
+        compiled = torch.compile(additive_attention_ref, dynamic=False, backend="eager")
+
+    plan = []
+    for shape in shapes:
+        for variant, dtype, tanh_env in variants:
+            plan.append((shape, variant, dtype, tanh_env))
+
+    # Pass 1: fused and eager everywhere (cheap); pass 2: torch.compile (slow to compile).
+    for provider in ("fused", "eager", "compile"):
+        for shape, variant, dtype, tanh_env in plan:
+            if provider != "fused" and tanh_env is not None:
+                continue  # the references have no tanh knob: fp32+approx compares to fp32's rows
+            for mode in MODES:
+                key = (shape, variant, mode)
+                row = results.setdefault(key, {"shape": shape, "variant": variant, "mode": mode})
+                if budget.left() < (60 if provider == "compile" else 20):
+                    row[provider] = {"error": "skipped: time budget"}
+                    continue
+                inputs = make_inputs(torch, shape, dtype, device)  # Dv = H
+                attention = {"fused": fused, "eager": eager, "compile": compiled}[provider]
+                row[provider] = bench_one(torch, triton, attention, inputs, mode, device, tanh_env)
+                if provider == "fused" and mode == "forward" and "error" not in row[provider]:
+                    try:
+                        saved = os.environ.get("SEQ2SEQ_FAST_TANH")
+                        if tanh_env:
+                            os.environ["SEQ2SEQ_FAST_TANH"] = tanh_env
+                        row["rel_error"] = forward_error(torch, fused, eager, inputs)
+                    finally:
+                        if tanh_env:
+                            if saved is None:
+                                os.environ.pop("SEQ2SEQ_FAST_TANH", None)
+                            else:
+                                os.environ["SEQ2SEQ_FAST_TANH"] = saved
+                log(format_progress(row, provider))
+                del inputs
+
+
+def format_progress(row, provider) -> str:
+    cell = row.get(provider, {})
+    shape = "x".join(map(str, row["shape"]))
+    if "error" in cell:
+        return f"  {provider:8s} {shape:16s} {row['variant']:12s} {row['mode']:17s} {cell['error']}"
+    return (
+        f"  {provider:8s} {shape:16s} {row['variant']:12s} {row['mode']:17s} "
+        f"{cell['ms']:9.3f} ms [{cell['q20']:.3f}-{cell['q80']:.3f}] "
+        f"peak {cell['peak_mib']:8.1f} MiB first call {cell['first_s']:.1f} s"
+    )
+
+
+def run_sweep(args, budget, torch, triton, tk, device) -> list[dict]:
+    """Fused forward under several tile budgets / warp counts: data to tune forward_config with."""
+    rows = []
+    shapes = DRY_SHAPES if args.dry_run else GPU_SHAPES
+    options = [(2048, 4), (4096, 4), (4096, 8), (8192, 8)]
+    for shape in shapes:
+        for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            inputs = make_inputs(torch, shape, dtype, device)
+            batch, num_queries, num_keys, hidden = shape
+            for tile, warps in options:
+                if budget.left() < 15:
+                    return rows
+                base = tk.forward_config(num_queries, num_keys, hidden, hidden, tile=tile)
+                cfg = tk.TileConfig(
+                    base.block_q, base.block_k, base.block_h, base.block_dv, num_warps=warps
+                )
+
+                def call(cfg=cfg, inputs=inputs):
+                    return tk.additive_attention_fwd(*inputs, None, None, True, config=cfg)
+
+                try:
+                    call()
+                    median, _, _ = time_ms(triton, call, device)
+                    rate = batch * num_queries * num_keys * hidden / (median * 1e-3)
+                    rows.append({"shape": shape, "dtype": dtype_name, "tile": tile, "warps": warps,
+                                 "blocks": (cfg.block_q, cfg.block_k, cfg.block_h, cfg.block_dv),
+                                 "ms": median, "tanh_per_s": rate})  # fmt: skip
+                    log(f"  sweep {'x'.join(map(str, shape)):16s} {dtype_name} tile={tile:5d} "
+                        f"warps={warps} blocks={rows[-1]['blocks']} {median:9.3f} ms "
+                        f"{rate / 1e12:6.3f} T tanh/s")  # fmt: skip
+                except Exception as exc:
+                    log(f"  sweep {shape} {dtype_name} tile={tile} warps={warps}: {exc!r:.200}")
+            del inputs
+    return rows
+
+
+# --- summary ---------------------------------------------------------------------------------------
+
+
+def summary_lines(results, device) -> list[str]:
+    def ms(row, provider):
+        cell = row.get(provider) or {}
+        return cell.get("ms") if "error" not in cell else None
+
+    def fmt(value, spec):
+        if value is None or math.isnan(value):
+            return "-".rjust(int(spec.split(".")[0]))
+        return format(value, spec)
+
+    lines = [
+        "SUMMARY (median ms; speedup = reference time / fused time; rate = tanh per second of the"
+        " fused op, 1 N forward, 3 N forward+backward, N = B*Tq*Tk*H; ceiling 4.2e12/s; peak = MiB"
+        " allocated above the inputs during one call)",
+        f"{'B,Tq,Tk,H':15s} {'dtype':12s} {'mode':17s} {'fused':>9s} {'eager':>9s} {'compile':>9s}"
+        f" {'x eager':>8s} {'x compile':>9s} {'G tanh/s':>9s} {'%ceil':>6s} {'peak fused':>10s}"
+        f" {'eager':>9s} {'compile':>9s} {'relerr':>8s}",
+    ]
+    for row in results.values():
+        fused, eager, comp = ms(row, "fused"), ms(row, "eager"), ms(row, "compile")
+        batch, num_queries, num_keys, hidden = row["shape"]
+        rate = None
+        if fused:
+            rate = (
+                WORK_FACTOR[row["mode"]] * batch * num_queries * num_keys * hidden / (fused * 1e-3)
+            )
+
+        def peak(provider, row=row):
+            cell = row.get(provider) or {}
+            return cell.get("peak_mib") if "error" not in cell else None
+
+        lines.append(
+            f"{','.join(map(str, row['shape'])):15s} {row['variant']:12s} {row['mode']:17s}"
+            f" {fmt(fused, '9.3f')} {fmt(eager, '9.3f')} {fmt(comp, '9.3f')}"
+            f" {fmt(eager / fused if fused and eager else None, '8.2f')}"
+            f" {fmt(comp / fused if fused and comp else None, '9.2f')}"
+            f" {fmt(rate / 1e9 if rate else None, '9.1f')}"
+            f" {fmt(100 * rate / TANH_CEILING if rate else None, '6.1f')}"
+            f" {fmt(peak('fused'), '10.1f')} {fmt(peak('eager'), '9.1f')}"
+            f" {fmt(peak('compile'), '9.1f')} {fmt(row.get('rel_error'), '8.1e')}"
+        )
+    errors = [
+        f"  {','.join(map(str, r['shape']))} {r['variant']} {r['mode']} {p}: {r[p]['error']}"
+        for r in results.values()
+        for p in ("fused", "eager", "compile")
+        if isinstance(r.get(p), dict) and "error" in r[p]
+    ]
+    if errors:
+        lines.append("not measured:")
+        lines.extend(errors)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / seq2seq_fast import
+    budget = Budget(args.budget_s)
+    import torch
+    import triton
+    from seq2seq_fast._triton import additive_attention as tk
+
+    device = "cpu" if args.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        log("no CUDA device: run with --dry-run on a CPU machine")
+        return 2
+    report: dict = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+    report["versions"] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+    }
+    report["device"] = torch.cuda.get_device_name() if device == "cuda" else platform.processor()
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        report["sms"] = props.multi_processor_count
+    log("== gpu_check", json.dumps(report))
+    import seq2seq_fast.ops as ops
+
+    log("CUDA kernel import error:", ops.CUDA_KERNEL_ERROR, "| interpreted:", tk.is_interpreted())
+
+    log("\n== tests")
+    report["tests"] = {"status": "skipped"} if args.skip_tests else run_tests(args, budget)
+
+    log("\n== accuracy probes")
+    probes = {}
+    exp_abs, exp_rel = tanh_errors(tk, torch, device, fast=False)
+    probes["tanh_exp"] = {"max_abs": exp_abs, "max_rel": exp_rel}
+    if device == "cuda":
+        fast_abs, fast_rel = tanh_errors(tk, torch, device, fast=True)
+        probes["tanh_approx"] = {
+            "max_abs": fast_abs,
+            "max_rel": fast_rel,
+            "log2_rel": math.log2(fast_rel),
+        }
+    for name, values in probes.items():
+        log(f"  {name}: " + ", ".join(f"{k}={val:.3e}" for k, val in values.items()))
+    probes["int64_offsets"] = int64_offset_check(tk, torch, device)
+    log("  int64 offsets:", json.dumps(probes["int64_offsets"]))
+    report["probes"] = probes
+
+    log("\n== benchmark")
+    results: dict = {}
+    run_benchmark(args, budget, torch, triton, tk, device, results)
+    report["bench"] = [
+        {**row, "shape": list(row["shape"])} for row in results.values()
+    ]  # JSON-friendly
+
+    if not args.no_sweep and budget.left() > 30:
+        log("\n== tile sweep (fused forward)")
+        report["sweep"] = run_sweep(args, budget, torch, triton, tk, device)
+
+    lines = summary_lines(results, device)
+    log("\n== results: " + json.dumps({k: report[k] for k in ("date", "device", "versions")}))
+    log("tests:", report["tests"].get("status"), report["tests"].get("summary", ""))
+    tanh_line = ", ".join(
+        f"{name} max abs {val['max_abs']:.2e} rel {val['max_rel']:.2e}"
+        for name, val in probes.items()
+        if name.startswith("tanh")
+    )
+    log("tanh:", tanh_line, "| int64 offsets:", probes["int64_offsets"]["status"])
+    for line in lines:
+        log(line)
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+        path = os.path.join(args.out_dir, "gpu_check.json")
+        with open(path, "w") as handle:
+            json.dump(report, handle, indent=1, default=str)
+        with open(os.path.join(args.out_dir, "gpu_check_summary.txt"), "w") as handle:
+            handle.write("\n".join(lines) + "\n")
+        log("wrote", path)
+    failed = "FAILED" in str(report["tests"].get("status")) or probes["int64_offsets"][
+        "status"
+    ].startswith("FAILED")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
