@@ -80,7 +80,7 @@ def _tanh(x, FAST_TANH: tl.constexpr):
     """Elementwise tanh of a float32 tensor; see the module docstring for both paths' error bounds."""
     if FAST_TANH:
         return tl.inline_asm_elementwise(
-            "tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+            "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
         )
     else:
         ax = tl.abs(x)
@@ -462,7 +462,7 @@ def _additive_attention_bwd_ds_kernel(
         if HAS_GRAD_WEIGHTS:
             dp += tl.load(
                 grad_weights_rows_ptr + offs_k64[None, :] * stride_grad_weights_s,
-                mask=q_in & k_in.reshape(1, BLOCK_K),
+                mask=q_in & (offs_k[None, :] < num_keys),
                 other=0.0,
             ).to(tl.float32)
         delta += tl.sum(p * dp, axis=1)
