@@ -198,9 +198,7 @@ def test_empty_rows_are_zero(kind):
     assert torch.equal(grads[1][0], torch.zeros_like(grads[1][0]))  # its keys
     assert torch.equal(grads[2][0], torch.zeros_like(grads[2][0]))  # its values
     # masked positions weigh exactly 0 everywhere
-    valid = (
-        torch.arange(6) < lengths[:, None] if lengths is not None else mask
-    )  # [B, Tk]
+    valid = torch.arange(6) < lengths[:, None] if lengths is not None else mask  # [B, Tk]
     assert torch.equal(weights * ~valid[:, None, :], torch.zeros_like(weights))
 
 
@@ -300,7 +298,9 @@ def test_torch_compile_fullgraph_with_backward():
 @pytest.mark.parametrize("shape", [(1, 40, 9, 20, 5), (6, 7, 9, 33, 5)], ids=["split", "rows"])
 def test_bitwise_deterministic(shape):
     inputs = make_inputs(*shape, torch.float32)
-    lengths = torch.randint(1, shape[2] + 1, (shape[0],), generator=torch.Generator().manual_seed(5))
+    lengths = torch.randint(
+        1, shape[2] + 1, (shape[0],), generator=torch.Generator().manual_seed(5)
+    )
     gc = torch.randn(shape[0], shape[1], shape[4])
     gw = torch.randn(shape[0], shape[1], shape[2])
     first = forward_backward(additive_attention, inputs, lengths, None, gc, gw)
@@ -424,7 +424,11 @@ def _bad_cases():
         ("negative lengths", dict(lengths=torch.tensor([-1, 2])), "lengths"),
         ("lengths shape", dict(lengths=torch.tensor([1, 2, 3])), "lengths"),
         ("float lengths", dict(lengths=torch.tensor([1.0, 2.0])), "lengths"),
-        ("both", dict(lengths=torch.tensor([1, 2]), mask=torch.ones(2, 4, dtype=torch.bool)), "mask"),
+        (
+            "both",
+            dict(lengths=torch.tensor([1, 2]), mask=torch.ones(2, 4, dtype=torch.bool)),
+            "mask",
+        ),
         ("mask shape", dict(mask=torch.ones(2, 5, dtype=torch.bool)), "mask"),
         ("mask dtype", dict(mask=torch.ones(2, 4)), "mask"),
         ("not a tensor", dict(query=[[1.0]]), "query"),
