@@ -111,15 +111,19 @@ def tanh_errors(tk, torch, device: str, fast: bool) -> tuple[float, float]:
     return err.max().item(), (err / exact.abs().clamp_min(1e-300)).max().item()
 
 
-def int64_offset_check(tk, torch, device: str) -> dict:
-    """Keys of more than 2^31 elements: the rows past 2^31 must be read and written correctly."""
-    if device != "cuda":
-        return {"status": "skipped (needs a GPU with ~20 GB free)"}
-    free, _ = torch.cuda.mem_get_info()
+def int64_offset_check(tk, torch, device: str, num_keys: int = (1 << 21) + 37) -> dict:
+    """Keys of more than 2^31 elements: the rows past 2^31 must be read and written correctly.
+
+    keys[0, s, :] starts at element s * 1024, so the default rows >= 2^21 lie past 2^31. A small
+    num_keys (CPU, interpreter) checks the arithmetic of this check itself.
+    """
     hidden, value_dim = 1024, 8
-    num_keys = (1 << 21) + 37  # keys[0, s, :] starts at s*1024: rows >= 2^21 lie past 2^31
-    if free < 24 * 2**30:
-        return {"status": f"skipped (only {free / 2**30:.0f} GiB free)"}
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        if free < 24 * 2**30:
+            return {"status": f"skipped (only {free / 2**30:.0f} GiB free)"}
+    elif num_keys > 4096:
+        return {"status": "skipped (needs a GPU with ~24 GB free)"}
     gen = torch.Generator(device=device).manual_seed(0)
     dtype = torch.bfloat16
     query = torch.randn(1, 1, hidden, device=device, generator=gen).to(dtype)
@@ -134,7 +138,7 @@ def int64_offset_check(tk, torch, device: str) -> dict:
     scores = torch.empty(num_keys, device=device)
     qf, vf = query[0, 0].float(), v.float()
     for start in range(0, num_keys, 1 << 18):
-        chunk = keys[0, start : start + (1 << 18)].float()
+        chunk = keys[0, start : start + (1 << 18)].float()  # 1 GiB of float32 at a time
         scores[start : start + chunk.shape[0]] = torch.tanh(chunk + qf) @ vf
     ref_weights = torch.softmax(scores, dim=0)
     ref_context = ref_weights @ values[0].float()
@@ -149,21 +153,26 @@ def int64_offset_check(tk, torch, device: str) -> dict:
     ds = ref_weights[tail] * (dp - delta)
     u = torch.tanh(keys[0, tail].float() + qf)
     ref_grad_keys_tail = ds[:, None] * vf * (1 - u * u)
-    errors = {
-        "lse": abs(lse.item() - torch.logsumexp(scores, 0).item()),
-        "weights_tail": (weights[0, 0, tail].float() - ref_weights[tail]).abs().max().item(),
-        "context": (context[0, 0].float() - ref_context).abs().max().item(),
-        "grad_values_tail": (grads[2][0, tail].float() - ref_weights[tail, None])
-        .abs()
-        .max()
-        .item(),
-        "grad_keys_tail": (grads[1][0, tail].float() - ref_grad_keys_tail).abs().max().item(),
+    # (actual, expected) pairs; bf16 outputs carry 2^-8 relative rounding, an indexing error O(1).
+    pairs = {
+        "lse": (lse[0, :1].float(), torch.logsumexp(scores, 0)[None]),
+        "weights_tail": (weights[0, 0, tail].float(), ref_weights[tail]),
+        "context": (context[0, 0].float(), ref_context),
+        "grad_values_tail": (
+            grads[2][0, tail].float(),
+            ref_weights[tail, None].expand(-1, value_dim),
+        ),
+        "grad_keys_tail": (grads[1][0, tail].float(), ref_grad_keys_tail),
     }
-    scale = {"lse": 1e-2, "weights_tail": 1e-7, "context": 5e-2, "grad_values_tail": 1e-7}
-    scale["grad_keys_tail"] = 1e-7 + 0.02 * ref_grad_keys_tail.abs().max().item()
+    errors = {
+        name: ((a - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
+        for name, (a, e) in pairs.items()
+    }
+    scale = dict.fromkeys(errors, 2e-2)
     ok = all(errors[name] <= scale[name] for name in errors)
     del keys, values, grads, scores
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return {"status": "passed" if ok else "FAILED", "errors": errors}
 
 
