@@ -11,3 +11,20 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Hypothesis profiles for the fuzz tests (tests/test_fuzz.py). "ci" (the default) keeps the whole
+# suite fast; ``pytest --hypothesis-profile=long`` runs many more examples per test. Test files
+# scale their own example counts from the active profile's max_examples.
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # hypothesis is a test extra; the fuzz tests skip without it
+    pass
+else:
+    _slow_ok = [HealthCheck.too_slow, HealthCheck.data_too_large]
+    settings.register_profile(
+        "ci", max_examples=60, deadline=None, suppress_health_check=_slow_ok, print_blob=True
+    )
+    settings.register_profile(
+        "long", max_examples=2000, deadline=None, suppress_health_check=_slow_ok, print_blob=True
+    )
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
