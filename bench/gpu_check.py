@@ -23,6 +23,7 @@ provider then calls the Triton launchers directly, since CPU tensors dispatch to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import importlib.util
@@ -60,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, CPU, interpreter")
     parser.add_argument(
-        "--budget-s", type=float, default=420.0, help="stop starting new work after"
+        "--budget-s", type=float, default=480.0, help="no new work is started after this"
     )
     parser.add_argument("--test-timeout-s", type=float, default=200.0)
     parser.add_argument("--skip-tests", action="store_true")
@@ -79,6 +80,8 @@ def run_tests(args: argparse.Namespace, budget: Budget) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton.py"]
     if args.dry_run:  # the interpreter is slow: one representative test proves the invocation
         cmd += ["-k", "fp32_matches_reference and 2x3x5x7x4"]
+    elif importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", "8"]  # Triton and inductor compilation dominate: spread it over the cores
     timeout = max(30.0, min(args.test_timeout_s, budget.left() - 60))
     log("$", " ".join(cmd[2:]), f"(timeout {timeout:.0f} s)")
     start = time.monotonic()
@@ -249,10 +252,28 @@ def peak_mib(torch, fn, device) -> float:
     return peak / 2**20
 
 
+@contextlib.contextmanager
+def tanh_mode(mode: str | None):
+    """Set SEQ2SEQ_FAST_TANH (read by the launchers at every call) for the duration; None: as is."""
+    saved = os.environ.get("SEQ2SEQ_FAST_TANH")
+    if mode is not None:
+        os.environ["SEQ2SEQ_FAST_TANH"] = mode
+    try:
+        yield
+    finally:
+        if mode is not None:
+            if saved is None:
+                os.environ.pop("SEQ2SEQ_FAST_TANH", None)
+            else:
+                os.environ["SEQ2SEQ_FAST_TANH"] = saved
+
+
 def bench_one(torch, triton, attention, inputs, mode, device, tanh_env=None) -> dict:
-    saved_env = os.environ.get("SEQ2SEQ_FAST_TANH")
-    if tanh_env is not None:
-        os.environ["SEQ2SEQ_FAST_TANH"] = tanh_env
+    with tanh_mode(tanh_env):
+        return _bench_one(torch, triton, attention, inputs, mode, device)
+
+
+def _bench_one(torch, triton, attention, inputs, mode, device) -> dict:
     try:
         if mode == "forward":
 
@@ -291,11 +312,6 @@ def bench_one(torch, triton, attention, inputs, mode, device, tanh_env=None) -> 
     except Exception as exc:  # an OOM or compile failure must not sink the whole table
         return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     finally:
-        if tanh_env is not None:
-            if saved_env is None:
-                os.environ.pop("SEQ2SEQ_FAST_TANH", None)
-            else:
-                os.environ["SEQ2SEQ_FAST_TANH"] = saved_env
         if device == "cuda":
             torch.cuda.empty_cache()
 
@@ -331,39 +347,40 @@ def run_benchmark(args, budget, torch, triton, tk, device, results) -> None:
     if args.dry_run:  # exercise the path without inductor's minutes of CPU compilation
         compiled = torch.compile(additive_attention_ref, dynamic=False, backend="eager")
 
-    plan = []
-    for shape in shapes:
-        for variant, dtype, tanh_env in variants:
-            plan.append((shape, variant, dtype, tanh_env))
-
-    # Pass 1: fused and eager everywhere (cheap); pass 2: torch.compile (slow to compile).
-    for provider in ("fused", "eager", "compile"):
-        for shape, variant, dtype, tanh_env in plan:
-            if provider != "fused" and tanh_env is not None:
-                continue  # the references have no tanh knob: fp32+approx compares to fp32's rows
-            for mode in MODES:
-                key = (shape, variant, mode)
-                row = results.setdefault(key, {"shape": shape, "variant": variant, "mode": mode})
-                if budget.left() < (60 if provider == "compile" else 20):
-                    row[provider] = {"error": "skipped: time budget"}
-                    continue
-                inputs = make_inputs(torch, shape, dtype, device)  # Dv = H
-                attention = {"fused": fused, "eager": eager, "compile": compiled}[provider]
-                row[provider] = bench_one(torch, triton, attention, inputs, mode, device, tanh_env)
-                if provider == "fused" and mode == "forward" and "error" not in row[provider]:
-                    try:
-                        saved = os.environ.get("SEQ2SEQ_FAST_TANH")
-                        if tanh_env:
-                            os.environ["SEQ2SEQ_FAST_TANH"] = tanh_env
-                        row["rel_error"] = forward_error(torch, fused, eager, inputs)
-                    finally:
-                        if tanh_env:
-                            if saved is None:
-                                os.environ.pop("SEQ2SEQ_FAST_TANH", None)
-                            else:
-                                os.environ["SEQ2SEQ_FAST_TANH"] = saved
-                log(format_progress(row, provider))
-                del inputs
+    plan = [(shape, *variant) for shape in shapes for variant in variants]
+    for shape, variant, _, _ in plan:  # summary rows in a fixed order
+        for mode in MODES:
+            results[(shape, variant, mode)] = {"shape": shape, "variant": variant, "mode": mode}
+    # Cheap work first: fused and eager everywhere; then torch.compile (tens of seconds of
+    # compilation per entry), forward before forward+backward, so a tight budget still leaves a
+    # complete forward comparison. The references have no tanh knob: fp32+approx rows show the
+    # fused op only (compare with the fp32 rows).
+    work = [
+        (provider, shape, variant, dtype, tanh_env, mode)
+        for provider in ("fused", "eager")
+        for shape, variant, dtype, tanh_env in plan
+        for mode in MODES
+        if provider == "fused" or tanh_env is None
+    ]
+    work += [
+        ("compile", shape, variant, dtype, tanh_env, mode)
+        for mode in MODES
+        for shape, variant, dtype, tanh_env in plan
+        if tanh_env is None
+    ]
+    for provider, shape, variant, dtype, tanh_env, mode in work:
+        row = results[(shape, variant, mode)]
+        if budget.left() < (75 if provider == "compile" else 20):
+            row[provider] = {"error": "skipped: time budget"}
+            continue
+        inputs = make_inputs(torch, shape, dtype, device)  # Dv = H
+        attention = {"fused": fused, "eager": eager, "compile": compiled}[provider]
+        row[provider] = bench_one(torch, triton, attention, inputs, mode, device, tanh_env)
+        if provider == "fused" and mode == "forward" and "error" not in row[provider]:
+            with tanh_mode(tanh_env):
+                row["rel_error"] = forward_error(torch, fused, eager, inputs)
+        log(format_progress(row, provider))
+        del inputs
 
 
 def format_progress(row, provider) -> str:
@@ -378,22 +395,33 @@ def format_progress(row, provider) -> str:
     )
 
 
+def sweep_configs(tk, shape) -> list[tuple[str, object]]:
+    """Forward tile candidates for one shape: the default, other budgets and warps, wider blocks."""
+    _, num_queries, num_keys, hidden = shape
+    configs = []
+    for tile, warps in ((4096, 4), (2048, 4), (4096, 8), (8192, 8)):
+        base = tk.forward_config(num_queries, num_keys, hidden, hidden, tile=tile)
+        cfg = tk.TileConfig(base.block_q, base.block_k, base.block_h, base.block_dv, warps)
+        configs.append((f"tile={tile} warps={warps}", cfg))
+    if num_queries >= 8:  # 16x16 query x key tiles: tl.dot for the context, padding paid in tanh
+        configs.append(("16x16 dot", tk.TileConfig(16, 16, 16, 64, 4)))
+    else:  # wider key tiles for the decoding step
+        configs.append(("bk=32", tk.TileConfig(1, 32, 128, 128, 4)))
+    return configs
+
+
 def run_sweep(args, budget, torch, triton, tk, device) -> list[dict]:
-    """Fused forward under several tile budgets / warp counts: data to tune forward_config with."""
+    """The fused forward under several tile choices: data to tune forward_config with."""
     rows = []
     shapes = DRY_SHAPES if args.dry_run else GPU_SHAPES
-    options = [(2048, 4), (4096, 4), (4096, 8), (8192, 8)]
     for shape in shapes:
+        batch, num_queries, num_keys, hidden = shape
         for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
             inputs = make_inputs(torch, shape, dtype, device)
-            batch, num_queries, num_keys, hidden = shape
-            for tile, warps in options:
+            for label, cfg in sweep_configs(tk, shape):
                 if budget.left() < 15:
                     return rows
-                base = tk.forward_config(num_queries, num_keys, hidden, hidden, tile=tile)
-                cfg = tk.TileConfig(
-                    base.block_q, base.block_k, base.block_h, base.block_dv, num_warps=warps
-                )
+                blocks = (cfg.block_q, cfg.block_k, cfg.block_h, cfg.block_dv)
 
                 def call(cfg=cfg, inputs=inputs):
                     return tk.additive_attention_fwd(*inputs, None, None, True, config=cfg)
@@ -401,15 +429,15 @@ def run_sweep(args, budget, torch, triton, tk, device) -> list[dict]:
                 try:
                     call()
                     median, _, _ = time_ms(triton, call, device)
-                    rate = batch * num_queries * num_keys * hidden / (median * 1e-3)
-                    rows.append({"shape": shape, "dtype": dtype_name, "tile": tile, "warps": warps,
-                                 "blocks": (cfg.block_q, cfg.block_k, cfg.block_h, cfg.block_dv),
-                                 "ms": median, "tanh_per_s": rate})  # fmt: skip
-                    log(f"  sweep {'x'.join(map(str, shape)):16s} {dtype_name} tile={tile:5d} "
-                        f"warps={warps} blocks={rows[-1]['blocks']} {median:9.3f} ms "
-                        f"{rate / 1e12:6.3f} T tanh/s")  # fmt: skip
-                except Exception as exc:
-                    log(f"  sweep {shape} {dtype_name} tile={tile} warps={warps}: {exc!r:.200}")
+                except Exception as exc:  # e.g. out of registers / shared memory
+                    log(f"  sweep {shape} {dtype_name} {label}: {exc!r:.200}")
+                    continue
+                rate = batch * num_queries * num_keys * hidden / (median * 1e-3)
+                rows.append({"shape": shape, "dtype": dtype_name, "config": label,
+                             "blocks": blocks, "warps": cfg.num_warps, "ms": median,
+                             "tanh_per_s": rate})  # fmt: skip
+                log(f"  sweep {'x'.join(map(str, shape)):16s} {dtype_name} {label:22s} "
+                    f"blocks={blocks} {median:9.3f} ms {rate / 1e12:6.3f} T tanh/s")  # fmt: skip
             del inputs
     return rows
 
