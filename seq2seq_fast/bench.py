@@ -625,6 +625,71 @@ def peak_extra_bytes(call: Callable[[], Sequence[Tensor | None]], device: str) -
     return max(0, extra)
 
 
+# Fresh-process cross-check on Linux: glibc serves every block >= 64 KiB with mmap and unmaps it
+# on free (fixed threshold, no trimming delay), so resident memory follows live memory, including
+# what a kernel takes with plain malloc/std::vector outside PyTorch's allocator.
+RSS_PROBE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+def _proc_status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"{key} not in /proc/self/status")
+
+
+def rss_peak_extra_bytes(call: Callable[[], Sequence[Tensor | None]]) -> int:
+    """Peak resident memory during one ``call`` beyond what was resident before it and its outputs.
+
+    Resets the process's peak RSS (``/proc/self/clear_refs``, Linux >= 4.0) first. Meant for a fresh
+    process started with ``RSS_PROBE_ENV``, after warm-up (see ``rss_probe_in_subprocess``).
+    """
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _proc_status_bytes("VmRSS")
+    outputs = call()
+    peak = _proc_status_bytes("VmHWM")
+    extra = peak - before - _output_bytes(outputs)
+    del outputs
+    return max(0, extra)
+
+
+def _rss_probe(spec: dict[str, Any]) -> int:
+    """Run in the child: build the case of ``spec``, warm the call up, measure it once."""
+    torch.set_num_threads(spec["threads"])
+    device, dtype = spec["device"], getattr(torch, spec["dtype"])
+    if spec["kind"] == "decode":
+        shape = decode_shape_for(spec["size"], device)
+        call = make_decode_call(
+            spec["provider"], make_decode_case(shape, device, dtype, spec["seed"])
+        )
+    else:
+        shape = next(s for s in shapes_for(spec["size"], device) if s.name == spec["shape"])
+        case = make_case(shape, device, dtype, spec["seed"])
+        call = make_call(spec["provider"], spec["mode"], case)
+    warm_up(call, device)
+    return rss_peak_extra_bytes(call)
+
+
+def rss_probe_in_subprocess(spec: dict[str, Any], timeout_s: float = 900) -> int | None:
+    """``rss_peak_extra_bytes`` of one (kind, provider, mode, shape) in a fresh Python process."""
+    env = dict(os.environ, **RSS_PROBE_ENV)
+    proc = subprocess.run(
+        [sys.executable, "-m", "seq2seq_fast.bench", "--rss-probe", json.dumps(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)["rss_extra_bytes"]
+    print(f"# RSS probe failed for {spec}: {proc.stderr[-2000:]}", file=sys.stderr)
+    return None
+
+
 # --- machine and versions --------------------------------------------------------------------------
 
 
@@ -742,6 +807,7 @@ class ProviderResult:
     summary: Summary | None = None
     gtanh_per_s: float | None = None
     peak_extra_bytes: int | None = None
+    rss_extra_bytes: int | None = None
 
 
 @dataclass
@@ -779,7 +845,10 @@ def run_group(
     rounds: int,
     min_sample_s: float,
     memory: bool,
+    rss_probe: Callable[[str], int | None] | None = None,
 ) -> GroupResult:
+    """Time ``calls`` interleaved, then measure each one's peak extra memory (and, with
+    ``rss_probe(provider)``, its peak extra RSS in a fresh process)."""
     tanh_work = shape.tanh_count * WORK_FACTOR[mode]
     samples = time_interleaved(calls, device, rounds, min_sample_s) if calls else {}
     results = []
@@ -796,6 +865,7 @@ def run_group(
                 summary=summary,
                 gtanh_per_s=tanh_work / summary.median / 1e9,
                 peak_extra_bytes=peak,
+                rss_extra_bytes=rss_probe(name) if rss_probe is not None else None,
             )
         )
     return GroupResult(kind, shape, mode, tanh_work, results, _speedups(results))
@@ -843,29 +913,39 @@ def format_machine(info: dict[str, Any]) -> str:
 
 def format_group(group: GroupResult) -> str:
     shape = group.shape
+    with_rss = any(r.rss_extra_bytes is not None for r in group.providers)
     title = "additive_attention" if group.kind == "op" else "BahdanauAttention decoding loop"
     note = f" ({shape.note})" if shape.note else ""
+    columns = ["provider", "median", "IQR", "min", "G tanh/s", "peak extra memory"]
+    columns += ["peak extra RSS (fresh process)"] if with_rss else []
+    columns += ["speedup of fused"]
     lines = [
         f"### {title} · {group.mode} · {shape.name}: {shape.label}{note}",
         "",
-        "| provider | median | IQR | min | G tanh/s | peak extra memory | speedup of fused |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| " + " | ".join(columns) + " |",
+        "|" + " --- |" * len(columns),
     ]
     notes = []
     for r in group.providers:
         if r.summary is None:
-            lines.append(f"| {r.provider} | skipped¹ | | | | | |")
+            lines.append(f"| {r.provider} | skipped¹ |" + " |" * (len(columns) - 2))
             notes.append(f"¹ {r.provider}: {r.skipped}")
             continue
         s = r.summary
         speedup = (
             "–" if r.provider == "fused" else _fmt_ratio(group.speedups.get(f"fused/{r.provider}"))
         )
-        lines.append(
-            f"| {r.provider} | {_fmt_time(s.median)} | {_fmt_time(s.q1)}–{_fmt_time(s.q3)} "
-            f"| {_fmt_time(s.min)} | {r.gtanh_per_s:.2f} | {_fmt_bytes(r.peak_extra_bytes)} "
-            f"| {speedup} |"
-        )
+        cells = [
+            r.provider,
+            _fmt_time(s.median),
+            f"{_fmt_time(s.q1)}–{_fmt_time(s.q3)}",
+            _fmt_time(s.min),
+            f"{r.gtanh_per_s:.2f}",
+            _fmt_bytes(r.peak_extra_bytes),
+        ]
+        cells += [_fmt_bytes(r.rss_extra_bytes)] if with_rss else []
+        cells += [speedup]
+        lines.append("| " + " | ".join(cells) + " |")
     if notes:
         lines += ["", *notes]
     return "\n".join(lines)
@@ -901,8 +981,11 @@ def format_report(info: dict[str, Any], config: dict[str, Any], groups: list[Gro
         "",
         "Speedups are medians of per-round ratios (time of the other provider / time of fused), "
         "with their IQR. G tanh/s counts N = B·Tq·Tk·H per forward and 3N per forward+backward "
-        "(DESIGN.md's work model). Peak extra memory: bytes allocated during one call beyond its "
-        "inputs and outputs.",
+        "(DESIGN.md's work model). Peak extra memory: bytes allocated during one call (after "
+        "warm-up) beyond its inputs and outputs, from PyTorch's allocator (CPU: torch.profiler's "
+        "allocation events; CUDA: max_memory_allocated). Peak extra RSS, where shown: the same "
+        "call in a fresh process, resident-set peak over the resident set before it, minus outputs "
+        "(glibc set to return every block >= 64 KiB to the OS on free).",
         "",
         "#### summary",
         "",
@@ -961,6 +1044,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--min-sample-ms", type=float, default=None)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument("--no-decode", action="store_true", help="skip the decoding-loop table")
+    parser.add_argument(
+        "--rss",
+        action="store_true",
+        help="CPU: also measure peak extra RSS of each provider in a fresh process (slower)",
+    )
+    parser.add_argument("--rss-probe", metavar="SPEC", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return parser.parse_args(argv)
@@ -969,6 +1058,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the report; returns a process exit status. ``argv`` excludes the program name."""
     args = _parse_args(argv)
+    if args.rss_probe:  # the child of rss_probe_in_subprocess
+        print(json.dumps({"rss_extra_bytes": _rss_probe(json.loads(args.rss_probe))}))
+        return 0
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = args.device
@@ -991,6 +1083,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     for m in modes:
         if m not in MODES:
             raise SystemExit(f"--modes: unknown mode {m!r} (known: {', '.join(MODES)})")
+    use_rss = args.rss and torch.device(device).type == "cpu" and not args.no_memory
+
+    def rss_probe(kind: str, shape_name: str, mode: str) -> Callable[[str], int | None] | None:
+        if not use_rss:
+            return None
+        base = {
+            "kind": kind,
+            "shape": shape_name,
+            "mode": mode,
+            "size": size,
+            "device": device,
+            "dtype": str(dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(),
+            "seed": args.seed,
+        }
+        return lambda provider: rss_probe_in_subprocess(base | {"provider": provider})
 
     info = machine_info(device)
     config = {
@@ -1001,6 +1109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "providers": providers,
         "modes": modes,
         "seed": args.seed,
+        "rss": use_rss,
     }
     groups: list[GroupResult] = []
     for shape in shapes_for(size, device):
@@ -1025,6 +1134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rounds,
                     min_sample_s,
                     not args.no_memory,
+                    rss_probe("op", shape.name, mode),
                 )
             )
         del case
@@ -1044,7 +1154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         groups.append(
             run_group(
                 "decode", dshape, "forward", calls, skipped, device, rounds, min_sample_s,
-                not args.no_memory,
+                not args.no_memory, rss_probe("decode", dshape.name, "forward"),
             )
         )  # fmt: skip
     print(format_report(info, config, groups), end="")

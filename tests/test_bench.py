@@ -128,3 +128,29 @@ def test_make_call_outputs_and_gradients_on_tiny_shape():
 def test_summary_quartiles():
     s = sb.Summary.of([5.0, 1.0, 3.0, 2.0, 4.0])
     assert (s.min, s.q1, s.median, s.q3, s.max, s.n) == (1.0, 2.0, 3.0, 4.0, 5.0, 5)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_fresh_process_rss_counts_temporaries_not_outputs():
+    code = (
+        "import torch\n"
+        "from seq2seq_fast import bench as sb\n"
+        "def call():\n"
+        "    scratch = torch.ones(2 << 20)\n"  # 8 MiB float32, freed before returning
+        "    out = scratch[:16].clone()\n"
+        "    del scratch\n"
+        "    return (out,)\n"
+        "call()\n"
+        "print(sb.rss_peak_extra_bytes(call))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=_env(**sb.RSS_PROBE_ENV),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    extra = int(proc.stdout.split()[-1])
+    assert 7.5 * 2**20 <= extra < 9 * 2**20  # page-granular, and other pages come and go
