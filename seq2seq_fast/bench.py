@@ -1,6 +1,6 @@
 """Benchmarks of the fused additive attention: shared measurement code and the report command.
 
-    python -m seq2seq_fast.bench [--device cuda] [--quick] [--threads N] [--json PATH]
+    python -m seq2seq_fast.bench [--device cuda] [--quick] [--threads N] [--json PATH] [--rss]
 
 One implementation of shapes, providers, timing and memory serves both this report and the
 pytest-benchmark files in ``bench/`` (``pytest bench/ --benchmark-only``).
@@ -24,7 +24,8 @@ the call returns (context, weights and, in forward+backward, the gradients): "ex
 beyond inputs and outputs. On CUDA it is ``torch.cuda.max_memory_allocated`` after
 ``reset_peak_memory_stats``; on CPU it is the running sum of the allocations and frees that
 ``torch.profiler`` records from PyTorch's CPU allocator (``profile_memory=True``). Memory that a
-kernel takes with plain ``malloc`` outside PyTorch's allocator is not seen on CPU.
+kernel takes with plain ``malloc`` outside PyTorch's allocator is not seen there; ``--rss`` adds a
+cross-check that sees it: the resident-set peak of the same call in a fresh process.
 
 Size knob: ``SEQ2SEQ_FAST_BENCH_SIZE`` = ``tiny`` (CI: seconds), ``quick`` (two real shapes) or
 ``full`` (default); on CPU the shapes of DESIGN.md are scaled down (smaller batch) so a 2-core
