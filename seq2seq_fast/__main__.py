@@ -1,0 +1,8 @@
+"""``python -m seq2seq_fast`` is the ``seq2seq-fast`` command."""
+
+import sys
+
+from seq2seq_fast.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,430 @@
+"""Tasks, vocabularies and batching: the built-in reversal task and parallel-corpus translation.
+
+Vocabularies put <pad>=0, <unk>=1, <s>=2, </s>=3 (see ``seq2seq_fast.models``) and serialise to
+plain dicts stored in checkpoints (a sentencepiece model travels as its serialized bytes), so a
+checkpoint is self-contained.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+import unicodedata
+import zipfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from seq2seq_fast.models import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+SPECIALS = ("<pad>", "<unk>", "<s>", "</s>")
+
+
+class CorpusError(ValueError):
+    """A corpus file that cannot be used (missing, unreadable, or yielding no sentence pairs)."""
+
+
+# --- vocabularies ----------------------------------------------------------------------------------
+
+
+class SymbolVocab:
+    """A fixed list of whitespace-separated symbols (the reversal task's vocabulary)."""
+
+    kind = "symbols"
+
+    def __init__(self, symbols: Sequence[str]) -> None:
+        self.symbols = list(symbols)
+        self.itos = list(SPECIALS) + self.symbols
+        self.stoi = {s: i for i, s in enumerate(self.itos)}
+        if len(self.stoi) != len(self.itos):
+            raise ValueError("vocabulary symbols must be unique and differ from the specials")
+
+    def __len__(self) -> int:
+        return len(self.itos)
+
+    def split(self, text: str) -> list[str]:
+        parts = text.split()
+        # "abc" with single-character symbols reads as "a b c".
+        if len(parts) == 1 and parts[0] not in self.stoi and all(c in self.stoi for c in parts[0]):
+            return list(parts[0])
+        return parts
+
+    def encode(self, text: str) -> list[int]:
+        return [self.stoi.get(s, UNK_ID) for s in self.split(text)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join(self.pieces(ids))
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        return [self.itos[i] if 0 <= i < len(self.itos) else "<unk>" for i in ids]
+
+    def to_state(self) -> dict:
+        return {"kind": self.kind, "symbols": list(self.symbols)}
+
+
+class SentencePieceVocab:
+    """A sentencepiece subword model (trained offline on the training split)."""
+
+    kind = "sentencepiece"
+
+    def __init__(self, model_proto: bytes) -> None:
+        import sentencepiece as spm
+
+        self.model_proto = bytes(model_proto)
+        self.sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
+
+    @classmethod
+    def train(cls, sentences: Sequence[str], vocab_size: int) -> SentencePieceVocab:
+        import sentencepiece as spm
+
+        model = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type="unigram",
+            character_coverage=1.0,
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            hard_vocab_limit=False,  # small corpora get a smaller vocabulary instead of an error
+            num_threads=1,  # deterministic: the same corpus gives the same vocabulary
+            minloglevel=2,
+        )
+        return cls(model.getvalue())
+
+    def __len__(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text, out_type=int)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        return [self.sp.id_to_piece(int(i)) for i in ids]
+
+    def to_state(self) -> dict:
+        return {"kind": self.kind, "model": self.model_proto}
+
+
+def vocab_from_state(state: dict) -> SymbolVocab | SentencePieceVocab:
+    kind = state.get("kind") if isinstance(state, dict) else None
+    if kind == SymbolVocab.kind:
+        return SymbolVocab(state["symbols"])
+    if kind == SentencePieceVocab.kind:
+        return SentencePieceVocab(state["model"])
+    raise ValueError(f"unknown vocabulary kind {kind!r}")
+
+
+# --- batching --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """src [B, S], src_lengths [B], tgt_in [B, T] (<s> y...), tgt_out [B, T] (y... </s>), pad = 0."""
+
+    src: Tensor
+    src_lengths: Tensor
+    tgt_in: Tensor
+    tgt_out: Tensor
+
+    @property
+    def num_target_tokens(self) -> int:
+        return int((self.tgt_out != PAD_ID).sum())
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(
+            *(t.to(device) for t in (self.src, self.src_lengths, self.tgt_in, self.tgt_out))
+        )
+
+
+def make_batch(
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    src_pad_to: int | None = None,
+    tgt_pad_to: int | None = None,
+) -> Batch:
+    """Pad id sequences into a Batch; ``*_pad_to`` fixes the padded widths (for torch.compile)."""
+    batch = len(pairs)
+    src_width = max(len(s) for s, _ in pairs)
+    tgt_width = max(len(t) for _, t in pairs) + 1
+    src_width = max(src_width, src_pad_to or 0)
+    tgt_width = max(tgt_width, tgt_pad_to or 0)
+    src = torch.full((batch, src_width), PAD_ID, dtype=torch.long)
+    tgt_in = torch.full((batch, tgt_width), PAD_ID, dtype=torch.long)
+    tgt_out = torch.full((batch, tgt_width), PAD_ID, dtype=torch.long)
+    lengths = torch.empty(batch, dtype=torch.long)
+    for i, (s, t) in enumerate(pairs):
+        src[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+        lengths[i] = len(s)
+        tgt_in[i, 0] = BOS_ID
+        tgt_in[i, 1 : len(t) + 1] = torch.as_tensor(t, dtype=torch.long)
+        tgt_out[i, : len(t)] = torch.as_tensor(t, dtype=torch.long)
+        tgt_out[i, len(t)] = EOS_ID
+    return Batch(src, lengths, tgt_in, tgt_out)
+
+
+# --- the reversal task -----------------------------------------------------------------------------
+
+_SYMBOL_CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+def reverse_symbols(vocab_size: int) -> list[str]:
+    """Single characters while they last (so "abc" reads as a sequence), then w62, w63, ..."""
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+    return [_SYMBOL_CHARS[i] if i < len(_SYMBOL_CHARS) else f"w{i}" for i in range(vocab_size)]
+
+
+@dataclass
+class ReverseTask:
+    """Random token sequences and their reversal; training data is drawn fresh every batch.
+
+    Lengths are uniform in [min_len, max_len]; tokens uniform over ``vocab_size`` symbols. The
+    held-out set is drawn from its own seed; with these sizes (>= 26^8 sequences) a training draw
+    repeats a held-out sequence with negligible probability.
+    """
+
+    vocab_size: int = 32
+    min_len: int = 8
+    max_len: int = 24
+    seed: int = 0
+    heldout_size: int = 1000
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_len <= self.max_len:
+            raise ValueError(
+                f"need 1 <= min_len <= max_len, got min_len={self.min_len} max_len={self.max_len}"
+            )
+        self.vocab = SymbolVocab(reverse_symbols(self.vocab_size))
+
+    def sample(self, generator: torch.Generator, count: int) -> list[tuple[list[int], list[int]]]:
+        lengths = torch.randint(self.min_len, self.max_len + 1, (count,), generator=generator)
+        tokens = torch.randint(
+            len(SPECIALS),
+            len(SPECIALS) + self.vocab_size,
+            (count, self.max_len),
+            generator=generator,
+        )
+        pairs = []
+        for n, row in zip(lengths.tolist(), tokens.tolist(), strict=True):
+            src = row[:n]
+            pairs.append((src, src[::-1]))
+        return pairs
+
+    def heldout(self) -> list[tuple[list[int], list[int]]]:
+        generator = torch.Generator().manual_seed(self.seed + 1_000_003)
+        return self.sample(generator, self.heldout_size)
+
+
+# --- parallel corpora ------------------------------------------------------------------------------
+
+
+def normalize_text(text: str, form: str = "NFKC") -> str:
+    """Unicode normalisation, with U+202F/U+00A0 (French spacing before ! ?) and runs of
+    whitespace turned into single spaces."""
+    text = unicodedata.normalize(form, text)
+    text = text.replace("\u202f", " ").replace("\u00a0", " ")
+    return " ".join(text.split())
+
+
+@dataclass
+class CorpusReport:
+    path: str
+    lines: int = 0
+    pairs: int = 0
+    malformed: list[tuple[int, str]] = field(default_factory=list)
+    too_long: int = 0
+
+    def summary(self, shown: int = 5) -> str:
+        text = (
+            f"{self.path}: {self.lines} lines, {self.pairs} pairs kept, "
+            f"{len(self.malformed)} malformed, {self.too_long} over the length limit"
+        )
+        if self.malformed:
+            examples = "; ".join(f"line {n}: {why}" for n, why in self.malformed[:shown])
+            more = len(self.malformed) - shown
+            text += f" (malformed {examples}{f'; and {more} more' if more > 0 else ''})"
+        return text
+
+
+def _read_corpus_bytes(path: Path) -> tuple[bytes, str]:
+    if not path.exists():
+        raise CorpusError(f"corpus file not found: {path}")
+    if path.is_dir():
+        raise CorpusError(f"corpus path is a directory, not a file: {path}")
+    if zipfile.is_zipfile(path):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                members = [
+                    m
+                    for m in archive.infolist()
+                    if not m.is_dir() and m.filename.lower().endswith((".txt", ".tsv"))
+                ]
+                data_members = [m for m in members if not Path(m.filename).name.startswith("_")]
+                candidates = data_members or members
+                if not candidates:
+                    raise CorpusError(f"{path}: the zip archive holds no .txt or .tsv file")
+                member = max(candidates, key=lambda m: m.file_size)
+                return archive.read(member), f"{path}:{member.filename}"
+        except zipfile.BadZipFile as exc:
+            raise CorpusError(f"{path}: not a readable zip archive ({exc})") from exc
+    if path.suffix.lower() == ".zip":
+        raise CorpusError(f"{path}: not a readable zip archive (truncated or corrupt)")
+    try:
+        return path.read_bytes(), str(path)
+    except OSError as exc:
+        raise CorpusError(f"cannot read corpus {path}: {exc}") from exc
+
+
+def read_parallel_corpus(
+    path: str | Path,
+    *,
+    normalization: str = "NFKC",
+    max_words: int | None = None,
+    swap: bool = False,
+) -> tuple[list[tuple[str, str]], CorpusReport]:
+    """Read ``source<TAB>target[<TAB>anything]`` lines from a text file or a .zip holding one.
+
+    Lines that are not valid UTF-8, have fewer than two columns or an empty side are malformed:
+    counted and reported with their line numbers. Pairs with more than ``max_words`` words on a
+    side are dropped. ``swap`` reads column 2 as the source. A file with no usable pair raises
+    :class:`CorpusError`.
+    """
+    if normalization not in ("NFC", "NFKC", "NFD", "NFKD"):
+        raise ValueError(f"normalization must be NFC, NFKC, NFD or NFKD, got {normalization!r}")
+    raw, name = _read_corpus_bytes(Path(path))
+    report = CorpusReport(name)
+    pairs = []
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    for number, line in enumerate(raw.splitlines(), start=1):
+        report.lines += 1
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            report.malformed.append((number, f"not valid UTF-8 ({exc.reason} at byte {exc.start})"))
+            continue
+        if not text.strip():
+            report.malformed.append((number, "empty line"))
+            continue
+        columns = text.split("\t")
+        if len(columns) < 2:
+            report.malformed.append((number, "no tab-separated target column"))
+            continue
+        src, tgt = (normalize_text(c, normalization) for c in columns[:2])
+        if not src or not tgt:
+            report.malformed.append((number, "empty source or target"))
+            continue
+        if swap:
+            src, tgt = tgt, src
+        if max_words is not None and max(len(src.split()), len(tgt.split())) > max_words:
+            report.too_long += 1
+            continue
+        pairs.append((src, tgt))
+    report.pairs = len(pairs)
+    if not pairs:
+        raise CorpusError(f"no usable sentence pairs in {report.summary()}")
+    return pairs, report
+
+
+def split_by_source(
+    pairs: Sequence[tuple[str, str]], valid_fraction: float, test_fraction: float, seed: int
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[tuple[str, str]]]:
+    """Fixed-seed train/valid/test split that keeps every translation of one source sentence in the
+    same split (Tatoeba repeats sources), so held-out sources are never seen in training."""
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for pair in pairs:
+        groups.setdefault(pair[0], []).append(pair)
+    sources = list(groups)
+    random.Random(seed).shuffle(sources)
+    n_valid = max(1, round(len(sources) * valid_fraction)) if valid_fraction > 0 else 0
+    n_test = max(1, round(len(sources) * test_fraction)) if test_fraction > 0 else 0
+    if n_valid + n_test >= len(sources):
+        raise CorpusError(
+            f"too few distinct source sentences ({len(sources)}) for a train/valid/test split"
+        )
+    valid = [p for s in sources[:n_valid] for p in groups[s]]
+    test = [p for s in sources[n_valid : n_valid + n_test] for p in groups[s]]
+    train = [p for s in sources[n_valid + n_test :] for p in groups[s]]
+    return train, valid, test
+
+
+@dataclass
+class TranslationData:
+    """Encoded splits and the two subword vocabularies of a parallel corpus."""
+
+    src_vocab: SentencePieceVocab
+    tgt_vocab: SentencePieceVocab
+    train: list[tuple[list[int], list[int]]]
+    valid: list[tuple[str, str]]
+    test: list[tuple[str, str]]
+    report: CorpusReport
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        *,
+        swap: bool = False,
+        max_words: int | None = 12,
+        max_pairs: int | None = None,
+        vocab_size: int = 4000,
+        normalization: str = "NFKC",
+        valid_fraction: float = 0.02,
+        test_fraction: float = 0.03,
+        seed: int = 0,
+    ) -> TranslationData:
+        pairs, report = read_parallel_corpus(
+            path, normalization=normalization, max_words=max_words, swap=swap
+        )
+        if max_pairs is not None and len(pairs) > max_pairs:
+            pairs = random.Random(seed).sample(pairs, max_pairs)
+        train, valid, test = split_by_source(pairs, valid_fraction, test_fraction, seed)
+        src_vocab = SentencePieceVocab.train([s for s, _ in train], vocab_size)
+        tgt_vocab = SentencePieceVocab.train([t for _, t in train], vocab_size)
+        encoded = [(src_vocab.encode(s), tgt_vocab.encode(t)) for s, t in train]
+        encoded = [(s, t) for s, t in encoded if s and t]
+        return cls(src_vocab, tgt_vocab, encoded, valid, test, report)
+
+
+def epoch_batches(
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    batch_size: int,
+    *,
+    seed: int,
+    epoch: int,
+    rank: int = 0,
+    world_size: int = 1,
+    bucket: int = 50,
+) -> list[list[int]]:
+    """The index lists of one epoch's batches for this rank: a fixed-seed shuffle per epoch, sorted
+    by length within buckets of ``bucket`` batches (less padding), batch order shuffled again.
+    Every rank gets the same number of batches."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(len(pairs), generator=generator).tolist()
+    chunk = batch_size * bucket
+    batches = []
+    for start in range(0, len(order), chunk):
+        part = sorted(order[start : start + chunk], key=lambda i: len(pairs[i][0]))
+        batches += [part[i : i + batch_size] for i in range(0, len(part), batch_size)]
+    shuffle = torch.randperm(len(batches), generator=generator).tolist()
+    batches = [batches[i] for i in shuffle]
+    per_rank = len(batches) // world_size if world_size > 1 else len(batches)
+    return batches[rank::world_size][:per_rank]
+
+
+def chunks(items: Sequence, size: int) -> Iterator[Sequence]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return math.ceil(a / b)

@@ -1,0 +1,534 @@
+"""Attention Seq2Seq models on :class:`~seq2seq_fast.BahdanauAttention`: encoder, two decoders, search.
+
+    Encoder        embedding -> GRU/LSTM (optionally bidirectional, multi-layer), packed batches
+    BahdanauDecoder  the paper's recurrence, one step at a time:
+                   c_t = attend(query=s_{t-1}), s_t = cell([y_{t-1}; c_t], s_{t-1}),
+                   p(y_t) = softmax(W [s_t; c_t])
+    GNMTDecoder    the first decoder layer runs over the whole target at once; the attention for all
+                   target steps is ONE fused call (Tq = target length); its context feeds the later
+                   layers (GNMT's layout) -- the fast training path
+    Seq2Seq        encoder + bridge + decoder; ``forward`` gives teacher-forced logits
+    greedy_decode, beam_search   batched decoding that also returns the attention matrices
+
+Both decoders mask padding with the source lengths and project the encoder states once per source
+batch (``BahdanauAttention.project_keys``), passing them as ``projected_keys`` at every step.
+
+Token ids: every vocabulary in this package puts <pad>=0, <unk>=1, <s>=2, </s>=3.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from seq2seq_fast.attention import BahdanauAttention
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+CELLS = ("gru", "lstm")
+DECODERS = ("bahdanau", "gnmt")
+
+# A decoder state is a tuple of per-layer entries: a Tensor [B, H] (GRU) or a (h, c) pair (LSTM).
+State = tuple
+
+
+@dataclass
+class Seq2SeqConfig:
+    """Everything needed to rebuild a model (stored in checkpoints)."""
+
+    src_vocab_size: int
+    tgt_vocab_size: int
+    embed_size: int = 128
+    hidden_size: int = 256
+    attention_size: int | None = None  # None = hidden_size
+    encoder_layers: int = 1
+    decoder_layers: int = 1
+    cell: str = "gru"
+    bidirectional: bool = True
+    decoder: str = "gnmt"
+    dropout: float = 0.0
+    normalize_attention: bool = True
+    backend: str = "auto"  # attention backend: "auto", "fused" or "reference"
+
+    def __post_init__(self) -> None:
+        if self.cell not in CELLS:
+            raise ValueError(f"cell must be one of {CELLS}, got {self.cell!r}")
+        if self.decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {DECODERS}, got {self.decoder!r}")
+        for name in ("src_vocab_size", "tgt_vocab_size", "embed_size", "hidden_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.encoder_layers < 1 or self.decoder_layers < 1:
+            raise ValueError("encoder_layers and decoder_layers must be >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Seq2SeqConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown model config keys: {sorted(unknown)}")
+        return cls(**data)
+
+
+class Memory(NamedTuple):
+    """The encoded source, shared by every decoding step.
+
+    values: [B, S, D] encoder outputs (zero at padding); keys: [B, S, A] projected once per batch;
+    lengths: int64 [B] valid source positions.
+    """
+
+    values: Tensor
+    keys: Tensor
+    lengths: Tensor
+
+    def index_select(self, index: Tensor) -> Memory:
+        return Memory(*(t.index_select(0, index) for t in self))
+
+
+def map_state(fn, state):
+    """Apply ``fn`` to every tensor of a (nested) decoder state."""
+    if isinstance(state, Tensor):
+        return fn(state)
+    return tuple(map_state(fn, s) for s in state)
+
+
+def _rnn(cell: str, *args, **kwargs) -> nn.RNNBase:
+    return (nn.GRU if cell == "gru" else nn.LSTM)(*args, **kwargs)
+
+
+def _rnn_cell(cell: str, *args, **kwargs) -> nn.RNNCellBase:
+    return (nn.GRUCell if cell == "gru" else nn.LSTMCell)(*args, **kwargs)
+
+
+def _top_hidden(layer_state) -> Tensor:
+    return layer_state if isinstance(layer_state, Tensor) else layer_state[0]
+
+
+class Encoder(nn.Module):
+    """Embedding and a (bi)directional multi-layer GRU/LSTM over packed variable-length batches.
+
+    ``forward(src [B, S] int64, lengths [B]) -> (outputs [B, S, D] zero at padding, summary [B, D])``
+    with D = hidden (x2 if bidirectional); summary = [last forward state; first backward state] of
+    the top layer, read at each row's own length.
+    """
+
+    def __init__(self, config: Seq2SeqConfig) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(config.src_vocab_size, config.embed_size, padding_idx=PAD_ID)
+        self.rnn = _rnn(
+            config.cell,
+            config.embed_size,
+            config.hidden_size,
+            num_layers=config.encoder_layers,
+            batch_first=True,
+            bidirectional=config.bidirectional,
+            dropout=config.dropout if config.encoder_layers > 1 else 0.0,
+        )
+        self.dropout = nn.Dropout(config.dropout)
+        self.hidden_size = config.hidden_size
+        self.bidirectional = config.bidirectional
+        self.output_size = config.hidden_size * (2 if config.bidirectional else 1)
+
+    def forward(self, src: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        embedded = self.dropout(self.embedding(src))
+        packed = pack_padded_sequence(
+            embedded, lengths.cpu(), batch_first=True, enforce_sorted=False
+        )
+        packed_out, _ = self.rnn(packed)
+        outputs, _ = pad_packed_sequence(packed_out, batch_first=True, total_length=src.shape[1])
+        rows = torch.arange(src.shape[0], device=src.device)
+        last = outputs[rows, (lengths - 1).clamp(min=0), : self.hidden_size]
+        if self.bidirectional:
+            summary = torch.cat([last, outputs[:, 0, self.hidden_size :]], dim=-1)
+        else:
+            summary = last
+        return self.dropout(outputs), summary
+
+
+class BahdanauDecoder(nn.Module):
+    """The recurrence of Bahdanau et al. (2015), one target step at a time.
+
+    At step t: c_t = attention(query = s_{t-1} (top layer), encoder states), the first cell consumes
+    [emb(y_{t-1}); c_t], further layers consume the layer below, and logits = W [s_t; c_t].
+    """
+
+    def __init__(self, config: Seq2SeqConfig, memory_size: int) -> None:
+        super().__init__()
+        hidden, layers = config.hidden_size, config.decoder_layers
+        self.cell_type = config.cell
+        self.embedding = nn.Embedding(config.tgt_vocab_size, config.embed_size, padding_idx=PAD_ID)
+        self.attention = BahdanauAttention(
+            hidden,
+            memory_size,
+            config.attention_size or hidden,
+            normalize=config.normalize_attention,
+            backend=config.backend,
+        )
+        self.cells = nn.ModuleList(
+            [_rnn_cell(config.cell, config.embed_size + memory_size, hidden)]
+            + [_rnn_cell(config.cell, hidden, hidden) for _ in range(layers - 1)]
+        )
+        self.dropout = nn.Dropout(config.dropout)
+        self.output = nn.Linear(hidden + memory_size, config.tgt_vocab_size)
+
+    def _step(
+        self, embedded: Tensor, state: State, memory: Memory
+    ) -> tuple[Tensor, Tensor, State, Tensor]:
+        """embedded [B, E] -> (s_t [B, H], c_t [B, D], new state, weights [B, S])."""
+        query = _top_hidden(state[-1])
+        context, weights = self.attention(
+            query, memory.values, lengths=memory.lengths, projected_keys=memory.keys
+        )
+        x = torch.cat([embedded, context], dim=-1)
+        new_state = []
+        for i, (cell, layer_state) in enumerate(zip(self.cells, state, strict=True)):
+            layer_state = cell(x, layer_state)
+            new_state.append(layer_state)
+            x = _top_hidden(layer_state)
+            if i + 1 < len(self.cells):
+                x = self.dropout(x)
+        return x, context, tuple(new_state), weights
+
+    def forward(self, tgt_in: Tensor, state: State, memory: Memory) -> tuple[Tensor, Tensor, State]:
+        """Teacher forcing: tgt_in [B, T] -> (logits [B, T, V], weights [B, T, S], final state)."""
+        embedded = self.dropout(self.embedding(tgt_in))
+        outputs, contexts, all_weights = [], [], []
+        for t in range(tgt_in.shape[1]):
+            s_t, c_t, state, weights = self._step(embedded[:, t], state, memory)
+            outputs.append(s_t)
+            contexts.append(c_t)
+            all_weights.append(weights)
+        features = torch.cat([torch.stack(outputs, 1), torch.stack(contexts, 1)], dim=-1)
+        logits = self.output(self.dropout(features))
+        return logits, torch.stack(all_weights, 1), state
+
+    def step(self, y_prev: Tensor, state: State, memory: Memory) -> tuple[Tensor, Tensor, State]:
+        """One decoding step: y_prev [B] -> (logits [B, V], weights [B, S], state)."""
+        s_t, c_t, state, weights = self._step(self.embedding(y_prev), state, memory)
+        return self.output(torch.cat([s_t, c_t], dim=-1)), weights, state
+
+
+class GNMTDecoder(nn.Module):
+    """GNMT's decoder layout: attention on the first layer's outputs, its context fed upwards.
+
+    Layer 0 runs over the whole target; the attention for all T target steps is one call with
+    query [B, T, H]; layers 1.. consume [h; c] (residual connections from the third layer on, as in
+    GNMT), and logits = W [h_top; c]. Decoding step by step is the same code with T = 1.
+    """
+
+    def __init__(self, config: Seq2SeqConfig, memory_size: int) -> None:
+        super().__init__()
+        hidden, layers = config.hidden_size, config.decoder_layers
+        self.embedding = nn.Embedding(config.tgt_vocab_size, config.embed_size, padding_idx=PAD_ID)
+        self.attention = BahdanauAttention(
+            hidden,
+            memory_size,
+            config.attention_size or hidden,
+            normalize=config.normalize_attention,
+            backend=config.backend,
+        )
+        self.rnns = nn.ModuleList(
+            [_rnn(config.cell, config.embed_size, hidden, batch_first=True)]
+            + [
+                _rnn(config.cell, hidden + memory_size, hidden, batch_first=True)
+                for _ in range(layers - 1)
+            ]
+        )
+        self.dropout = nn.Dropout(config.dropout)
+        self.output = nn.Linear(hidden + memory_size, config.tgt_vocab_size)
+
+    @staticmethod
+    def _run_layer(rnn: nn.RNNBase, x: Tensor, layer_state):
+        # nn.GRU/LSTM states are [1, B, H]; ours are [B, H].
+        hx = map_state(lambda s: s.unsqueeze(0).contiguous(), layer_state)
+        out, hx = rnn(x, hx)
+        return out, map_state(lambda s: s.squeeze(0), hx)
+
+    def forward(self, tgt_in: Tensor, state: State, memory: Memory) -> tuple[Tensor, Tensor, State]:
+        """Teacher forcing: tgt_in [B, T] -> (logits [B, T, V], weights [B, T, S], final state)."""
+        x = self.dropout(self.embedding(tgt_in))
+        h, first_state = self._run_layer(self.rnns[0], x, state[0])
+        # One attention call for every target step: query [B, T, H].
+        context, weights = self.attention(
+            h, memory.values, lengths=memory.lengths, projected_keys=memory.keys
+        )
+        new_state = [first_state]
+        for i, rnn in enumerate(self.rnns[1:], start=1):
+            out, layer_state = self._run_layer(
+                rnn, self.dropout(torch.cat([h, context], dim=-1)), state[i]
+            )
+            h = out + h if i >= 2 else out
+            new_state.append(layer_state)
+        logits = self.output(self.dropout(torch.cat([h, context], dim=-1)))
+        return logits, weights, tuple(new_state)
+
+    def step(self, y_prev: Tensor, state: State, memory: Memory) -> tuple[Tensor, Tensor, State]:
+        """One decoding step: y_prev [B] -> (logits [B, V], weights [B, S], state)."""
+        logits, weights, state = self.forward(y_prev.unsqueeze(1), state, memory)
+        return logits.squeeze(1), weights.squeeze(1), state
+
+
+class Seq2Seq(nn.Module):
+    """Encoder, a bridge giving the decoder's initial states, and a decoder.
+
+    ``forward(src [B,S], src_lengths [B], tgt_in [B,T]) -> (logits [B,T,V], weights [B,T,S])``.
+    """
+
+    def __init__(self, config: Seq2SeqConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.encoder = Encoder(config)
+        decoder_cls = BahdanauDecoder if config.decoder == "bahdanau" else GNMTDecoder
+        self.decoder = decoder_cls(config, self.encoder.output_size)
+        # s_0 = tanh(W summary), as the paper initialises from the backward encoder state.
+        self.bridge = nn.Linear(
+            self.encoder.output_size, config.hidden_size * config.decoder_layers
+        )
+
+    @property
+    def attention(self) -> BahdanauAttention:
+        return self.decoder.attention
+
+    def set_backend(self, backend: str) -> None:
+        """Switch the attention backend ("auto", "fused", "reference") in place."""
+        self.attention.backend = backend
+        self.config.backend = backend
+
+    def encode(self, src: Tensor, src_lengths: Tensor) -> tuple[Memory, State]:
+        """-> (Memory with keys projected once for the whole batch, initial decoder state)."""
+        src_lengths = src_lengths.to(device=src.device, dtype=torch.int64)
+        outputs, summary = self.encoder(src, src_lengths)
+        memory = Memory(outputs, self.attention.project_keys(outputs), src_lengths)
+        hidden = torch.tanh(self.bridge(summary)).chunk(self.config.decoder_layers, dim=-1)
+        if self.config.cell == "gru":
+            state = tuple(h.contiguous() for h in hidden)
+        else:
+            state = tuple((h.contiguous(), torch.zeros_like(h)) for h in hidden)
+        return memory, state
+
+    def forward(self, src: Tensor, src_lengths: Tensor, tgt_in: Tensor) -> tuple[Tensor, Tensor]:
+        memory, state = self.encode(src, src_lengths)
+        logits, weights, _ = self.decoder(tgt_in, state, memory)
+        return logits, weights
+
+
+def sequence_loss(logits: Tensor, tgt_out: Tensor, label_smoothing: float = 0.0) -> Tensor:
+    """Mean token cross-entropy over non-pad targets: logits [B,T,V], tgt_out [B,T]."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        tgt_out.reshape(-1),
+        ignore_index=PAD_ID,
+        label_smoothing=label_smoothing,
+    )
+
+
+# --- decoding --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Hypothesis:
+    """One decoded sequence: ``tokens`` without <s>/</s>; ``attention`` [len(tokens) (+1 for </s>
+    when it was produced), src_length] float32 on CPU; ``score`` the (normalised) log-probability."""
+
+    tokens: list[int]
+    attention: Tensor
+    score: float
+
+
+def max_output_lengths(src_lengths: Tensor, max_len_factor: float, max_len: int | None) -> Tensor:
+    """Per row: at most ceil(factor * src_length) + 1 output steps (the +1 leaves room for </s>)."""
+    limit = torch.ceil(src_lengths.double() * max_len_factor).long() + 1
+    if max_len is not None:
+        limit = limit.clamp(max=max_len)
+    return limit.clamp(min=1)
+
+
+@torch.no_grad()
+def greedy_decode(
+    model: Seq2Seq,
+    src: Tensor,
+    src_lengths: Tensor,
+    *,
+    max_len_factor: float = 2.0,
+    max_len: int | None = None,
+) -> list[Hypothesis]:
+    """Batched greedy decoding: src [B, S], src_lengths [B] -> B hypotheses with attention."""
+    was_training = model.training
+    model.eval()
+    try:
+        memory, state = model.encode(src, src_lengths)
+        batch = src.shape[0]
+        limits = max_output_lengths(memory.lengths, max_len_factor, max_len)
+        y = torch.full((batch,), BOS_ID, dtype=torch.long, device=src.device)
+        finished = torch.zeros(batch, dtype=torch.bool, device=src.device)
+        out_tokens, out_weights, scores = [], [], torch.zeros(batch, dtype=torch.float64)
+        for t in range(int(limits.max())):
+            logits, weights, state = model.decoder.step(y, state, memory)
+            logp = logits.double().log_softmax(-1)
+            logp[:, PAD_ID] = -math.inf
+            at_limit = limits.to(src.device) <= t + 1
+            logp[at_limit] = torch.where(
+                torch.arange(logp.shape[1], device=src.device) == EOS_ID, 0.0, -math.inf
+            ).double()
+            y = logp.argmax(-1)
+            y = torch.where(finished, torch.full_like(y, PAD_ID), y)
+            scores += torch.where(
+                finished, 0.0, logp.gather(1, y.clamp(min=0)[:, None])[:, 0]
+            ).cpu()
+            out_tokens.append(y)
+            out_weights.append(weights.float())
+            finished |= y == EOS_ID
+            if bool(finished.all()):
+                break
+        tokens = torch.stack(out_tokens, 1).cpu()
+        weights = torch.stack(out_weights, 1).cpu()
+    finally:
+        model.train(was_training)
+    results = []
+    for b in range(batch):
+        row = tokens[b].tolist()
+        n = row.index(EOS_ID) if EOS_ID in row else len(row)
+        rows = n + 1 if n < len(row) else n
+        src_len = int(src_lengths[b])
+        results.append(Hypothesis(row[:n], weights[b, :rows, :src_len].clone(), float(scores[b])))
+    return results
+
+
+def length_penalty(length: int | Tensor, alpha: float):
+    """GNMT's length normalisation ((5 + len) / 6) ** alpha."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def coverage_penalty(attention_sum: Tensor, beta: float) -> Tensor:
+    """GNMT's coverage penalty beta * sum_s log(min(attention_sum_s, 1)) over valid positions
+    (attention_sum [..., S], each entry clamped below at 1e-10 so unattended words cost a finite
+    amount)."""
+    return beta * torch.log(attention_sum.clamp(min=1e-10, max=1.0)).sum(-1)
+
+
+@torch.no_grad()
+def beam_search(
+    model: Seq2Seq,
+    src: Tensor,
+    src_lengths: Tensor,
+    *,
+    beam_size: int = 5,
+    alpha: float = 0.6,
+    beta: float = 0.0,
+    max_len_factor: float = 2.0,
+    max_len: int | None = None,
+) -> list[Hypothesis]:
+    """Batched beam search with GNMT scoring: log p / lp(len) + cp, over B*K rows at once.
+
+    A hypothesis ending in </s> is scored (log p / ((5+len)/6)^alpha + beta * sum log min(cov, 1))
+    and set aside; a row stops when it holds ``beam_size`` finished hypotheses or hits its length
+    limit (ceil(max_len_factor * src_len) + 1 steps). With beam_size=1 this is greedy decoding.
+    """
+    if beam_size < 1:
+        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    was_training = model.training
+    model.eval()
+    try:
+        return _beam_search(
+            model, src, src_lengths, beam_size, alpha, beta, max_len_factor, max_len
+        )
+    finally:
+        model.train(was_training)
+
+
+def _beam_search(model, src, src_lengths, beam, alpha, beta, max_len_factor, max_len):
+    device = src.device
+    batch, src_max = src.shape
+    memory, state = model.encode(src, src_lengths)
+    limits = max_output_lengths(memory.lengths, max_len_factor, max_len).tolist()
+    expand = torch.arange(batch, device=device).repeat_interleave(beam)
+    memory = memory.index_select(expand)
+    state = map_state(lambda s: s.index_select(0, expand), state)
+    valid = (
+        torch.arange(src_max, device=device)[None, :] < memory.lengths[:, None]
+    ).float()  # [B*K, S]
+
+    scores = torch.full((batch, beam), -math.inf, device=device, dtype=torch.float64)
+    scores[:, 0] = 0.0
+    y = torch.full((batch * beam,), BOS_ID, dtype=torch.long, device=device)
+    history = torch.empty((batch * beam, 0), dtype=torch.long, device=device)
+    attn_history = torch.empty((batch * beam, 0, src_max), device=device)
+    finished: list[list[tuple[float, list[int], Tensor, float]]] = [[] for _ in range(batch)]
+    done = [False] * batch
+    vocab_ids = None
+    for t in range(max(limits)):
+        logits, weights, state = model.decoder.step(y, state, memory)
+        logp = logits.double().log_softmax(-1)
+        vocab = logp.shape[-1]
+        if vocab_ids is None:
+            vocab_ids = torch.arange(vocab, device=device)
+        logp[:, PAD_ID] = -math.inf
+        at_limit = torch.tensor([limits[b] <= t + 1 for b in range(batch)], device=device)
+        at_limit = at_limit.repeat_interleave(beam)
+        logp[at_limit] = torch.where(vocab_ids == EOS_ID, 0.0, -math.inf).double()
+        candidates = (scores.reshape(-1, 1) + logp).reshape(batch, beam * vocab)
+        top_scores, top_ids = candidates.topk(min(2 * beam, beam * vocab), dim=-1)
+        origin = top_ids // vocab  # beam index within the row
+        token = top_ids % vocab
+        is_eos = token == EOS_ID
+        weights = weights.float()
+        attn_now = torch.cat([attn_history, weights[:, None, :]], dim=1)
+
+        # Set aside hypotheses that end here (only among the top `beam` candidates).
+        eos_hits = (is_eos[:, :beam] & torch.isfinite(top_scores[:, :beam])).nonzero().tolist()
+        for b, rank in eos_hits:
+            if done[b]:
+                continue
+            row = b * beam + int(origin[b, rank])
+            length = t + 1
+            raw = float(top_scores[b, rank])
+            score = raw / float(length_penalty(length, alpha))
+            if beta > 0:
+                coverage = (attn_now[row].sum(0) * valid[row])[: int(memory.lengths[row])]
+                score += float(coverage_penalty(coverage, beta))
+            finished[b].append((score, history[row].tolist(), attn_now[row].cpu(), raw))
+        for b in range(batch):
+            if not done[b] and (len(finished[b]) >= beam or limits[b] <= t + 1):
+                done[b] = True
+        if all(done):
+            break
+
+        # Keep the best `beam` continuations that do not end here.
+        order = torch.sort(is_eos.to(torch.int8), dim=1, stable=True).indices[:, :beam]
+        keep_scores = top_scores.gather(1, order)
+        keep_origin = origin.gather(1, order)
+        keep_token = token.gather(1, order)
+        done_rows = torch.tensor(done, device=device)
+        keep_scores[done_rows] = -math.inf
+        rows = (torch.arange(batch, device=device)[:, None] * beam + keep_origin).reshape(-1)
+        state = map_state(lambda s, rows=rows: s.index_select(0, rows), state)
+        y = keep_token.reshape(-1)
+        history = torch.cat([history.index_select(0, rows), y[:, None]], dim=1)
+        attn_history = attn_now.index_select(0, rows)
+        scores = keep_scores
+
+    results = []
+    for b in range(batch):
+        src_len = int(src_lengths[b])
+        if finished[b]:
+            score, tokens, attn, _ = max(finished[b], key=lambda h: h[0])
+            results.append(Hypothesis(tokens, attn[:, :src_len].clone(), score))
+        else:  # cannot happen with length limits; kept for safety
+            row = b * beam
+            results.append(
+                Hypothesis(
+                    history[row].tolist(), attn_history[row, :, :src_len].cpu(), float(scores[b, 0])
+                )
+            )
+    return results

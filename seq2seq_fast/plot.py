@@ -1,0 +1,103 @@
+"""Attention heatmaps (matplotlib, Agg canvas: no display needed, no global backend change)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from seq2seq_fast.models import Hypothesis, Seq2Seq, beam_search, greedy_decode
+
+
+def plot_attention(
+    weights: Tensor,
+    source_tokens: Sequence[str],
+    target_tokens: Sequence[str],
+    path: str | Path,
+    *,
+    title: str | None = None,
+) -> Path:
+    """Save a heatmap of ``weights`` [len(target_tokens), len(source_tokens)] to ``path`` (PNG...).
+
+    Rows are output tokens (y axis), columns source tokens (x axis).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    weights = torch.as_tensor(weights, dtype=torch.float32).cpu()
+    rows, cols = len(target_tokens), len(source_tokens)
+    if weights.shape != (rows, cols):
+        raise ValueError(
+            f"weights must be [targets={rows}, sources={cols}], got {list(weights.shape)}"
+        )
+    width = min(2.0 + 0.35 * cols, 30.0)
+    height = min(1.5 + 0.35 * rows, 30.0)
+    figure = Figure(figsize=(max(width, 4.0), max(height, 3.0)), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot(1, 1, 1)
+    image = axes.imshow(weights.numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+    axes.set_xticks(range(cols))
+    axes.set_xticklabels(list(source_tokens), rotation=90)
+    axes.set_yticks(range(rows))
+    axes.set_yticklabels(list(target_tokens))
+    axes.set_xlabel("source")
+    axes.set_ylabel("output")
+    if title:
+        axes.set_title(title, fontsize=9)
+    figure.colorbar(image, ax=axes, fraction=0.046, pad=0.04)
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    return path
+
+
+def translate_text(
+    model: Seq2Seq,
+    src_vocab,
+    tgt_vocab,
+    text: str,
+    *,
+    beam: int = 1,
+    alpha: float = 0.6,
+    beta: float = 0.0,
+    max_len_factor: float = 2.0,
+    device: torch.device | str = "cpu",
+) -> tuple[Hypothesis, list[int]]:
+    """Translate one sentence: -> (hypothesis, source ids)."""
+    ids = src_vocab.encode(text)
+    if not ids:
+        raise ValueError("the input sentence is empty")
+    src = torch.tensor([ids], dtype=torch.long, device=device)
+    lengths = torch.tensor([len(ids)], dtype=torch.long, device=device)
+    if beam <= 1:
+        hyp = greedy_decode(model, src, lengths, max_len_factor=max_len_factor)[0]
+    else:
+        hyp = beam_search(
+            model, src, lengths, beam_size=beam, alpha=alpha, beta=beta,
+            max_len_factor=max_len_factor,
+        )[0]  # fmt: skip
+    return hyp, ids
+
+
+def plot_translation(
+    model: Seq2Seq,
+    src_vocab,
+    tgt_vocab,
+    text: str,
+    path: str | Path,
+    *,
+    beam: int = 1,
+    device: torch.device | str = "cpu",
+) -> Path:
+    """Translate ``text`` and save the alignment heatmap with source/output tokens on the axes."""
+    hyp, ids = translate_text(model, src_vocab, tgt_vocab, text, beam=beam, device=device)
+    target = tgt_vocab.pieces(hyp.tokens)
+    if hyp.attention.shape[0] > len(target):
+        target.append("</s>")
+    output = tgt_vocab.decode(hyp.tokens)
+    return plot_attention(
+        hyp.attention, src_vocab.pieces(ids), target, path, title=f"{text}  ->  {output}"
+    )

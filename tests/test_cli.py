@@ -1,0 +1,97 @@
+"""The ``seq2seq-fast`` command end to end on a tiny checkpoint; bad inputs give clean errors."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from seq2seq_fast.cli import main
+
+TRAIN_ARGS = [
+    "train", "--epochs", "1", "--steps-per-epoch", "120", "--batch-size", "32", "--lr", "1e-2",
+    "--warmup-steps", "10", "--hidden-size", "32", "--embed-size", "16", "--vocab-size", "6",
+    "--min-len", "2", "--max-len", "5", "--heldout-size", "50", "--backend", "reference",
+    "--no-progress", "--threads", "1",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli_run")
+    assert main([*TRAIN_ARGS, "--out", str(out)]) == 0
+    return out / "model.pt"
+
+
+def test_train_prints_accuracy_and_paths(checkpoint, capsys):
+    # The fixture's run already printed; check its files and rerun nothing.
+    assert checkpoint.exists()
+    assert (checkpoint.parent / "attention.png").stat().st_size > 1000
+
+
+def test_train_output_lines(tmp_path, capsys):
+    args = [*TRAIN_ARGS, "--out", str(tmp_path), "--steps-per-epoch", "3"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "held-out sequence accuracy" in out
+    assert f"checkpoint: {tmp_path / 'model.pt'}" in out
+    assert f"attention heatmap: {tmp_path / 'attention.png'}" in out
+
+
+def test_translate_sentence_greedy_and_beam(checkpoint, capsys):
+    assert main(["translate", "--checkpoint", str(checkpoint), "a b c d"]) == 0
+    greedy = capsys.readouterr().out.strip()
+    assert main(["translate", "--checkpoint", str(checkpoint), "--beam", "3", "a b c d"]) == 0
+    beam = capsys.readouterr().out.strip()
+    assert greedy == "d c b a" and beam == "d c b a"
+
+
+def test_translate_reads_stdin(checkpoint, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("a b\n\nc d e\n"))
+    assert main(["translate", "--checkpoint", str(checkpoint)]) == 0
+    assert capsys.readouterr().out.splitlines() == ["b a", "e d c"]
+
+
+def test_plot_attention_writes_png(checkpoint, tmp_path, capsys):
+    target = tmp_path / "plots" / "heat.png"
+    assert main(["plot-attention", "--checkpoint", str(checkpoint), "abcd", "-o", str(target)]) == 0
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert str(target) in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["missing", "garbage", "truncated", "foreign"])
+def test_bad_checkpoints_give_one_error_line(checkpoint, tmp_path, capsys, kind):
+    path = tmp_path / f"{kind}.pt"
+    if kind == "garbage":
+        path.write_bytes(b"\x00" * 100)
+    elif kind == "truncated":
+        path.write_bytes(checkpoint.read_bytes()[:5000])
+    elif kind == "foreign":
+        torch.save({"weights": torch.ones(3)}, path)
+    assert main(["translate", "--checkpoint", str(path), "a b"]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and str(path) in err and "Traceback" not in err
+
+
+def test_bad_corpus_gives_one_error_line(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert main(["train", "--task", "translate", "--data", str(empty), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no usable sentence pairs" in err and "Traceback" not in err
+    assert main(["train", "--task", "translate", "--out", str(tmp_path)]) == 2
+    assert "--data" in capsys.readouterr().err
+
+
+def test_console_script_errors_cleanly(tmp_path):
+    """The real process: nonzero exit, one message, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "seq2seq_fast", "translate", "--checkpoint",
+         str(tmp_path / "nope.pt"), "a"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "checkpoint not found" in proc.stderr and "Traceback" not in proc.stderr
