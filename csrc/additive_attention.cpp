@@ -98,11 +98,40 @@ double product_limit<double>() {
 // The product path pays exp() on every packed query and key element; it wins once a work item
 // holds enough queries to reuse each key's exponentials (and never for one decoding step).
 constexpr int64_t kMinQueriesForProduct = 4;
+// Backward keeps y = r or tanh of a few query rows for the gradient pass: about this many bytes
+// (L2-resident), and never less than one query row (Tk * H values).
+constexpr int64_t kYBufferBytes = 512 * 1024;
 // Below this many tanh evaluations per task a thread is not worth waking.
 constexpr int64_t kMinWorkPerTask = 1 << 16;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
+
+// Per-thread scratch that persists across calls (no page faults from fresh allocations on every
+// call); slot k of the calling thread, grown to at least n elements.
+// 64-byte aligned: padded rows (multiples of 16 floats) then start on a cache line, and no vector
+// load or store splits one.
+struct AlignedBuffer {
+  void* data = nullptr;
+  size_t bytes = 0;
+  ~AlignedBuffer() { std::free(data); }
+};
+
+template <typename T>
+T* thread_scratch(int slot, int64_t n) {
+  thread_local AlignedBuffer buffers[6];
+  AlignedBuffer& buffer = buffers[slot];
+  const size_t bytes = size_t(std::max<int64_t>(n, 1)) * sizeof(T);
+  if (buffer.bytes < bytes) {
+    std::free(buffer.data);
+    const size_t rounded = (bytes + 63) / 64 * 64;
+    buffer.data = std::aligned_alloc(64, rounded);
+    TORCH_CHECK(buffer.data != nullptr, "seq2seq_fast: out of memory for ", rounded,
+                " bytes of scratch");
+    buffer.bytes = rounded;
+  }
+  return static_cast<T*>(buffer.data);
+}
 
 // ---- work plan -------------------------------------------------------------------------------
 
@@ -327,13 +356,15 @@ std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Te
   float* lp = lse.data_ptr<float>();
 
   struct Scratch {
-    std::vector<T> qbuf, kbuf;
+    T *qbuf, *kbuf;
   };
-  auto make_scratch = [&] { return Scratch{std::vector<T>(plan.block * Hp), std::vector<T>(n.Tk * Hp)}; };
+  auto make_scratch = [&] {
+    return Scratch{thread_scratch<T>(0, plan.block * Hp), thread_scratch<T>(1, n.Tk * Hp)};
+  };
   for_each_item(plan, make_scratch, [&](int64_t item, Scratch& scratch) {
     {
-      T* qbuf = scratch.qbuf.data();
-      T* kbuf = scratch.kbuf.data();
+      T* qbuf = scratch.qbuf;
+      T* kbuf = scratch.kbuf;
       const int64_t b = item / plan.blocks_per_row;
       const int64_t t0 = (item % plan.blocks_per_row) * plan.block;
       const int64_t nq = std::min(plan.block, n.Tq - t0);
@@ -346,7 +377,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Te
         const bool prod = path == kProduct;
         kt.scores(path, qbuf, nq, kbuf, nk, Hp,
                   prod ? sv.product.data() : sv.rational.data(), prod ? sv.sum_v : T(0), rows,
-                  n.Tk);
+                  n.Tk, nullptr);
       }
       softmax_rows<T>(kt, rows, nq, n.Tk, nk, kv.row_mask(b), lp + b * n.Tq + t0);
     }
@@ -408,49 +439,59 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   T* dkp = split ? dk_parts.data_ptr<T>() : dk.data_ptr<T>();
   T* dvp = dv_parts.data_ptr<T>();
 
+  // The score pass stores y (r or tanh) for a sub-block of query rows; the gradient pass reads
+  // it back instead of recomputing the reciprocal. The sub-block keeps that buffer near
+  // kYBufferBytes (at least one query row: Tk * Hp values).
+  const int64_t sub_rows = std::max<int64_t>(
+      1, std::min<int64_t>(plan.block, kYBufferBytes / int64_t(sizeof(T)) / std::max<int64_t>(1, n.Tk * Hp)));
   struct Scratch {
-    std::vector<T> qbuf, kbuf, de, gq, gk;
+    T *qbuf, *kbuf, *ys, *de, *gq, *gk;
   };
   auto make_scratch = [&] {
-    return Scratch{std::vector<T>(plan.block * Hp), std::vector<T>(n.Tk * Hp),
-                   std::vector<T>(plan.block * n.Tk), std::vector<T>(plan.block * Hp),
-                   std::vector<T>(n.Tk * Hp)};
+    return Scratch{thread_scratch<T>(0, plan.block * Hp), thread_scratch<T>(1, n.Tk * Hp),
+                   thread_scratch<T>(2, sub_rows * n.Tk * Hp), thread_scratch<T>(3, plan.block * n.Tk),
+                   thread_scratch<T>(4, plan.block * Hp), thread_scratch<T>(5, n.Tk * Hp)};
   };
   for_each_item(plan, make_scratch, [&](int64_t item, Scratch& scratch) {
-    {
-      auto& qbuf = scratch.qbuf;
-      auto& kbuf = scratch.kbuf;
-      auto& de = scratch.de;
-      auto& gq = scratch.gq;
-      auto& gk = scratch.gk;
-      const int64_t b = item / plan.blocks_per_row;
-      const int64_t blk = item % plan.blocks_per_row;
-      const int64_t t0 = blk * plan.block;
-      const int64_t nq = std::min(plan.block, n.Tq - t0);
-      if (nq <= 0) return;
-      const int64_t nk = kv.count(b);
-      const bool* valid = kv.row_mask(b);
-      T* p_rows = pp + (b * n.Tq + t0) * n.Tk;
-      T* dq_rows = dqp + (b * n.Tq + t0) * n.H;
-      if (nk == 0) {
-        std::fill(p_rows, p_rows + nq * n.Tk, T(0));
-        std::fill(dq_rows, dq_rows + nq * n.H, T(0));
-        return;
-      }
-      const int path = pack_item<T>(kt, qp + (b * n.Tq + t0) * n.H, nq, kp + b * n.Tk * n.H, nk,
-                                    bp, n.H, Hp, qbuf.data(), kbuf.data());
-      const bool prod = path == kProduct;
-      kt.scores(path, qbuf.data(), nq, kbuf.data(), nk, Hp,
-                prod ? sv.product.data() : sv.rational.data(), prod ? sv.sum_v : T(0), p_rows,
-                n.Tk);
-      softmax_rows<T>(kt, p_rows, nq, n.Tk, nk, valid, nullptr);
-
+    T* qbuf = scratch.qbuf;
+    T* kbuf = scratch.kbuf;
+    T* ys = scratch.ys;
+    T* de = scratch.de;
+    T* gq = scratch.gq;
+    T* gk = scratch.gk;
+    const int64_t b = item / plan.blocks_per_row;
+    const int64_t blk = item % plan.blocks_per_row;
+    const int64_t t0 = blk * plan.block;
+    const int64_t nq = std::min(plan.block, n.Tq - t0);
+    if (nq <= 0) return;
+    const int64_t nk = kv.count(b);
+    const bool* valid = kv.row_mask(b);
+    T* p_rows = pp + (b * n.Tq + t0) * n.Tk;
+    T* dq_rows = dqp + (b * n.Tq + t0) * n.H;
+    if (nk == 0) {
+      std::fill(p_rows, p_rows + nq * n.Tk, T(0));
+      std::fill(dq_rows, dq_rows + nq * n.H, T(0));
+      return;
+    }
+    const int path = pack_item<T>(kt, qp + (b * n.Tq + t0) * n.H, nq, kp + b * n.Tk * n.H, nk,
+                                  bp, n.H, Hp, qbuf, kbuf);
+    const bool prod = path == kProduct;
+    std::fill(gq, gq + nq * Hp, T(0));
+    std::fill(gk, gk + nk * Hp, T(0));
+    T* gv = dvp + item * Hp;
+    double sum_de = 0;
+    for (int64_t r0 = 0; r0 < nq; r0 += sub_rows) {
+      const int64_t rn = std::min(sub_rows, nq - r0);
+      T* p_sub = p_rows + r0 * n.Tk;
+      kt.scores(path, qbuf + r0 * Hp, rn, kbuf, nk, Hp,
+                prod ? sv.product.data() : sv.rational.data(), prod ? sv.sum_v : T(0), p_sub,
+                n.Tk, ys);
+      softmax_rows<T>(kt, p_sub, rn, n.Tk, nk, valid, nullptr);
       // de = p (dp - sum_s p dp) on the valid keys, 0 elsewhere.
-      double sum_de = 0;
-      for (int64_t t = 0; t < nq; ++t) {
-        const T* p = p_rows + t * n.Tk;
-        const T* g = dpp + (b * n.Tq + t0 + t) * n.Tk;
-        T* d = de.data() + t * n.Tk;
+      for (int64_t t = 0; t < rn; ++t) {
+        const T* p = p_sub + t * n.Tk;
+        const T* g = dpp + (b * n.Tq + t0 + r0 + t) * n.Tk;
+        T* d = de + (r0 + t) * n.Tk;
         double dot = 0;
         for (int64_t s = 0; s < nk; ++s) {
           if (!valid || valid[s]) dot += double(p[s]) * double(g[s]);
@@ -460,24 +501,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
           sum_de += d[s];
         }
       }
-
-      std::fill(gq.begin(), gq.begin() + nq * Hp, T(0));
-      std::fill(gk.begin(), gk.begin() + nk * Hp, T(0));
-      T* gv = dvp + item * Hp;
-      kt.grads(path, qbuf.data(), nq, kbuf.data(), nk, Hp, de.data(), n.Tk, gq.data(), gk.data(),
-               gv);
-      // Product path: sech^2 = 4u and tanh = 1 - 2r; rational: sech^2 = u, tanh = y.
-      const T scale = prod ? T(4) : T(1);
-      for (int64_t t = 0; t < nq; ++t) {
-        for (int64_t h = 0; h < n.H; ++h) dq_rows[t * n.H + h] = scale * vp[h] * gq[t * Hp + h];
-      }
-      T* dk_rows = split ? dkp + (b * plan.blocks_per_row + blk) * n.Tk * n.H : dkp + b * n.Tk * n.H;
-      for (int64_t s = 0; s < nk; ++s) {
-        for (int64_t h = 0; h < n.H; ++h) dk_rows[s * n.H + h] = scale * vp[h] * gk[s * Hp + h];
-      }
-      if (prod) {
-        for (int64_t h = 0; h < Hp; ++h) gv[h] = T(sum_de) - T(2) * gv[h];
-      }
+      kt.grads(path, ys, rn, nk, Hp, de + r0 * n.Tk, n.Tk, gq + r0 * Hp, gk, gv);
+    }
+    // Product path: sech^2 = 4u and tanh = 1 - 2r; rational: sech^2 = u, tanh = y.
+    const T scale = prod ? T(4) : T(1);
+    for (int64_t t = 0; t < nq; ++t) {
+      for (int64_t h = 0; h < n.H; ++h) dq_rows[t * n.H + h] = scale * vp[h] * gq[t * Hp + h];
+    }
+    T* dk_rows =
+        split ? dkp + (b * plan.blocks_per_row + blk) * n.Tk * n.H : dkp + b * n.Tk * n.H;
+    for (int64_t s = 0; s < nk; ++s) {
+      for (int64_t h = 0; h < n.H; ++h) dk_rows[s * n.H + h] = scale * vp[h] * gk[s * Hp + h];
+    }
+    if (prod) {
+      for (int64_t h = 0; h < Hp; ++h) gv[h] = T(sum_de) - T(2) * gv[h];
     }
   });
 

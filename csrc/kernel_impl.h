@@ -26,9 +26,11 @@ inline typename S::V deriv(typename S::V y, typename S::V one) {
   }
 }
 
+// ys (optional): y = f(A[t], B[s]) stored at ys[(t * ldy + s) * Hp + h] for the backward pass.
 template <int P, int QB, int KB>
 void score_tile(const typename S::T* A, const typename S::T* Bk, int64_t Hp,
-                const typename S::T* veff, typename S::T offset, typename S::T* out, int64_t ldo) {
+                const typename S::T* veff, typename S::T offset, typename S::T* out, int64_t ldo,
+                typename S::T* ys, int64_t ldy) {
   using V = typename S::V;
   using T = typename S::T;
   const V one = S::set1(T(1));
@@ -41,7 +43,11 @@ void score_tile(const typename S::T* A, const typename S::T* Bk, int64_t Hp,
     for (int i = 0; i < QB; ++i) a[i] = S::load(A + i * Hp + h);
     for (int j = 0; j < KB; ++j) {
       const V b = S::load(Bk + j * Hp + h);
-      for (int i = 0; i < QB; ++i) acc[i][j] = S::fma(vv, elem<P>(a[i], b, one), acc[i][j]);
+      for (int i = 0; i < QB; ++i) {
+        const V y = elem<P>(a[i], b, one);
+        if (ys != nullptr) S::store(ys + (i * ldy + j) * Hp + h, y);
+        acc[i][j] = S::fma(vv, y, acc[i][j]);
+      }
     }
   }
   for (int i = 0; i < QB; ++i)
@@ -50,60 +56,61 @@ void score_tile(const typename S::T* A, const typename S::T* Bk, int64_t Hp,
 
 template <int P, int QB>
 void score_cols(const typename S::T* A, const typename S::T* Bk, int64_t nk, int64_t Hp,
-                const typename S::T* veff, typename S::T offset, typename S::T* out, int64_t ldo) {
+                const typename S::T* veff, typename S::T offset, typename S::T* out, int64_t ldo,
+                typename S::T* ys) {
   int64_t s = 0;
   for (; s + S::KB <= nk; s += S::KB)
-    score_tile<P, QB, S::KB>(A, Bk + s * Hp, Hp, veff, offset, out + s, ldo);
-  for (; s < nk; ++s) score_tile<P, QB, 1>(A, Bk + s * Hp, Hp, veff, offset, out + s, ldo);
+    score_tile<P, QB, S::KB>(A, Bk + s * Hp, Hp, veff, offset, out + s, ldo,
+                             ys ? ys + s * Hp : nullptr, nk);
+  for (; s < nk; ++s)
+    score_tile<P, QB, 1>(A, Bk + s * Hp, Hp, veff, offset, out + s, ldo,
+                         ys ? ys + s * Hp : nullptr, nk);
 }
 
 template <int P>
 void scores_rows(const typename S::T* A, int64_t nq, const typename S::T* Bk, int64_t nk,
                  int64_t Hp, const typename S::T* veff, typename S::T offset, typename S::T* out,
-                 int64_t ldo) {
+                 int64_t ldo, typename S::T* ys) {
   for (int64_t t = 0; t < nq; t += S::QB) {
     const int64_t qn = nq - t < S::QB ? nq - t : S::QB;
     const auto* a = A + t * Hp;
     auto* o = out + t * ldo;
+    auto* y = ys ? ys + t * nk * Hp : nullptr;
     switch (qn) {
-      case 1: score_cols<P, 1>(a, Bk, nk, Hp, veff, offset, o, ldo); break;
-      case 2: score_cols<P, 2>(a, Bk, nk, Hp, veff, offset, o, ldo); break;
-      case 3: score_cols<P, 3>(a, Bk, nk, Hp, veff, offset, o, ldo); break;
-      default: score_cols<P, 4>(a, Bk, nk, Hp, veff, offset, o, ldo); break;
+      case 1: score_cols<P, 1>(a, Bk, nk, Hp, veff, offset, o, ldo, y); break;
+      case 2: score_cols<P, 2>(a, Bk, nk, Hp, veff, offset, o, ldo, y); break;
+      case 3: score_cols<P, 3>(a, Bk, nk, Hp, veff, offset, o, ldo, y); break;
+      default: score_cols<P, 4>(a, Bk, nk, Hp, veff, offset, o, ldo, y); break;
     }
   }
 }
 
 void scores(int path, const typename S::T* A, int64_t nq, const typename S::T* Bk, int64_t nk,
             int64_t Hp, const typename S::T* veff, typename S::T offset, typename S::T* out,
-            int64_t ldo) {
+            int64_t ldo, typename S::T* ys) {
   if (path == kProduct) {
-    scores_rows<kProduct>(A, nq, Bk, nk, Hp, veff, offset, out, ldo);
+    scores_rows<kProduct>(A, nq, Bk, nk, Hp, veff, offset, out, ldo, ys);
   } else {
-    scores_rows<kRational>(A, nq, Bk, nk, Hp, veff, offset, out, ldo);
+    scores_rows<kRational>(A, nq, Bk, nk, Hp, veff, offset, out, ldo, ys);
   }
 }
 
+// Gradient accumulation from the y stored by the score pass: ys[(t * nk + s) * Hp + h].
 template <int P, int QB, int KB>
-void grad_tile(const typename S::T* A, const typename S::T* Bk, int64_t Hp,
-               const typename S::T* de, int64_t ldd, typename S::T* gq, typename S::T* gk,
-               typename S::T* gv) {
+void grad_tile(const typename S::T* ys, int64_t nk, int64_t Hp, const typename S::T* de,
+               int64_t ldd, typename S::T* gq, typename S::T* gk, typename S::T* gv) {
   using V = typename S::V;
   using T = typename S::T;
   const V one = S::set1(T(1));
   for (int64_t h = 0; h < Hp; h += S::W) {
-    V a[QB], gqa[QB];
-    for (int i = 0; i < QB; ++i) {
-      a[i] = S::load(A + i * Hp + h);
-      gqa[i] = S::load(gq + i * Hp + h);
-    }
+    V gqa[QB];
+    for (int i = 0; i < QB; ++i) gqa[i] = S::load(gq + i * Hp + h);
     V gva[2] = {S::load(gv + h), S::zero()};  // two chains: shorter FMA latency chain
     for (int j = 0; j < KB; ++j) {
-      const V b = S::load(Bk + j * Hp + h);
       V gka = S::load(gk + j * Hp + h);
       for (int i = 0; i < QB; ++i) {
         const V d = S::set1(de[i * ldd + j]);
-        const V y = elem<P>(a[i], b, one);
+        const V y = S::load(ys + (i * nk + j) * Hp + h);
         const V u = deriv<P>(y, one);
         gqa[i] = S::fma(d, u, gqa[i]);
         gka = S::fma(d, u, gka);
@@ -117,40 +124,39 @@ void grad_tile(const typename S::T* A, const typename S::T* Bk, int64_t Hp,
 }
 
 template <int P, int QB>
-void grad_cols(const typename S::T* A, const typename S::T* Bk, int64_t nk, int64_t Hp,
-               const typename S::T* de, int64_t ldd, typename S::T* gq, typename S::T* gk,
-               typename S::T* gv) {
+void grad_cols(const typename S::T* ys, int64_t nk, int64_t Hp, const typename S::T* de,
+               int64_t ldd, typename S::T* gq, typename S::T* gk, typename S::T* gv) {
   int64_t s = 0;
   for (; s + S::KB <= nk; s += S::KB)
-    grad_tile<P, QB, S::KB>(A, Bk + s * Hp, Hp, de + s, ldd, gq, gk + s * Hp, gv);
-  for (; s < nk; ++s) grad_tile<P, QB, 1>(A, Bk + s * Hp, Hp, de + s, ldd, gq, gk + s * Hp, gv);
+    grad_tile<P, QB, S::KB>(ys + s * Hp, nk, Hp, de + s, ldd, gq, gk + s * Hp, gv);
+  for (; s < nk; ++s) grad_tile<P, QB, 1>(ys + s * Hp, nk, Hp, de + s, ldd, gq, gk + s * Hp, gv);
 }
 
 template <int P>
-void grads_rows(const typename S::T* A, int64_t nq, const typename S::T* Bk, int64_t nk,
-                int64_t Hp, const typename S::T* de, int64_t ldd, typename S::T* gq,
-                typename S::T* gk, typename S::T* gv) {
+void grads_rows(const typename S::T* ys, int64_t nq, int64_t nk, int64_t Hp,
+                const typename S::T* de, int64_t ldd, typename S::T* gq, typename S::T* gk,
+                typename S::T* gv) {
   for (int64_t t = 0; t < nq; t += S::QB) {
     const int64_t qn = nq - t < S::QB ? nq - t : S::QB;
-    const auto* a = A + t * Hp;
+    const auto* y = ys + t * nk * Hp;
     const auto* d = de + t * ldd;
     auto* g = gq + t * Hp;
     switch (qn) {
-      case 1: grad_cols<P, 1>(a, Bk, nk, Hp, d, ldd, g, gk, gv); break;
-      case 2: grad_cols<P, 2>(a, Bk, nk, Hp, d, ldd, g, gk, gv); break;
-      case 3: grad_cols<P, 3>(a, Bk, nk, Hp, d, ldd, g, gk, gv); break;
-      default: grad_cols<P, 4>(a, Bk, nk, Hp, d, ldd, g, gk, gv); break;
+      case 1: grad_cols<P, 1>(y, nk, Hp, d, ldd, g, gk, gv); break;
+      case 2: grad_cols<P, 2>(y, nk, Hp, d, ldd, g, gk, gv); break;
+      case 3: grad_cols<P, 3>(y, nk, Hp, d, ldd, g, gk, gv); break;
+      default: grad_cols<P, 4>(y, nk, Hp, d, ldd, g, gk, gv); break;
     }
   }
 }
 
-void grads(int path, const typename S::T* A, int64_t nq, const typename S::T* Bk, int64_t nk,
-           int64_t Hp, const typename S::T* de, int64_t ldd, typename S::T* gq, typename S::T* gk,
+void grads(int path, const typename S::T* ys, int64_t nq, int64_t nk, int64_t Hp,
+           const typename S::T* de, int64_t ldd, typename S::T* gq, typename S::T* gk,
            typename S::T* gv) {
   if (path == kProduct) {
-    grads_rows<kProduct>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv);
+    grads_rows<kProduct>(ys, nq, nk, Hp, de, ldd, gq, gk, gv);
   } else {
-    grads_rows<kRational>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv);
+    grads_rows<kRational>(ys, nq, nk, Hp, de, ldd, gq, gk, gv);
   }
 }
 

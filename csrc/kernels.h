@@ -27,15 +27,16 @@ struct KernelTable {
                     T limit);
   // p[i] = exp(scale * p[i]) for i < n; exp(-inf) = 0, NaN stays NaN.
   void (*exp_inplace)(T* p, int64_t n, T scale);
-  // out[t * ldo + s] = offset + sum_h veff[h] * f(A[t], B[s])[h] for t < nq, s < nk, where
-  // f = r = 1/(1 + A B) (kProduct; veff = -2 v, offset = sum v) or tanh(A + B) (kRational; veff = v).
+  // out[t * ldo + s] = offset + sum_h veff[h] * y[t,s,h] for t < nq, s < nk, where
+  // y = f(A[t], B[s]) = r = 1/(1 + A B) (kProduct; veff = -2 v, offset = sum v) or tanh(A + B)
+  // (kRational; veff = v). When ys is not null, y is also stored at ys[(t * nk + s) * Hp + h].
   void (*scores)(int path, const T* A, int64_t nq, const T* Bk, int64_t nk, int64_t Hp,
-                 const T* veff, T offset, T* out, int64_t ldo);
-  // Accumulates, for t < nq, s < nk, with d = de[t * ldd + s] and y = f(A[t], B[s]):
+                 const T* veff, T offset, T* out, int64_t ldo, T* ys);
+  // Accumulates, for t < nq, s < nk, with d = de[t * ldd + s] and y read from ys (as stored above):
   //   u = y - y^2 (kProduct, = sech^2 / 4) or 1 - y^2 (kRational, = sech^2)
   //   gq[t] += d u,  gk[s] += d u,  gv += d y          (all rows Hp long)
-  void (*grads)(int path, const T* A, int64_t nq, const T* Bk, int64_t nk, int64_t Hp,
-                const T* de, int64_t ldd, T* gq, T* gk, T* gv);
+  void (*grads)(int path, const T* ys, int64_t nq, int64_t nk, int64_t Hp, const T* de,
+                int64_t ldd, T* gq, T* gk, T* gv);
   // out[i] = tanh(a[i] + b[i]) as the kernels evaluate it (test hook); n a multiple of 16.
   // kProduct expects a, b already mapped to exp(2a), exp(2b).
   void (*tanh_pairs)(int path, const T* a, const T* b, T* out, int64_t n);
