@@ -70,7 +70,7 @@ class TrainConfig:
     seed: int = 0
     backend: str = "auto"
     # model
-    decoder: str = "gnmt"
+    decoder: str = "bahdanau"  # on reversal it needs ~2x fewer steps than gnmt for 99%
     cell: str = "gru"
     embed_size: int = 64
     hidden_size: int = 128
@@ -80,8 +80,8 @@ class TrainConfig:
     bidirectional: bool = True
     dropout: float = 0.0
     # optimisation
-    epochs: int = 4
-    steps_per_epoch: int = 250  # reverse only; translate runs over the training split
+    epochs: int = 3
+    steps_per_epoch: int = 200  # reverse only; translate runs over the training split
     batch_size: int = 64
     lr: float = 3e-3
     weight_decay: float = 0.01
