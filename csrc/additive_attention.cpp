@@ -119,7 +119,7 @@ struct AlignedBuffer {
 
 template <typename T>
 T* thread_scratch(int slot, int64_t n) {
-  thread_local AlignedBuffer buffers[6];
+  thread_local AlignedBuffer buffers[8];
   AlignedBuffer& buffer = buffers[slot];
   const size_t bytes = size_t(std::max<int64_t>(n, 1)) * sizeof(T);
   if (buffer.bytes < bytes) {
@@ -261,6 +261,7 @@ template <typename T>
 struct ScoreVectors {
   std::vector<T> rational;  // v
   std::vector<T> product;   // -2 v
+  std::vector<T> grad_product;  // 4 v: sech^2 = 4 (r - r^2)
   T sum_v = 0;              // sum v (tanh = 1 - 2r)
 };
 
@@ -269,11 +270,13 @@ ScoreVectors<T> score_vectors(const Tensor& v, int64_t H, int64_t Hp) {
   ScoreVectors<T> sv;
   sv.rational.assign(Hp, T(0));
   sv.product.assign(Hp, T(0));
+  sv.grad_product.assign(Hp, T(0));
   const T* vp = v.data_ptr<T>();
   double sum = 0;
   for (int64_t h = 0; h < H; ++h) {
     sv.rational[h] = vp[h];
     sv.product[h] = T(-2) * vp[h];
+    sv.grad_product[h] = T(4) * vp[h];
     sum += vp[h];
   }
   sv.sum_v = T(sum);
@@ -301,6 +304,9 @@ int pack_item(const KernelTable<T>& kt, const T* q_rows, int64_t nq, const T* k_
 template <typename T>
 void softmax_rows(const KernelTable<T>& kt, T* rows, int64_t nq, int64_t Tk, int64_t nk,
                   const bool* valid, float* lse) {
+  // exp runs on a padded copy so that no element takes the scalar tail.
+  T* x = thread_scratch<T>(6, round_up(std::max<int64_t>(nk, 1), kPadTo));
+  const int64_t padded = round_up(nk, kPadTo);
   for (int64_t t = 0; t < nq; ++t) {
     T* row = rows + t * Tk;
     T m = -std::numeric_limits<T>::infinity();
@@ -316,18 +322,20 @@ void softmax_rows(const KernelTable<T>& kt, T* rows, int64_t nq, int64_t Tk, int
       if (lse) lse[t] = std::numeric_limits<float>::infinity();
       continue;
     }
-    for (int64_t s = 0; s < nk; ++s) row[s] -= m;
-    kt.exp_inplace(row, nk, T(1));
+    for (int64_t s = 0; s < nk; ++s) x[s] = row[s] - m;
+    std::fill(x + nk, x + padded, T(0));
+    kt.exp_inplace(x, padded, T(1));
     double sum = 0;
-    for (int64_t s = 0; s < nk; ++s) {
-      if (valid && !valid[s]) {
-        row[s] = T(0);
-      } else {
-        sum += row[s];
+    if (valid) {
+      for (int64_t s = 0; s < nk; ++s) {
+        if (!valid[s]) x[s] = T(0);
+        sum += x[s];
       }
+    } else {
+      for (int64_t s = 0; s < nk; ++s) sum += x[s];
     }
     const T inv = T(1.0 / sum);
-    for (int64_t s = 0; s < nk; ++s) row[s] *= inv;
+    for (int64_t s = 0; s < nk; ++s) row[s] = x[s] * inv;
     std::fill(row + nk, row + Tk, T(0));
     if (lse) lse[t] = static_cast<float>(static_cast<double>(m) + std::log(sum));
   }
@@ -432,7 +440,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   const T* qp = query.data_ptr<T>();
   const T* kp = keys.data_ptr<T>();
   const T* bp = bias.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
   const T* dpp = dp.data_ptr<T>();
   T* pp = probs.data_ptr<T>();
   T* dqp = dq.data_ptr<T>();
@@ -504,15 +511,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
       kt.grads(path, ys, rn, nk, Hp, de + r0 * n.Tk, n.Tk, gq + r0 * Hp, gk, gv);
     }
     // Product path: sech^2 = 4u and tanh = 1 - 2r; rational: sech^2 = u, tanh = y.
-    const T scale = prod ? T(4) : T(1);
-    for (int64_t t = 0; t < nq; ++t) {
-      for (int64_t h = 0; h < n.H; ++h) dq_rows[t * n.H + h] = scale * vp[h] * gq[t * Hp + h];
-    }
+    const T* scale = prod ? sv.grad_product.data() : sv.rational.data();
+    kt.scale_rows(gq, nq, Hp, scale, dq_rows, n.H);
     T* dk_rows =
         split ? dkp + (b * plan.blocks_per_row + blk) * n.Tk * n.H : dkp + b * n.Tk * n.H;
-    for (int64_t s = 0; s < nk; ++s) {
-      for (int64_t h = 0; h < n.H; ++h) dk_rows[s * n.H + h] = scale * vp[h] * gk[s * Hp + h];
-    }
+    kt.scale_rows(gk, nk, Hp, scale, dk_rows, n.H);
     if (prod) {
       for (int64_t h = 0; h < Hp; ++h) gv[h] = T(sum_de) - T(2) * gv[h];
     }

@@ -187,6 +187,17 @@ bool pack_rows(const typename S::T* src, int64_t rows, int64_t H, const typename
   return !bad && !S::flag_any(flag);
 }
 
+void scale_rows(const typename S::T* src, int64_t rows, int64_t Hp, const typename S::T* scale,
+                typename S::T* dst, int64_t H) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto* x = src + r * Hp;
+    auto* y = dst + r * H;
+    int64_t h = 0;
+    for (; h + S::W <= H; h += S::W) S::store(y + h, S::mul(S::load(x + h), S::load(scale + h)));
+    for (; h < H; ++h) y[h] = x[h] * scale[h];
+  }
+}
+
 void exp_inplace(typename S::T* p, int64_t n, typename S::T scale) {
   const auto sv = S::set1(scale);
   int64_t i = 0;
@@ -212,6 +223,7 @@ void tanh_pairs(int path, const typename S::T* a, const typename S::T* b, typena
 }
 
 const KernelTable<typename S::T>& table(const char* name) {
-  static const KernelTable<typename S::T> t{name, pack_rows, exp_inplace, scores, grads, tanh_pairs};
+  static const KernelTable<typename S::T> t{name,  pack_rows,  exp_inplace, scale_rows,
+                                            scores, grads,      tanh_pairs};
   return t;
 }

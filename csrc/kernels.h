@@ -27,6 +27,8 @@ struct KernelTable {
                     T limit);
   // p[i] = exp(scale * p[i]) for i < n; exp(-inf) = 0, NaN stays NaN.
   void (*exp_inplace)(T* p, int64_t n, T scale);
+  // dst[r * H + h] = src[r * Hp + h] * scale[h] for r < rows, h < H.
+  void (*scale_rows)(const T* src, int64_t rows, int64_t Hp, const T* scale, T* dst, int64_t H);
   // out[t * ldo + s] = offset + sum_h veff[h] * y[t,s,h] for t < nq, s < nk, where
   // y = f(A[t], B[s]) = r = 1/(1 + A B) (kProduct; veff = -2 v, offset = sum v) or tanh(A + B)
   // (kRational; veff = v). When ys is not null, y is also stored at ys[(t * nk + s) * Hp + h].
