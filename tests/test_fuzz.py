@@ -26,22 +26,22 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import seq2seq_fast
 from seq2seq_fast import additive_attention
 from seq2seq_fast.reference import additive_attention_ref
+from tests.reliability import (
+    GRAD_NAMES,
+    fp32_tolerance,
+    normwise_error,
+    requires_cpp,
+    triton_attention,
+    triton_device,
+)
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, note, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-GRAD_NAMES = ("query", "keys", "values", "v", "bias")
-TANH_BOUND = 1e-6  # |fast tanh - tanh| in float32, C++ and Triton "exp" paths (their own tests)
 LAYOUTS = ("contiguous", "strided", "transposed", "expanded")
-
-requires_cpp = pytest.mark.skipif(
-    not seq2seq_fast.fused_available("cpu", torch.float32),
-    reason="the C++ extension seq2seq_fast._C is not built",
-)
 
 
 def _examples(fraction: float) -> settings:
@@ -203,18 +203,6 @@ def run(fn, inputs, lengths, mask, grad_context, grad_weights, needs_grad, retur
     return context.detach(), (None if weights is None else weights.detach()), out_grads
 
 
-def normwise_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max|actual - expected| / (1 + max|expected|), in float64; 0 for empty tensors."""
-    if expected.numel() == 0:
-        return 0.0
-    actual, expected = actual.double(), expected.double()
-    return ((actual - expected).abs().max() / (1.0 + expected.abs().max())).item()
-
-
-def fp32_tolerance(v: torch.Tensor) -> float:
-    return 1e-5 + 4 * TANH_BOUND * float(v.detach().double().abs().sum())
-
-
 # --- C++ kernel: the public functional with autograd -------------------------------------------
 
 
@@ -284,61 +272,12 @@ def test_cpp_fp32_matches_reference(problem):
 # --- Triton launchers (interpreter on CPU, compiled on CUDA) -----------------------------------
 
 
-def _triton_module():
-    pytest.importorskip("triton")
-    tk = pytest.importorskip("seq2seq_fast._triton.additive_attention")
-    if not torch.cuda.is_available() and not tk.is_interpreted():
-        pytest.skip("no CUDA and the Triton kernels were imported without TRITON_INTERPRET=1")
-    return tk
-
-
-def triton_attention(query, keys, values, v, bias=None, *, lengths, mask, return_weights):
-    """The launchers as the op would call them, differentiable, on whatever device query is on."""
-    tk = _triton_module()
-    single_step = query.dim() == 2
-    if lengths is not None:
-        lengths = torch.as_tensor(lengths).to(device=query.device, dtype=torch.int64).contiguous()
-    if mask is not None:
-        mask = mask.to(query.device).contiguous()
-    bias_t = bias if bias is not None else query.new_zeros(query.shape[-1])
-
-    class TritonFunction(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, val, vv, b):
-            context, weights, lse = tk.additive_attention_fwd(
-                q, k, val, vv, b, lengths, mask, return_weights
-            )
-            ctx.save_for_backward(q, k, val, vv, b, context, lse)
-            ctx.set_materialize_grads(False)
-            return context, weights
-
-        @staticmethod
-        def backward(ctx, grad_context, grad_weights):
-            q, k, val, vv, b, context, lse = ctx.saved_tensors
-            if grad_context is None:
-                grad_context = torch.zeros_like(context)
-            if grad_weights is not None and grad_weights.numel() == 0:
-                grad_weights = None
-            return tk.additive_attention_bwd(
-                grad_context.contiguous(),
-                None if grad_weights is None else grad_weights.contiguous(),
-                q, k, val, vv, b, lengths, mask, context, lse,
-            )  # fmt: skip
-
-    query3 = query.unsqueeze(1) if single_step else query
-    context, weights = TritonFunction.apply(query3, keys, values, v, bias_t)
-    if single_step:
-        context = context.squeeze(1)
-        weights = weights.squeeze(1) if return_weights else weights
-    return context, (weights if return_weights else None)
-
-
 TRITON_PROBLEMS = problems(max_batch=3, max_queries=5, max_keys=9, max_hidden=9, max_dv=5)
 
 
 def check_triton(problem: Problem, dtype: torch.dtype) -> None:
     note(repr(problem))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = triton_device()
     inputs, lengths, mask, gc, gw = make_tensors(problem, dtype)
     inputs = [None if t is None else t.to(device) for t in inputs]
     gc = gc.to(device)
