@@ -1,40 +1,74 @@
-"""A training step of the Seq2Seq model (seq2seq_fast.models), fused vs reference attention.
+"""A training step of the Seq2Seq model: tokens/s per attention backend and decoder.
 
-One group per decoder ("gnmt": one attention call over all target steps; "bahdanau": one call per
-target step). extra_info adds tokens per step and, once timed, tokens/s. Skipped, with the reason,
-when seq2seq_fast.models is not importable.
+The pytest-benchmark view of ``bench/train_throughput.py`` (the Seq2Seq engineer's table): the model,
+batch and step (forward, loss, backward, AdamW on a full batch) come from its ``make_step``.
+Providers: fused, eager (``backend="reference"``), compile (``torch.compile`` of the whole model,
+compiled during warm-up) and zero (an attention that costs nothing: the bound any kernel can
+reach). One group per (decoder, size). Skipped with the reason when ``seq2seq_fast.models`` or the
+script is missing.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from seq2seq_fast import bench as sb
 
 DEVICE = sb.default_device()
-SHAPE = sb.train_shape_for(sb.default_size(), DEVICE)
+SIZE = sb.default_size()
+PROVIDERS = [p for p in sb.PROVIDERS if p in sb.default_providers()] + ["zero"]
+_SCRIPT_NAME = {"eager": "reference"}  # our provider name -> train_throughput's
 
 
-@pytest.mark.parametrize("decoder", sb.TRAIN_DECODERS)
-@pytest.mark.parametrize("provider", [p for p in sb.TRAIN_PROVIDERS if p in sb.default_providers()])
-def test_train_step(benchmark, provider, decoder, bench_device, bench_dtype):
-    reason = sb.models_unavailable_reason() or sb.provider_unavailable_reason(
-        provider, bench_device, bench_dtype
+def _train_throughput():
+    try:
+        import train_throughput  # bench/ is on sys.path: pytest inserts the conftest's folder
+    except ImportError as exc:
+        pytest.skip(f"bench/train_throughput.py or seq2seq_fast.models missing: {exc}")
+    return train_throughput
+
+
+def _sizes() -> list[str]:
+    if SIZE == "tiny":
+        return ["tiny"]
+    return ["small"] if SIZE == "quick" else ["small", "large"]
+
+
+@pytest.mark.parametrize("size_name", _sizes())
+@pytest.mark.parametrize("decoder", ["gnmt", "bahdanau"])
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_train_step(benchmark, provider, decoder, size_name, bench_device, bench_dtype):
+    tt = _train_throughput()
+    if provider in ("fused", "compile"):
+        reason = sb.provider_unavailable_reason("fused", bench_device, bench_dtype)
+        if reason is not None:
+            pytest.skip(reason)
+    size = (
+        tt.Size("tiny", hidden=8, length=5, batch=3) if size_name == "tiny" else tt.SIZES[size_name]
     )
-    if reason is not None:
-        pytest.skip(reason)
-    benchmark.group = f"train step {decoder} decoder {SHAPE.name}: {SHAPE.label}"
-    call = sb.make_train_call(provider, decoder, SHAPE, bench_device, bench_dtype)
-    sb.warm_up(call, bench_device)
-    peak = sb.peak_extra_bytes(call, bench_device)
-    info = sb.benchmark_extra_info(
-        provider=provider, mode="train step", device=bench_device, dtype=bench_dtype, shape=SHAPE,
-        peak_extra=peak,
-    )  # fmt: skip
-    info.update(decoder=decoder, tokens_per_step=SHAPE.tokens)
-    benchmark.extra_info.update(info)
-    (loss,) = benchmark(sb.synchronized(call, bench_device))
-    sb.add_rate(benchmark.extra_info, benchmark)
-    if "median_s" in benchmark.extra_info:
-        benchmark.extra_info["tokens_per_s"] = SHAPE.tokens / benchmark.extra_info["median_s"]
-    assert loss.isfinite()
+    vocab = 20 if size_name == "tiny" else 1000
+    benchmark.group = (
+        f"train step {decoder} decoder, {size_name}: hidden={size.hidden} length={size.length} "
+        f"batch={size.batch} vocab={vocab}"
+    )
+    step = tt.make_step(_SCRIPT_NAME.get(provider, provider), decoder, size, vocab, bench_device)
+    sb.warm_up(step, bench_device)  # compiles the "compile" provider outside the timed region
+    tokens = size.batch * size.length
+    benchmark.extra_info.update(
+        provider=provider,
+        decoder=decoder,
+        device=bench_device,
+        dtype=str(bench_dtype).removeprefix("torch."),
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        triton=sb.package_version("triton"),
+        size=size_name,
+        tokens_per_step=tokens,
+        attention_tanh_count=size.batch * size.length * size.length * size.hidden,
+    )
+    loss = benchmark(sb.synchronized(step, bench_device))
+    stats = getattr(getattr(benchmark, "stats", None), "stats", None)
+    if getattr(stats, "median", None):
+        benchmark.extra_info["tokens_per_s"] = tokens / stats.median
+    assert loss == loss  # not NaN

@@ -384,109 +384,6 @@ def make_decode_call(provider: str, case: DecodeCase) -> Callable[[], tuple[Tens
     return decode
 
 
-# --- a training step of the Seq2Seq model ---------------------------------------------------------
-
-TRAIN_PROVIDERS = ("fused", "eager")
-TRAIN_DECODERS = ("gnmt", "bahdanau")
-
-
-@dataclass(frozen=True)
-class TrainShape:
-    """One teacher-forced training step: batch B, source length S, target length T, model sizes.
-
-    The attention runs with Tq=T, Tk=S, H=hidden, Dv=2*hidden (bidirectional encoder states).
-    """
-
-    name: str
-    batch: int
-    src_len: int
-    tgt_len: int
-    hidden: int
-    embed: int
-    vocab: int
-
-    @property
-    def tanh_count(self) -> int:
-        return self.batch * self.tgt_len * self.src_len * self.hidden
-
-    @property
-    def tokens(self) -> int:
-        """Target tokens per step (every row full length)."""
-        return self.batch * self.tgt_len
-
-    @property
-    def label(self) -> str:
-        return (
-            f"B={self.batch} S={self.src_len} T={self.tgt_len} hidden={self.hidden} "
-            f"embed={self.embed} vocab={self.vocab}"
-        )
-
-
-TINY_TRAIN = TrainShape("tiny-train", 3, 6, 5, 8, 8, 20)
-# DESIGN.md's small training shape: attention B=32, Tq=Tk=30, H=256, Dv=512.
-SMALL_TRAIN = TrainShape("small-train", 32, 30, 30, 256, 128, 4000)
-GNMT_TRAIN = TrainShape("gnmt-train", 128, 50, 50, 1024, 1024, 32000)
-
-
-def train_shape_for(size: str, device: str) -> TrainShape:
-    if size == "tiny":
-        return TINY_TRAIN
-    return GNMT_TRAIN if torch.device(device).type == "cuda" and size == "full" else SMALL_TRAIN
-
-
-def models_unavailable_reason() -> str | None:
-    """None when ``seq2seq_fast.models`` (Seq2Seq, sequence_loss) imports, else why not."""
-    try:
-        from seq2seq_fast.models import Seq2Seq, Seq2SeqConfig, sequence_loss  # noqa: F401
-    except ImportError as exc:
-        return f"seq2seq_fast.models is not available ({type(exc).__name__}: {exc})"
-    return None
-
-
-def make_train_call(
-    provider: str,
-    decoder: str,
-    shape: TrainShape,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-) -> Callable[[], tuple[Tensor, ...]]:
-    """One Adam training step of ``Seq2Seq`` (GRU, bidirectional encoder) on a random full batch.
-
-    ``provider`` picks the attention backend ("fused" or "eager" = "reference"); everything else
-    (embeddings, RNNs, output layer, loss, optimizer) is the same PyTorch code for both.
-    """
-    from seq2seq_fast.models import Seq2Seq, Seq2SeqConfig, sequence_loss
-
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    config = Seq2SeqConfig(
-        src_vocab_size=shape.vocab,
-        tgt_vocab_size=shape.vocab,
-        embed_size=shape.embed,
-        hidden_size=shape.hidden,
-        decoder=decoder,
-        backend="fused" if provider == "fused" else "reference",
-    )
-    model = Seq2Seq(config).to(device=device, dtype=dtype).train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    b, s, t = shape.batch, shape.src_len, shape.tgt_len
-    src = torch.randint(4, shape.vocab, (b, s), generator=gen).to(device)
-    src_lengths = random_lengths(b, s, gen).to(device)
-    tgt = torch.randint(4, shape.vocab, (b, t + 1), generator=gen).to(device)
-    tgt_in, tgt_out = tgt[:, :-1].contiguous(), tgt[:, 1:].contiguous()
-
-    def step() -> tuple[Tensor, ...]:
-        optimizer.zero_grad(set_to_none=True)
-        logits, _ = model(src, src_lengths, tgt_in)
-        loss = sequence_loss(logits, tgt_out)
-        loss.backward()
-        optimizer.step()
-        return (loss.detach(),)
-
-    return step
-
-
 # --- timing ----------------------------------------------------------------------------------------
 
 
@@ -705,7 +602,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _version(package: str) -> str | None:
+def package_version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
@@ -753,7 +650,7 @@ def machine_info(device: str) -> dict[str, Any]:
         "gpu": None,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "triton": _version("triton"),
+        "triton": package_version("triton"),
         "fused_cpu": fused_unavailable_reason("cpu", torch.float32) or "available",
     }
     if torch.cuda.is_available():
@@ -780,7 +677,7 @@ def benchmark_extra_info(
         "dtype": str(dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "triton": _version("triton"),
+        "triton": package_version("triton"),
         "shape": asdict(shape),
         "tanh_count": shape.tanh_count,
         "tanh_work": shape.tanh_count * WORK_FACTOR.get(mode, 1),
