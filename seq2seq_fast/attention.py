@@ -85,7 +85,7 @@ class BahdanauAttention(nn.Module):
             ("key_size", key_size),
             ("hidden_size", hidden_size),
         ):
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.query_size, self.key_size, self.hidden_size = query_size, key_size, hidden_size
         self.normalize = normalize
@@ -116,8 +116,26 @@ class BahdanauAttention(nn.Module):
             f"normalize={self.normalize}, backend={self.backend!r}"
         )
 
+    def _check_tensor(self, name: str, value: object) -> None:
+        """A floating-point tensor on the parameters' device, in their dtype (unless autocast)."""
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        param = self.v
+        if value.device != param.device:
+            raise ValueError(
+                f"{name} is on {value.device} but the module's parameters are on {param.device}"
+            )
+        if not value.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
+        if value.dtype != param.dtype and not torch.is_autocast_enabled(value.device.type):
+            raise TypeError(
+                f"{name} has dtype {value.dtype} but the module's parameters are {param.dtype} "
+                f"(convert the module, e.g. .to({value.dtype}), or the input)"
+            )
+
     def project_keys(self, keys: Tensor) -> Tensor:
         """[B, Tk, key_size] -> [B, Tk, H]; compute once per source batch, reuse every step."""
+        self._check_tensor("keys", keys)
         if keys.dim() != 3 or keys.shape[-1] != self.key_size:
             raise ValueError(
                 f"keys must be [B, Tk, key_size={self.key_size}], got {list(keys.shape)}"
@@ -140,6 +158,13 @@ class BahdanauAttention(nn.Module):
         mask: Tensor | None = None,
         projected_keys: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
+        self._check_tensor("query", query)
+        if projected_keys is None or keys is not None:
+            self._check_tensor("keys", keys)
+        if values is not None:
+            self._check_tensor("values", values)
+        if projected_keys is not None:
+            self._check_tensor("projected_keys", projected_keys)
         if query.dim() not in (2, 3) or query.shape[-1] != self.query_size:
             raise ValueError(
                 f"query must be [B, Tq, query_size={self.query_size}] or [B, query_size], "

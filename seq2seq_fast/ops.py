@@ -163,7 +163,17 @@ def _require_float_tensor(name: str, value: object) -> Tensor:
 
 def _as_lengths(lengths: object, batch: int, num_keys: int, device: torch.device) -> Tensor:
     if isinstance(lengths, Sequence) and not isinstance(lengths, (str, bytes)):
-        lengths = torch.tensor(list(lengths), dtype=torch.int64, device=device)
+        items = list(lengths)
+        try:  # no dtype forced: [1.5, 2] must fail the integer check below, not be truncated
+            lengths = (
+                torch.tensor(items, device=device)
+                if items
+                else torch.zeros(0, dtype=torch.int64, device=device)
+            )
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(
+                f"lengths must be an integer tensor or a sequence of ints, got {items!r:.80} ({exc})"
+            ) from None
     if not isinstance(lengths, Tensor):
         raise TypeError(
             f"lengths must be an integer tensor of shape [{batch}], got {type(lengths).__name__}"
@@ -174,7 +184,8 @@ def _as_lengths(lengths: object, batch: int, num_keys: int, device: torch.device
         raise ValueError(f"lengths must have shape [B]=[{batch}], got {_shape(lengths)}")
     if lengths.device != device:
         raise ValueError(f"lengths is on {lengths.device} but query is on {device}")
-    if not torch.compiler.is_compiling() and lengths.numel() > 0:
+    # Values cannot be read while compiling or on the meta device (shapes only).
+    if not torch.compiler.is_compiling() and lengths.numel() > 0 and lengths.device.type != "meta":
         low, high = int(lengths.min()), int(lengths.max())
         if low < 0 or high > num_keys:
             raise ValueError(
@@ -292,6 +303,8 @@ def additive_attention(
 def run_checked(checked: tuple, return_weights: bool, use_reference: bool):
     """Run inputs that ``check_inputs`` returned through the fused op or the reference."""
     query3, keys, values, v, bias, lengths, mask, single_step = checked
+    if not isinstance(return_weights, bool):
+        raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
     degenerate = min(query3.shape) == 0 or min(keys.shape) == 0 or values.shape[2] == 0
     if use_reference or degenerate:
         # Degenerate sizes (B, Tq, Tk, H or Dv = 0) leave a kernel nothing to do; the reference is exact.
