@@ -181,6 +181,16 @@ def test_fp32_small_tiles_exercise_every_loop():
     check_fp32((2, 5, 11, 17, 5), kind="lengths", seed=7, fwd_config=fwd, bwd_configs=bwd)
 
 
+def test_fp32_int64_offsets_path(monkeypatch):
+    # The int64 index path runs for real only past 2^31 elements (bench/gpu_check.py checks
+    # that on a GPU); here it is forced on small tensors to test its arithmetic.
+    assert not tk.needs_int64_offsets(torch.empty(4, 5, 6))
+    huge = torch.empty(2**31 + 1, device="meta")
+    assert tk.needs_int64_offsets(huge) and tk.needs_int64_offsets(huge[:: 2**20])
+    monkeypatch.setattr(tk, "needs_int64_offsets", lambda *tensors: True)
+    check_fp32((2, 3, 6, 9, 4), kind="mask", strided=True, seed=33)
+
+
 def test_fp32_dot_tiles_with_padding():
     cfg = tk.TileConfig(block_q=16, block_k=16, block_h=8, block_dv=16)
     bwd = (cfg, tk.TileConfig(16, 16, 8, 1), tk.TileConfig(16, 16, 1, 16))
@@ -278,25 +288,54 @@ def test_low_precision_within_twice_plain_pytorch_error(dtype, shape, kind):
 # --- tanh paths, tile choice, knobs ----------------------------------------------------------------
 
 
-def _tanh_errors(fast):
-    x = torch.cat([torch.linspace(-12, 12, 20001), torch.logspace(-30, 1, 2000)])
+def _tanh_errors(mode):
+    x = torch.cat([torch.linspace(-12, 12, 20001), torch.logspace(-30, 1.5, 2000)])
     x = torch.cat([x, -x]).to(DEVICE)
-    y = tk.tanh_probe(x, fast)
+    y = tk.tanh_probe(x, mode)
     exact = torch.tanh(x.double())
     abs_err = (y.double() - exact).abs()
     return abs_err.max().item(), (abs_err / exact.abs().clamp_min(1e-30)).max().item()
 
 
 def test_exp_tanh_error_bound():
-    abs_err, rel_err = _tanh_errors(fast=False)
+    abs_err, rel_err = _tanh_errors("exp")
     assert abs_err <= (1e-6 if CUDA else 2.5e-7), abs_err
     assert rel_err <= (2e-6 if CUDA else 1e-6), rel_err
 
 
+def test_product_tanh_error_bound():
+    abs_err, _ = _tanh_errors("product")
+    assert abs_err <= (1e-6 if CUDA else 2.5e-7), abs_err
+
+
 @requires_cuda
 def test_approx_tanh_error_bound():
-    _, rel_err = _tanh_errors(fast=True)
+    _, rel_err = _tanh_errors("approx")
     assert rel_err <= 2.0**-10.9, rel_err
+
+
+@pytest.mark.parametrize("mode", ["exp", "product"])
+def test_fp32_each_tanh_path(monkeypatch, mode):
+    monkeypatch.setenv(tk.TANH_ENV, mode)
+    check_fp32((2, 4, 9, 17, 3), kind="lengths", seed=35)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # e^86 * e^86 = inf
+def test_product_path_falls_back_on_large_preactivations(monkeypatch):
+    # q + bias and keys past +-34 on both sides (opposite signs): the clamped product formula
+    # would be wrong, so those tiles must be recomputed exactly.
+    monkeypatch.setenv(tk.TANH_ENV, "product")
+    inputs = list(make_inputs(2, 3, 5, 6, 2, torch.float32, seed=37))
+    inputs[0] = inputs[0] + torch.tensor([50.0, -50.0, 1.0], device=DEVICE)[None, :, None]
+    inputs[1] = inputs[1] - torch.tensor([49.0, 0.0, -49.5, 0.2, 45.0], device=DEVICE)[:, None]
+    grad_context = torch.randn(2, 3, 2).to(DEVICE)
+    grad_weights = torch.randn(2, 3, 5).to(DEVICE)
+    context, weights, _, grads = fused(inputs, None, None, grad_context, grad_weights)
+    ref_context, ref_weights, ref_grads = reference(inputs, None, None, grad_context, grad_weights)
+    assert_close64(context, ref_context, 1e-5, "context")
+    assert_close64(weights, ref_weights, 1e-5, "weights")
+    for name, grad, ref_grad in zip(GRAD_NAMES, grads, ref_grads, strict=True):
+        assert_close64(grad, ref_grad, 2e-5, f"grad {name}")
 
 
 def test_pick_block_and_configs():
@@ -313,16 +352,18 @@ def test_pick_block_and_configs():
 
 
 def test_tanh_mode_knob(monkeypatch):
+    device = torch.device(DEVICE)
+    gpu = CUDA and not tk.is_interpreted()
     monkeypatch.setenv(tk.TANH_ENV, "exp")
-    assert not tk.use_fast_tanh(torch.bfloat16, torch.device(DEVICE))
+    assert tk.tanh_mode(torch.bfloat16, device) == "exp"
     monkeypatch.setenv(tk.TANH_ENV, "auto")
-    assert not tk.use_fast_tanh(torch.float32, torch.device(DEVICE))
-    assert tk.use_fast_tanh(torch.bfloat16, torch.device(DEVICE)) == (
-        CUDA and not tk.is_interpreted()
-    )
+    assert tk.tanh_mode(torch.float32, device) == "product"
+    assert tk.tanh_mode(torch.bfloat16, device) == ("approx" if gpu else "product")
+    monkeypatch.setenv(tk.TANH_ENV, "approx")
+    assert tk.tanh_mode(torch.float32, device) == ("approx" if gpu else "product")
     monkeypatch.setenv(tk.TANH_ENV, "fastest")
     with pytest.raises(ValueError, match="SEQ2SEQ_FAST_TANH"):
-        tk.use_fast_tanh(torch.float32, torch.device(DEVICE))
+        tk.tanh_mode(torch.float32, device)
 
 
 # --- CUDA only: registration, compile, public op, fast tanh in the kernels --------------------------

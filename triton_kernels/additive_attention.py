@@ -29,19 +29,29 @@ Kernels (the [B, Tq, Tk, H] tensor is never written anywhere; scratch is O(B*Tq*
     Backward costs 2 * B*Tq*Tk*H tanh; no float atomics anywhere, so results are bitwise
     reproducible run to run.
 
-tanh paths (constexpr FAST_TANH):
-    "exp"    tanh|x| = (1 - t) / (1 + t), t = exp(-2|x|), sign restored; for |x| < 0.125, where
-             1 - t would cancel, the odd Taylor series to x^7 instead. Never overflows, never NaN
-             for finite x. Absolute error a few float32 ulps of 1 (measured <= 1e-7 under the
-             interpreter; on CUDA tl.exp is ex2.approx and '/' is div.full, ~2 ulp each, so the
-             test allows 1e-6); relative error <= ~1e-6 for |x| >= 0.125 and ~1e-7 below. Two MUFU
-             operations (ex2, rcp) per tanh on the GPU: at most half the tanh.approx rate.
-    "approx" PTX ``tanh.approx.f32`` (one MUFU instruction, CUDA only): maximum relative error
-             2^-10.987 (about 4.9e-4) by the PTX ISA; bench/gpu_check.py measures it again.
-    Default ("auto"): "approx" for float16/bfloat16 inputs on CUDA (their input rounding,
-    2^-8 / 2^-11, is as large), "exp" for float32 (fp32 results stay within ~1e-5 of the
-    reference) and always "exp" under the interpreter (it cannot run inline PTX). Override with
-    SEQ2SEQ_FAST_TANH=auto|approx|exp, read at every call.
+tanh paths (constexpr TANH_MODE; tanh_probe() evaluates each one alone):
+    "product"  tanh(a + b) = 1 - 2 / (1 + e^{2a} e^{2b}) with a = q + bias, b = k: the two
+               exponentials are taken on the 2D operand tiles and shared by the other operand's
+               rows, so each tanh costs one FMA and one reciprocal (rcp.approx.ftz.f32, one MUFU
+               op, <= 1 ulp) - the MUFU cost of tanh.approx at float32 accuracy. A score becomes
+               sum_h v - 2 sum_h v r. Operands are clamped to +-43 before exponentiation (finite,
+               nonzero factors: no inf * 0); a tile whose operands exceed +-34 on both sides,
+               where the clamp could change a result, is recomputed with the "exp" path (never
+               on sane data; tested on crafted inputs). Error: a few float32 ulps of 1, absolute
+               (measured <= 1.2e-7 under the interpreter; bench/gpu_check.py measures the GPU).
+               The 2D exponentials add (1/BLOCK_Q + 1/BLOCK_K) MUFU ops per tanh, which matters at
+               BLOCK_Q = 1 (the decoding step): there "approx" is cheaper, and both are bound by
+               reading the keys anyway.
+    "approx"   PTX tanh.approx.f32: one MUFU op per tanh, CUDA only. Maximum relative error
+               2^-10.987 (~4.9e-4) per the PTX ISA; bench/gpu_check.py measures it.
+    "exp"      tanh|x| = (1 - t) / (1 + t), t = exp(-2|x|), sign restored, and the odd Taylor
+               series to x^7 for |x| < 0.125 where 1 - t cancels. Absolute error <= ~1e-7, relative
+               <= ~5e-7 under the interpreter. Two MUFU ops and ~17 FP32 ops per tanh on the GPU:
+               the slow exact fallback of "product".
+    Default ("auto"): "approx" for float16 / bfloat16 on CUDA (their input rounding, 2^-11 and
+    2^-8, is as coarse), "product" for float32 (results within ~1e-5 of the reference) and under
+    the interpreter (no inline PTX there; "approx" falls back to "product"). Override with
+    SEQ2SEQ_FAST_TANH=auto|approx|product|exp, read at every call.
 """
 
 from __future__ import annotations
@@ -61,12 +71,18 @@ __all__ = [
     "backward_configs",
     "forward_config",
     "is_interpreted",
+    "needs_int64_offsets",
+    "tanh_mode",
     "tanh_probe",
-    "use_fast_tanh",
 ]
 
-TANH_MODES = ("auto", "approx", "exp")
+TANH_MODES = ("auto", "approx", "product", "exp")
 TANH_ENV = "SEQ2SEQ_FAST_TANH"
+_TANH_CODES = {"exp": 0, "approx": 1, "product": 2}  # the kernels' TANH_MODE constexpr
+# Product path: each operand of tanh(a + b) is clamped to +-PAIR_CLAMP before exponentiation; a
+# tile is recomputed exactly unless that cannot matter (see _pair_clamp_is_exact).
+PAIR_CLAMP = tl.constexpr(43.0)
+PAIR_SAFE_OTHER = tl.constexpr(34.0)
 # Elements of the [BLOCK_Q, BLOCK_K, BLOCK_H] tanh tile a program holds at once (4 warps: 32 a thread).
 DEFAULT_TILE = 4096
 DEFAULT_NUM_WARPS = 4
@@ -76,13 +92,27 @@ DEFAULT_NUM_WARPS = 4
 
 
 @triton.jit
-def _tanh(x, FAST_TANH: tl.constexpr):
-    """Elementwise tanh of a float32 tensor; see the module docstring for both paths' error bounds."""
-    if FAST_TANH:
+def _rcp(x, FAST_RCP: tl.constexpr):
+    """1 / x: one MUFU op (rcp.approx.ftz.f32, max error 1 ulp) on the GPU, a division elsewhere."""
+    if FAST_RCP:
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return 1.0 / x
+
+
+@triton.jit
+def _tanh(x, TANH_MODE: tl.constexpr, FAST_RCP: tl.constexpr):
+    """Elementwise tanh of a float32 tensor; the module docstring gives each path's error bound."""
+    if TANH_MODE == 1:  # approx
         return tl.inline_asm_elementwise(
             "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
         )
-    else:
+    elif TANH_MODE == 2:  # product (here with the second factor 1: exp(2x) = e^{2x} * e^0)
+        e = tl.exp(tl.minimum(tl.maximum(2.0 * x, -2.0 * PAIR_CLAMP), 2.0 * PAIR_CLAMP))
+        return 1.0 - 2.0 * _rcp(e + 1.0, FAST_RCP)
+    else:  # exp
         ax = tl.abs(x)
         t = tl.exp(-2.0 * ax)
         y = (1.0 - t) / (1.0 + t)
@@ -93,21 +123,104 @@ def _tanh(x, FAST_TANH: tl.constexpr):
 
 
 @triton.jit
-def _tanh_probe_kernel(x_ptr, y_ptr, n, FAST_TANH: tl.constexpr, BLOCK: tl.constexpr):
+def _pair_factors(a, b, FAST_RCP: tl.constexpr):
+    """r = 1 / (1 + e^{2a} e^{2b}) for a [M, H] and b [N, H] -> [M, N, H]; tanh(a + b) = 1 - 2r.
+
+    The exponentials are taken on the 2D operands (amortised over the other operand's rows), so
+    each 3D element costs one FMA and one reciprocal. Each operand is clamped to +-PAIR_CLAMP
+    (both exponentials stay finite and nonzero: never inf * 0); the callers recompute exactly
+    where that clamp could change a result (see _pair_clamp_is_exact).
+    """
+    ea = tl.exp(tl.minimum(tl.maximum(2.0 * a, -2.0 * PAIR_CLAMP), 2.0 * PAIR_CLAMP))
+    eb = tl.exp(tl.minimum(tl.maximum(2.0 * b, -2.0 * PAIR_CLAMP), 2.0 * PAIR_CLAMP))
+    return _rcp(ea[:, None, :] * eb[None, :, :] + 1.0, FAST_RCP)
+
+
+@triton.jit
+def _pair_clamp_is_exact(max_abs_a, max_abs_b):
+    """Whether clamping both operands to +-22 leaves every tanh(a + b) unchanged in float32.
+
+    Exact when neither is clamped (e^{+-86} are normal floats: a product overflows to inf or
+    underflows to 0 only where tanh is +-1 in float32). If only |a| > 43 while |b| <= 34 (or the
+    reverse), a + b and the clamped sum lie on the same side of +-9, past which tanh is within
+    one ulp of +-1.
+    """
+    larger = tl.maximum(max_abs_a, max_abs_b)
+    smaller = tl.minimum(max_abs_a, max_abs_b)
+    return (larger <= PAIR_CLAMP) | (smaller <= PAIR_SAFE_OTHER)
+
+
+@triton.jit
+def _index(offsets, INT64_OFFSETS: tl.constexpr):
+    """Offsets for address arithmetic: int64 when some tensor spans 2^31 elements, else int32."""
+    if INT64_OFFSETS:
+        return offsets.to(tl.int64)
+    else:
+        return offsets
+
+
+@triton.jit
+def _tanh_probe_kernel(
+    x_ptr, y_ptr, n, TANH_MODE: tl.constexpr, FAST_RCP: tl.constexpr, BLOCK: tl.constexpr
+):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    tl.store(y_ptr + offs, _tanh(x, FAST_TANH), mask=offs < n)
+    tl.store(y_ptr + offs, _tanh(x, TANH_MODE, FAST_RCP), mask=offs < n)
 
 
-def tanh_probe(x: torch.Tensor, fast: bool) -> torch.Tensor:
-    """The kernels' tanh applied to a contiguous float32 tensor (to measure each path's error)."""
+def tanh_probe(x: torch.Tensor, mode: str) -> torch.Tensor:
+    """The kernels' tanh path ``mode`` (approx / product / exp) on a float32 tensor, elementwise."""
     x = x.contiguous()
     y = torch.empty_like(x)
     if x.numel():
         _tanh_probe_kernel[(triton.cdiv(x.numel(), 1024),)](
-            x, y, x.numel(), FAST_TANH=fast, BLOCK=1024
+            x, y, x.numel(), TANH_MODE=_TANH_CODES[mode], FAST_RCP=_fast_rcp(), BLOCK=1024
         )
     return y
+
+
+@triton.jit
+def _score_tile_direct(
+    query_rows_ptr,
+    keys_rows_ptr,
+    v_ptr,
+    bias_ptr,
+    q_in,
+    k_in,
+    hidden,
+    stride_query_h,
+    stride_keys_h,
+    stride_v_h,
+    stride_bias_h,
+    TANH_MODE: tl.constexpr,
+    FAST_RCP: tl.constexpr,
+    INT64_OFFSETS: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Scores with an elementwise tanh of q + k + bias (the approx and exp paths)."""
+    # Accumulate in 3D and reduce over h once at the end: one cross-lane reduction per key tile
+    # instead of one per H chunk.
+    acc = tl.zeros((BLOCK_Q, BLOCK_K, BLOCK_H), dtype=tl.float32)
+    for h_start in range(0, hidden, BLOCK_H):
+        offs_h = h_start + tl.arange(0, BLOCK_H)
+        h_in = offs_h < hidden
+        idx_h = _index(offs_h, INT64_OFFSETS)
+        q = tl.load(
+            query_rows_ptr + idx_h[None, :] * stride_query_h,
+            mask=q_in & h_in[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        k = tl.load(
+            keys_rows_ptr + idx_h[None, :] * stride_keys_h, mask=k_in & h_in[None, :], other=0.0
+        ).to(tl.float32)
+        bias = tl.load(bias_ptr + idx_h * stride_bias_h, mask=h_in, other=0.0).to(tl.float32)
+        # v = 0 on padded h, so padded lanes add nothing.
+        v = tl.load(v_ptr + idx_h * stride_v_h, mask=h_in, other=0.0).to(tl.float32)
+        pre = (q + bias[None, :])[:, None, :] + k[None, :, :]
+        acc += v[None, None, :] * _tanh(pre, TANH_MODE, FAST_RCP)
+    return tl.sum(acc, axis=2)
 
 
 @triton.jit
@@ -123,42 +236,76 @@ def _score_tile(
     stride_keys_h,
     stride_v_h,
     stride_bias_h,
-    FAST_TANH: tl.constexpr,
+    TANH_MODE: tl.constexpr,
+    FAST_RCP: tl.constexpr,
+    INT64_OFFSETS: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     """Scores [BLOCK_Q, BLOCK_K] = sum_h v[h] tanh(q[t,h] + k[s,h] + bias[h]), fp32, unmasked."""
-    # Accumulate in 3D and reduce over h once at the end: one cross-lane reduction per key tile
-    # instead of one per H chunk.
-    acc = tl.zeros((BLOCK_Q, BLOCK_K, BLOCK_H), dtype=tl.float32)
-    for h_start in range(0, hidden, BLOCK_H):
-        offs_h = h_start + tl.arange(0, BLOCK_H)
-        h_in = offs_h < hidden
-        offs_h64 = offs_h.to(tl.int64)
-        q = tl.load(
-            query_rows_ptr + offs_h64[None, :] * stride_query_h,
-            mask=q_in & h_in[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        k = tl.load(
-            keys_rows_ptr + offs_h64[None, :] * stride_keys_h, mask=k_in & h_in[None, :], other=0.0
-        ).to(tl.float32)
-        bias = tl.load(bias_ptr + offs_h64 * stride_bias_h, mask=h_in, other=0.0).to(tl.float32)
-        # v = 0 on padded h, so padded lanes add nothing.
-        v = tl.load(v_ptr + offs_h64 * stride_v_h, mask=h_in, other=0.0).to(tl.float32)
-        pre = (q + bias[None, :])[:, None, :] + k[None, :, :]
-        acc += v[None, None, :] * _tanh(pre, FAST_TANH)
-    return tl.sum(acc, axis=2)
+    if TANH_MODE == 2:
+        # sum_h v tanh(a + b) = sum_h v - 2 sum_h v r,  r = 1 / (1 + e^{2a} e^{2b}).
+        acc = tl.zeros((BLOCK_Q, BLOCK_K, BLOCK_H), dtype=tl.float32)
+        v_total = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        max_abs_q = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+        max_abs_k = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for h_start in range(0, hidden, BLOCK_H):
+            offs_h = h_start + tl.arange(0, BLOCK_H)
+            h_in = offs_h < hidden
+            idx_h = _index(offs_h, INT64_OFFSETS)
+            q = tl.load(
+                query_rows_ptr + idx_h[None, :] * stride_query_h,
+                mask=q_in & h_in[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            k = tl.load(
+                keys_rows_ptr + idx_h[None, :] * stride_keys_h,
+                mask=k_in & h_in[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            bias = tl.load(bias_ptr + idx_h * stride_bias_h, mask=h_in, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + idx_h * stride_v_h, mask=h_in, other=0.0).to(tl.float32)
+            a = q + bias[None, :]
+            acc += v[None, None, :] * _pair_factors(a, k, FAST_RCP)
+            v_total += v
+            # Row maxima (a 2D running maximum would cost a register per element at BLOCK_Q = 1).
+            max_abs_q = tl.maximum(max_abs_q, tl.max(tl.abs(a), axis=1))
+            max_abs_k = tl.maximum(max_abs_k, tl.max(tl.abs(k), axis=1))
+        scores = tl.sum(v_total, axis=0) - 2.0 * tl.sum(acc, axis=2)
+        if not _pair_clamp_is_exact(tl.max(max_abs_q), tl.max(max_abs_k)):
+            # Pre-activations past +-34 on both sides (never on sane data): recompute exactly.
+            scores = _score_tile_direct(
+                query_rows_ptr, keys_rows_ptr, v_ptr, bias_ptr, q_in, k_in, hidden,
+                stride_query_h, stride_keys_h, stride_v_h, stride_bias_h,
+                0, FAST_RCP, INT64_OFFSETS, BLOCK_Q, BLOCK_K, BLOCK_H,
+            )  # fmt: skip
+        return scores
+    else:
+        return _score_tile_direct(
+            query_rows_ptr, keys_rows_ptr, v_ptr, bias_ptr, q_in, k_in, hidden,
+            stride_query_h, stride_keys_h, stride_v_h, stride_bias_h,
+            TANH_MODE, FAST_RCP, INT64_OFFSETS, BLOCK_Q, BLOCK_K, BLOCK_H,
+        )  # fmt: skip
 
 
 @triton.jit
-def _valid_keys(offs_k, num_keys, key_end, mask_row_ptr, stride_mask_s, HAS_MASK: tl.constexpr):
+def _valid_keys(
+    offs_k,
+    num_keys,
+    key_end,
+    mask_row_ptr,
+    stride_mask_s,
+    HAS_MASK: tl.constexpr,
+    INT64_OFFSETS: tl.constexpr,
+):
     """Bool [BLOCK_K]: key s exists, lies below the row's length and is allowed by the mask."""
     valid = (offs_k < num_keys) & (offs_k < key_end)
     if HAS_MASK:
         allowed = tl.load(
-            mask_row_ptr + offs_k.to(tl.int64) * stride_mask_s, mask=offs_k < num_keys, other=0
+            mask_row_ptr + _index(offs_k, INT64_OFFSETS) * stride_mask_s,
+            mask=offs_k < num_keys,
+            other=0,
         )
         valid = valid & (allowed != 0)
     return valid
@@ -213,26 +360,28 @@ def _additive_attention_fwd_kernel(
     HAS_LENGTHS: tl.constexpr,
     HAS_MASK: tl.constexpr,
     RETURN_WEIGHTS: tl.constexpr,
-    FAST_TANH: tl.constexpr,
+    TANH_MODE: tl.constexpr,
+    FAST_RCP: tl.constexpr,
     USE_DOT: tl.constexpr,
     LOWP_DOT: tl.constexpr,
+    INT64_OFFSETS: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    pid_b = (pid // num_q_tiles).to(tl.int64)
+    pid_b = _index(pid // num_q_tiles, INT64_OFFSETS)
     pid_q = pid % num_q_tiles
 
     offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_valid = offs_q < num_queries
     q_in = q_valid[:, None]
-    offs_q64 = offs_q.to(tl.int64)
-    query_rows_ptr = query_ptr + pid_b * stride_query_b + offs_q64[:, None] * stride_query_t
+    idx_q = _index(offs_q, INT64_OFFSETS)
+    query_rows_ptr = query_ptr + pid_b * stride_query_b + idx_q[:, None] * stride_query_t
     keys_batch_ptr = keys_ptr + pid_b * stride_keys_b
     values_batch_ptr = values_ptr + pid_b * stride_values_b
-    scores_rows_ptr = scores_ptr + pid_b * stride_scores_b + offs_q64[:, None] * stride_scores_t
+    scores_rows_ptr = scores_ptr + pid_b * stride_scores_b + idx_q[:, None] * stride_scores_t
     mask_row_ptr = mask_ptr + pid_b * stride_mask_b
 
     # Keys at or past the row's length are never scored: their tanh work is skipped outright.
@@ -246,16 +395,18 @@ def _additive_attention_fwd_kernel(
     for k_start in range(0, key_end, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
         k_in = offs_k[:, None] < num_keys
-        keys_rows_ptr = keys_batch_ptr + offs_k.to(tl.int64)[:, None] * stride_keys_s
+        keys_rows_ptr = keys_batch_ptr + _index(offs_k, INT64_OFFSETS)[:, None] * stride_keys_s
         s = _score_tile(
             query_rows_ptr, keys_rows_ptr, v_ptr, bias_ptr, q_in, k_in, hidden,
             stride_query_h, stride_keys_h, stride_v_h, stride_bias_h,
-            FAST_TANH, BLOCK_Q, BLOCK_K, BLOCK_H,
+            TANH_MODE, FAST_RCP, INT64_OFFSETS, BLOCK_Q, BLOCK_K, BLOCK_H,
         )  # fmt: skip
-        valid = _valid_keys(offs_k, num_keys, key_end, mask_row_ptr, stride_mask_s, HAS_MASK)
+        valid = _valid_keys(
+            offs_k, num_keys, key_end, mask_row_ptr, stride_mask_s, HAS_MASK, INT64_OFFSETS
+        )
         s = tl.where(valid[None, :], s, float("-inf"))
         tl.store(
-            scores_rows_ptr + offs_k.to(tl.int64)[None, :] * stride_scores_s,
+            scores_rows_ptr + _index(offs_k, INT64_OFFSETS)[None, :] * stride_scores_s,
             s,
             mask=q_in & (offs_k[None, :] < num_keys),
         )
@@ -267,7 +418,7 @@ def _additive_attention_fwd_kernel(
         m_i = m_new
     # +inf for a row with no valid key: exp(s - lse) is then 0 everywhere, never NaN.
     lse = tl.where(l_i > 0.0, m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0)), float("inf"))
-    tl.store(lse_ptr + pid_b * stride_lse_b + offs_q64 * stride_lse_t, lse, mask=q_valid)
+    tl.store(lse_ptr + pid_b * stride_lse_b + idx_q * stride_lse_t, lse, mask=q_valid)
 
     # The scratch written above is read back below in another thread layout.
     tl.debug_barrier()
@@ -275,42 +426,42 @@ def _additive_attention_fwd_kernel(
     # Phase 2: normalised weights (optional) and the context.
     if RETURN_WEIGHTS:
         weights_rows_ptr = (
-            weights_ptr + pid_b * stride_weights_b + offs_q64[:, None] * stride_weights_t
+            weights_ptr + pid_b * stride_weights_b + idx_q[:, None] * stride_weights_t
         )
         for k_start in range(0, num_keys, BLOCK_K):
             offs_k = k_start + tl.arange(0, BLOCK_K)
-            offs_k64 = offs_k.to(tl.int64)
+            idx_k = _index(offs_k, INT64_OFFSETS)
             s = tl.load(
-                scores_rows_ptr + offs_k64[None, :] * stride_scores_s,
+                scores_rows_ptr + idx_k[None, :] * stride_scores_s,
                 mask=q_in & (offs_k[None, :] < key_end),
                 other=float("-inf"),
             )
             p = tl.exp(s - lse[:, None])
             tl.store(
-                weights_rows_ptr + offs_k64[None, :] * stride_weights_s,
+                weights_rows_ptr + idx_k[None, :] * stride_weights_s,
                 p.to(weights_ptr.dtype.element_ty),
                 mask=q_in & (offs_k[None, :] < num_keys),
             )
 
-    context_rows_ptr = context_ptr + pid_b * stride_context_b + offs_q64[:, None] * stride_context_t
+    context_rows_ptr = context_ptr + pid_b * stride_context_b + idx_q[:, None] * stride_context_t
     for d_start in range(0, value_dim, BLOCK_DV):
         offs_d = d_start + tl.arange(0, BLOCK_DV)
         d_in = offs_d < value_dim
-        offs_d64 = offs_d.to(tl.int64)
+        idx_d = _index(offs_d, INT64_OFFSETS)
         acc = tl.zeros((BLOCK_Q, BLOCK_DV), dtype=tl.float32)
         for k_start in range(0, key_end, BLOCK_K):
             offs_k = k_start + tl.arange(0, BLOCK_K)
-            offs_k64 = offs_k.to(tl.int64)
+            idx_k = _index(offs_k, INT64_OFFSETS)
             s = tl.load(
-                scores_rows_ptr + offs_k64[None, :] * stride_scores_s,
+                scores_rows_ptr + idx_k[None, :] * stride_scores_s,
                 mask=q_in & (offs_k[None, :] < key_end),
                 other=float("-inf"),
             )
             p = tl.exp(s - lse[:, None])
             vals = tl.load(
                 values_batch_ptr
-                + offs_k64[:, None] * stride_values_s
-                + offs_d64[None, :] * stride_values_d,
+                + idx_k[:, None] * stride_values_s
+                + idx_d[None, :] * stride_values_d,
                 mask=(offs_k[:, None] < key_end) & d_in[None, :],
                 other=0.0,
             )
@@ -322,7 +473,7 @@ def _additive_attention_fwd_kernel(
             else:
                 acc += tl.sum(p[:, :, None] * vals.to(tl.float32)[None, :, :], axis=1)
         tl.store(
-            context_rows_ptr + offs_d64[None, :] * stride_context_d,
+            context_rows_ptr + idx_d[None, :] * stride_context_d,
             acc.to(context_ptr.dtype.element_ty),
             mask=q_in & d_in[None, :],
         )
@@ -378,32 +529,34 @@ def _additive_attention_bwd_ds_kernel(
     HAS_LENGTHS: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_GRAD_WEIGHTS: tl.constexpr,
-    FAST_TANH: tl.constexpr,
+    TANH_MODE: tl.constexpr,
+    FAST_RCP: tl.constexpr,
     USE_DOT: tl.constexpr,
     LOWP_DOT: tl.constexpr,
+    INT64_OFFSETS: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    pid_b = (pid // num_q_tiles).to(tl.int64)
+    pid_b = _index(pid // num_q_tiles, INT64_OFFSETS)
     pid_q = pid % num_q_tiles
 
     offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_valid = offs_q < num_queries
     q_in = q_valid[:, None]
-    offs_q64 = offs_q.to(tl.int64)
-    query_rows_ptr = query_ptr + pid_b * stride_query_b + offs_q64[:, None] * stride_query_t
+    idx_q = _index(offs_q, INT64_OFFSETS)
+    query_rows_ptr = query_ptr + pid_b * stride_query_b + idx_q[:, None] * stride_query_t
     keys_batch_ptr = keys_ptr + pid_b * stride_keys_b
     values_batch_ptr = values_ptr + pid_b * stride_values_b
     grad_context_rows_ptr = (
-        grad_context_ptr + pid_b * stride_grad_context_b + offs_q64[:, None] * stride_grad_context_t
+        grad_context_ptr + pid_b * stride_grad_context_b + idx_q[:, None] * stride_grad_context_t
     )
     grad_weights_rows_ptr = (
-        grad_weights_ptr + pid_b * stride_grad_weights_b + offs_q64[:, None] * stride_grad_weights_t
+        grad_weights_ptr + pid_b * stride_grad_weights_b + idx_q[:, None] * stride_grad_weights_t
     )
-    scratch_offset = pid_b * stride_scratch_b + offs_q64[:, None] * stride_scratch_t
+    scratch_offset = pid_b * stride_scratch_b + idx_q[:, None] * stride_scratch_t
     mask_row_ptr = mask_ptr + pid_b * stride_mask_b
 
     key_end = num_keys
@@ -411,38 +564,40 @@ def _additive_attention_bwd_ds_kernel(
         key_end = tl.minimum(num_keys, tl.load(lengths_ptr + pid_b * stride_lengths_b).to(tl.int32))
     # Padded query rows get lse = +inf, hence p = 0 and ds = 0.
     lse = tl.load(
-        lse_ptr + pid_b * stride_lse_b + offs_q64 * stride_lse_t, mask=q_valid, other=float("inf")
+        lse_ptr + pid_b * stride_lse_b + idx_q * stride_lse_t, mask=q_valid, other=float("inf")
     )
 
     # Phase 1: p and dp = dO . values (+ dWeights); delta = sum_s p * dp.
     delta = tl.zeros((BLOCK_Q,), dtype=tl.float32)
     for k_start in range(0, key_end, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
-        offs_k64 = offs_k.to(tl.int64)
+        idx_k = _index(offs_k, INT64_OFFSETS)
         k_in = offs_k[:, None] < num_keys
-        keys_rows_ptr = keys_batch_ptr + offs_k64[:, None] * stride_keys_s
+        keys_rows_ptr = keys_batch_ptr + idx_k[:, None] * stride_keys_s
         s = _score_tile(
             query_rows_ptr, keys_rows_ptr, v_ptr, bias_ptr, q_in, k_in, hidden,
             stride_query_h, stride_keys_h, stride_v_h, stride_bias_h,
-            FAST_TANH, BLOCK_Q, BLOCK_K, BLOCK_H,
+            TANH_MODE, FAST_RCP, INT64_OFFSETS, BLOCK_Q, BLOCK_K, BLOCK_H,
         )  # fmt: skip
-        valid = _valid_keys(offs_k, num_keys, key_end, mask_row_ptr, stride_mask_s, HAS_MASK)
+        valid = _valid_keys(
+            offs_k, num_keys, key_end, mask_row_ptr, stride_mask_s, HAS_MASK, INT64_OFFSETS
+        )
         p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
 
         dp = tl.zeros((BLOCK_Q, BLOCK_K), dtype=tl.float32)
         for d_start in range(0, value_dim, BLOCK_DV):
             offs_d = d_start + tl.arange(0, BLOCK_DV)
             d_in = offs_d < value_dim
-            offs_d64 = offs_d.to(tl.int64)
+            idx_d = _index(offs_d, INT64_OFFSETS)
             grad_out = tl.load(
-                grad_context_rows_ptr + offs_d64[None, :] * stride_grad_context_d,
+                grad_context_rows_ptr + idx_d[None, :] * stride_grad_context_d,
                 mask=q_in & d_in[None, :],
                 other=0.0,
             )
             vals = tl.load(
                 values_batch_ptr
-                + offs_k64[:, None] * stride_values_s
-                + offs_d64[None, :] * stride_values_d,
+                + idx_k[:, None] * stride_values_s
+                + idx_d[None, :] * stride_values_d,
                 mask=k_in & d_in[None, :],
                 other=0.0,
             )
@@ -461,12 +616,12 @@ def _additive_attention_bwd_ds_kernel(
                 )
         if HAS_GRAD_WEIGHTS:
             dp += tl.load(
-                grad_weights_rows_ptr + offs_k64[None, :] * stride_grad_weights_s,
+                grad_weights_rows_ptr + idx_k[None, :] * stride_grad_weights_s,
                 mask=q_in & (offs_k[None, :] < num_keys),
                 other=0.0,
             ).to(tl.float32)
         delta += tl.sum(p * dp, axis=1)
-        scratch_ptrs = scratch_offset + offs_k64[None, :] * stride_scratch_s
+        scratch_ptrs = scratch_offset + idx_k[None, :] * stride_scratch_s
         in_tile = q_in & (offs_k[None, :] < num_keys)
         tl.store(probs_ptr + scratch_ptrs, p, mask=in_tile)
         tl.store(ds_ptr + scratch_ptrs, dp, mask=in_tile)
@@ -476,11 +631,72 @@ def _additive_attention_bwd_ds_kernel(
     # Phase 2: ds = p * (dp - delta), in place of dp.
     for k_start in range(0, key_end, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
-        scratch_ptrs = scratch_offset + offs_k.to(tl.int64)[None, :] * stride_scratch_s
+        scratch_ptrs = scratch_offset + _index(offs_k, INT64_OFFSETS)[None, :] * stride_scratch_s
         in_tile = q_in & (offs_k[None, :] < num_keys)
         p = tl.load(probs_ptr + scratch_ptrs, mask=in_tile, other=0.0)
         dp = tl.load(ds_ptr + scratch_ptrs, mask=in_tile, other=0.0)
         tl.store(ds_ptr + scratch_ptrs, p * (dp - delta[:, None]), mask=in_tile)
+
+
+@triton.jit
+def _grad_key_tile(
+    query_batch_ptr,  # [1, BLOCK_H] pointers to query[b, 0, h chunk]
+    ds_batch_ptr,
+    grad_query_batch_ptr,  # [1, BLOCK_H] pointers to the fp32 grad query[b, 0, h chunk]
+    k,  # [BLOCK_K, BLOCK_H] float32 keys of this tile
+    v,
+    bias,
+    h_in,
+    offs_k,
+    idx_k,
+    num_queries,
+    num_keys,
+    stride_query_t,
+    stride_scratch_t,
+    stride_scratch_s,
+    stride_grad_query_t,
+    TANH_MODE: tl.constexpr,
+    FAST_RCP: tl.constexpr,
+    INT64_OFFSETS: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """One key tile x H chunk against every query: adds sum_s g v to grad query (in memory) and
+    returns (sum_t g, sum_t ds u), g = ds (1 - u^2), u = tanh(q + k + bias)."""
+    grad_k_acc = tl.zeros((BLOCK_K, BLOCK_H), dtype=tl.float32)
+    grad_v_acc = tl.zeros((BLOCK_K, BLOCK_H), dtype=tl.float32)
+    for q_start in range(0, num_queries, BLOCK_Q):
+        offs_q = q_start + tl.arange(0, BLOCK_Q)
+        idx_q = _index(offs_q, INT64_OFFSETS)
+        q_in = offs_q[:, None] < num_queries
+        q = tl.load(
+            query_batch_ptr + idx_q[:, None] * stride_query_t,
+            mask=q_in & h_in[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        ds = tl.load(
+            ds_batch_ptr + idx_q[:, None] * stride_scratch_t + idx_k[None, :] * stride_scratch_s,
+            mask=q_in & (offs_k[None, :] < num_keys),
+            other=0.0,
+        )[:, :, None]
+        a = q + bias[None, :]
+        if TANH_MODE == 2:
+            r = _pair_factors(a, k, FAST_RCP)  # u = 1 - 2r, 1 - u^2 = 4 r (1 - r)
+            w = ds * (1.0 - 2.0 * r)
+            g = ds * (4.0 * (r - r * r))
+        else:
+            u = _tanh(a[:, None, :] + k[None, :, :], TANH_MODE, FAST_RCP)
+            w = ds * u  # d score / d v, weighted by ds
+            g = ds - w * u  # ds * (1 - u^2): d loss / d pre, without the factor v
+        grad_k_acc += tl.sum(g, axis=0)
+        grad_v_acc += tl.sum(w, axis=0)
+        grad_q_ptrs = grad_query_batch_ptr + idx_q[:, None] * stride_grad_query_t
+        grad_q_mask = q_in & h_in[None, :]
+        grad_q = tl.load(grad_q_ptrs, mask=grad_q_mask, other=0.0)
+        grad_q += tl.sum(g, axis=1) * v[None, :]
+        tl.store(grad_q_ptrs, grad_q, mask=grad_q_mask)
+    return grad_k_acc, grad_v_acc
 
 
 @triton.jit
@@ -518,27 +734,29 @@ def _additive_attention_bwd_grad_kernel(
     stride_grad_keys_h,
     stride_grad_v_partial_b,
     HAS_LENGTHS: tl.constexpr,
-    FAST_TANH: tl.constexpr,
+    TANH_MODE: tl.constexpr,
+    FAST_RCP: tl.constexpr,
+    INT64_OFFSETS: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    pid_b = (pid // num_h_tiles).to(tl.int64)
+    pid_b = _index(pid // num_h_tiles, INT64_OFFSETS)
     pid_h = pid % num_h_tiles
 
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_in = offs_h < hidden
-    offs_h64 = offs_h.to(tl.int64)
-    v = tl.load(v_ptr + offs_h64 * stride_v_h, mask=h_in, other=0.0).to(tl.float32)
-    bias = tl.load(bias_ptr + offs_h64 * stride_bias_h, mask=h_in, other=0.0).to(tl.float32)
-    query_batch_ptr = query_ptr + pid_b * stride_query_b + offs_h64[None, :] * stride_query_h
-    keys_batch_ptr = keys_ptr + pid_b * stride_keys_b + offs_h64[None, :] * stride_keys_h
+    idx_h = _index(offs_h, INT64_OFFSETS)
+    v = tl.load(v_ptr + idx_h * stride_v_h, mask=h_in, other=0.0).to(tl.float32)
+    bias = tl.load(bias_ptr + idx_h * stride_bias_h, mask=h_in, other=0.0).to(tl.float32)
+    query_batch_ptr = query_ptr + pid_b * stride_query_b + idx_h[None, :] * stride_query_h
+    keys_batch_ptr = keys_ptr + pid_b * stride_keys_b + idx_h[None, :] * stride_keys_h
     grad_query_batch_ptr = (
-        grad_query_ptr + pid_b * stride_grad_query_b + offs_h64[None, :] * stride_grad_query_h
+        grad_query_ptr + pid_b * stride_grad_query_b + idx_h[None, :] * stride_grad_query_h
     )
     grad_keys_batch_ptr = (
-        grad_keys_ptr + pid_b * stride_grad_keys_b + offs_h64[None, :] * stride_grad_keys_h
+        grad_keys_ptr + pid_b * stride_grad_keys_b + idx_h[None, :] * stride_grad_keys_h
     )
     ds_batch_ptr = ds_ptr + pid_b * stride_scratch_b
 
@@ -546,50 +764,59 @@ def _additive_attention_bwd_grad_kernel(
     if HAS_LENGTHS:
         key_end = tl.minimum(num_keys, tl.load(lengths_ptr + pid_b * stride_lengths_b).to(tl.int32))
 
+    max_abs_q = 0.0
+    if TANH_MODE == 2:  # max |q + bias| over this chunk, for _pair_clamp_is_exact
+        running = tl.zeros((BLOCK_Q, BLOCK_H), dtype=tl.float32)
+        for q_start in range(0, num_queries, BLOCK_Q):
+            offs_q = q_start + tl.arange(0, BLOCK_Q)
+            q = tl.load(
+                query_batch_ptr + _index(offs_q, INT64_OFFSETS)[:, None] * stride_query_t,
+                mask=(offs_q[:, None] < num_queries) & h_in[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            running = tl.maximum(running, tl.abs(q + bias[None, :]))
+        max_abs_q = tl.max(running)
+
     grad_v_acc = tl.zeros((BLOCK_K, BLOCK_H), dtype=tl.float32)
     for k_start in range(0, key_end, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
-        offs_k64 = offs_k.to(tl.int64)
+        idx_k = _index(offs_k, INT64_OFFSETS)
         k_in = offs_k[:, None] < num_keys
         k = tl.load(
-            keys_batch_ptr + offs_k64[:, None] * stride_keys_s, mask=k_in & h_in[None, :], other=0.0
+            keys_batch_ptr + idx_k[:, None] * stride_keys_s, mask=k_in & h_in[None, :], other=0.0
         ).to(tl.float32)
-        grad_k_acc = tl.zeros((BLOCK_K, BLOCK_H), dtype=tl.float32)
-        for q_start in range(0, num_queries, BLOCK_Q):
-            offs_q = q_start + tl.arange(0, BLOCK_Q)
-            offs_q64 = offs_q.to(tl.int64)
-            q_in = offs_q[:, None] < num_queries
-            q = tl.load(
-                query_batch_ptr + offs_q64[:, None] * stride_query_t,
-                mask=q_in & h_in[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            ds = tl.load(
-                ds_batch_ptr
-                + offs_q64[:, None] * stride_scratch_t
-                + offs_k64[None, :] * stride_scratch_s,
-                mask=q_in & (offs_k[None, :] < num_keys),
-                other=0.0,
-            )
-            u = _tanh((q + bias[None, :])[:, None, :] + k[None, :, :], FAST_TANH)
-            w = ds[:, :, None] * u  # d score / d v, weighted by ds
-            g = ds[:, :, None] - w * u  # ds * (1 - u^2): d loss / d pre, without the factor v
-            grad_k_acc += tl.sum(g, axis=0)
-            grad_v_acc += tl.sum(w, axis=0)
-            grad_q_ptrs = grad_query_batch_ptr + offs_q64[:, None] * stride_grad_query_t
-            grad_q_mask = q_in & h_in[None, :]
-            grad_q = tl.load(grad_q_ptrs, mask=grad_q_mask, other=0.0)
-            grad_q += tl.sum(g, axis=1) * v[None, :]
-            tl.store(grad_q_ptrs, grad_q, mask=grad_q_mask)
+        if TANH_MODE == 2:
+            if _pair_clamp_is_exact(max_abs_q, tl.max(tl.abs(k))):
+                grad_k_acc, grad_v_part = _grad_key_tile(
+                    query_batch_ptr, ds_batch_ptr, grad_query_batch_ptr, k, v, bias, h_in,
+                    offs_k, idx_k, num_queries, num_keys,
+                    stride_query_t, stride_scratch_t, stride_scratch_s, stride_grad_query_t,
+                    2, FAST_RCP, INT64_OFFSETS, BLOCK_Q, BLOCK_K, BLOCK_H,
+                )  # fmt: skip
+            else:  # pre-activations past +-34 on both sides (never on sane data): exact tanh
+                grad_k_acc, grad_v_part = _grad_key_tile(
+                    query_batch_ptr, ds_batch_ptr, grad_query_batch_ptr, k, v, bias, h_in,
+                    offs_k, idx_k, num_queries, num_keys,
+                    stride_query_t, stride_scratch_t, stride_scratch_s, stride_grad_query_t,
+                    0, FAST_RCP, INT64_OFFSETS, BLOCK_Q, BLOCK_K, BLOCK_H,
+                )  # fmt: skip
+        else:
+            grad_k_acc, grad_v_part = _grad_key_tile(
+                query_batch_ptr, ds_batch_ptr, grad_query_batch_ptr, k, v, bias, h_in,
+                offs_k, idx_k, num_queries, num_keys,
+                stride_query_t, stride_scratch_t, stride_scratch_s, stride_grad_query_t,
+                TANH_MODE, FAST_RCP, INT64_OFFSETS, BLOCK_Q, BLOCK_K, BLOCK_H,
+            )  # fmt: skip
+        grad_v_acc += grad_v_part
         tl.store(
-            grad_keys_batch_ptr + offs_k64[:, None] * stride_grad_keys_s,
+            grad_keys_batch_ptr + idx_k[:, None] * stride_grad_keys_s,
             (grad_k_acc * v[None, :]).to(grad_keys_ptr.dtype.element_ty),
             mask=k_in & h_in[None, :],
         )
         # This program re-reads its grad-query rows in the next key tile.
         tl.debug_barrier()
     tl.store(
-        grad_v_partial_ptr + pid_b * stride_grad_v_partial_b + offs_h64,
+        grad_v_partial_ptr + pid_b * stride_grad_v_partial_b + idx_h,
         tl.sum(grad_v_acc, axis=0),
         mask=h_in,
     )
@@ -616,39 +843,40 @@ def _additive_attention_bwd_dvalues_kernel(
     stride_grad_values_d,
     USE_DOT: tl.constexpr,
     LOWP_DOT: tl.constexpr,
+    INT64_OFFSETS: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    pid_b = (pid // (num_k_tiles * num_d_tiles)).to(tl.int64)
+    pid_b = _index(pid // (num_k_tiles * num_d_tiles), INT64_OFFSETS)
     pid_rest = pid % (num_k_tiles * num_d_tiles)
     pid_k = pid_rest // num_d_tiles
     pid_d = pid_rest % num_d_tiles
 
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_d = pid_d * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    offs_k64 = offs_k.to(tl.int64)
-    offs_d64 = offs_d.to(tl.int64)
+    idx_k = _index(offs_k, INT64_OFFSETS)
+    idx_d = _index(offs_d, INT64_OFFSETS)
     k_in = offs_k < num_keys
     d_in = offs_d < value_dim
-    probs_batch_ptr = probs_ptr + pid_b * stride_scratch_b + offs_k64[None, :] * stride_scratch_s
+    probs_batch_ptr = probs_ptr + pid_b * stride_scratch_b + idx_k[None, :] * stride_scratch_s
     grad_context_batch_ptr = (
-        grad_context_ptr + pid_b * stride_grad_context_b + offs_d64[None, :] * stride_grad_context_d
+        grad_context_ptr + pid_b * stride_grad_context_b + idx_d[None, :] * stride_grad_context_d
     )
 
     acc = tl.zeros((BLOCK_K, BLOCK_DV), dtype=tl.float32)
     for q_start in range(0, num_queries, BLOCK_Q):
         offs_q = q_start + tl.arange(0, BLOCK_Q)
-        offs_q64 = offs_q.to(tl.int64)
+        idx_q = _index(offs_q, INT64_OFFSETS)
         q_in = offs_q[:, None] < num_queries
         p = tl.load(
-            probs_batch_ptr + offs_q64[:, None] * stride_scratch_t,
+            probs_batch_ptr + idx_q[:, None] * stride_scratch_t,
             mask=q_in & k_in[None, :],
             other=0.0,
         )  # [BLOCK_Q, BLOCK_K]
         grad_out = tl.load(
-            grad_context_batch_ptr + offs_q64[:, None] * stride_grad_context_t,
+            grad_context_batch_ptr + idx_q[:, None] * stride_grad_context_t,
             mask=q_in & d_in[None, :],
             other=0.0,
         )  # [BLOCK_Q, BLOCK_DV]
@@ -662,8 +890,8 @@ def _additive_attention_bwd_dvalues_kernel(
     tl.store(
         grad_values_ptr
         + pid_b * stride_grad_values_b
-        + offs_k64[:, None] * stride_grad_values_s
-        + offs_d64[None, :] * stride_grad_values_d,
+        + idx_k[:, None] * stride_grad_values_s
+        + idx_d[None, :] * stride_grad_values_d,
         acc.to(grad_values_ptr.dtype.element_ty),
         mask=k_in[:, None] & d_in[None, :],
     )
@@ -762,16 +990,40 @@ def is_interpreted() -> bool:
     return type(_additive_attention_fwd_kernel).__name__ == "InterpretedFunction"
 
 
-def use_fast_tanh(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the hardware tanh.approx.f32 path is taken for inputs of this dtype and device."""
+def tanh_mode(dtype: torch.dtype, device: torch.device | str) -> str:
+    """The tanh path the kernels take for inputs of this dtype and device (see the module doc).
+
+    SEQ2SEQ_FAST_TANH=auto (default) | approx | product | exp, read at every call. "approx" needs
+    inline PTX, so under the interpreter (or off CUDA) it falls back to "product".
+    """
     mode = os.environ.get(TANH_ENV, "auto").strip().lower() or "auto"
     if mode not in TANH_MODES:
         raise ValueError(f"{TANH_ENV} must be one of {', '.join(TANH_MODES)}, got {mode!r}")
-    if is_interpreted() or torch.device(device).type != "cuda":
-        return False
+    on_gpu = torch.device(device).type == "cuda" and not is_interpreted()
     if mode == "auto":
-        return dtype in (torch.float16, torch.bfloat16)
-    return mode == "approx"
+        mode = "approx" if dtype in (torch.float16, torch.bfloat16) else "product"
+    if mode == "approx" and not on_gpu:
+        mode = "product"
+    return mode
+
+
+def _fast_rcp() -> bool:
+    """rcp.approx through inline PTX, which the interpreter cannot run."""
+    return not is_interpreted()
+
+
+def needs_int64_offsets(*tensors: torch.Tensor | None) -> bool:
+    """Whether an element offset of one of these tensors can reach 2^31 (then all index math is
+    done in int64; below that int32 saves address instructions and registers)."""
+    limit = 2**31 - 1
+    for t in tensors:
+        if t is not None and t.numel() > 0:
+            span = sum(
+                (size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True)
+            )
+            if span >= limit or t.numel() >= limit:
+                return True
+    return False
 
 
 def _lowp_dot(dtype: torch.dtype) -> bool:
@@ -845,6 +1097,7 @@ def additive_attention_fwd(
     lengths_t, stride_lengths_b = _lengths_arg(lengths, lse)
     mask_t, stride_mask_b, stride_mask_s = _mask_arg(mask, lse)
     weights_t = weights if return_weights else scores
+    int64_offsets = needs_int64_offsets(query, keys, values, context, weights_t, scores, mask)
     num_q_tiles = triton.cdiv(num_queries, cfg.block_q)
     grid = (batch * num_q_tiles,)
     _additive_attention_fwd_kernel[grid](
@@ -856,8 +1109,10 @@ def additive_attention_fwd(
         *context.stride(), *weights_t.stride(), *scores.stride(), *lse.stride(),
         HAS_LENGTHS=lengths is not None,
         HAS_MASK=mask is not None,
+        INT64_OFFSETS=int64_offsets,
         RETURN_WEIGHTS=bool(return_weights),
-        FAST_TANH=use_fast_tanh(dtype, device),
+        TANH_MODE=_TANH_CODES[tanh_mode(dtype, device)],
+        FAST_RCP=_fast_rcp(),
         USE_DOT=cfg.use_dot,
         LOWP_DOT=_lowp_dot(dtype),
         BLOCK_Q=cfg.block_q,
@@ -911,13 +1166,16 @@ def additive_attention_bwd(
     ds_cfg, grad_cfg, dvalues_cfg = configs or backward_configs(
         batch, num_queries, num_keys, hidden, value_dim
     )
-    fast_tanh = use_fast_tanh(dtype, device)
+    tanh_code = _TANH_CODES[tanh_mode(dtype, device)]
     lengths_t, stride_lengths_b = _lengths_arg(lengths, lse)
     mask_t, stride_mask_b, stride_mask_s = _mask_arg(mask, lse)
     # Keys past a row's length are never visited: their p and ds must read as 0.
     probs = torch.zeros((batch, num_queries, num_keys), dtype=torch.float32, device=device)
     ds = torch.zeros_like(probs)
     grad_weights_t = grad_weights if grad_weights is not None else probs
+    int64_offsets = needs_int64_offsets(
+        query, keys, values, grad_context, grad_weights_t, grad_keys, grad_values, probs, mask
+    )
 
     num_q_tiles = triton.cdiv(num_queries, ds_cfg.block_q)
     _additive_attention_bwd_ds_kernel[(batch * num_q_tiles,)](
@@ -930,7 +1188,9 @@ def additive_attention_bwd(
         HAS_LENGTHS=lengths is not None,
         HAS_MASK=mask is not None,
         HAS_GRAD_WEIGHTS=grad_weights is not None,
-        FAST_TANH=fast_tanh,
+        INT64_OFFSETS=int64_offsets,
+        TANH_MODE=tanh_code,
+        FAST_RCP=_fast_rcp(),
         USE_DOT=ds_cfg.use_dot,
         LOWP_DOT=_lowp_dot(dtype),
         BLOCK_Q=ds_cfg.block_q,
@@ -950,7 +1210,9 @@ def additive_attention_bwd(
             *query.stride(), *keys.stride(), v.stride(0), bias.stride(0), stride_lengths_b,
             *ds.stride(), *grad_query_f32.stride(), *grad_keys.stride(), grad_v_partial.stride(0),
             HAS_LENGTHS=lengths is not None,
-            FAST_TANH=fast_tanh,
+            TANH_MODE=tanh_code,
+        FAST_RCP=_fast_rcp(),
+            INT64_OFFSETS=int64_offsets,
             BLOCK_Q=grad_cfg.block_q,
             BLOCK_K=grad_cfg.block_k,
             BLOCK_H=grad_cfg.block_h,
@@ -966,6 +1228,7 @@ def additive_attention_bwd(
             *probs.stride(), *grad_context.stride(), *grad_values.stride(),
             USE_DOT=dvalues_cfg.use_dot,
             LOWP_DOT=_lowp_dot(dtype),
+            INT64_OFFSETS=int64_offsets,
             BLOCK_Q=dvalues_cfg.block_q,
             BLOCK_K=dvalues_cfg.block_k,
             BLOCK_DV=dvalues_cfg.block_dv,
