@@ -141,7 +141,9 @@ def kernel_cases(shape: tuple[int, int, int, int], dtype: str):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability, 90 = Hopper")
-    parser.add_argument("--quick", action="store_true", help="one shape, bf16 and fp32 forward")
+    parser.add_argument(
+        "--quick", action="store_true", help="one shape; the forward and grad kernels only"
+    )
     parser.add_argument("--full", action="store_true", help="all four benchmark shapes")
     parser.add_argument("--int64", action="store_true", help="also the int64-offset variants")
     parser.add_argument("--sass-dir", help="write each kernel's SASS here")
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape_name, shape in shapes.items():
         for dtype in ("bf16", "fp32"):
             for kernel_name, kernel, cfg, constexprs in kernel_cases(shape, dtype):
-                if args.quick and kernel_name != "fwd":
+                if args.quick and kernel_name not in ("fwd", "bwd_grad"):
                     continue
                 variants = [False, True] if args.int64 else [False]
                 for int64 in variants:
