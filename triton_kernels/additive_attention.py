@@ -80,7 +80,7 @@ TANH_MODES = ("auto", "approx", "product", "exp")
 TANH_ENV = "SEQ2SEQ_FAST_TANH"
 _TANH_CODES = {"exp": 0, "approx": 1, "product": 2}  # the kernels' TANH_MODE constexpr
 # Product path: each operand of tanh(a + b) is clamped to +-PAIR_CLAMP before exponentiation; a
-# tile is recomputed exactly unless that cannot matter (see _pair_clamp_is_exact).
+# tile is recomputed exactly unless that cannot matter (see _pair_clamp_may_matter).
 PAIR_CLAMP = tl.constexpr(43.0)
 PAIR_SAFE_OTHER = tl.constexpr(34.0)
 # Elements of the [BLOCK_Q, BLOCK_K, BLOCK_H] tanh tile a program holds at once (4 warps: 32 a thread).
@@ -129,7 +129,7 @@ def _pair_factors(a, b, FAST_RCP: tl.constexpr):
     The exponentials are taken on the 2D operands (amortised over the other operand's rows), so
     each 3D element costs one FMA and one reciprocal. Each operand is clamped to +-PAIR_CLAMP
     (both exponentials stay finite and nonzero: never inf * 0); the callers recompute exactly
-    where that clamp could change a result (see _pair_clamp_is_exact).
+    where that clamp could change a result (see _pair_clamp_may_matter).
     """
     ea = tl.exp(tl.minimum(tl.maximum(2.0 * a, -2.0 * PAIR_CLAMP), 2.0 * PAIR_CLAMP))
     eb = tl.exp(tl.minimum(tl.maximum(2.0 * b, -2.0 * PAIR_CLAMP), 2.0 * PAIR_CLAMP))
@@ -137,17 +137,17 @@ def _pair_factors(a, b, FAST_RCP: tl.constexpr):
 
 
 @triton.jit
-def _pair_clamp_is_exact(max_abs_a, max_abs_b):
-    """Whether clamping both operands to +-22 leaves every tanh(a + b) unchanged in float32.
+def _pair_clamp_may_matter(max_abs_a, max_abs_b):
+    """Whether clamping both operands to +-43 could change some tanh(a + b) in float32.
 
-    Exact when neither is clamped (e^{+-86} are normal floats: a product overflows to inf or
-    underflows to 0 only where tanh is +-1 in float32). If only |a| > 43 while |b| <= 34 (or the
-    reverse), a + b and the clamped sum lie on the same side of +-9, past which tanh is within
-    one ulp of +-1.
+    It cannot when neither is clamped (e^{+-86} are normal floats: a product overflows to inf or
+    underflows to 0 only where tanh is +-1 in float32), nor when only |a| > 43 while |b| <= 34
+    (or the reverse): a + b and the clamped sum then lie on the same side of +-9, past which
+    tanh is within one ulp of +-1.
     """
     larger = tl.maximum(max_abs_a, max_abs_b)
     smaller = tl.minimum(max_abs_a, max_abs_b)
-    return (larger <= PAIR_CLAMP) | (smaller <= PAIR_SAFE_OTHER)
+    return (larger > PAIR_CLAMP) & (smaller > PAIR_SAFE_OTHER)
 
 
 @triton.jit
@@ -273,7 +273,7 @@ def _score_tile(
             max_abs_q = tl.maximum(max_abs_q, tl.max(tl.abs(a), axis=1))
             max_abs_k = tl.maximum(max_abs_k, tl.max(tl.abs(k), axis=1))
         scores = tl.sum(v_total, axis=0) - 2.0 * tl.sum(acc, axis=2)
-        if not _pair_clamp_is_exact(tl.max(max_abs_q), tl.max(max_abs_k)):
+        if _pair_clamp_may_matter(tl.max(max_abs_q), tl.max(max_abs_k)):
             # Pre-activations past +-34 on both sides (never on sane data): recompute exactly.
             scores = _score_tile_direct(
                 query_rows_ptr, keys_rows_ptr, v_ptr, bias_ptr, q_in, k_in, hidden,
@@ -765,7 +765,7 @@ def _additive_attention_bwd_grad_kernel(
         key_end = tl.minimum(num_keys, tl.load(lengths_ptr + pid_b * stride_lengths_b).to(tl.int32))
 
     max_abs_q = 0.0
-    if TANH_MODE == 2:  # max |q + bias| over this chunk, for _pair_clamp_is_exact
+    if TANH_MODE == 2:  # max |q + bias| over this chunk, for _pair_clamp_may_matter
         running = tl.zeros((BLOCK_Q, BLOCK_H), dtype=tl.float32)
         for q_start in range(0, num_queries, BLOCK_Q):
             offs_q = q_start + tl.arange(0, BLOCK_Q)
@@ -786,19 +786,20 @@ def _additive_attention_bwd_grad_kernel(
             keys_batch_ptr + idx_k[:, None] * stride_keys_s, mask=k_in & h_in[None, :], other=0.0
         ).to(tl.float32)
         if TANH_MODE == 2:
-            if _pair_clamp_is_exact(max_abs_q, tl.max(tl.abs(k))):
-                grad_k_acc, grad_v_part = _grad_key_tile(
-                    query_batch_ptr, ds_batch_ptr, grad_query_batch_ptr, k, v, bias, h_in,
-                    offs_k, idx_k, num_queries, num_keys,
-                    stride_query_t, stride_scratch_t, stride_scratch_s, stride_grad_query_t,
-                    2, FAST_RCP, INT64_OFFSETS, BLOCK_Q, BLOCK_K, BLOCK_H,
-                )  # fmt: skip
-            else:  # pre-activations past +-34 on both sides (never on sane data): exact tanh
+            if _pair_clamp_may_matter(max_abs_q, tl.max(tl.abs(k))):
+                # Pre-activations past +-34 on both sides (never on sane data): exact tanh.
                 grad_k_acc, grad_v_part = _grad_key_tile(
                     query_batch_ptr, ds_batch_ptr, grad_query_batch_ptr, k, v, bias, h_in,
                     offs_k, idx_k, num_queries, num_keys,
                     stride_query_t, stride_scratch_t, stride_scratch_s, stride_grad_query_t,
                     0, FAST_RCP, INT64_OFFSETS, BLOCK_Q, BLOCK_K, BLOCK_H,
+                )  # fmt: skip
+            else:
+                grad_k_acc, grad_v_part = _grad_key_tile(
+                    query_batch_ptr, ds_batch_ptr, grad_query_batch_ptr, k, v, bias, h_in,
+                    offs_k, idx_k, num_queries, num_keys,
+                    stride_query_t, stride_scratch_t, stride_scratch_s, stride_grad_query_t,
+                    2, FAST_RCP, INT64_OFFSETS, BLOCK_Q, BLOCK_K, BLOCK_H,
                 )  # fmt: skip
         else:
             grad_k_acc, grad_v_part = _grad_key_tile(
