@@ -56,6 +56,7 @@ tanh paths (constexpr TANH_MODE; tanh_probe() evaluates each one alone):
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -173,9 +174,10 @@ def tanh_probe(x: torch.Tensor, mode: str) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty_like(x)
     if x.numel():
-        _tanh_probe_kernel[(triton.cdiv(x.numel(), 1024),)](
-            x, y, x.numel(), TANH_MODE=_TANH_CODES[mode], FAST_RCP=_fast_rcp(), BLOCK=1024
-        )
+        with _on_device(x.device):
+            _tanh_probe_kernel[(triton.cdiv(x.numel(), 1024),)](
+                x, y, x.numel(), TANH_MODE=_TANH_CODES[mode], FAST_RCP=_fast_rcp(), BLOCK=1024
+            )
     return y
 
 
@@ -1027,6 +1029,13 @@ def needs_int64_offsets(*tensors: torch.Tensor | None) -> bool:
     return False
 
 
+def _on_device(device: torch.device):
+    """Launch on the tensors' GPU (Triton launches on the current device), a no-op elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 def _lowp_dot(dtype: torch.dtype) -> bool:
     """Feed float16/bfloat16 operands to tl.dot as they are (tensor cores, fp32 accumulation).
 
@@ -1053,7 +1062,7 @@ def _lengths_arg(lengths: torch.Tensor | None, fallback: torch.Tensor) -> tuple[
     return lengths, lengths.stride(0)
 
 
-def additive_attention_fwd(
+def _additive_attention_fwd_impl(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -1065,20 +1074,6 @@ def additive_attention_fwd(
     *,
     config: TileConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward of the op (contract in ``seq2seq_fast.ops``).
-
-    Args:
-        query [B, Tq, H], keys [B, Tk, H], values [B, Tk, Dv], v [H], bias [H] or None: one dtype
-            (float32, float16 or bfloat16), any strides.
-        lengths: int [B] (0 <= length <= Tk) or None. mask: bool [B, Tk] (True = attend) or None.
-        return_weights: also write the [B, Tq, Tk] weights.
-        config: tile override (benchmarks); None picks :func:`forward_config`.
-
-    Returns:
-        context [B, Tq, Dv] and weights [B, Tq, Tk] (an empty [0] tensor when not asked) in the
-        input dtype; lse float32 [B, Tq] = max + log(sum(exp)) of the valid scores, +inf for a row
-        without a valid key.
-    """
     batch, num_queries, hidden = query.shape
     num_keys, value_dim = values.shape[1], values.shape[2]
     dtype, device = query.dtype, query.device
@@ -1125,7 +1120,7 @@ def additive_attention_fwd(
     return context, weights, lse
 
 
-def additive_attention_bwd(
+def _additive_attention_bwd_impl(
     grad_context: torch.Tensor,
     grad_weights: torch.Tensor | None,
     query: torch.Tensor,
@@ -1140,14 +1135,6 @@ def additive_attention_bwd(
     *,
     configs: tuple[TileConfig, TileConfig, TileConfig] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of the op: grads for (query, keys, values, v, bias), each in its input's dtype.
-
-    Args:
-        grad_context [B, Tq, Dv]; grad_weights [B, Tq, Tk] or None; query, keys, values, v, bias,
-        lengths, mask as in :func:`additive_attention_fwd`; context [B, Tq, Dv] (unused: delta is
-        recomputed exactly from p and dp rather than from the rounded context); lse float32 [B, Tq]
-        from the forward. configs: tile override (benchmarks).
-    """
     del context
     batch, num_queries, hidden = query.shape
     num_keys, value_dim = values.shape[1], values.shape[2]
@@ -1241,3 +1228,75 @@ def additive_attention_bwd(
     grad_v.copy_(grad_v_partial.sum(dim=0))
     grad_bias.copy_(grad_query_f32.sum(dim=(0, 1)))
     return grad_query, grad_keys, grad_values, grad_v, grad_bias
+
+
+def additive_attention_fwd(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    lengths: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    return_weights: bool,
+    *,
+    config: TileConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward of the op (contract in ``seq2seq_fast.ops``).
+
+    Args:
+        query [B, Tq, H], keys [B, Tk, H], values [B, Tk, Dv], v [H], bias [H] or None: one dtype
+            (float32, float16 or bfloat16), any strides.
+        lengths: int [B] (0 <= length <= Tk) or None. mask: bool [B, Tk] (True = attend) or None.
+        return_weights: also write the [B, Tq, Tk] weights.
+        config: tile override (benchmarks); None picks :func:`forward_config`.
+
+    Returns:
+        context [B, Tq, Dv] and weights [B, Tq, Tk] (an empty [0] tensor when not asked) in the
+        input dtype; lse float32 [B, Tq] = max + log(sum(exp)) of the valid scores, +inf for a row
+        without a valid key.
+    """
+    with _on_device(query.device):
+        return _additive_attention_fwd_impl(
+            query, keys, values, v, bias, lengths, mask, return_weights, config=config
+        )
+
+
+def additive_attention_bwd(
+    grad_context: torch.Tensor,
+    grad_weights: torch.Tensor | None,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    lengths: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    context: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    configs: tuple[TileConfig, TileConfig, TileConfig] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of the op: grads for (query, keys, values, v, bias), each in its input's dtype.
+
+    Args:
+        grad_context [B, Tq, Dv]; grad_weights [B, Tq, Tk] or None; query, keys, values, v, bias,
+        lengths, mask as in :func:`additive_attention_fwd`; context [B, Tq, Dv] (unused: delta is
+        recomputed exactly from p and dp rather than from the rounded context); lse float32 [B, Tq]
+        from the forward. configs: tile override (benchmarks).
+    """
+    with _on_device(query.device):
+        return _additive_attention_bwd_impl(
+            grad_context,
+            grad_weights,
+            query,
+            keys,
+            values,
+            v,
+            bias,
+            lengths,
+            mask,
+            context,
+            lse,
+            configs=configs,
+        )
