@@ -224,7 +224,8 @@ class GNMTDecoder(nn.Module):
 
     Layer 0 runs over the whole target; the attention for all T target steps is one call with
     query [B, T, H]; layers 1.. consume [h; c] (residual connections from the third layer on, as in
-    GNMT), and logits = W [h_top; c]. Decoding step by step is the same code with T = 1.
+    GNMT), and logits = W h_top (W [h; c] with a single layer). Decoding step by step is the same
+    code with T = 1.
     """
 
     def __init__(self, config: Seq2SeqConfig, memory_size: int) -> None:
@@ -246,7 +247,11 @@ class GNMTDecoder(nn.Module):
             ]
         )
         self.dropout = nn.Dropout(config.dropout)
-        self.output = nn.Linear(hidden + memory_size, config.tgt_vocab_size)
+        # GNMT's classifier reads the top layer, which has consumed the context already; a single
+        # layer has not, so it reads [h; c] like the bahdanau decoder.
+        self.output_uses_context = layers == 1
+        features = hidden + (memory_size if self.output_uses_context else 0)
+        self.output = nn.Linear(features, config.tgt_vocab_size)
 
     @staticmethod
     def _run_layer(rnn: nn.RNNBase, x: Tensor, layer_state):
@@ -270,7 +275,8 @@ class GNMTDecoder(nn.Module):
             )
             h = out + h if i >= 2 else out
             new_state.append(layer_state)
-        logits = self.output(self.dropout(torch.cat([h, context], dim=-1)))
+        features = torch.cat([h, context], dim=-1) if self.output_uses_context else h
+        logits = self.output(self.dropout(features))
         return logits, weights, tuple(new_state)
 
     def step(self, y_prev: Tensor, state: State, memory: Memory) -> tuple[Tensor, Tensor, State]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
 from seq2seq_fast.models import (
     EOS_ID,
     PAD_ID,
+    Encoder,
     Seq2Seq,
     Seq2SeqConfig,
     beam_search,
@@ -171,3 +174,31 @@ def test_config_rejects_bad_values():
         Seq2SeqConfig(5, 5, cell="rnn")
     with pytest.raises(ValueError, match="unknown model config"):
         Seq2SeqConfig.from_dict({"src_vocab_size": 5, "tgt_vocab_size": 5, "colour": "red"})
+
+
+def test_no_graph_break_in_attention_and_decoder_step():
+    """torch.compile sees the fused op and the decoder step as one graph; in the whole model the
+    only breaks are the encoder's packing and the ATen RNN layers (GRU/LSTM modules)."""
+    if not fused_available("cpu", torch.float32):
+        pytest.skip("the C++ kernel (seq2seq_fast._C) is not built")
+    src, lengths, tgt_in, _ = _batch()
+    bahdanau = _model(backend="fused", decoder="bahdanau")
+    memory, state = bahdanau.encode(src, lengths)
+    explained = torch._dynamo.explain(bahdanau.decoder.step)(tgt_in[:, 0], state, memory)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    gnmt = _model(backend="fused", decoder="gnmt")
+    memory, _ = gnmt.encode(src, lengths)
+    query = torch.randn(5, 6, 16)
+    explained = torch._dynamo.explain(gnmt.attention)(
+        query, memory.values, lengths=memory.lengths, projected_keys=memory.keys
+    )
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(bahdanau)(src, lengths, tgt_in)
+    lines, first = inspect.getsourcelines(Encoder.forward)
+    encoder_lines = range(first, first + len(lines))
+    assert explained.break_reasons
+    for reason in explained.break_reasons:
+        frame = reason.user_stack[-1]
+        assert frame.filename.endswith("models.py") and frame.lineno in encoder_lines, reason
+    torch._dynamo.reset()
