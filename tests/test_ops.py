@@ -202,6 +202,32 @@ def test_empty_rows_are_zero(kind):
     assert torch.equal(weights * ~valid[:, None, :], torch.zeros_like(weights))
 
 
+def test_float32_error_no_worse_than_plain_pytorch():
+    """Against the float64 reference, the fused float32 op errs about as much as float32 PyTorch."""
+    query, keys, values, v, bias = make_inputs(4, 12, 20, 256, 64, torch.float64)
+    lengths = torch.tensor([20, 7, 13, 1])
+    gen = torch.Generator().manual_seed(9)
+    gc = torch.randn(4, 12, 64, generator=gen, dtype=torch.float64)
+    gw = torch.randn(4, 12, 20, generator=gen, dtype=torch.float64)
+
+    def run(fn, dtype):
+        inputs = [t.to(dtype) for t in (query, keys, values, v, bias)]
+        context, weights, grads = forward_backward(
+            fn, inputs, lengths, None, gc.to(dtype), gw.to(dtype)
+        )
+        return [context, weights, *grads]
+
+    exact = run(additive_attention_ref, torch.float64)
+    fused = run(additive_attention, torch.float32)
+    plain = run(additive_attention_ref, torch.float32)
+    names = ("context", "weights", *GRAD_NAMES)
+    for name, want, got, base in zip(names, exact, fused, plain, strict=True):
+        scale = want.abs().max().item()
+        fused_err = (got.double() - want).abs().max().item() / scale
+        plain_err = (base.double() - want).abs().max().item() / scale
+        assert fused_err <= 3 * plain_err + 1e-6, f"{name}: {fused_err:.3g} vs {plain_err:.3g}"
+
+
 def test_large_inputs_use_the_rational_path():
     """|q + bias| or |k| above the product path's limit (20): those items take the rational tanh."""
     query, keys, values, v, bias = make_inputs(3, 8, 6, 16, 4, torch.float32)
