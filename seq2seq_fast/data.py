@@ -381,15 +381,21 @@ class TranslationData:
         valid_fraction: float = 0.02,
         test_fraction: float = 0.03,
         seed: int = 0,
+        vocabs: tuple[SentencePieceVocab, SentencePieceVocab] | None = None,
     ) -> TranslationData:
+        """Read, filter, split; train the two subword vocabularies on the training split (or use
+        ``vocabs``, e.g. a checkpoint's, when resuming) and encode the training pairs."""
         pairs, report = read_parallel_corpus(
             path, normalization=normalization, max_words=max_words, swap=swap
         )
         if max_pairs is not None and len(pairs) > max_pairs:
             pairs = random.Random(seed).sample(pairs, max_pairs)
         train, valid, test = split_by_source(pairs, valid_fraction, test_fraction, seed)
-        src_vocab = SentencePieceVocab.train([s for s, _ in train], vocab_size)
-        tgt_vocab = SentencePieceVocab.train([t for _, t in train], vocab_size)
+        if vocabs is not None:
+            src_vocab, tgt_vocab = vocabs
+        else:
+            src_vocab = SentencePieceVocab.train([s for s, _ in train], vocab_size)
+            tgt_vocab = SentencePieceVocab.train([t for _, t in train], vocab_size)
         encoded = [(src_vocab.encode(s), tgt_vocab.encode(t)) for s, t in train]
         encoded = [(s, t) for s, t in encoded if s and t]
         return cls(src_vocab, tgt_vocab, encoded, valid, test, report)

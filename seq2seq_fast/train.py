@@ -403,10 +403,11 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
             valid_fraction=config.valid_fraction,
             test_fraction=config.test_fraction,
             seed=config.seed,
+            # On resume, the vocabularies the model was trained with.
+            vocabs=None
+            if payload is None
+            else (vocab_from_state(payload["src_vocab"]), vocab_from_state(payload["tgt_vocab"])),
         )
-        if payload is not None:  # keep the vocabularies the model was trained with
-            corpus.src_vocab = vocab_from_state(payload["src_vocab"])
-            corpus.tgt_vocab = vocab_from_state(payload["tgt_vocab"])
         src_vocab, tgt_vocab = corpus.src_vocab, corpus.tgt_vocab
         _log(corpus.report.summary(), ctx)
         _log(

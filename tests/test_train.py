@@ -145,7 +145,7 @@ def test_ddp_two_processes_gloo(tmp_path):
     assert not torch.equal(payload["rng"][0]["data"], payload["rng"][1]["data"])
 
 
-def test_translate_task_end_to_end(tmp_path):
+def _toy_corpus(path):
     words = ["red", "blue", "green", "cat", "dog", "big"]
     french = ["rouge", "bleu", "vert", "chat", "chien", "grand"]
     g = torch.Generator().manual_seed(0)
@@ -154,8 +154,24 @@ def test_translate_task_end_to_end(tmp_path):
         idx = torch.randint(0, 6, (2,), generator=g).tolist()
         lines.append(" ".join(words[i] for i in idx) + "\t" + " ".join(french[i] for i in idx))
     lines.insert(5, "a line without a tab")
-    corpus = tmp_path / "toy.tsv"
-    corpus.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_translate_resume_equals_uninterrupted(tmp_path):
+    corpus = _toy_corpus(tmp_path / "toy.tsv")
+    config = tiny_config(tmp_path / "full", task="translate", data=str(corpus), epochs=2,
+                         spm_vocab_size=40, valid_fraction=0.1, test_fraction=0.1, eval_size=20,
+                         dropout=0.1)  # fmt: skip
+    full = train(config)
+    part = train(replace(config, out=str(tmp_path / "part"), stop_after_steps=full.step // 2 + 1))
+    resumed = train(TrainConfig(progress=False), resume=tmp_path / "part/model.pt")
+    assert part.losses + resumed.losses == full.losses
+    assert resumed.metrics["test_bleu"] == full.metrics["test_bleu"]
+
+
+def test_translate_task_end_to_end(tmp_path):
+    corpus = _toy_corpus(tmp_path / "toy.tsv")
     config = tiny_config(tmp_path / "run", task="translate", data=str(corpus), epochs=1,
                          spm_vocab_size=40, valid_fraction=0.1, test_fraction=0.1,
                          heatmap=True)  # fmt: skip
