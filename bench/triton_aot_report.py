@@ -66,7 +66,7 @@ def compile_kernel(kernel, dtype: str, constexprs: dict, num_warps: int, arch: i
     source = triton.compiler.ASTSource(
         fn=kernel, signature=signature(kernel, dtype, constexprs), constexprs=constexprs
     )
-    options = backend.parse_options({"num_warps": num_warps})
+    options = backend.parse_options({"num_warps": num_warps, "enable_fp_fusion": True})
     return triton.compile(source, target=target, options=options.__dict__)
 
 

@@ -176,7 +176,13 @@ def tanh_probe(x: torch.Tensor, mode: str) -> torch.Tensor:
     if x.numel():
         with _on_device(x.device):
             _tanh_probe_kernel[(triton.cdiv(x.numel(), 1024),)](
-                x, y, x.numel(), TANH_MODE=_TANH_CODES[mode], FAST_RCP=_fast_rcp(), BLOCK=1024
+                x,
+                y,
+                x.numel(),
+                TANH_MODE=_TANH_CODES[mode],
+                FAST_RCP=_fast_rcp(),
+                BLOCK=1024,
+                enable_fp_fusion=True,
             )
     return y
 
@@ -1116,6 +1122,7 @@ def _additive_attention_fwd_impl(
         BLOCK_H=cfg.block_h,
         BLOCK_DV=cfg.block_dv,
         num_warps=cfg.num_warps,
+        enable_fp_fusion=True,  # FMA contraction: Triton 3.10 turns it off by default
     )  # fmt: skip
     return context, weights, lse
 
@@ -1186,6 +1193,7 @@ def _additive_attention_bwd_impl(
         BLOCK_H=ds_cfg.block_h,
         BLOCK_DV=ds_cfg.block_dv,
         num_warps=ds_cfg.num_warps,
+        enable_fp_fusion=True,  # FMA contraction: Triton 3.10 turns it off by default
     )  # fmt: skip
 
     grad_query_f32 = torch.zeros((batch, num_queries, hidden), dtype=torch.float32, device=device)
@@ -1205,6 +1213,7 @@ def _additive_attention_bwd_impl(
             BLOCK_K=grad_cfg.block_k,
             BLOCK_H=grad_cfg.block_h,
             num_warps=grad_cfg.num_warps,
+            enable_fp_fusion=True,  # FMA contraction: Triton 3.10 turns it off by default
         )  # fmt: skip
 
     num_k_tiles = triton.cdiv(num_keys, dvalues_cfg.block_k)
@@ -1221,6 +1230,7 @@ def _additive_attention_bwd_impl(
             BLOCK_K=dvalues_cfg.block_k,
             BLOCK_DV=dvalues_cfg.block_dv,
             num_warps=dvalues_cfg.num_warps,
+            enable_fp_fusion=True,  # FMA contraction: Triton 3.10 turns it off by default
         )  # fmt: skip
 
     # Fixed-order reductions in torch: deterministic, no float atomics.
