@@ -27,7 +27,8 @@ Kernels (the [B, Tq, Tk, H] tensor is never written anywhere; scratch is O(B*Tq*
         query over (b, t) because d(pre)/d(bias) = d(pre)/d(query).
     _additive_attention_bwd_dvalues_kernel  per (batch, key tile, Dv tile): grad values = p^T dO.
     Backward costs 2 * B*Tq*Tk*H tanh; no float atomics anywhere, so results are bitwise
-    reproducible run to run.
+    reproducible run to run. Index arithmetic is int32 unless some tensor spans 2^31 elements
+    (needs_int64_offsets), then int64 throughout (constexpr INT64_OFFSETS).
 
 tanh paths (constexpr TANH_MODE; tanh_probe() evaluates each one alone):
     "product"  tanh(a + b) = 1 - 2 / (1 + e^{2a} e^{2b}) with a = q + bias, b = k: the two
@@ -38,7 +39,7 @@ tanh paths (constexpr TANH_MODE; tanh_probe() evaluates each one alone):
                nonzero factors: no inf * 0); a tile whose operands exceed +-34 on both sides,
                where the clamp could change a result, is recomputed with the "exp" path (never
                on sane data; tested on crafted inputs). Error: a few float32 ulps of 1, absolute
-               (measured <= 1.2e-7 under the interpreter; bench/gpu_check.py measures the GPU).
+               (measured <= 1.8e-7 under the interpreter; bench/gpu_check.py measures the GPU).
                The 2D exponentials add (1/BLOCK_Q + 1/BLOCK_K) MUFU ops per tanh, which matters at
                BLOCK_Q = 1 (the decoding step): there "approx" is cheaper, and both are bound by
                reading the keys anyway.
