@@ -42,7 +42,7 @@ using at::Tensor;
 // ---- instruction-set selection ---------------------------------------------------------------
 
 bool cpu_has_avx512() {
-#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#if SEQ2SEQ_FAST_X86_SIMD
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
   return ok;
 #else
@@ -51,7 +51,7 @@ bool cpu_has_avx512() {
 }
 
 bool cpu_has_avx2() {
-#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#if SEQ2SEQ_FAST_X86_SIMD
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return ok;
 #else
@@ -65,7 +65,7 @@ const KernelTable<float>& float_kernels() {
   const char* env = std::getenv("SEQ2SEQ_FAST_ISA");
   const std::string want = env ? env : "";
   if (want == "portable") return portable_float_kernels();
-#if defined(__x86_64__) || defined(_M_X64)
+#if SEQ2SEQ_FAST_X86_SIMD
   if (want == "avx2" && cpu_has_avx2()) return avx2_float_kernels();
   if (want != "avx2" && cpu_has_avx512()) return avx512_float_kernels();
   if (cpu_has_avx2()) return avx2_float_kernels();
@@ -611,7 +611,8 @@ TORCH_LIBRARY_IMPL(seq2seq_fast, CPU, m) { m.impl("_fast_tanh", &seq2seq_fast::f
 // `from seq2seq_fast import _C` loads the library (running the registrations above).
 extern "C" {
 PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr, nullptr, nullptr, nullptr, nullptr};
   return PyModule_Create(&module_def);
 }
 }

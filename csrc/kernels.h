@@ -14,6 +14,15 @@
 
 #include <cstdint>
 
+// x86-64 SIMD paths (AVX2, AVX-512) exist on x86-64 with GCC or Clang; elsewhere (aarch64, or
+// -DSEQ2SEQ_FAST_NO_X86_SIMD to check that build here) only the portable kernels are compiled.
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(SEQ2SEQ_FAST_NO_X86_SIMD)
+#define SEQ2SEQ_FAST_X86_SIMD 1
+#else
+#define SEQ2SEQ_FAST_X86_SIMD 0
+#endif
+
 namespace seq2seq_fast {
 
 enum TanhPath : int { kProduct = 0, kRational = 1 };
@@ -52,7 +61,7 @@ constexpr int64_t kPadTo = 16;
 
 const KernelTable<float>& portable_float_kernels();
 const KernelTable<double>& portable_double_kernels();
-#if defined(__x86_64__) || defined(_M_X64)
+#if SEQ2SEQ_FAST_X86_SIMD
 const KernelTable<float>& avx2_float_kernels();
 const KernelTable<float>& avx512_float_kernels();
 #endif

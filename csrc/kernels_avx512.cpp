@@ -6,7 +6,7 @@
 #include "kernels.h"
 #include "tanh_coeffs.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if SEQ2SEQ_FAST_X86_SIMD
 #include <immintrin.h>
 
 #if defined(__clang__)
