@@ -114,13 +114,15 @@ def tanh_errors(tk, torch, device: str, mode: str) -> tuple[float, float]:
     return err.max().item(), (err / exact.abs().clamp_min(1e-300)).max().item()
 
 
-def int64_offset_check(tk, torch, device: str, num_keys: int = (1 << 21) + 37) -> dict:
+def int64_offset_check(
+    tk, torch, device: str, num_keys: int = (1 << 21) + 37, hidden: int = 1024
+) -> dict:
     """Keys of more than 2^31 elements: the rows past 2^31 must be read and written correctly.
 
-    keys[0, s, :] starts at element s * 1024, so the default rows >= 2^21 lie past 2^31. A small
-    num_keys (CPU, interpreter) checks the arithmetic of this check itself.
+    keys[0, s, :] starts at element s * 1024, so the default rows >= 2^21 lie past 2^31. Small
+    sizes (CPU, interpreter) check the arithmetic of this check itself.
     """
-    hidden, value_dim = 1024, 8
+    value_dim = 8
     if device == "cuda":
         free, _ = torch.cuda.mem_get_info()
         if free < 24 * 2**30:
@@ -547,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  {name}: " + ", ".join(f"{k}={val:.3e}" for k, val in values.items()))
     # The dry run checks the check itself on 300 keys; the GPU run puts keys past 2^31 elements.
     probes["int64_offsets"] = int64_offset_check(
-        tk, torch, device, **({"num_keys": 300} if args.dry_run else {})
+        tk, torch, device, **({"num_keys": 300, "hidden": 64} if args.dry_run else {})
     )
     log("  int64 offsets:", json.dumps(probes["int64_offsets"]))
     report["probes"] = probes
