@@ -501,6 +501,28 @@ def summary_lines(results, device) -> list[str]:
     if errors:
         lines.append("not measured:")
         lines.extend(errors)
+    lines.extend(target_lines(results, ms))
+    return lines
+
+
+def target_lines(results, ms) -> list[str]:
+    """Issue 3's targets, row by row: met / MISSED / not measured."""
+    lines = ["targets (issue 3): fused >= 2x torch.compile of the reference (forward and"
+             " forward+backward); forward >= 50% of the tanh ceiling at the two largest shapes"]  # fmt: skip
+    by_work = sorted({row["shape"] for row in results.values()}, key=math.prod, reverse=True)
+    largest = set(by_work[:2])
+    for row in results.values():
+        if row["variant"] not in ("fp32", "bf16"):
+            continue
+        label = f"  {','.join(map(str, row['shape'])):15s} {row['variant']:5s} {row['mode']:17s}"
+        fused, comp = ms(row, "fused"), ms(row, "compile")
+        verdict = "not measured" if not (fused and comp) else (
+            f"{comp / fused:.2f}x compile: " + ("met" if comp / fused >= 2 else "MISSED")
+        )  # fmt: skip
+        if row["mode"] == "forward" and row["shape"] in largest and fused:
+            share = math.prod(row["shape"]) / (fused * 1e-3) / TANH_CEILING
+            verdict += f"; {100 * share:.0f}% of ceiling: " + ("met" if share >= 0.5 else "MISSED")
+        lines.append(f"{label} {verdict}")
     return lines
 
 
