@@ -239,19 +239,31 @@ def check_nonfinite(backend, dtype, inputs, *, lengths=None, mask=None):
     return fused
 
 
-# Triton forward: lse = where(l > 0, m + log(l), +inf) also sends a row whose running sum l is
-# NaN (a NaN score, or +inf - +inf) or 0 (every valid score -inf) to lse = +inf, the marker of
-# "no valid key": such a row's weights come out 0 except at the NaN scores (the reference: the
-# whole row NaN), and an all -inf row gives zero context and weights (the reference: NaN).
-# The context of a NaN-score row is still NaN. Fix: decide "no valid key" from a count of the
-# valid keys instead of from l, and take lse = m + log(l) for every other row.
-TRITON_NAN_ROW = "Triton: a row with a NaN or +-inf score gets lse=+inf (see comment above)"
-TRITON_NAN_CASES = {"keys nan", "v +inf", "overflow"}  # rows with NaN and non-NaN scores
+# Known Triton bugs (triton_kernels/additive_attention.py at the time of writing), each a strict
+# xfail so that the fix shows up as an XPASS to remove here. docs/RELIABILITY.md has the patch.
+#  clamp: the "product" tanh path clamps operands with tl.minimum(tl.maximum(2x, -86), 86); those
+#    drop NaN (PropagateNan.NONE), so a NaN query/key/bias becomes a finite score and a finite,
+#    silently wrong result. Fix: tl.clamp(2x, -86, 86, propagate_nan=tl.PropagateNan.ALL).
+#  lse: the forward takes lse = where(l > 0, m + log(l), +inf), the marker of "no valid key", so a
+#    row whose running sum l is NaN (some NaN or +inf score) or 0 (all scores -inf) comes out as
+#    an empty row (weights 0 except at NaN scores) instead of NaN like the reference.
+#    Fix: decide "no valid key" from a count of the valid keys, lse = m + log(l) otherwise.
+#  sum_v: the product path forms a score as sum_h v - 2 sum_h v r; sum_h |v| beyond FLT_MAX
+#    overflows and NaNs every score of the tile, also where the reference is finite.
+_CLAMP = "Triton product-path clamp (tl.minimum/maximum) drops NaN inputs: finite, wrong output"
+_LSE = "Triton lse = +inf for a row whose sum of exponentials is NaN: weights 0 instead of NaN"
+_SUM_V = "Triton product path: sum_h v overflows (sum |v| > FLT_MAX): NaN where reference finite"
+TRITON_KNOWN_BUGS = {
+    "keys nan": f"{_CLAMP}; {_LSE}",
+    "query nan": _CLAMP,
+    "bias nan": _CLAMP,
+    "overflow": f"{_SUM_V}; {_LSE}",
+}
 
 
 def xfail_triton_nan_rows(backend, case, request):
-    if backend == "triton" and case in TRITON_NAN_CASES:
-        request.applymarker(pytest.mark.xfail(reason=TRITON_NAN_ROW, strict=True))
+    if backend == "triton" and case in TRITON_KNOWN_BUGS:
+        request.applymarker(pytest.mark.xfail(reason=TRITON_KNOWN_BUGS[case], strict=True))
 
 
 @pytest.mark.parametrize("case", list(NONFINITE_CASES), ids=lambda c: c.replace(" ", ""))
