@@ -48,9 +48,9 @@ class SymbolVocab:
 
     def split(self, text: str) -> list[str]:
         parts = text.split()
-        # "abc" with single-character symbols reads as "a b c".
-        if len(parts) == 1 and parts[0] not in self.stoi and all(c in self.stoi for c in parts[0]):
-            return list(parts[0])
+        # With single-character symbols, "abc" and "hello world" read as "a b c", "h e l l o ...".
+        if any(p not in self.stoi for p in parts) and all(c in self.stoi for c in "".join(parts)):
+            return list("".join(parts))
         return parts
 
     def encode(self, text: str) -> list[int]:
