@@ -101,6 +101,9 @@ constexpr int64_t kMinQueriesForProduct = 4;
 // Backward keeps y = r or tanh of a few query rows for the gradient pass: about this many bytes
 // (L2-resident), and never less than one query row (Tk * H values).
 constexpr int64_t kYBufferBytes = 512 * 1024;
+// Up to this many queries, dvalues = p^T dctx is a rank-Tq update done per item (BLAS is slow at
+// inner dimension Tq = 1, a decoding step); above it, one batched matmul.
+constexpr int64_t kMaxQueriesForRankUpdate = 8;
 // Below this many tanh evaluations per task a thread is not worth waking.
 constexpr int64_t kMinWorkPerTask = 1 << 16;
 
@@ -428,13 +431,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   dp = dp.contiguous();
   Tensor probs = at::empty({n.B, n.Tq, n.Tk}, opts);
   Tensor dq = at::empty({n.B, n.Tq, n.H}, opts);
-  Tensor dk = at::zeros({n.B, n.Tk, n.H}, opts);
+  Tensor dk = at::empty({n.B, n.Tk, n.H}, opts);  // rows s >= length are zeroed by their item
   const Plan plan = make_plan(n.B, n.Tq, n.Tk, n.H);
   const bool split = plan.blocks_per_row > 1;
   // Split rows: each item's dkeys (already scaled) in its own slot, summed in order afterwards.
   Tensor dk_parts = split ? at::zeros({n.B, plan.blocks_per_row, n.Tk, n.H}, opts) : Tensor();
   // Per item: dv contribution (Hp) then sum of de.
   Tensor dv_parts = at::zeros({plan.items, Hp}, opts);
+  const bool dvalues_in_items = !split && n.Tq <= kMaxQueriesForRankUpdate;
+  Tensor dvalues = dvalues_in_items ? at::empty({n.B, n.Tk, n.Dv}, opts) : Tensor();
+  T* dvalp = dvalues_in_items ? dvalues.data_ptr<T>() : nullptr;
+  const T* dctxp = dctx.data_ptr<T>();
 
   const ScoreVectors<T> sv = score_vectors<T>(v, n.H, Hp);
   const T* qp = query.data_ptr<T>();
@@ -475,6 +482,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     const bool* valid = kv.row_mask(b);
     T* p_rows = pp + (b * n.Tq + t0) * n.Tk;
     T* dq_rows = dqp + (b * n.Tq + t0) * n.H;
+    if (!split) {  // this item owns the whole batch row b: zero what no key writes
+      T* dk_rows = dkp + b * n.Tk * n.H;
+      std::fill(dk_rows + nk * n.H, dk_rows + n.Tk * n.H, T(0));
+      if (dvalp != nullptr) {
+        T* dval_rows = dvalp + b * n.Tk * n.Dv;
+        std::fill(dval_rows + nk * n.Dv, dval_rows + n.Tk * n.Dv, T(0));
+      }
+    }
     if (nk == 0) {
       std::fill(p_rows, p_rows + nq * n.Tk, T(0));
       std::fill(dq_rows, dq_rows + nq * n.H, T(0));
@@ -510,6 +525,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
       }
       kt.grads(path, ys, rn, nk, Hp, de + r0 * n.Tk, n.Tk, gq + r0 * Hp, gk, gv);
     }
+    if (dvalp != nullptr) {
+      kt.rank_update(p_rows, n.Tk, nq, nk, dctxp + b * n.Tq * n.Dv, n.Dv,
+                     dvalp + b * n.Tk * n.Dv);
+    }
     // Product path: sech^2 = 4u and tanh = 1 - 2r; rational: sech^2 = u, tanh = y.
     const T* scale = prod ? sv.grad_product.data() : sv.rational.data();
     kt.scale_rows(gq, nq, Hp, scale, dq_rows, n.H);
@@ -524,7 +543,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   if (split) dk = dk_parts.sum(1);
   Tensor dv = dv_parts.sum(0).narrow(0, 0, n.H).contiguous();
   Tensor dbias = dq.sum({0, 1});
-  Tensor dvalues = at::bmm(probs.transpose(1, 2), dctx);
+  if (!dvalues_in_items) dvalues = at::bmm(probs.transpose(1, 2), dctx);
   return {dq, dk, dvalues, dv, dbias};
 }
 

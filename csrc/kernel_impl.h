@@ -198,6 +198,35 @@ void scale_rows(const typename S::T* src, int64_t rows, int64_t Hp, const typena
   }
 }
 
+void rank_update(const typename S::T* p, int64_t ldp, int64_t nq, int64_t nk,
+                 const typename S::T* x, int64_t D, typename S::T* out) {
+  using V = typename S::V;
+  using T = typename S::T;
+  for (int64_t s = 0; s < nk; ++s) {
+    T* o = out + s * D;
+    int64_t d = 0;
+    for (; d + 4 * S::W <= D; d += 4 * S::W) {
+      V acc[4] = {S::zero(), S::zero(), S::zero(), S::zero()};
+      for (int64_t t = 0; t < nq; ++t) {
+        const V pt = S::set1(p[t * ldp + s]);
+        const T* xr = x + t * D + d;
+        for (int k = 0; k < 4; ++k) acc[k] = S::fma(pt, S::load(xr + k * S::W), acc[k]);
+      }
+      for (int k = 0; k < 4; ++k) S::store(o + d + k * S::W, acc[k]);
+    }
+    for (; d + S::W <= D; d += S::W) {
+      V acc = S::zero();
+      for (int64_t t = 0; t < nq; ++t) acc = S::fma(S::set1(p[t * ldp + s]), S::load(x + t * D + d), acc);
+      S::store(o + d, acc);
+    }
+    for (; d < D; ++d) {
+      T acc = T(0);
+      for (int64_t t = 0; t < nq; ++t) acc += p[t * ldp + s] * x[t * D + d];
+      o[d] = acc;
+    }
+  }
+}
+
 void exp_inplace(typename S::T* p, int64_t n, typename S::T scale) {
   const auto sv = S::set1(scale);
   int64_t i = 0;
@@ -223,7 +252,7 @@ void tanh_pairs(int path, const typename S::T* a, const typename S::T* b, typena
 }
 
 const KernelTable<typename S::T>& table(const char* name) {
-  static const KernelTable<typename S::T> t{name,  pack_rows,  exp_inplace, scale_rows,
-                                            scores, grads,      tanh_pairs};
+  static const KernelTable<typename S::T> t{name,   pack_rows, exp_inplace, scale_rows,
+                                            rank_update, scores, grads, tanh_pairs};
   return t;
 }
