@@ -72,6 +72,7 @@ __all__ = [
     "additive_attention_fwd",
     "backward_configs",
     "forward_config",
+    "grad_tile",
     "is_interpreted",
     "needs_int64_offsets",
     "tanh_mode",
@@ -967,6 +968,51 @@ def forward_config(
     return TileConfig(block_q, block_k, block_h, block_dv)
 
 
+# Grad-kernel tiles (BLOCK_Q, BLOCK_K, BLOCK_H) of 4096 elements (4 warps) and their cost in
+# issued instructions per tanh in the innermost loop, read off the sm_90 SASS that
+# bench/triton_aot_report.py prints (triton 3.9, bf16; float32 costs 1.2-1.3x, same order). A
+# static proxy, not a timing: it favours wide key tiles because the replicated loads of ds and q
+# and the grad-query update are paid once per query tile. Rerun the report (and time them on a
+# GPU) after changing the kernel.
+_GRAD_TILE_COSTS = (
+    ((4, 32, 32), 9.2),
+    ((1, 8, 512), 10.3),
+    ((8, 16, 32), 10.4),
+    ((4, 64, 16), 10.4),
+    ((8, 32, 16), 10.6),
+    ((1, 16, 256), 10.6),
+    ((2, 8, 256), 11.2),
+    ((16, 16, 16), 13.0),
+    ((4, 8, 128), 14.3),
+    ((8, 8, 64), 16.9),
+)
+
+
+def _padding(n: int, block: int) -> float:
+    n = max(1, int(n))
+    return (-(-n // block) * block) / n
+
+
+def grad_tile(batch: int, num_queries: int, num_keys: int, hidden: int, min_programs: int = 512):
+    """(BLOCK_Q, BLOCK_K, BLOCK_H) of the grad kernel: least instructions per useful tanh.
+
+    Cost = instructions per tanh of the tile (_GRAD_TILE_COSTS) x the padding it adds to Tq and
+    Tk (padded rows cost tanh too) x how far its batch x H-chunk grid falls short of
+    ``min_programs`` (a GPU with idle SMs). Tq=Tk=50 -> (4, 32, 32); Tq=74, Tk=75 -> (8, 16, 32);
+    the decoding step (Tq=1, Tk=66, B=1280) -> (1, 8, 512).
+    """
+
+    def cost(item):
+        (block_q, block_k, block_h), per_tanh = item
+        programs = batch * -(-hidden // min(block_h, _pow2_at_least(hidden)))
+        shortfall = max(1.0, min_programs / max(1, programs))
+        padding = _padding(num_queries, block_q) * _padding(num_keys, block_k)
+        return per_tanh * padding * shortfall
+
+    (block_q, block_k, block_h), _ = min(_GRAD_TILE_COSTS, key=cost)
+    return block_q, block_k, min(block_h, _pow2_at_least(hidden))
+
+
 def backward_configs(
     batch: int,
     num_queries: int,
@@ -974,17 +1020,11 @@ def backward_configs(
     hidden: int,
     value_dim: int,
     tile: int = DEFAULT_TILE,
-    min_programs: int = 1024,
+    min_programs: int = 512,
 ) -> tuple[TileConfig, TileConfig, TileConfig]:
     """Tiles for the ds kernel, the grad kernel (batch x H chunk) and the grad-values kernel."""
     ds_cfg = forward_config(num_queries, num_keys, hidden, value_dim, tile)
-    block_q = _pick_block(num_queries, 16)
-    block_k = _pick_block(num_keys, max(16, 256 // block_q))
-    block_h = _pick_block(hidden, max(16, tile // (block_q * block_k)))
-    # One program per H chunk: keep enough programs to fill the GPU (132 SMs x several).
-    while block_h > 16 and batch * -(-hidden // block_h) < min_programs:
-        block_h //= 2
-    grad_cfg = TileConfig(block_q, block_k, block_h, 1)
+    grad_cfg = TileConfig(*grad_tile(batch, num_queries, num_keys, hidden, min_programs), 1)
     dv_block_k = _pick_block(num_keys, 64)
     dv_block_q = _pick_block(num_queries, 16)
     dv_block_dv = _pick_block(value_dim, 64 if dv_block_k >= 16 and dv_block_q >= 16 else 32)
