@@ -445,6 +445,49 @@ def run_sweep(args, budget, torch, triton, tk, device) -> list[dict]:
                 log(f"  sweep {'x'.join(map(str, shape)):16s} {dtype_name} {label:22s} "
                     f"blocks={blocks} {median:9.3f} ms {rate / 1e12:6.3f} T tanh/s")  # fmt: skip
             del inputs
+    rows += run_grad_sweep(args, budget, torch, triton, tk, device)
+    return rows
+
+
+def run_grad_sweep(args, budget, torch, triton, tk, device) -> list[dict]:
+    """The whole backward under the grad-kernel tiles that the static cost table ranks first."""
+    rows = []
+    shapes = DRY_SHAPES if args.dry_run else GPU_SHAPES[::2]  # (128,50,50), (32,74,75)
+    for shape in shapes:
+        batch, num_queries, num_keys, hidden = shape
+        for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            inputs = make_inputs(torch, shape, dtype, device)
+            context, _, lse = tk.additive_attention_fwd(*inputs, None, None, False)
+            grad_context = torch.randn_like(context)
+            ds_cfg, default_grad, dv_cfg = tk.backward_configs(
+                batch, num_queries, num_keys, hidden, hidden
+            )
+            tiles = [(default_grad.block_q, default_grad.block_k, default_grad.block_h)]
+            for (block_q, block_k, block_h), _ in tk._GRAD_TILE_COSTS[:5]:
+                if (block_q, block_k, min(block_h, hidden)) not in tiles:
+                    tiles.append((block_q, block_k, min(block_h, hidden)))
+            args_bwd = (grad_context, None, *inputs, None, None, context, lse)
+            for block_q, block_k, block_h in tiles:
+                if budget.left() < 15:
+                    return rows
+                grad_cfg = tk.TileConfig(block_q, block_k, block_h, 1)
+
+                def call(configs=(ds_cfg, grad_cfg, dv_cfg), args_bwd=args_bwd):
+                    return tk.additive_attention_bwd(*args_bwd, configs=configs)
+
+                try:
+                    call()
+                    median, _, _ = time_ms(triton, call, device)
+                except Exception as exc:
+                    log(f"  grad sweep {shape} {dtype_name} {grad_cfg}: {exc!r:.200}")
+                    continue
+                rate = 2 * batch * num_queries * num_keys * hidden / (median * 1e-3)
+                label = f"grad {block_q}x{block_k}x{grad_cfg.block_h}"
+                rows.append({"shape": shape, "dtype": dtype_name, "config": label,
+                             "ms": median, "tanh_per_s": rate})  # fmt: skip
+                log(f"  sweep {'x'.join(map(str, shape)):16s} {dtype_name} backward {label:16s}"
+                    f" {median:9.3f} ms {rate / 1e12:6.3f} T tanh/s (2N)")  # fmt: skip
+            del inputs, context, lse, grad_context, args_bwd
     return rows
 
 
