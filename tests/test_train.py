@@ -27,6 +27,13 @@ TINY = dict(
 )  # fmt: skip
 
 
+# "The same" for losses: equal up to float32 rounding. BLAS kernels may round the last bit
+# differently for differently aligned buffers (a new process, a reloaded model), so bit-equality
+# across runs is not guaranteed by PyTorch on CPU; a resume that lost any state would be off by far
+# more than this.
+SAME = 1e-6
+
+
 def tiny_config(tmp_path, **overrides) -> TrainConfig:
     return TrainConfig(**(TINY | {"out": str(tmp_path)} | overrides))
 
@@ -42,8 +49,8 @@ def test_fixed_seed_gives_the_same_run(tmp_path):
     a = train(tiny_config(tmp_path / "a", epochs=1, steps_per_epoch=15))
     b = train(tiny_config(tmp_path / "b", epochs=1, steps_per_epoch=15))
     c = train(tiny_config(tmp_path / "c", epochs=1, steps_per_epoch=15, seed=1))
-    assert a.losses == b.losses
-    assert a.losses != c.losses
+    assert a.losses == pytest.approx(b.losses, rel=SAME, abs=0)
+    assert a.losses != pytest.approx(c.losses, rel=1e-3)
 
 
 @pytest.mark.parametrize("decoder", ["gnmt", "bahdanau"])
@@ -54,16 +61,16 @@ def test_resume_equals_uninterrupted(tmp_path, decoder):
     full = train(config)
     partial_config = replace(config, out=str(tmp_path / "part"), stop_after_steps=7)
     partial = train(partial_config)
-    assert partial.step == 7 and partial.losses == full.losses[:7]
+    assert partial.step == 7 and partial.losses == pytest.approx(full.losses[:7], rel=SAME, abs=0)
     resumed = train(
         TrainConfig(out=str(tmp_path / "part"), progress=False), resume=tmp_path / "part/model.pt"
     )
     assert resumed.step == 12
-    assert partial.losses + resumed.losses == full.losses
+    assert partial.losses + resumed.losses == pytest.approx(full.losses, rel=SAME, abs=0)
     a = load_checkpoint(tmp_path / "full/model.pt")
     b = load_checkpoint(tmp_path / "part/model.pt")
     for name, tensor in a["model"].items():
-        assert torch.equal(tensor, b["model"][name]), name
+        torch.testing.assert_close(b["model"][name], tensor, rtol=1e-5, atol=1e-7, msg=name)
     assert a["epoch"] == b["epoch"] == 2 and a["step"] == b["step"] == 12
 
 
@@ -166,7 +173,7 @@ def test_translate_resume_equals_uninterrupted(tmp_path):
     full = train(config)
     part = train(replace(config, out=str(tmp_path / "part"), stop_after_steps=full.step // 2 + 1))
     resumed = train(TrainConfig(progress=False), resume=tmp_path / "part/model.pt")
-    assert part.losses + resumed.losses == full.losses
+    assert part.losses + resumed.losses == pytest.approx(full.losses, rel=SAME, abs=0)
     assert resumed.metrics["test_bleu"] == full.metrics["test_bleu"]
 
 
