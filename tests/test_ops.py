@@ -228,6 +228,23 @@ def test_float32_error_no_worse_than_plain_pytorch():
         assert fused_err <= 3 * plain_err + 1e-6, f"{name}: {fused_err:.3g} vs {plain_err:.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_loss_on_weights_only(dtype):
+    """Only grad_weights reaches the backward (grad_context is None there)."""
+    inputs = make_inputs(3, 5, 7, 12, 4, dtype)
+    lengths = torch.tensor([7, 0, 3])
+    target = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(4), dtype=dtype)
+    grads = []
+    for fn in (additive_attention, additive_attention_ref):
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        _, weights = fn(*leaves, lengths=lengths)
+        grads.append(torch.autograd.grad((weights * target).sum(), leaves, allow_unused=True))
+    tol = tolerance(dtype, inputs[3])
+    for name, got, want in zip(GRAD_NAMES, *grads, strict=True):
+        want = torch.zeros_like(got) if want is None else want
+        torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"grad {n}: {m}")
+
+
 def test_large_inputs_use_the_rational_path():
     """|q + bias| or |k| above the product path's limit (20): those items take the rational tanh."""
     query, keys, values, v, bias = make_inputs(3, 8, 6, 16, 4, torch.float32)
