@@ -12,8 +12,10 @@ Providers:
 
 One training step = forward, loss, backward, AdamW step on a full batch (every row at full length,
 tokens = batch * target length). Prints a markdown table: median tokens/s over ``--steps`` timed
-steps after ``--warmup`` untimed ones, the step time, fused as a share of the zero-cost bound, and
-gnmt tokens/s over bahdanau tokens/s per backend. Compile time is reported separately.
+steps after ``--warmup`` untimed ones (providers timed round-robin, so changing machine load hits
+them alike), tokens per CPU-second of this process (robust to other jobs when --threads 1), the
+step time, the share of the zero-cost bound, and gnmt over bahdanau tokens/s per backend. The first
+call (compile time for ``compile``) is reported separately.
 """
 
 from __future__ import annotations
@@ -96,28 +98,38 @@ def make_step(provider: str, decoder: str, size: Size, vocab: int, device: str):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        return float(loss)
+        return float(loss.detach())
 
     return step
 
 
-def measure(step, steps: int, warmup: int, device: str) -> tuple[float, float, list[float]]:
-    """-> (first-call seconds, median step seconds, all timed step seconds)."""
+def measure_interleaved(steps: dict, count: int, warmup: int, device: str):
+    """Time the providers' steps round-robin (one step each per round), so a machine whose load
+    changes during the run slows them alike. -> {provider: (first-call s, median wall s,
+    median CPU s of this process)}."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    start = time.perf_counter()
-    step()
-    sync()
-    first = time.perf_counter() - start
-    for _ in range(max(0, warmup - 1)):
-        step()
-    times = []
-    for _ in range(steps):
-        sync()
+    first = {}
+    for name, step in steps.items():
         start = time.perf_counter()
         step()
         sync()
-        times.append(time.perf_counter() - start)
-    return first, statistics.median(times), times
+        first[name] = time.perf_counter() - start
+        for _ in range(max(0, warmup - 1)):
+            step()
+    wall: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(count):
+        for name, step in steps.items():
+            sync()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            step()
+            sync()
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    return {
+        name: (first[name], statistics.median(wall[name]), statistics.median(cpu[name]))
+        for name in steps
+    }
 
 
 def main(argv=None) -> int:
@@ -146,28 +158,34 @@ def main(argv=None) -> int:
     results: dict[tuple[str, str, str], float] = {}
     for size_name in args.sizes.split(","):
         size = SIZES[size_name]
+        tokens = size.batch * size.length
         for decoder in args.decoders.split(","):
+            steps = {p: make_step(p, decoder, size, args.vocab, args.device) for p in providers}
+            timings = measure_interleaved(steps, args.steps, args.warmup, args.device)
             for provider in providers:
-                step = make_step(provider, decoder, size, args.vocab, args.device)
-                first, median, _ = measure(step, args.steps, args.warmup, args.device)
-                tokens = size.batch * size.length
-                results[(size_name, decoder, provider)] = tokens / median
-                rows.append((size, decoder, provider, tokens / median, median, first))
+                first, wall, cpu = timings[provider]
+                results[(size_name, decoder, provider)] = tokens / wall
+                rows.append((size, decoder, provider, tokens / wall, tokens / cpu, wall, first))
                 print(
-                    f"  {size_name} {decoder:8s} {provider:9s} {tokens / median:9.0f} tok/s "
-                    f"({median * 1e3:.0f} ms/step, first call {first:.1f} s)",
+                    f"  {size_name} {decoder:8s} {provider:9s} {tokens / wall:9.0f} tok/s "
+                    f"({wall * 1e3:.0f} ms/step wall, {cpu * 1e3:.0f} ms CPU; first call "
+                    f"{first:.1f} s)",
                     flush=True,
                 )
+            del steps
     print()
-    print("| hidden, length, batch | decoder | backend | tokens/s | ms/step | of zero-cost bound |")
-    print("| --- | --- | --- | ---: | ---: | ---: |")
-    for size, decoder, provider, rate, median, first in rows:
+    print(
+        "| hidden, length, batch | decoder | backend | tokens/s (wall) | tokens/CPU-s | ms/step "
+        "| of zero-cost bound |"
+    )
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    for size, decoder, provider, rate, cpu_rate, wall, first in rows:
         bound = results.get((size.name, decoder, "zero"))
         share = f"{rate / bound:.0%}" if bound else "-"
         note = f" (compile {first:.0f} s)" if provider == "compile" else ""
         print(
             f"| {size.hidden}, {size.length}, {size.batch} | {decoder} | {provider}{note} | "
-            f"{rate:,.0f} | {median * 1e3:.0f} | {share} |"
+            f"{rate:,.0f} | {cpu_rate:,.0f} | {wall * 1e3:.0f} | {share} |"
         )
     print()
     for size_name in args.sizes.split(","):

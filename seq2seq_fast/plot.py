@@ -66,8 +66,10 @@ def translate_text(
     max_len_factor: float = 2.0,
     device: torch.device | str = "cpu",
 ) -> tuple[Hypothesis, list[int]]:
-    """Translate one sentence: -> (hypothesis, source ids)."""
-    ids = src_vocab.encode(text)
+    """Translate one sentence (normalised as the training corpus was): -> (hypothesis, source ids)."""
+    from seq2seq_fast.data import normalize_text
+
+    ids = src_vocab.encode(normalize_text(text))
     if not ids:
         raise ValueError("the input sentence is empty")
     src = torch.tensor([ids], dtype=torch.long, device=device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,3 +181,15 @@ def test_epoch_batches_shard_evenly_and_reproducibly():
     r1 = epoch_batches(pairs, 8, seed=0, epoch=0, rank=1, world_size=2)
     assert len(r0) == len(r1) == len(full) // 2
     assert not {i for b in r0 for i in b} & {i for b in r1 for i in b}
+
+
+FRA_ENG = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "fra-eng.zip"
+
+
+@pytest.mark.skipif(not FRA_ENG.exists(), reason=f"optional corpus {FRA_ENG} is absent")
+def test_fra_eng_corpus_reads_cleanly():
+    pairs, report = read_parallel_corpus(FRA_ENG, max_words=10)
+    assert report.lines == 142_787 and not report.malformed
+    assert report.pairs + report.too_long == report.lines
+    assert all("\u202f" not in tgt for _, tgt in pairs)
+    assert pairs[0] == ("Go.", "Va !")
