@@ -315,7 +315,8 @@ def test_lse_contract():
     torch.testing.assert_close(lse[2], torch.logsumexp(scores[2, :, :2], -1).float())
 
 
-def test_torch_compile_fullgraph_with_backward():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph_with_backward(backend):
     inputs = make_inputs(2, 5, 7, 16, 4, torch.float32)
     lengths = torch.tensor([7, 3])
 
@@ -323,7 +324,8 @@ def test_torch_compile_fullgraph_with_backward():
         context, weights = additive_attention(query, keys, values, v, bias, lengths=lengths)
         return (context**2).sum() + (weights * torch.arange(7.0)).sum()
 
-    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, fullgraph=True, backend=backend)
     eager_leaves = [t.clone().requires_grad_(True) for t in inputs]
     compiled_leaves = [t.clone().requires_grad_(True) for t in inputs]
     eager_loss = loss_fn(*eager_leaves)
