@@ -444,6 +444,28 @@ def test_isa_forced_in_a_fresh_process():
     assert out.stdout.strip() == "portable"
 
 
+def test_no_batch_by_queries_by_keys_by_hidden_memory():
+    """Forward + backward at a shape whose [B, Tq, Tk, H] tensor would be 128 MiB: peak RSS grows
+    by far less (measured in a fresh process, whose ru_maxrss only this work can raise)."""
+    code = (
+        "import resource, torch, seq2seq_fast\n"
+        "torch.manual_seed(0)\n"
+        "B, Tq, Tk, H = 8, 64, 64, 1024\n"
+        "q = torch.randn(B, Tq, H, requires_grad=True)\n"
+        "k = torch.randn(B, Tk, H, requires_grad=True)\n"
+        "val = torch.randn(B, Tk, 64, requires_grad=True)\n"
+        "v = (torch.randn(H) / 32).requires_grad_()\n"
+        "seq2seq_fast.additive_attention(q[:1, :4], k[:1], val[:1], v)[0].sum().backward()\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "c, w = seq2seq_fast.additive_attention(q, k, val, v)\n"
+        "(c.sum() + w.square().sum()).backward()\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    grown_mib = int(out.stdout.strip()) / 1024
+    assert grown_mib < 32, f"peak RSS grew by {grown_mib:.1f} MiB (the 4-D tensor is 128 MiB)"
+
+
 # --- bad input -------------------------------------------------------------------------------
 
 
