@@ -104,7 +104,9 @@ class TrainConfig:
     test_fraction: float = 0.03
     eval_size: int = 500  # valid pairs scored with BLEU after each epoch
     eval_beam: int = 1  # beam for the final test BLEU
-    time_budget_min: float | None = None  # stop training (and evaluate) after this many minutes
+    # Stop training (then evaluate) after this many minutes; the learning-rate decay then follows
+    # the clock too. Such a run depends on the machine's speed: not reproducible, resume not exact.
+    time_budget_min: float | None = None
     # bookkeeping
     save_every: int = 0  # also checkpoint every N steps (0 = at epoch ends only)
     stop_after_steps: int | None = (
@@ -302,11 +304,17 @@ def bleu_score(
 # --- the training job ------------------------------------------------------------------------------
 
 
-def _lr_lambda(warmup: int, total: int, min_ratio: float):
+def _lr_lambda(warmup: int, total: int, min_ratio: float, time_progress=None):
+    """Linear warmup, then cosine decay to ``min_ratio``. With ``time_progress`` (a callable giving
+    the elapsed fraction of a time budget) the decay follows whichever is further along, steps or
+    time, so a time-budgeted run still ends at a low learning rate."""
+
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if time_progress is not None:
+            progress = max(progress, min(1.0, time_progress()))
         return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
@@ -330,12 +338,14 @@ def _set_rng_state(state: dict[str, Any], data_generator: torch.Generator | None
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _all_ranks_any(flag: bool, ctx: Dist) -> bool:
+def _synced_elapsed(started: float, ctx: Dist) -> float:
+    """Seconds since ``started``; under DDP the maximum over ranks, so all ranks agree."""
+    elapsed = time.perf_counter() - started
     if not ctx.enabled:
-        return flag
-    value = torch.tensor([int(flag)], device=ctx.device)
+        return elapsed
+    value = torch.tensor([elapsed], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    return float(value.item())
 
 
 def _log(message: str, rank: Dist) -> None:
@@ -445,12 +455,25 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
         backend=attention_backend,
     )
     model = Seq2Seq(model_config).to(ctx.device)
+    budget_s = 60 * config.time_budget_min if config.time_budget_min is not None else math.inf
+
+    clock = {"elapsed": 0.0}  # seconds since start, the same on every rank (max over ranks)
+
+    def time_progress() -> float:
+        return clock["elapsed"] / budget_s
+
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, weight_decay=config.weight_decay
     )
     total_steps = config.epochs * steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, _lr_lambda(config.warmup_steps, total_steps, config.min_lr_ratio)
+        optimizer,
+        _lr_lambda(
+            config.warmup_steps,
+            total_steps,
+            config.min_lr_ratio,
+            None if config.time_budget_min is None else time_progress,
+        ),
     )
     epoch, batch_in_epoch, step = 0, 0, 0
     metrics: dict[str, float] = {}
@@ -519,9 +542,6 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
 
     losses: list[float] = []
     stopped_early = False
-    deadline = (
-        started + 60 * config.time_budget_min if config.time_budget_min is not None else math.inf
-    )
     if ctx.is_main:
         params = sum(p.numel() for p in model.parameters())
         _log(
@@ -563,6 +583,8 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
             if config.clip_norm > 0:
                 nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
             optimizer.step()
+            if config.time_budget_min is not None:
+                clock["elapsed"] = _synced_elapsed(started, ctx)
             scheduler.step()
             step += 1
             batch_in_epoch += 1
@@ -581,9 +603,7 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
             if config.stop_after_steps is not None and step >= config.stop_after_steps:
                 stopped_early = True
                 break
-            if config.time_budget_min is not None and _all_ranks_any(
-                time.perf_counter() > deadline, ctx
-            ):
+            if clock["elapsed"] >= budget_s:
                 stopped_early = True
                 _log(f"time budget of {config.time_budget_min} min reached at step {step}", ctx)
                 break
