@@ -146,6 +146,7 @@ struct Plan {
 };
 
 Plan make_plan(int64_t B, int64_t Tq, int64_t Tk, int64_t H) {
+  if (B <= 0 || Tq <= 0) return {1, 1, 0, 1};  // no rows, no items (callers return earlier)
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   int64_t blocks = 1;
   if (B < 4 * threads) {  // too few batch rows to balance: split the queries of a row too
@@ -405,6 +406,12 @@ std::tuple<Tensor, Tensor, Tensor> additive_attention_fwd(
   const char* op = "seq2seq_fast::additive_attention_fwd";
   const Sizes n = check_inputs(op, query, keys, values, v, bias, lengths, mask);
   const KeyValidity kv = key_validity(op, lengths, mask, n.Tk);
+  if (n.B == 0 || n.Tq == 0) {  // no rows: nothing to compute (and no work to plan)
+    const auto opts = query.options();
+    return {at::zeros({n.B, n.Tq, n.Dv}, opts),
+            return_weights ? at::zeros({n.B, n.Tq, n.Tk}, opts) : at::empty({0}, opts),
+            at::empty({n.B, n.Tq}, opts.dtype(at::kFloat))};
+  }
   if (query.scalar_type() == at::kDouble) {
     return forward_impl<double>(query, keys, values, v, bias, kv, n, return_weights);
   }
@@ -572,6 +579,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_attention_bwd(
               ": lse must be [B, Tq], got ", lse.sizes());
   (void)context;  // dp . p is formed from dp directly; context is part of the contract only
   const KeyValidity kv = key_validity(op, lengths, mask, n.Tk);
+  if (n.B == 0 || n.Tq == 0) {  // no rows: every gradient is zero
+    return {at::zeros_like(query), at::zeros_like(keys), at::zeros_like(values), at::zeros_like(v),
+            at::zeros_like(bias)};
+  }
   if (query.scalar_type() == at::kDouble) {
     return backward_impl<double>(grad_context, grad_weights, query, keys, values, v, bias, kv, n);
   }

@@ -521,6 +521,27 @@ def test_bad_input_names_the_argument(case):
     assert name in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize(
+    "sizes", [(0, 3, 4, 5, 6), (2, 0, 4, 5, 6), (2, 3, 0, 5, 6), (2, 3, 4, 0, 6), (2, 3, 4, 5, 0)]
+)
+def test_raw_ops_on_empty_sizes(sizes):
+    """The ops themselves (not only the functional, which routes these to the reference)."""
+    batch, num_queries, num_keys, hidden, value_dim = sizes
+    query, keys, values, v, bias = make_inputs(*sizes, torch.float32)
+    context, weights, lse = torch.ops.seq2seq_fast.additive_attention_fwd(
+        query, keys, values, v, bias, None, None, True
+    )
+    want_context, want_weights = additive_attention_ref(query, keys, values, v, bias)
+    torch.testing.assert_close(context, want_context)
+    torch.testing.assert_close(weights, want_weights)
+    assert lse.shape == (batch, num_queries) and lse.dtype == torch.float32
+    grads = torch.ops.seq2seq_fast.additive_attention_bwd(
+        torch.ones_like(context), None, query, keys, values, v, bias, None, None, context, lse
+    )
+    for grad, like in zip(grads, (query, keys, values, v, bias), strict=True):
+        assert grad.shape == like.shape and torch.isfinite(grad).all()
+
+
 def test_cpp_checks_its_inputs():
     """The op itself rejects what the functional would have caught, with the argument's name."""
     q, k, val, v, b = _good()
