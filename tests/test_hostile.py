@@ -19,6 +19,7 @@ import io
 import json
 import os
 import pickle
+import signal
 import struct
 import subprocess
 import sys
@@ -718,6 +719,7 @@ CLI_CASES = {
     "translate --backend gpu": (["translate", "--checkpoint", CK, "--backend", "gpu", "a b"], ("--backend",), None),
     "translate empty sentence": (["translate", "--checkpoint", CK, ""], ("empty",), None),
     "translate unknown symbols": (["translate", "--checkpoint", CK, "zz 9 ?"], None, None),
+    "translate, empty stdin": (["translate", "--checkpoint", CK], None, None),
     "plot-attention empty sentence": (["plot-attention", "--checkpoint", CK, "", "-o", "{folder}/x.png"], ("empty",), None),
     "translate --beam 0": (["translate", "--checkpoint", CK, "--beam", "0", "a b"], ("beam",),
                            "cli accepts --beam 0 and negative beams silently (decodes greedily)"),
@@ -773,10 +775,20 @@ def test_cli_hostile(name, cli_files, tmp_path, capsys, monkeypatch):
     if argv and argv[0] == "train":
         argv += ["--out", str(tmp_path)]
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+
+    def hang(signum, frame):
+        raise TimeoutError(f"{name}: no answer within 120 s")
+
+    previous = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(120)
     try:
         code = main(argv)
     except SystemExit as exc:  # argparse
         code = exc.code
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
     out, err = capsys.readouterr()
     assert "Traceback" not in err
     if words is None:
