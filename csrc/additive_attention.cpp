@@ -8,16 +8,19 @@
 // its batch row's keys into per-thread scratch padded to a multiple of 16, computes the scores with
 // SIMD kernels (kernels.h; AVX-512 / AVX2 / portable chosen at run time), and the softmax of its
 // rows into the [B,Tq,Tk] weights. The value-side products (context = p values,
-// dvalues = p^T dctx, dp = dctx values^T) are batched matmuls (BLAS). Nothing of size
-// B*Tq*Tk*H is ever allocated: scratch is O(rows * H) per thread, buffers O(B*Tq*Tk).
+// dp = dctx values^T, dvalues = p^T dctx) are batched matmuls (BLAS), except dvalues for a few
+// queries (a decoding step), which items do as a rank-Tq update. Nothing of size B*Tq*Tk*H is ever
+// allocated: per-thread scratch is O(rows * H) plus a 512 KiB y buffer, buffers O(B*Tq*Tk).
 //
-// Backward recomputes the scores of each item, re-normalises them (from the recomputed row
-// maximum and sum, which equals exp(e - lse) but keeps float64 exact although lse is float32),
-// forms de = p (dp - sum_s p dp), and accumulates per element
+// Backward recomputes the scores of each item, a few query rows at a time, keeping each element's
+// y (r = 1/(1 + e^{2a} e^{2b}) or tanh) in the y buffer; re-normalises the rows (from the
+// recomputed row maximum and sum: equal to exp(e - lse), but float64 stays exact although lse is
+// float32); forms de = p (dp - sum_s p dp); and reads y back to accumulate
 //   dq[t] += de sech^2 v,  dk[s] += de sech^2 v,  dv += de tanh,  dbias = sum_t dq[t].
 // dkeys of a batch row that is split over several items goes through per-item partial buffers
 // reduced in a fixed order (only when B is small, so they stay O(threads * Tk * H)); dv partials
-// are per item: results are bitwise reproducible run to run for a fixed thread count.
+// are per item; threads take whole items: results are bitwise reproducible run to run for a fixed
+// thread count.
 #include <ATen/Parallel.h>
 #include <Python.h>
 #include <torch/library.h>

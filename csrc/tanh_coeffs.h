@@ -3,8 +3,12 @@
 // Rational tanh: tanh(x) ~ x P(x^2) / Q(x^2) on |x| <= 9 (x clamped there; tanh(9) = 1 - 3e-8),
 // P, Q of degree 4 in x^2 with P(0) = Q(0) = 1, fitted to the minimax error (IRLS on a dense grid).
 // Q has only negative real roots in x^2, so it is >= 1 on the whole range.
-// Approximation error 2.1e-8; evaluated in float32 with FMA and a Newton-refined reciprocal the
-// measured max |error| over every float32 input is below 6e-7 (tests/test_ops.py checks < 1e-6).
+// Approximation error 2.1e-8 (float64 evaluation). Evaluated in float32 with FMA and a
+// Newton-refined reciprocal, the max |error| against tanh over a dense grid of every float32
+// magnitude (step 2^-12 up to 16, log-spaced beyond, +-inf) is 3.0e-7 (AVX-512), 3.1e-7 (AVX2),
+// 3.4e-7 (portable); tests/test_ops.py::test_tanh_error_bound asserts < 1e-6 on every path.
+// The product path tanh(a + b) = 1 - 2 / (1 + e^{2a} e^{2b}) (kernels.h) measures <= 3.2e-7 over
+// |a|, |b| <= 20, including sums that cancel.
 #pragma once
 #define S2S_TANH_CLAMP 9.0
 #define S2S_TANH_P1 1.3380410314e-01
