@@ -401,18 +401,26 @@ def format_progress(row, provider) -> str:
     )
 
 
-def sweep_configs(tk, shape) -> list[tuple[str, object]]:
-    """Forward tile candidates for one shape: the default, other budgets and warps, wider blocks."""
+def sweep_configs(tk, shape, dtype) -> list[tuple[str, object]]:
+    """Forward tile candidates for one shape: the default, other budgets and warps, other blocks."""
     _, num_queries, num_keys, hidden = shape
+    default = tk.forward_config(num_queries, num_keys, hidden, hidden, dtype=dtype)
     configs = []
     for tile, warps in ((4096, 4), (2048, 4), (4096, 8), (8192, 8)):
-        base = tk.forward_config(num_queries, num_keys, hidden, hidden, tile=tile)
-        cfg = tk.TileConfig(base.block_q, base.block_k, base.block_h, base.block_dv, warps)
+        base = tk.forward_config(num_queries, num_keys, hidden, hidden, tile=tile, dtype=dtype)
+        cfg = tk.TileConfig(
+            base.block_q, base.block_k, base.block_h, base.block_dv, warps, base.block_k2
+        )
         configs.append((f"tile={tile} warps={warps}", cfg))
-    if num_queries >= 8:  # 16x16 query x key tiles: tl.dot for the context, padding paid in tanh
-        configs.append(("16x16 dot", tk.TileConfig(16, 16, 16, 64, 4)))
+    dv, k2 = default.block_dv, default.block_k2
+    if num_queries >= 8:  # 16x16 query x key tanh tiles: padding paid in tanh
+        configs.append(("16x16", tk.TileConfig(16, 16, 16, dv, 4, k2)))
     else:  # wider key tiles for the decoding step
-        configs.append(("bk=32", tk.TileConfig(1, 32, 128, 128, 4)))
+        configs.append(("bk=32", tk.TileConfig(1, 32, 128, dv, 4, k2)))
+    # The value products' tile (rows2 x block_k2 x block_dv) at the other dtype's choice.
+    other = tk.TileConfig(default.block_q, default.block_k, default.block_h,
+                          96 - dv if dv in (32, 64) else dv, 4, 48 - k2)  # fmt: skip
+    configs.append((f"k2={other.block_k2} dv={other.block_dv}", other))
     return configs
 
 
@@ -424,7 +432,7 @@ def run_sweep(args, budget, torch, triton, tk, device) -> list[dict]:
         batch, num_queries, num_keys, hidden = shape
         for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
             inputs = make_inputs(torch, shape, dtype, device)
-            for label, cfg in sweep_configs(tk, shape):
+            for label, cfg in sweep_configs(tk, shape, dtype):
                 if budget.left() < 15:
                     return rows
                 blocks = (cfg.block_q, cfg.block_k, cfg.block_h, cfg.block_dv)
@@ -460,7 +468,7 @@ def run_grad_sweep(args, budget, torch, triton, tk, device) -> list[dict]:
             context, _, lse = tk.additive_attention_fwd(*inputs, None, None, False)
             grad_context = torch.randn_like(context)
             ds_cfg, default_grad, dv_cfg = tk.backward_configs(
-                batch, num_queries, num_keys, hidden, hidden
+                batch, num_queries, num_keys, hidden, hidden, dtype=dtype
             )
             tiles = [(default_grad.block_q, default_grad.block_k, default_grad.block_h)]
             for (block_q, block_k, block_h), _ in tk._GRAD_TILE_COSTS[:5]:

@@ -24,6 +24,7 @@ import time
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("unset TRITON_INTERPRET: the report compiles the kernels, it does not interpret them")
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from seq2seq_fast._triton import additive_attention as tk  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -115,25 +116,31 @@ def kernel_cases(shape: tuple[int, int, int, int], dtype: str):
     batch, num_queries, num_keys, hidden = shape
     tanh = tk._TANH_CODES["approx" if dtype != "fp32" else "product"]
     lowp = dtype != "fp32"
-    fwd = tk.forward_config(num_queries, num_keys, hidden, hidden)
-    ds_cfg, grad_cfg, dv_cfg = tk.backward_configs(batch, num_queries, num_keys, hidden, hidden)
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    fwd = tk.forward_config(num_queries, num_keys, hidden, hidden, dtype=torch_dtype)
+    ds_cfg, grad_cfg, dv_cfg = tk.backward_configs(
+        batch, num_queries, num_keys, hidden, hidden, dtype=torch_dtype
+    )
     common = {"HAS_LENGTHS": True, "INT64_OFFSETS": False}
     yield "fwd", tk._additive_attention_fwd_kernel, fwd, {
         **common, "HAS_MASK": False, "RETURN_WEIGHTS": True, "TANH_MODE": tanh, "FAST_RCP": True,
         "USE_DOT": fwd.use_dot, "LOWP_DOT": lowp, "BLOCK_Q": fwd.block_q,
         "BLOCK_K": fwd.block_k, "BLOCK_H": fwd.block_h, "BLOCK_DV": fwd.block_dv,
+        "ROWS2": fwd.rows2, "BLOCK_K2": fwd.block_k2,
     }  # fmt: skip
     yield "bwd_ds", tk._additive_attention_bwd_ds_kernel, ds_cfg, {
         **common, "HAS_MASK": False, "HAS_GRAD_WEIGHTS": True, "TANH_MODE": tanh, "FAST_RCP": True,
         "USE_DOT": ds_cfg.use_dot, "LOWP_DOT": lowp, "BLOCK_Q": ds_cfg.block_q,
         "BLOCK_K": ds_cfg.block_k, "BLOCK_H": ds_cfg.block_h, "BLOCK_DV": ds_cfg.block_dv,
+        "ROWS2": ds_cfg.rows2, "BLOCK_K2": ds_cfg.block_k2,
     }  # fmt: skip
     yield "bwd_grad", tk._additive_attention_bwd_grad_kernel, grad_cfg, {
         **common, "TANH_MODE": tanh, "FAST_RCP": True, "BLOCK_Q": grad_cfg.block_q,
         "BLOCK_K": grad_cfg.block_k, "BLOCK_H": grad_cfg.block_h,
     }  # fmt: skip
     yield "bwd_dvalues", tk._additive_attention_bwd_dvalues_kernel, dv_cfg, {
-        "INT64_OFFSETS": False, "USE_DOT": dv_cfg.use_dot, "LOWP_DOT": lowp,
+        "INT64_OFFSETS": False, "LOWP_DOT": lowp,
+        "USE_DOT": min(dv_cfg.block_q, dv_cfg.block_k, dv_cfg.block_dv) >= 16,
         "BLOCK_Q": dv_cfg.block_q, "BLOCK_K": dv_cfg.block_k, "BLOCK_DV": dv_cfg.block_dv,
     }  # fmt: skip
 

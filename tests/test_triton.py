@@ -176,8 +176,9 @@ def test_fp32_strided_inputs(kind):
 
 def test_fp32_small_tiles_exercise_every_loop():
     # Tiles much smaller than the sizes: every loop runs several times and every tail is padded.
-    fwd = tk.TileConfig(block_q=2, block_k=4, block_h=4, block_dv=2)
+    fwd = tk.TileConfig(block_q=2, block_k=4, block_h=4, block_dv=2, block_k2=4)
     bwd = (fwd, tk.TileConfig(2, 4, 4, 1), tk.TileConfig(2, 4, 1, 2))
+    assert not fwd.use_dot and fwd.rows2 == 2
     check_fp32((2, 5, 11, 17, 5), kind="lengths", seed=7, fwd_config=fwd, bwd_configs=bwd)
 
 
@@ -192,8 +193,9 @@ def test_fp32_int64_offsets_path(monkeypatch):
 
 
 def test_fp32_dot_tiles_with_padding():
-    cfg = tk.TileConfig(block_q=16, block_k=16, block_h=8, block_dv=16)
+    cfg = tk.TileConfig(block_q=16, block_k=16, block_h=8, block_dv=16, block_k2=16)
     bwd = (cfg, tk.TileConfig(16, 16, 8, 1), tk.TileConfig(16, 16, 1, 16))
+    assert cfg.use_dot and cfg.rows2 == 16
     check_fp32((1, 18, 20, 11, 17), kind="mask", seed=9, fwd_config=cfg, bwd_configs=bwd)
 
 
@@ -346,6 +348,8 @@ def test_pick_block_and_configs():
     assert (decode.block_q, decode.block_k, decode.block_h) == (1, 8, 512)
     train = tk.forward_config(74, 75, 1024, 1024)
     assert (train.block_q, train.block_k) == (16, 16) and train.use_dot
+    gnmt = tk.forward_config(50, 50, 1024, 1024)
+    assert (gnmt.block_q, gnmt.block_k) == (8, 8) and gnmt.use_dot and gnmt.rows2 == 16
     for cfg in tk.backward_configs(32, 74, 75, 1024, 1024):
         for block in (cfg.block_q, cfg.block_k, cfg.block_h, cfg.block_dv):
             assert block >= 1 and block & (block - 1) == 0

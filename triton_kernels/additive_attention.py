@@ -300,6 +300,22 @@ def _score_tile(
 
 
 @triton.jit
+def _matmul_acc(acc, a, b, USE_DOT: tl.constexpr, LOWP_DOT: tl.constexpr):
+    """acc + a @ b for a [M, K] float32 and b [K, N] (input dtype), float32 accumulation.
+
+    tl.dot (tensor cores for float16 / bfloat16, exact float32 FMA otherwise) when every
+    dimension is >= 16; else a broadcast multiply-sum.
+    """
+    if USE_DOT:
+        if LOWP_DOT:
+            return tl.dot(a.to(b.dtype), b, acc)
+        else:
+            return tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return acc + tl.sum(a[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
 def _valid_keys(
     offs_k,
     num_keys,
@@ -379,6 +395,8 @@ def _additive_attention_fwd_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    ROWS2: tl.constexpr,
+    BLOCK_K2: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_b = _index(pid // num_q_tiles, INT64_OFFSETS)
@@ -430,44 +448,60 @@ def _additive_attention_fwd_kernel(
     lse = tl.where(l_i > 0.0, m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0)), float("inf"))
     tl.store(lse_ptr + pid_b * stride_lse_b + idx_q * stride_lse_t, lse, mask=q_valid)
 
-    # The scratch written above is read back below in another thread layout.
+    # The scratch and lse written above are read back below in other thread layouts.
     tl.debug_barrier()
 
-    # Phase 2: normalised weights (optional) and the context.
-    if RETURN_WEIGHTS:
-        weights_rows_ptr = (
-            weights_ptr + pid_b * stride_weights_b + idx_q[:, None] * stride_weights_t
+    # Phase 2 has its own tiling: ROWS2 rows (>= 16 so that tl.dot applies; rows past this
+    # program's BLOCK_Q read as masked and are never stored) x BLOCK_K2 keys x BLOCK_DV values.
+    offs_r = pid_q * BLOCK_Q + tl.arange(0, ROWS2)
+    r_in = ((tl.arange(0, ROWS2) < BLOCK_Q) & (offs_r < num_queries))[:, None]
+    idx_r = _index(offs_r, INT64_OFFSETS)
+    lse2 = tl.load(
+        lse_ptr + pid_b * stride_lse_b + idx_r * stride_lse_t,
+        mask=r_in.reshape(ROWS2),
+        other=float("inf"),
+    )
+    scores2_ptr = scores_ptr + pid_b * stride_scores_b + idx_r[:, None] * stride_scores_t
+    weights_rows_ptr = weights_ptr + pid_b * stride_weights_b + idx_r[:, None] * stride_weights_t
+    # Normalise once: p = exp(s - lse) replaces s in the scratch (and goes to the weights), so
+    # the context loop below reads p for each Dv block without recomputing exponentials.
+    for k_start in range(0, num_keys, BLOCK_K2):
+        offs_k = k_start + tl.arange(0, BLOCK_K2)
+        idx_k = _index(offs_k, INT64_OFFSETS)
+        s = tl.load(
+            scores2_ptr + idx_k[None, :] * stride_scores_s,
+            mask=r_in & (offs_k[None, :] < key_end),
+            other=float("-inf"),
         )
-        for k_start in range(0, num_keys, BLOCK_K):
-            offs_k = k_start + tl.arange(0, BLOCK_K)
-            idx_k = _index(offs_k, INT64_OFFSETS)
-            s = tl.load(
-                scores_rows_ptr + idx_k[None, :] * stride_scores_s,
-                mask=q_in & (offs_k[None, :] < key_end),
-                other=float("-inf"),
-            )
-            p = tl.exp(s - lse[:, None])
+        p = tl.exp(s - lse2[:, None])
+        tl.store(
+            scores2_ptr + idx_k[None, :] * stride_scores_s,
+            p,
+            mask=r_in & (offs_k[None, :] < key_end),
+        )
+        if RETURN_WEIGHTS:
             tl.store(
                 weights_rows_ptr + idx_k[None, :] * stride_weights_s,
                 p.to(weights_ptr.dtype.element_ty),
-                mask=q_in & (offs_k[None, :] < num_keys),
+                mask=r_in & (offs_k[None, :] < num_keys),
             )
 
-    context_rows_ptr = context_ptr + pid_b * stride_context_b + idx_q[:, None] * stride_context_t
+    tl.debug_barrier()
+
+    context_rows_ptr = context_ptr + pid_b * stride_context_b + idx_r[:, None] * stride_context_t
     for d_start in range(0, value_dim, BLOCK_DV):
         offs_d = d_start + tl.arange(0, BLOCK_DV)
         d_in = offs_d < value_dim
         idx_d = _index(offs_d, INT64_OFFSETS)
-        acc = tl.zeros((BLOCK_Q, BLOCK_DV), dtype=tl.float32)
-        for k_start in range(0, key_end, BLOCK_K):
-            offs_k = k_start + tl.arange(0, BLOCK_K)
+        acc = tl.zeros((ROWS2, BLOCK_DV), dtype=tl.float32)
+        for k_start in range(0, key_end, BLOCK_K2):
+            offs_k = k_start + tl.arange(0, BLOCK_K2)
             idx_k = _index(offs_k, INT64_OFFSETS)
-            s = tl.load(
-                scores_rows_ptr + idx_k[None, :] * stride_scores_s,
-                mask=q_in & (offs_k[None, :] < key_end),
-                other=float("-inf"),
+            p = tl.load(
+                scores2_ptr + idx_k[None, :] * stride_scores_s,
+                mask=r_in & (offs_k[None, :] < key_end),
+                other=0.0,
             )
-            p = tl.exp(s - lse[:, None])
             vals = tl.load(
                 values_batch_ptr
                 + idx_k[:, None] * stride_values_s
@@ -475,17 +509,11 @@ def _additive_attention_fwd_kernel(
                 mask=(offs_k[:, None] < key_end) & d_in[None, :],
                 other=0.0,
             )
-            if USE_DOT:
-                if LOWP_DOT:
-                    acc += tl.dot(p.to(vals.dtype), vals)
-                else:
-                    acc += tl.dot(p, vals.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.sum(p[:, :, None] * vals.to(tl.float32)[None, :, :], axis=1)
+            acc = _matmul_acc(acc, p, vals, USE_DOT, LOWP_DOT)
         tl.store(
             context_rows_ptr + idx_d[None, :] * stride_context_d,
             acc.to(context_ptr.dtype.element_ty),
-            mask=q_in & d_in[None, :],
+            mask=r_in & d_in[None, :],
         )
 
 
@@ -548,6 +576,8 @@ def _additive_attention_bwd_ds_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    ROWS2: tl.constexpr,
+    BLOCK_K2: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_b = _index(pid // num_q_tiles, INT64_OFFSETS)
@@ -560,12 +590,6 @@ def _additive_attention_bwd_ds_kernel(
     query_rows_ptr = query_ptr + pid_b * stride_query_b + idx_q[:, None] * stride_query_t
     keys_batch_ptr = keys_ptr + pid_b * stride_keys_b
     values_batch_ptr = values_ptr + pid_b * stride_values_b
-    grad_context_rows_ptr = (
-        grad_context_ptr + pid_b * stride_grad_context_b + idx_q[:, None] * stride_grad_context_t
-    )
-    grad_weights_rows_ptr = (
-        grad_weights_ptr + pid_b * stride_grad_weights_b + idx_q[:, None] * stride_grad_weights_t
-    )
     scratch_offset = pid_b * stride_scratch_b + idx_q[:, None] * stride_scratch_t
     mask_row_ptr = mask_ptr + pid_b * stride_mask_b
 
@@ -577,8 +601,7 @@ def _additive_attention_bwd_ds_kernel(
         lse_ptr + pid_b * stride_lse_b + idx_q * stride_lse_t, mask=q_valid, other=float("inf")
     )
 
-    # Phase 1: p and dp = dO . values (+ dWeights); delta = sum_s p * dp.
-    delta = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+    # Phase 1: recompute the scores, p = exp(s - lse) into the probs scratch.
     for k_start in range(0, key_end, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
         idx_k = _index(offs_k, INT64_OFFSETS)
@@ -593,15 +616,39 @@ def _additive_attention_bwd_ds_kernel(
             offs_k, num_keys, key_end, mask_row_ptr, stride_mask_s, HAS_MASK, INT64_OFFSETS
         )
         p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
+        tl.store(
+            probs_ptr + scratch_offset + idx_k[None, :] * stride_scratch_s,
+            p,
+            mask=q_in & (offs_k[None, :] < num_keys),
+        )
 
-        dp = tl.zeros((BLOCK_Q, BLOCK_K), dtype=tl.float32)
+    tl.debug_barrier()
+
+    # Phase 2, on the dot tiling of the forward's phase 2 (ROWS2 >= 16 rows, rows past BLOCK_Q
+    # masked): dp = dO . values^T (+ dWeights) into the ds scratch, delta = sum_s p * dp.
+    offs_r = pid_q * BLOCK_Q + tl.arange(0, ROWS2)
+    r_in = ((tl.arange(0, ROWS2) < BLOCK_Q) & (offs_r < num_queries))[:, None]
+    idx_r = _index(offs_r, INT64_OFFSETS)
+    scratch2_offset = pid_b * stride_scratch_b + idx_r[:, None] * stride_scratch_t
+    grad_context2_ptr = (
+        grad_context_ptr + pid_b * stride_grad_context_b + idx_r[:, None] * stride_grad_context_t
+    )
+    grad_weights2_ptr = (
+        grad_weights_ptr + pid_b * stride_grad_weights_b + idx_r[:, None] * stride_grad_weights_t
+    )
+    delta = tl.zeros((ROWS2,), dtype=tl.float32)
+    for k_start in range(0, key_end, BLOCK_K2):
+        offs_k = k_start + tl.arange(0, BLOCK_K2)
+        idx_k = _index(offs_k, INT64_OFFSETS)
+        k_in = offs_k[:, None] < num_keys
+        dp = tl.zeros((ROWS2, BLOCK_K2), dtype=tl.float32)
         for d_start in range(0, value_dim, BLOCK_DV):
             offs_d = d_start + tl.arange(0, BLOCK_DV)
             d_in = offs_d < value_dim
             idx_d = _index(offs_d, INT64_OFFSETS)
             grad_out = tl.load(
-                grad_context_rows_ptr + idx_d[None, :] * stride_grad_context_d,
-                mask=q_in & d_in[None, :],
+                grad_context2_ptr + idx_d[None, :] * stride_grad_context_d,
+                mask=r_in & d_in[None, :],
                 other=0.0,
             )
             vals = tl.load(
@@ -611,38 +658,26 @@ def _additive_attention_bwd_ds_kernel(
                 mask=k_in & d_in[None, :],
                 other=0.0,
             )
-            if USE_DOT:
-                if LOWP_DOT:
-                    dp += tl.dot(grad_out.to(vals.dtype), tl.trans(vals))
-                else:
-                    dp += tl.dot(
-                        grad_out.to(tl.float32),
-                        tl.trans(vals.to(tl.float32)),
-                        input_precision="ieee",
-                    )
-            else:
-                dp += tl.sum(
-                    grad_out.to(tl.float32)[:, None, :] * vals.to(tl.float32)[None, :, :], axis=2
-                )
+            dp = _matmul_acc(dp, grad_out.to(tl.float32), tl.trans(vals), USE_DOT, LOWP_DOT)
+        in_tile = r_in & (offs_k[None, :] < num_keys)
         if HAS_GRAD_WEIGHTS:
             dp += tl.load(
-                grad_weights_rows_ptr + idx_k[None, :] * stride_grad_weights_s,
-                mask=q_in & (offs_k[None, :] < num_keys),
+                grad_weights2_ptr + idx_k[None, :] * stride_grad_weights_s,
+                mask=in_tile,
                 other=0.0,
             ).to(tl.float32)
+        scratch_ptrs = scratch2_offset + idx_k[None, :] * stride_scratch_s
+        p = tl.load(probs_ptr + scratch_ptrs, mask=in_tile, other=0.0)
         delta += tl.sum(p * dp, axis=1)
-        scratch_ptrs = scratch_offset + idx_k[None, :] * stride_scratch_s
-        in_tile = q_in & (offs_k[None, :] < num_keys)
-        tl.store(probs_ptr + scratch_ptrs, p, mask=in_tile)
         tl.store(ds_ptr + scratch_ptrs, dp, mask=in_tile)
 
     tl.debug_barrier()
 
-    # Phase 2: ds = p * (dp - delta), in place of dp.
-    for k_start in range(0, key_end, BLOCK_K):
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        scratch_ptrs = scratch_offset + _index(offs_k, INT64_OFFSETS)[None, :] * stride_scratch_s
-        in_tile = q_in & (offs_k[None, :] < num_keys)
+    # Phase 3: ds = p * (dp - delta), in place of dp.
+    for k_start in range(0, key_end, BLOCK_K2):
+        offs_k = k_start + tl.arange(0, BLOCK_K2)
+        scratch_ptrs = scratch2_offset + _index(offs_k, INT64_OFFSETS)[None, :] * stride_scratch_s
+        in_tile = r_in & (offs_k[None, :] < num_keys)
         p = tl.load(probs_ptr + scratch_ptrs, mask=in_tile, other=0.0)
         dp = tl.load(ds_ptr + scratch_ptrs, mask=in_tile, other=0.0)
         tl.store(ds_ptr + scratch_ptrs, p * (dp - delta[:, None]), mask=in_tile)
@@ -913,18 +948,29 @@ def _additive_attention_bwd_dvalues_kernel(
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Block sizes of one kernel launch (powers of two)."""
+    """Block sizes of one kernel launch (powers of two).
+
+    Score kernels (forward, backward ds): block_q x block_k x block_h is the tanh tile; the
+    softmax-weighted products (context, dO . values) use their own tile of rows2 x block_k2 keys x
+    block_dv, with rows2 >= 16 so that tl.dot applies (rows past block_q are masked).
+    Grad-values kernel: block_k keys x block_dv values per program, block_q queries per step.
+    """
 
     block_q: int
     block_k: int
     block_h: int
     block_dv: int
     num_warps: int = DEFAULT_NUM_WARPS
+    block_k2: int = 32
 
     @property
     def use_dot(self) -> bool:
         # tl.dot needs every dimension >= 16; smaller tiles use a broadcast multiply-sum.
-        return min(self.block_q, self.block_k, self.block_dv) >= 16
+        return min(self.block_k2, self.block_dv) >= 16
+
+    @property
+    def rows2(self) -> int:
+        return max(16, self.block_q) if self.use_dot else self.block_q
 
 
 def _pow2_at_least(n: int) -> int:
@@ -950,7 +996,12 @@ def _pick_block(n: int, cap: int, max_waste: float = 0.125) -> int:
 
 
 def forward_config(
-    num_queries: int, num_keys: int, hidden: int, value_dim: int, tile: int = DEFAULT_TILE
+    num_queries: int,
+    num_keys: int,
+    hidden: int,
+    value_dim: int,
+    tile: int = DEFAULT_TILE,
+    dtype: torch.dtype | None = None,
 ) -> TileConfig:
     """Tiles for the forward and the backward-ds kernels (one program per batch x query tile).
 
@@ -961,11 +1012,13 @@ def forward_config(
     block_q = _pick_block(num_queries, 16)
     block_k = _pick_block(num_keys, max(16, 256 // block_q))
     block_h = _pick_block(hidden, max(16, tile // (block_q * block_k)))
-    if min(block_q, block_k) >= 16:
-        block_dv = _pick_block(value_dim, 64)
-    else:
-        block_dv = _pick_block(value_dim, max(16, tile // (block_q * block_k)))
-    return TileConfig(block_q, block_k, block_h, block_dv)
+    # The products with values run on tl.dot tiles (padding costs tensor-core work only): wider
+    # for float16 / bfloat16 (tensor cores), narrower for float32, whose exact FMA dot would
+    # otherwise spill registers (bench/triton_aot_report.py).
+    low_precision = dtype in (torch.float16, torch.bfloat16)
+    block_k2 = 32 if low_precision else 16
+    block_dv = max(16, min(64 if low_precision else 32, _pow2_at_least(value_dim)))
+    return TileConfig(block_q, block_k, block_h, block_dv, block_k2=block_k2)
 
 
 # Grad-kernel tiles (BLOCK_Q, BLOCK_K, BLOCK_H) of 4096 elements (4 warps) and their cost in
@@ -1021,14 +1074,18 @@ def backward_configs(
     value_dim: int,
     tile: int = DEFAULT_TILE,
     min_programs: int = 512,
+    dtype: torch.dtype | None = None,
 ) -> tuple[TileConfig, TileConfig, TileConfig]:
     """Tiles for the ds kernel, the grad kernel (batch x H chunk) and the grad-values kernel."""
-    ds_cfg = forward_config(num_queries, num_keys, hidden, value_dim, tile)
+    ds_cfg = forward_config(num_queries, num_keys, hidden, value_dim, tile, dtype)
     grad_cfg = TileConfig(*grad_tile(batch, num_queries, num_keys, hidden, min_programs), 1)
-    dv_block_k = _pick_block(num_keys, 64)
-    dv_block_q = _pick_block(num_queries, 16)
-    dv_block_dv = _pick_block(value_dim, 64 if dv_block_k >= 16 and dv_block_q >= 16 else 32)
-    dvalues_cfg = TileConfig(dv_block_q, dv_block_k, 1, dv_block_dv)
+    # grad values = p^T dO on tl.dot tiles (padding costs tensor-core work only).
+    dvalues_cfg = TileConfig(
+        max(16, min(32, _pow2_at_least(num_queries))),
+        max(16, min(64, _pow2_at_least(num_keys))),
+        1,
+        max(16, min(64, _pow2_at_least(value_dim))),
+    )
     return ds_cfg, grad_cfg, dvalues_cfg
 
 
@@ -1135,7 +1192,7 @@ def _additive_attention_fwd_impl(
     if batch * num_queries == 0:
         return context, weights, lse
 
-    cfg = config or forward_config(num_queries, num_keys, hidden, value_dim)
+    cfg = config or forward_config(num_queries, num_keys, hidden, value_dim, dtype=dtype)
     scores = torch.empty((batch, num_queries, num_keys), dtype=torch.float32, device=device)
     lengths_t, stride_lengths_b = _lengths_arg(lengths, lse)
     mask_t, stride_mask_b, stride_mask_s = _mask_arg(mask, lse)
@@ -1162,6 +1219,8 @@ def _additive_attention_fwd_impl(
         BLOCK_K=cfg.block_k,
         BLOCK_H=cfg.block_h,
         BLOCK_DV=cfg.block_dv,
+        ROWS2=cfg.rows2,
+        BLOCK_K2=cfg.block_k2,
         num_warps=cfg.num_warps,
         enable_fp_fusion=True,  # FMA contraction: Triton 3.10 turns it off by default
     )  # fmt: skip
@@ -1200,7 +1259,7 @@ def _additive_attention_bwd_impl(
         return grad_query, grad_keys, grad_values, grad_v, grad_bias
 
     ds_cfg, grad_cfg, dvalues_cfg = configs or backward_configs(
-        batch, num_queries, num_keys, hidden, value_dim
+        batch, num_queries, num_keys, hidden, value_dim, dtype=dtype
     )
     tanh_code = _TANH_CODES[tanh_mode(dtype, device)]
     lengths_t, stride_lengths_b = _lengths_arg(lengths, lse)
@@ -1233,6 +1292,8 @@ def _additive_attention_bwd_impl(
         BLOCK_K=ds_cfg.block_k,
         BLOCK_H=ds_cfg.block_h,
         BLOCK_DV=ds_cfg.block_dv,
+        ROWS2=ds_cfg.rows2,
+        BLOCK_K2=ds_cfg.block_k2,
         num_warps=ds_cfg.num_warps,
         enable_fp_fusion=True,  # FMA contraction: Triton 3.10 turns it off by default
     )  # fmt: skip
@@ -1264,7 +1325,7 @@ def _additive_attention_bwd_impl(
             probs, grad_context, grad_values,
             num_queries, num_keys, value_dim, num_k_tiles, num_d_tiles,
             *probs.stride(), *grad_context.stride(), *grad_values.stride(),
-            USE_DOT=dvalues_cfg.use_dot,
+            USE_DOT=min(dvalues_cfg.block_q, dvalues_cfg.block_k, dvalues_cfg.block_dv) >= 16,
             LOWP_DOT=_lowp_dot(dtype),
             INT64_OFFSETS=int64_offsets,
             BLOCK_Q=dvalues_cfg.block_q,
