@@ -127,7 +127,9 @@ def raw_fwd(change: Callable[[list], list]):
     return call
 
 
-def raw_bwd(change: Callable[[list], list]):
+def raw_bwd(change: Callable[[list], list], *, zero: bool = False):
+    """The raw backward with arguments changed; ``zero``: every gradient must be 0 (no pairs)."""
+
     def call(_):
         import seq2seq_fast  # noqa: F401
 
@@ -138,9 +140,22 @@ def raw_bwd(change: Callable[[list], list]):
         )
         args = [torch.ones_like(context), None, q, k, val, v, b, lengths, None, context, lse]
         out = torch.ops.seq2seq_fast.additive_attention_bwd(*change(args))
+        assert all(torch.isfinite(o).all() for o in out), "non-finite gradients"
+        assert not zero or not any(o.any() for o in out), "gradients must be zero"
         return [tuple(o.shape) for o in out]
 
     return call
+
+
+def returning(call, expected):
+    """``call`` must return ``expected`` (e.g. the list of output shapes)."""
+
+    def checked(folder):
+        result = call(folder)
+        assert result == expected, f"got {result}, expected {expected}"
+        return result
+
+    return checked
 
 
 def replace_at(**changes):
@@ -459,8 +474,8 @@ CASES: list[Case] = [
     Case("raw fwd: Tk=0", raw_fwd(replace_at(k=lambda a: a[1][:, :0], val=lambda a: a[2][:, :0])), None),
     Case("raw fwd: H=0", raw_fwd(replace_at(q=lambda a: a[0][..., :0], k=lambda a: a[1][..., :0], v=lambda a: a[3][:0], b=lambda a: a[4][:0])), None),
     Case("raw fwd: Dv=0", raw_fwd(replace_at(val=lambda a: a[2][..., :0])), None),
-    Case("raw fwd: B=0", raw_fwd(empty_batch), None, xfail="C++ make_plan divides by B: SIGFPE on B=0 (csrc/additive_attention.cpp)"),
-    Case("raw fwd: Tq=0", raw_fwd(empty_queries), None, xfail="C++ make_plan divides by block = ceil(Tq/blocks) = 0: SIGFPE on Tq=0"),
+    Case("raw fwd: B=0", returning(raw_fwd(empty_batch), [(0, TQ, DV), (0, TQ, TK), (0, TQ)]), None),
+    Case("raw fwd: Tq=0", returning(raw_fwd(empty_queries), [(B, 0, DV), (B, 0, TK), (B, 0)]), None),
     Case("raw bwd: grad_context wrong shape", raw_bwd(bwd_replace_at(gc=lambda a: a[0][:, :1])), "RuntimeError", ("grad_context",)),
     Case("raw bwd: grad_context float64", raw_bwd(bwd_replace_at(gc=lambda a: a[0].double())), "RuntimeError", ("grad_context", "dtype")),
     Case("raw bwd: grad_weights wrong shape", raw_bwd(bwd_replace_at(gw=lambda a: torch.randn(B, TQ, TK + 1))), "RuntimeError", ("grad_weights",)),
@@ -469,8 +484,8 @@ CASES: list[Case] = [
     Case("raw bwd: lengths > Tk", raw_bwd(bwd_replace_at(lengths=lambda a: torch.tensor([7, 2]))), "RuntimeError", ("lengths",)),
     Case("raw bwd: non-contiguous grads", raw_bwd(bwd_replace_at(gc=lambda a: torch.randn(B, DV, TQ).transpose(1, 2), gw=lambda a: torch.randn(B, TK, TQ).transpose(1, 2))), None),
     Case("raw bwd: Tk=0", raw_bwd(bwd_replace_at(k=lambda a: a[3][:, :0], val=lambda a: a[4][:, :0], lengths=lambda a: None)), None),
-    Case("raw bwd: B=0", raw_bwd(empty_batch_bwd), None, xfail="C++ make_plan divides by B: SIGFPE on B=0 (csrc/additive_attention.cpp)"),
-    Case("raw bwd: Tq=0", raw_bwd(empty_queries_bwd), None, xfail="C++ make_plan divides by block = 0 when Tq=0: SIGFPE"),
+    Case("raw bwd: B=0", returning(raw_bwd(empty_batch_bwd, zero=True), [(0, TQ, H), (0, TK, H), (0, TK, DV), (H,), (H,)]), None),
+    Case("raw bwd: Tq=0", returning(raw_bwd(empty_queries_bwd, zero=True), [(B, 0, H), (B, TK, H), (B, TK, DV), (H,), (H,)]), None),
     Case("raw: _fast_tanh shape mismatch", lambda _: torch.ops.seq2seq_fast._fast_tanh(torch.randn(3), torch.randn(4), 1), "RuntimeError", ("shape",)),
     Case("raw: _fast_tanh bad path", lambda _: torch.ops.seq2seq_fast._fast_tanh(torch.randn(3), torch.randn(3), 7), "RuntimeError", ("path",)),
     # BahdanauAttention
