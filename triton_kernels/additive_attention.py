@@ -86,6 +86,7 @@ _TANH_CODES = {"exp": 0, "approx": 1, "product": 2}  # the kernels' TANH_MODE co
 # tile is recomputed exactly unless that cannot matter (see _pair_clamp_may_matter).
 PAIR_CLAMP = tl.constexpr(43.0)
 PAIR_SAFE_OTHER = tl.constexpr(34.0)
+SUM_ABS_V_LIMIT = tl.constexpr(1.0e37)  # FLT_MAX / 34: sum_h v - 2 sum_h v r cannot overflow
 # Elements of the [BLOCK_Q, BLOCK_K, BLOCK_H] tanh tile a program holds at once (4 warps: 32 a thread).
 DEFAULT_TILE = 4096
 DEFAULT_NUM_WARPS = 4
@@ -106,6 +107,12 @@ def _rcp(x, FAST_RCP: tl.constexpr):
 
 
 @triton.jit
+def _clamp_pair_operand(x2):
+    """2x clamped to +-2 PAIR_CLAMP; NaN stays NaN (tl.minimum / tl.maximum would drop it)."""
+    return tl.clamp(x2, -2.0 * PAIR_CLAMP, 2.0 * PAIR_CLAMP, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _tanh(x, TANH_MODE: tl.constexpr, FAST_RCP: tl.constexpr):
     """Elementwise tanh of a float32 tensor; the module docstring gives each path's error bound."""
     if TANH_MODE == 1:  # approx
@@ -113,7 +120,7 @@ def _tanh(x, TANH_MODE: tl.constexpr, FAST_RCP: tl.constexpr):
             "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
         )
     elif TANH_MODE == 2:  # product (here with the second factor 1: exp(2x) = e^{2x} * e^0)
-        e = tl.exp(tl.minimum(tl.maximum(2.0 * x, -2.0 * PAIR_CLAMP), 2.0 * PAIR_CLAMP))
+        e = tl.exp(_clamp_pair_operand(2.0 * x))
         return 1.0 - 2.0 * _rcp(e + 1.0, FAST_RCP)
     else:  # exp
         ax = tl.abs(x)
@@ -134,8 +141,8 @@ def _pair_factors(a, b, FAST_RCP: tl.constexpr):
     (both exponentials stay finite and nonzero: never inf * 0); the callers recompute exactly
     where that clamp could change a result (see _pair_clamp_may_matter).
     """
-    ea = tl.exp(tl.minimum(tl.maximum(2.0 * a, -2.0 * PAIR_CLAMP), 2.0 * PAIR_CLAMP))
-    eb = tl.exp(tl.minimum(tl.maximum(2.0 * b, -2.0 * PAIR_CLAMP), 2.0 * PAIR_CLAMP))
+    ea = tl.exp(_clamp_pair_operand(2.0 * a))
+    eb = tl.exp(_clamp_pair_operand(2.0 * b))
     return _rcp(ea[:, None, :] * eb[None, :, :] + 1.0, FAST_RCP)
 
 
@@ -258,6 +265,7 @@ def _score_tile(
         # sum_h v tanh(a + b) = sum_h v - 2 sum_h v r,  r = 1 / (1 + e^{2a} e^{2b}).
         acc = tl.zeros((BLOCK_Q, BLOCK_K, BLOCK_H), dtype=tl.float32)
         v_total = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        v_abs_total = tl.zeros((BLOCK_H,), dtype=tl.float32)
         max_abs_q = tl.zeros((BLOCK_Q,), dtype=tl.float32)
         max_abs_k = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for h_start in range(0, hidden, BLOCK_H):
@@ -279,12 +287,15 @@ def _score_tile(
             a = q + bias[None, :]
             acc += v[None, None, :] * _pair_factors(a, k, FAST_RCP)
             v_total += v
+            v_abs_total += tl.abs(v)
             # Row maxima (a 2D running maximum would cost a register per element at BLOCK_Q = 1).
             max_abs_q = tl.maximum(max_abs_q, tl.max(tl.abs(a), axis=1))
             max_abs_k = tl.maximum(max_abs_k, tl.max(tl.abs(k), axis=1))
         scores = tl.sum(v_total, axis=0) - 2.0 * tl.sum(acc, axis=2)
-        if _pair_clamp_may_matter(tl.max(max_abs_q), tl.max(max_abs_k)):
-            # Pre-activations past +-34 on both sides (never on sane data): recompute exactly.
+        clamp_matters = _pair_clamp_may_matter(tl.max(max_abs_q), tl.max(max_abs_k))
+        # sum_h v could overflow where sum_h v tanh does not (|v| ~ 1e37): take the direct path.
+        if clamp_matters | (tl.sum(v_abs_total, axis=0) > SUM_ABS_V_LIMIT):
+            # Pre-activations past +-34 on both sides, or a huge v (never on sane data): exact.
             scores = _score_tile_direct(
                 query_rows_ptr, keys_rows_ptr, v_ptr, bias_ptr, q_in, k_in, hidden,
                 stride_query_h, stride_keys_h, stride_v_h, stride_bias_h,
@@ -420,6 +431,7 @@ def _additive_attention_fwd_kernel(
     # Phase 1: scores, online max / sum, raw scores parked in the fp32 scratch.
     m_i = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+    num_valid = 0
     for k_start in range(0, key_end, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
         k_in = offs_k[:, None] < num_keys
@@ -432,6 +444,7 @@ def _additive_attention_fwd_kernel(
         valid = _valid_keys(
             offs_k, num_keys, key_end, mask_row_ptr, stride_mask_s, HAS_MASK, INT64_OFFSETS
         )
+        num_valid += tl.sum(valid.to(tl.int32), axis=0)
         s = tl.where(valid[None, :], s, float("-inf"))
         tl.store(
             scores_rows_ptr + _index(offs_k, INT64_OFFSETS)[None, :] * stride_scores_s,
@@ -444,8 +457,11 @@ def _additive_attention_fwd_kernel(
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    # +inf for a row with no valid key: exp(s - lse) is then 0 everywhere, never NaN.
-    lse = tl.where(l_i > 0.0, m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0)), float("inf"))
+    # +inf for a row with no valid key: exp(s - lse) is then 0 everywhere, never NaN. "No valid
+    # key" comes from the count, not from l: a row whose scores are NaN or +-inf must come out
+    # NaN, as the reference's softmax gives it, not as an empty row.
+    has_key = num_valid > 0
+    lse = tl.where(has_key, m_i + tl.log(tl.where(has_key, l_i, 1.0)), float("inf"))
     tl.store(lse_ptr + pid_b * stride_lse_b + idx_q * stride_lse_t, lse, mask=q_valid)
 
     # The scratch and lse written above are read back below in other thread layouts.
