@@ -239,26 +239,10 @@ def check_nonfinite(backend, dtype, inputs, *, lengths=None, mask=None):
     return fused
 
 
-# Known Triton bugs (triton_kernels/additive_attention.py at the time of writing), each a strict
-# xfail so that the fix shows up as an XPASS to remove here. docs/RELIABILITY.md has the patch.
-#  clamp: the "product" tanh path clamps operands with tl.minimum(tl.maximum(2x, -86), 86); those
-#    drop NaN (PropagateNan.NONE), so a NaN query/key/bias becomes a finite score and a finite,
-#    silently wrong result. Fix: tl.clamp(2x, -86, 86, propagate_nan=tl.PropagateNan.ALL).
-#  lse: the forward takes lse = where(l > 0, m + log(l), +inf), the marker of "no valid key", so a
-#    row whose running sum l is NaN (some NaN or +inf score) or 0 (all scores -inf) comes out as
-#    an empty row (weights 0 except at NaN scores) instead of NaN like the reference.
-#    Fix: decide "no valid key" from a count of the valid keys, lse = m + log(l) otherwise.
-#  sum_v: the product path forms a score as sum_h v - 2 sum_h v r; sum_h |v| beyond FLT_MAX
-#    overflows and NaNs every score of the tile, also where the reference is finite.
-_CLAMP = "Triton product-path clamp (tl.minimum/maximum) drops NaN inputs: finite, wrong output"
-_LSE = "Triton lse = +inf for a row whose sum of exponentials is NaN: weights 0 instead of NaN"
-_SUM_V = "Triton product path: sum_h v overflows (sum |v| > FLT_MAX): NaN where reference finite"
-TRITON_KNOWN_BUGS = {
-    "keys nan": f"{_CLAMP}; {_LSE}",
-    "query nan": _CLAMP,
-    "bias nan": _CLAMP,
-    "overflow": f"{_SUM_V}; {_LSE}",
-}
+# Known Triton bugs, each a strict xfail so that a fix shows up as an XPASS to remove here. The
+# three found so far (the product path's clamp dropped NaN, lse = +inf for rows whose sum of
+# exponentials was NaN, sum_h v overflowing for |v| ~ 1e37) are fixed in the kernel.
+TRITON_KNOWN_BUGS: dict[str, str] = {}
 
 
 def xfail_triton_nan_rows(backend, case, request):
