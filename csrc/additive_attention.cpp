@@ -98,9 +98,13 @@ double product_limit<double>() {
   return kProductLimitDouble;
 }
 
-// The product path pays exp() on every packed query and key element; it wins once a work item
-// holds enough queries to reuse each key's exponentials (and never for one decoding step).
-constexpr int64_t kMinQueriesForProduct = 4;
+// The product path pays exp() on every packed query and key element (about 14 vector operations
+// per 16 elements, against 5 per element pair for the product and 18 for the rational tanh):
+// it wins from two queries per work item on, and loses for one (a decoding step).
+constexpr int64_t kMinQueriesForProduct = 2;
+// Rows of a batch row split over threads get at least this many queries each, so that the keys'
+// exponentials are shared by several queries.
+constexpr int64_t kMinQueriesPerBlock = 4;
 // Backward keeps y = r or tanh of a few query rows for the gradient pass: about this many bytes
 // (L2-resident), and never less than one query row (Tk * H values).
 constexpr int64_t kYBufferBytes = 512 * 1024;
@@ -153,7 +157,7 @@ Plan make_plan(int64_t B, int64_t Tq, int64_t Tk, int64_t H) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   int64_t blocks = 1;
   if (B < 4 * threads) {  // too few batch rows to balance: split the queries of a row too
-    blocks = std::min(ceil_div(Tq, kMinQueriesForProduct), ceil_div(4 * threads, B));
+    blocks = std::min(ceil_div(Tq, kMinQueriesPerBlock), ceil_div(4 * threads, B));
     blocks = std::max<int64_t>(blocks, 1);
   }
   const int64_t block = ceil_div(Tq, blocks);
