@@ -180,7 +180,7 @@ bool pack_rows(const typename S::T* src, int64_t rows, int64_t H, const typename
     for (; h < H; ++h) {
       const T xs = add != nullptr ? x[h] + add[h] : x[h];
       y[h] = xs;
-      bad |= !(xs <= limit && xs >= -limit);
+      bad |= (xs > limit || xs < -limit);  // NaN is not out of range
     }
     for (; h < Hp; ++h) y[h] = T(0);
   }

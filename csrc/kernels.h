@@ -8,7 +8,9 @@
 // Two ways to evaluate tanh(a + b) for the score e = sum_h v_h tanh(a_h + b_h):
 //   kProduct:  rows are packed as A = exp(2a), B = exp(2b), so tanh(a + b) = 1 - 2 r with
 //              r = 1 / (1 + A B): one FMA, a reciprocal and one Newton step per element. Used when
-//              every |a|, |b| of a work item is <= kProductLimit (the product cannot overflow).
+//              no |a|, |b| of a work item exceeds kProductLimit: then A and B are normal floats,
+//              and A B over- or underflows only where tanh(a + b) rounds to +-1 anyway. NaN
+//              stays on this path (it poisons exactly its own row); +-inf takes the rational one.
 //   kRational: tanh(a + b) by a clamped rational function of a + b; any finite input, NaN and inf.
 #pragma once
 
@@ -31,7 +33,7 @@ template <typename T>
 struct KernelTable {
   const char* name;
   // dst[r * Hp + h] = src[r * H + h] + (add ? add[h] : 0) for h < H, 0 for H <= h < Hp.
-  // Returns true when every packed |value| <= limit (false for NaN / inf).
+  // Returns false when some packed |value| > limit (inf included); NaN does not count.
   bool (*pack_rows)(const T* src, int64_t rows, int64_t H, const T* add, T* dst, int64_t Hp,
                     T limit);
   // p[i] = exp(scale * p[i]) for i < n; exp(-inf) = 0, NaN stays NaN.
@@ -56,8 +58,8 @@ struct KernelTable {
   void (*tanh_pairs)(int path, const T* a, const T* b, T* out, int64_t n);
 };
 
-// Largest |a|, |b| for the product path: exp(2a) exp(2b) <= exp(80) stays a normal float.
-constexpr float kProductLimitFloat = 20.0f;
+// Largest |a|, |b| for the product path: exp(+-2a) stays a normal float (e^80 = 5.5e34).
+constexpr float kProductLimitFloat = 40.0f;
 constexpr double kProductLimitDouble = 150.0;
 // Rows are padded to a multiple of this many elements (the widest vector, 16 floats).
 constexpr int64_t kPadTo = 16;

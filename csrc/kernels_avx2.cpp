@@ -85,7 +85,7 @@ struct S {
   static inline Flag flag_init() { return _mm256_setzero_ps(); }
   static inline Flag flag_update(Flag f, V x, V lim) {
     const V ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
-    return _mm256_or_ps(f, _mm256_cmp_ps(ax, lim, _CMP_NLE_UQ));
+    return _mm256_or_ps(f, _mm256_cmp_ps(ax, lim, _CMP_GT_OQ));  // |x| > lim; false for NaN
   }
   static inline bool flag_any(Flag f) { return _mm256_movemask_ps(f) != 0; }
 };

@@ -58,7 +58,7 @@ struct S {
     return mul(mul(x, p), rcp(q));
   }
   static inline V exp(V x) {
-    x = clamp(x, -104.0f, 88.7f);  // scalef handles results down to the denormals
+    x = clamp(x, -104.0f, 88.7f);  // keeps NaN; scalef handles results down to the denormals
     const V n = _mm512_roundscale_ps(mul(x, set1(float(S2S_LOG2E))),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     V r = fnma(n, set1(float(S2S_LN2_HI)), x);
@@ -76,7 +76,7 @@ struct S {
   static inline Flag flag_init() { return 0; }
   static inline Flag flag_update(Flag f, V x, V lim) {
     const V ax = _mm512_abs_ps(x);
-    return f | _mm512_cmp_ps_mask(ax, lim, _CMP_NLE_UQ);  // true for |x| > lim and for NaN
+    return f | _mm512_cmp_ps_mask(ax, lim, _CMP_GT_OQ);  // |x| > lim; false for NaN
   }
   static inline bool flag_any(Flag f) { return f != 0; }
 };

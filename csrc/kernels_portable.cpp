@@ -28,7 +28,7 @@ struct Scalar {
   static inline T hsum(V x) { return x; }
   using Flag = bool;
   static inline Flag flag_init() { return false; }
-  static inline Flag flag_update(Flag f, V x, V lim) { return f || !(x <= lim && x >= -lim); }
+  static inline Flag flag_update(Flag f, V x, V lim) { return f || x > lim || x < -lim; }
   static inline bool flag_any(Flag f) { return f; }
   static inline V exp(V x) { return std::exp(x); }
 };

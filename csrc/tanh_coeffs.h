@@ -8,7 +8,7 @@
 // magnitude (step 2^-12 up to 16, log-spaced beyond, +-inf) is 3.0e-7 (AVX-512), 3.1e-7 (AVX2),
 // 3.4e-7 (portable); tests/test_ops.py::test_tanh_error_bound asserts < 1e-6 on every path.
 // The product path tanh(a + b) = 1 - 2 / (1 + e^{2a} e^{2b}) (kernels.h) measures <= 3.2e-7 over
-// |a|, |b| <= 20, including sums that cancel.
+// |a|, |b| <= 40, including sums that cancel.
 #pragma once
 #define S2S_TANH_CLAMP 9.0
 #define S2S_TANH_P1 1.3380410314e-01
