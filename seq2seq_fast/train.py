@@ -22,6 +22,7 @@ import os
 import random
 import sys
 import time
+import zipfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,19 @@ def save_checkpoint(payload: dict[str, Any], path: Path) -> None:
             tmp.unlink()
 
 
+def _member_failing_crc(path: Path) -> str | None:
+    """The first archive member whose data does not match its CRC-32, else None.
+
+    torch.load does not check the CRCs, so a flipped bit inside a stored tensor would load
+    silently. Files that are not readable zip archives are left to torch.load's own error.
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip()
+    except Exception:  # not a zip / truncated: torch.load reports it
+        return None
+
+
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Read a checkpoint written by ``save_checkpoint``; raise CheckpointError saying what is wrong."""
     path = Path(path)
@@ -175,6 +189,11 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint not found: {path}")
     if path.is_dir():
         raise CheckpointError(f"checkpoint path is a directory: {path}")
+    bad_member = _member_failing_crc(path)
+    if bad_member is not None:
+        raise CheckpointError(
+            f"cannot read checkpoint {path}: corrupt ({bad_member} fails its CRC-32 check)"
+        )
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated zip, random bytes, foreign pickles all end up here
