@@ -12,6 +12,7 @@ Errors the user can fix (missing or corrupt checkpoint, bad corpus, bad options)
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
@@ -33,6 +34,20 @@ TASK_DEFAULTS = {
         "decoder": "gnmt",
     },
 }
+
+
+def _beam(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"beam size must be >= 1, got {value}")
+    return value
+
+
+def _positive_factor(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
 
 
 def _bool(text: str) -> bool:
@@ -105,10 +120,10 @@ def _add_train(sub) -> None:
 def _add_decode_options(p) -> None:
     p.add_argument("--checkpoint", required=True, help="model.pt written by seq2seq-fast train")
     p.add_argument("sentence", nargs="?", help="input sentence (default: read lines from stdin)")
-    p.add_argument("--beam", type=int, default=1, help="beam size (1 = greedy)")
+    p.add_argument("--beam", type=_beam, default=1, help="beam size (1 = greedy)")
     p.add_argument("--alpha", type=float, default=0.6, help="length normalisation exponent")
     p.add_argument("--beta", type=float, default=0.0, help="coverage penalty weight")
-    p.add_argument("--max-len-factor", type=float, default=2.0,
+    p.add_argument("--max-len-factor", type=_positive_factor, default=2.0,
                    help="at most ceil(factor * source length) + 1 output tokens")  # fmt: skip
     p.add_argument("--backend", choices=["auto", "fused", "reference"], default="auto")
 

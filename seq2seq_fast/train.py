@@ -126,9 +126,13 @@ class TrainConfig:
             raise TrainError(f"backend must be one of {TRAIN_BACKENDS}, got {self.backend!r}")
         if self.direction not in ("1-2", "2-1"):
             raise TrainError(f"direction must be '1-2' or '2-1', got {self.direction!r}")
-        for name in ("epochs", "steps_per_epoch", "batch_size"):
+        for name in ("epochs", "steps_per_epoch", "batch_size", "heldout_size"):
             if getattr(self, name) < 1:
                 raise TrainError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.label_smoothing < 1.0:  # also rejects nan
+            raise TrainError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if not (math.isfinite(self.clip_norm) and self.clip_norm >= 0):
+            raise TrainError(f"clip_norm must be finite and >= 0 (0 = off), got {self.clip_norm}")
 
     @property
     def out_dir(self) -> Path:
