@@ -37,14 +37,20 @@ TASK_DEFAULTS = {
 
 
 def _beam(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"beam size must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"beam size must be an integer >= 1, got {text!r}")
     return value
 
 
 def _positive_factor(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
