@@ -159,7 +159,11 @@ class TrainResult:
 
 
 def save_checkpoint(payload: dict[str, Any], path: Path) -> None:
-    """Write atomically: a temporary file in the same folder, fsync, then os.replace."""
+    """Write atomically: a temporary file in the same folder, fsync, then os.replace.
+
+    The folder is fsynced after the rename (so the new name survives a power loss), and temporary
+    files that killed processes left next to ``path`` are removed.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -171,6 +175,33 @@ def save_checkpoint(payload: dict[str, Any], path: Path) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
+    _fsync_folder(path.parent)
+    _remove_stale_temporaries(path)
+
+
+def _fsync_folder(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # e.g. a platform without directory file descriptors
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Delete .NAME.tmp-PID files of processes that no longer exist (killed mid-write)."""
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        try:
+            pid = int(stale.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)  # raises ProcessLookupError when no such process is running
+        except ProcessLookupError:
+            stale.unlink(missing_ok=True)
+        except (ValueError, PermissionError, OSError):
+            continue  # not ours, or a live process of another user
 
 
 def _member_failing_crc(path: Path) -> str | None:

@@ -137,6 +137,7 @@ def test_sigkill_mid_write_keeps_the_last_checkpoint(tmp_path, uninterrupted):
     resumed = train(TrainConfig(out=str(out), progress=False), resume=out / "model.pt")
     assert resumed.losses == uninterrupted.losses[5:]
     assert_same_weights(out / "model.pt", uninterrupted.checkpoint)
+    assert leftovers(out) == [], "the next save removes the killed process's temporary file"
 
 
 def test_readers_and_a_random_sigkill_always_see_a_whole_checkpoint(tmp_path):
