@@ -471,7 +471,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   // it back instead of recomputing the reciprocal. The sub-block keeps that buffer near
   // kYBufferBytes (at least one query row: Tk * Hp values).
   const int64_t sub_rows = std::max<int64_t>(
-      1, std::min<int64_t>(plan.block, kYBufferBytes / int64_t(sizeof(T)) / std::max<int64_t>(1, n.Tk * Hp)));
+      1, std::min<int64_t>(plan.block, kYBufferBytes / int64_t(sizeof(T)) /
+                                           std::max<int64_t>(1, n.Tk * Hp)));
   struct Scratch {
     T *qbuf, *kbuf, *ys, *de, *gq, *gk;
   };
