@@ -8,9 +8,13 @@
 // its batch row's keys into per-thread scratch padded to a multiple of 16, computes the scores with
 // SIMD kernels (kernels.h; AVX-512 / AVX2 / portable chosen at run time), and the softmax of its
 // rows into the [B,Tq,Tk] weights. The value-side products (context = p values,
-// dp = dctx values^T, dvalues = p^T dctx) are batched matmuls (BLAS), except dvalues for a few
-// queries (a decoding step), which items do as a rank-Tq update. Nothing of size B*Tq*Tk*H is ever
-// allocated: per-thread scratch is O(rows * H) plus a 512 KiB y buffer, buffers O(B*Tq*Tk).
+// dp = dctx values^T, dvalues = p^T dctx) are done by the items too (SIMD kernels about as fast as
+// BLAS at these sizes), so that each op is one parallel region: on a machine shared with other
+// jobs every extra region can wait a scheduler slice for a descheduled thread.
+// SEQ2SEQ_FAST_CTX=bmm switches them back to batched matmuls (for comparison; dvalues stays in
+// the items for <= 8 queries, where BLAS at inner dimension Tq is slow). Nothing of size
+// B*Tq*Tk*H is ever allocated: per-thread scratch is O(rows * H) plus a 512 KiB y buffer, buffers
+// O(B*Tq*Tk).
 //
 // Backward recomputes the scores of each item, a few query rows at a time, keeping each element's
 // y (r = 1/(1 + e^{2a} e^{2b}) or tanh) in the y buffer; re-normalises the rows (from the
@@ -366,6 +370,12 @@ std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Te
   const auto opts = query.options();
   Tensor weights = at::empty({n.B, n.Tq, n.Tk}, opts);
   Tensor lse = at::empty({n.B, n.Tq}, opts.dtype(at::kFloat));
+  const char* ctx_env = std::getenv("SEQ2SEQ_FAST_CTX");
+  const bool context_in_items = !(ctx_env && std::string(ctx_env) == "bmm");
+  const Tensor values = context_in_items ? values_in.contiguous() : values_in;
+  Tensor context = context_in_items ? at::empty({n.B, n.Tq, n.Dv}, opts) : Tensor();
+  const T* valp = context_in_items ? values.data_ptr<T>() : nullptr;
+  T* ctxp = context_in_items ? context.data_ptr<T>() : nullptr;
   const ScoreVectors<T> sv = score_vectors<T>(v, n.H, Hp);
   const Plan plan = make_plan(n.B, n.Tq, n.Tk, n.H);
   const T* qp = query.data_ptr<T>();
@@ -399,10 +409,16 @@ std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Te
                   n.Tk, nullptr);
       }
       softmax_rows<T>(kt, rows, nq, n.Tk, nk, kv.row_mask(b), lp + b * n.Tq + t0);
+      if (ctxp != nullptr) {
+        // All Tk keys, padding included: a zero weight times a non-finite value gives NaN, as
+        // in the reference's weights @ values.
+        kt.weighted_rows(rows, n.Tk, 1, nq, n.Tk, valp + b * n.Tk * n.Dv, n.Dv,
+                         ctxp + (b * n.Tq + t0) * n.Dv);
+      }
     }
   });
 
-  Tensor context = at::bmm(weights, values_in);
+  if (!context_in_items) context = at::bmm(weights, values_in);
   return {context, return_weights ? weights : at::empty({0}, opts), lse};
 }
 
@@ -439,10 +455,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   const int64_t Hp = round_up(n.H, kPadTo);
   const auto opts = query.options();
 
-  // dp[b,t,s] = dctx[b,t] . values[b,s] + grad_weights[b,t,s]
-  Tensor dp = at::bmm(dctx, values_in.transpose(1, 2));
-  if (grad_weights.has_value()) dp.add_(*grad_weights);
-  dp = dp.contiguous();
+  // dp[b,t,s] = dctx[b,t] . values[b,s] + grad_weights[b,t,s]: inside the items (one parallel
+  // region for the whole backward), or one batched matmul when SEQ2SEQ_FAST_CTX=bmm.
+  const char* ctx_env = std::getenv("SEQ2SEQ_FAST_CTX");
+  const bool use_bmm = ctx_env && std::string(ctx_env) == "bmm";
+  const Tensor values = use_bmm ? values_in : values_in.contiguous();
+  const Tensor gw = grad_weights.has_value() ? grad_weights->contiguous() : Tensor();
+  Tensor dp;
+  if (use_bmm) {
+    dp = at::bmm(dctx, values_in.transpose(1, 2));
+    if (gw.defined()) dp.add_(gw);
+    dp = dp.contiguous();
+  }
   Tensor probs = at::empty({n.B, n.Tq, n.Tk}, opts);
   Tensor dq = at::empty({n.B, n.Tq, n.H}, opts);
   Tensor dk = at::empty({n.B, n.Tk, n.H}, opts);  // rows s >= length are zeroed by their item
@@ -452,7 +476,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   Tensor dk_parts = split ? at::zeros({n.B, plan.blocks_per_row, n.Tk, n.H}, opts) : Tensor();
   // Per item: dv contribution (Hp) then sum of de.
   Tensor dv_parts = at::zeros({plan.items, Hp}, opts);
-  const bool dvalues_in_items = !split && n.Tq <= kMaxQueriesForRankUpdate;
+  const bool dvalues_in_items = !split && (n.Tq <= kMaxQueriesForRankUpdate || !use_bmm);
   Tensor dvalues = dvalues_in_items ? at::empty({n.B, n.Tk, n.Dv}, opts) : Tensor();
   T* dvalp = dvalues_in_items ? dvalues.data_ptr<T>() : nullptr;
   const T* dctxp = dctx.data_ptr<T>();
@@ -461,7 +485,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   const T* qp = query.data_ptr<T>();
   const T* kp = keys.data_ptr<T>();
   const T* bp = bias.data_ptr<T>();
-  const T* dpp = dp.data_ptr<T>();
+  const T* dpp = use_bmm ? dp.data_ptr<T>() : nullptr;
+  const T* valp = use_bmm ? nullptr : values.data_ptr<T>();
+  const T* gwp = gw.defined() ? gw.data_ptr<T>() : nullptr;
   T* pp = probs.data_ptr<T>();
   T* dqp = dq.data_ptr<T>();
   T* dkp = split ? dk_parts.data_ptr<T>() : dk.data_ptr<T>();
@@ -474,12 +500,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
       1, std::min<int64_t>(plan.block, kYBufferBytes / int64_t(sizeof(T)) /
                                            std::max<int64_t>(1, n.Tk * Hp)));
   struct Scratch {
-    T *qbuf, *kbuf, *ys, *de, *gq, *gk;
+    T *qbuf, *kbuf, *ys, *de, *gq, *gk, *dps;
   };
   auto make_scratch = [&] {
     return Scratch{thread_scratch<T>(0, plan.block * Hp), thread_scratch<T>(1, n.Tk * Hp),
                    thread_scratch<T>(2, sub_rows * n.Tk * Hp), thread_scratch<T>(3, plan.block * n.Tk),
-                   thread_scratch<T>(4, plan.block * Hp), thread_scratch<T>(5, n.Tk * Hp)};
+                   thread_scratch<T>(4, plan.block * Hp), thread_scratch<T>(5, n.Tk * Hp),
+                   thread_scratch<T>(7, plan.block * n.Tk)};
   };
   for_each_item(plan, make_scratch, [&](int64_t item, Scratch& scratch) {
     T* qbuf = scratch.qbuf;
@@ -488,6 +515,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     T* de = scratch.de;
     T* gq = scratch.gq;
     T* gk = scratch.gk;
+    T* dps = scratch.dps;
     const int64_t b = item / plan.blocks_per_row;
     const int64_t blk = item % plan.blocks_per_row;
     const int64_t t0 = blk * plan.block;
@@ -513,6 +541,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     const int path = pack_item<T>(kt, qp + (b * n.Tq + t0) * n.H, nq, kp + b * n.Tk * n.H, nk,
                                   bp, n.H, Hp, qbuf, kbuf);
     const bool prod = path == kProduct;
+    // dp rows of this item (valid prefix s < nk; masked keys get de = 0 below).
+    const T* dp_rows;
+    if (dpp != nullptr) {
+      dp_rows = dpp + (b * n.Tq + t0) * n.Tk;
+    } else {
+      kt.dots(dctxp + (b * n.Tq + t0) * n.Dv, nq, valp + b * n.Tk * n.Dv, nk, n.Dv, dps, n.Tk);
+      if (gwp != nullptr) {
+        const T* g = gwp + (b * n.Tq + t0) * n.Tk;
+        for (int64_t t = 0; t < nq; ++t) {
+          for (int64_t s = 0; s < nk; ++s) dps[t * n.Tk + s] += g[t * n.Tk + s];
+        }
+      }
+      dp_rows = dps;
+    }
     std::fill(gq, gq + nq * Hp, T(0));
     std::fill(gk, gk + nk * Hp, T(0));
     T* gv = dvp + item * Hp;
@@ -527,7 +569,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
       // de = p (dp - sum_s p dp) on the valid keys, 0 elsewhere.
       for (int64_t t = 0; t < rn; ++t) {
         const T* p = p_sub + t * n.Tk;
-        const T* g = dpp + (b * n.Tq + t0 + r0 + t) * n.Tk;
+        const T* g = dp_rows + (r0 + t) * n.Tk;
         T* d = de + (r0 + t) * n.Tk;
         double dot = 0;
         for (int64_t s = 0; s < nk; ++s) {
@@ -541,8 +583,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
       kt.grads(path, ys, rn, nk, Hp, de + r0 * n.Tk, n.Tk, gq + r0 * Hp, gk, gv);
     }
     if (dvalp != nullptr) {
-      kt.rank_update(p_rows, n.Tk, nq, nk, dctxp + b * n.Tq * n.Dv, n.Dv,
-                     dvalp + b * n.Tk * n.Dv);
+      kt.weighted_rows(p_rows, 1, n.Tk, nk, nq, dctxp + b * n.Tq * n.Dv, n.Dv,
+                       dvalp + b * n.Tk * n.Dv);
     }
     // Product path: sech^2 = 4u and tanh = 1 - 2r; rational: sech^2 = u, tanh = y.
     const T* scale = prod ? sv.grad_product.data() : sv.rational.data();

@@ -198,32 +198,94 @@ void scale_rows(const typename S::T* src, int64_t rows, int64_t Hp, const typena
   }
 }
 
-void rank_update(const typename S::T* p, int64_t ldp, int64_t nq, int64_t nk,
-                 const typename S::T* x, int64_t D, typename S::T* out) {
+// out[o * D + d] = sum_{i < n_in} w[o * so + i * si] x[i * D + d] for o < n_out (overwrites).
+template <int OB>
+void weighted_rows_block(const typename S::T* w, int64_t so, int64_t si, int64_t n_in,
+                         const typename S::T* x, int64_t D, typename S::T* out) {
   using V = typename S::V;
   using T = typename S::T;
-  for (int64_t s = 0; s < nk; ++s) {
-    T* o = out + s * D;
-    int64_t d = 0;
-    for (; d + 4 * S::W <= D; d += 4 * S::W) {
-      V acc[4] = {S::zero(), S::zero(), S::zero(), S::zero()};
-      for (int64_t t = 0; t < nq; ++t) {
-        const V pt = S::set1(p[t * ldp + s]);
-        const T* xr = x + t * D + d;
-        for (int k = 0; k < 4; ++k) acc[k] = S::fma(pt, S::load(xr + k * S::W), acc[k]);
+  int64_t d = 0;
+  for (; d + 2 * S::W <= D; d += 2 * S::W) {
+    V acc[OB][2];
+    for (int o = 0; o < OB; ++o) acc[o][0] = acc[o][1] = S::zero();
+    for (int64_t i = 0; i < n_in; ++i) {
+      const V x0 = S::load(x + i * D + d);
+      const V x1 = S::load(x + i * D + d + S::W);
+      for (int o = 0; o < OB; ++o) {
+        const V wo = S::set1(w[o * so + i * si]);
+        acc[o][0] = S::fma(wo, x0, acc[o][0]);
+        acc[o][1] = S::fma(wo, x1, acc[o][1]);
       }
-      for (int k = 0; k < 4; ++k) S::store(o + d + k * S::W, acc[k]);
     }
-    for (; d + S::W <= D; d += S::W) {
-      V acc = S::zero();
-      for (int64_t t = 0; t < nq; ++t) acc = S::fma(S::set1(p[t * ldp + s]), S::load(x + t * D + d), acc);
-      S::store(o + d, acc);
+    for (int o = 0; o < OB; ++o) {
+      S::store(out + o * D + d, acc[o][0]);
+      S::store(out + o * D + d + S::W, acc[o][1]);
     }
-    for (; d < D; ++d) {
+  }
+  for (; d + S::W <= D; d += S::W) {
+    V acc[OB];
+    for (int o = 0; o < OB; ++o) acc[o] = S::zero();
+    for (int64_t i = 0; i < n_in; ++i) {
+      const V xv = S::load(x + i * D + d);
+      for (int o = 0; o < OB; ++o) acc[o] = S::fma(S::set1(w[o * so + i * si]), xv, acc[o]);
+    }
+    for (int o = 0; o < OB; ++o) S::store(out + o * D + d, acc[o]);
+  }
+  for (; d < D; ++d) {
+    for (int o = 0; o < OB; ++o) {
       T acc = T(0);
-      for (int64_t t = 0; t < nq; ++t) acc += p[t * ldp + s] * x[t * D + d];
-      o[d] = acc;
+      for (int64_t i = 0; i < n_in; ++i) acc += w[o * so + i * si] * x[i * D + d];
+      out[o * D + d] = acc;
     }
+  }
+}
+
+void weighted_rows(const typename S::T* w, int64_t so, int64_t si, int64_t n_out, int64_t n_in,
+                   const typename S::T* x, int64_t D, typename S::T* out) {
+  int64_t o = 0;
+  for (; o + 4 <= n_out; o += 4) weighted_rows_block<4>(w + o * so, so, si, n_in, x, D, out + o * D);
+  for (; o < n_out; ++o) weighted_rows_block<1>(w + o * so, so, si, n_in, x, D, out + o * D);
+}
+
+// out[i * ldo + j] = sum_d a[i * D + d] b[j * D + d] for i < na, j < nb.
+template <int IB, int JB>
+void dots_block(const typename S::T* a, const typename S::T* b, int64_t D, typename S::T* out,
+                int64_t ldo) {
+  using V = typename S::V;
+  using T = typename S::T;
+  V acc[IB][JB];
+  for (int i = 0; i < IB; ++i)
+    for (int j = 0; j < JB; ++j) acc[i][j] = S::zero();
+  int64_t d = 0;
+  for (; d + S::W <= D; d += S::W) {
+    V av[IB];
+    for (int i = 0; i < IB; ++i) av[i] = S::load(a + i * D + d);
+    for (int j = 0; j < JB; ++j) {
+      const V bv = S::load(b + j * D + d);
+      for (int i = 0; i < IB; ++i) acc[i][j] = S::fma(av[i], bv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < IB; ++i) {
+    for (int j = 0; j < JB; ++j) {
+      T sum = S::hsum(acc[i][j]);
+      for (int64_t e = d; e < D; ++e) sum += a[i * D + e] * b[j * D + e];
+      out[i * ldo + j] = sum;
+    }
+  }
+}
+
+void dots(const typename S::T* a, int64_t na, const typename S::T* b, int64_t nb, int64_t D,
+          typename S::T* out, int64_t ldo) {
+  int64_t i = 0;
+  for (; i + 2 <= na; i += 2) {
+    int64_t j = 0;
+    for (; j + 4 <= nb; j += 4) dots_block<2, 4>(a + i * D, b + j * D, D, out + i * ldo + j, ldo);
+    for (; j < nb; ++j) dots_block<2, 1>(a + i * D, b + j * D, D, out + i * ldo + j, ldo);
+  }
+  for (; i < na; ++i) {
+    int64_t j = 0;
+    for (; j + 4 <= nb; j += 4) dots_block<1, 4>(a + i * D, b + j * D, D, out + i * ldo + j, ldo);
+    for (; j < nb; ++j) dots_block<1, 1>(a + i * D, b + j * D, D, out + i * ldo + j, ldo);
   }
 }
 
@@ -253,6 +315,6 @@ void tanh_pairs(int path, const typename S::T* a, const typename S::T* b, typena
 
 const KernelTable<typename S::T>& table(const char* name) {
   static const KernelTable<typename S::T> t{name,   pack_rows, exp_inplace, scale_rows,
-                                            rank_update, scores, grads, tanh_pairs};
+                                            weighted_rows, dots, scores, grads, tanh_pairs};
   return t;
 }

@@ -40,9 +40,12 @@ struct KernelTable {
   void (*exp_inplace)(T* p, int64_t n, T scale);
   // dst[r * H + h] = src[r * Hp + h] * scale[h] for r < rows, h < H.
   void (*scale_rows)(const T* src, int64_t rows, int64_t Hp, const T* scale, T* dst, int64_t H);
-  // out[s * D + d] = sum_{t < nq} p[t * ldp + s] x[t * D + d] for s < nk (dvalues for few queries).
-  void (*rank_update)(const T* p, int64_t ldp, int64_t nq, int64_t nk, const T* x, int64_t D,
-                      T* out);
+  // out[o * D + d] = sum_{i < n_in} w[o * so + i * si] x[i * D + d] for o < n_out, d < D:
+  // context = p values (o = query) and dvalues = p^T dctx (o = key) inside the work items.
+  void (*weighted_rows)(const T* w, int64_t so, int64_t si, int64_t n_out, int64_t n_in,
+                        const T* x, int64_t D, T* out);
+  // out[i * ldo + j] = a[i] . b[j] (rows D long) for i < na, j < nb: dp = dctx values^T.
+  void (*dots)(const T* a, int64_t na, const T* b, int64_t nb, int64_t D, T* out, int64_t ldo);
   // out[t * ldo + s] = offset + sum_h veff[h] * y[t,s,h] for t < nq, s < nk, where
   // y = f(A[t], B[s]) = r = 1/(1 + A B) (kProduct; veff = -2 v, offset = sum v) or tanh(A + B)
   // (kRational; veff = v). When ys is not null, y is also stored at ys[(t * nk + s) * Hp + h].
