@@ -276,11 +276,12 @@ void dots_block(const typename S::T* a, const typename S::T* b, int64_t D, typen
 
 void dots(const typename S::T* a, int64_t na, const typename S::T* b, int64_t nb, int64_t D,
           typename S::T* out, int64_t ldo) {
+  constexpr int IB = S::QB;  // the score tile's register budget: 4 x 4 (AVX-512) or 2 x 4
   int64_t i = 0;
-  for (; i + 2 <= na; i += 2) {
+  for (; i + IB <= na; i += IB) {
     int64_t j = 0;
-    for (; j + 4 <= nb; j += 4) dots_block<2, 4>(a + i * D, b + j * D, D, out + i * ldo + j, ldo);
-    for (; j < nb; ++j) dots_block<2, 1>(a + i * D, b + j * D, D, out + i * ldo + j, ldo);
+    for (; j + 4 <= nb; j += 4) dots_block<IB, 4>(a + i * D, b + j * D, D, out + i * ldo + j, ldo);
+    for (; j < nb; ++j) dots_block<IB, 1>(a + i * D, b + j * D, D, out + i * ldo + j, ldo);
   }
   for (; i < na; ++i) {
     int64_t j = 0;
