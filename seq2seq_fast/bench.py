@@ -633,6 +633,13 @@ def _git_commit() -> str | None:
     return f"{commit}+dirty" if dirty else commit
 
 
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def machine_info(device: str) -> dict[str, Any]:
     """CPU model, cores, threads, GPU, versions, commit and date: the header of every result."""
     try:
@@ -652,6 +659,8 @@ def machine_info(device: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "triton": package_version("triton"),
         "fused_cpu": fused_unavailable_reason("cpu", torch.float32) or "available",
+        # Other processes on the machine: a co-runner on a 2-core machine changes everything.
+        "load_average_at_start": _load_average(),
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
@@ -803,6 +812,8 @@ def format_machine(info: dict[str, Any]) -> str:
         f"- device: {info['device']}; GPU: {info['gpu'] or 'none'}",
         f"- python {info['python']}, torch {info['torch']}, triton {info['triton'] or 'not installed'}",
         f"- fused CPU kernel: {info['fused_cpu']}",
+        f"- load average (1, 5, 15 min) at start: {info['load_average_at_start']}"
+        + (f", at end: {info['load_average_at_end']}" if info.get("load_average_at_end") else ""),
     ]
     if "fused_cuda" in info:
         lines.append(f"- fused CUDA kernel: {info['fused_cuda']}")
@@ -1055,6 +1066,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 not args.no_memory, rss_probe("decode", dshape.name, "forward"),
             )
         )  # fmt: skip
+    info["load_average_at_end"] = _load_average()
     print(format_report(info, config, groups), end="")
     if args.json:
         with open(args.json, "w") as f:
