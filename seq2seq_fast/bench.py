@@ -633,6 +633,43 @@ def _git_commit() -> str | None:
     return f"{commit}+dirty" if dirty else commit
 
 
+class CoRunnerMeter:
+    """Mean number of CPU cores that *other* processes kept busy between start and ``stop()``.
+
+    Busy time of the whole machine from /proc/stat minus this process's own CPU time (and its
+    children's, e.g. the --rss probes): on a 2-core machine anything near 1 means the timings shared
+    the cores with someone else's work. None where /proc/stat is missing.
+    """
+
+    def __init__(self) -> None:
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        import resource
+
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        ticks = os.sysconf("SC_CLK_TCK")
+        busy = (sum(fields[:8]) - fields[3] - fields[4]) / ticks  # all but idle and iowait
+        own = sum(
+            getattr(resource.getrusage(who), field)
+            for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+            for field in ("ru_utime", "ru_stime")
+        )
+        return busy, own, time.monotonic()
+
+    def stop(self) -> float | None:
+        end = self._sample()
+        if self._start is None or end is None or end[2] <= self._start[2]:
+            return None
+        busy, own, wall = (e - s for e, s in zip(end, self._start, strict=True))
+        return round(max(0.0, busy - own) / wall, 2)
+
+
 def _load_average() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -815,6 +852,11 @@ def format_machine(info: dict[str, Any]) -> str:
         f"- load average (1, 5, 15 min) at start: {info['load_average_at_start']}"
         + (f", at end: {info['load_average_at_end']}" if info.get("load_average_at_end") else ""),
     ]
+    if info.get("other_processes_busy_cores") is not None:
+        lines.append(
+            f"- other processes kept {info['other_processes_busy_cores']} cores busy on average "
+            "during the run (from /proc/stat minus this process)"
+        )
     if "fused_cuda" in info:
         lines.append(f"- fused CUDA kernel: {info['fused_cuda']}")
     return "\n".join(lines)
@@ -1009,6 +1051,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         return lambda provider: rss_probe_in_subprocess(base | {"provider": provider})
 
+    co_runners = CoRunnerMeter()
     info = machine_info(device)
     config = {
         "size": size,
@@ -1067,6 +1110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )  # fmt: skip
     info["load_average_at_end"] = _load_average()
+    info["other_processes_busy_cores"] = co_runners.stop()
     print(format_report(info, config, groups), end="")
     if args.json:
         with open(args.json, "w") as f:
