@@ -115,6 +115,17 @@ def _top_hidden(layer_state) -> Tensor:
     return layer_state if isinstance(layer_state, Tensor) else layer_state[0]
 
 
+def _decoder_attention(config: Seq2SeqConfig, memory_size: int) -> BahdanauAttention:
+    """The attention both decoders use: decoder state (query) against encoder states (memory)."""
+    return BahdanauAttention(
+        config.hidden_size,
+        memory_size,
+        config.attention_size or config.hidden_size,
+        normalize=config.normalize_attention,
+        backend=config.backend,
+    )
+
+
 class Encoder(nn.Module):
     """Embedding and a (bi)directional multi-layer GRU/LSTM over packed variable-length batches.
 
@@ -168,13 +179,7 @@ class BahdanauDecoder(nn.Module):
         hidden, layers = config.hidden_size, config.decoder_layers
         self.cell_type = config.cell
         self.embedding = nn.Embedding(config.tgt_vocab_size, config.embed_size, padding_idx=PAD_ID)
-        self.attention = BahdanauAttention(
-            hidden,
-            memory_size,
-            config.attention_size or hidden,
-            normalize=config.normalize_attention,
-            backend=config.backend,
-        )
+        self.attention = _decoder_attention(config, memory_size)
         self.cells = nn.ModuleList(
             [_rnn_cell(config.cell, config.embed_size + memory_size, hidden)]
             + [_rnn_cell(config.cell, hidden, hidden) for _ in range(layers - 1)]
@@ -232,13 +237,7 @@ class GNMTDecoder(nn.Module):
         super().__init__()
         hidden, layers = config.hidden_size, config.decoder_layers
         self.embedding = nn.Embedding(config.tgt_vocab_size, config.embed_size, padding_idx=PAD_ID)
-        self.attention = BahdanauAttention(
-            hidden,
-            memory_size,
-            config.attention_size or hidden,
-            normalize=config.normalize_attention,
-            backend=config.backend,
-        )
+        self.attention = _decoder_attention(config, memory_size)
         self.rnns = nn.ModuleList(
             [_rnn(config.cell, config.embed_size, hidden, batch_first=True)]
             + [
