@@ -201,26 +201,16 @@ def make_inputs(torch, shape, dtype, device, seed=0):
 
 
 def launcher_attention(torch, tk):
-    """The Triton launchers behind an autograd.Function, for CPU tensors in the dry run."""
+    """The Triton launchers behind the op's autograd wrapper, for CPU tensors in the dry run."""
+    from seq2seq_fast.ops import attention_function
 
-    class Direct(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, query, keys, values, v, bias):
-            context, weights, lse = tk.additive_attention_fwd(
-                query, keys, values, v, bias, None, None, True
-            )
-            ctx.save_for_backward(query, keys, values, v, bias, context, lse)
-            return context, weights
+    function = attention_function(tk.additive_attention_fwd, tk.additive_attention_bwd)
 
-        @staticmethod
-        def backward(ctx, grad_context, grad_weights):
-            query, keys, values, v, bias, context, lse = ctx.saved_tensors
-            return tk.additive_attention_bwd(
-                grad_context.contiguous(), grad_weights, query, keys, values, v, bias,
-                None, None, context, lse,
-            )  # fmt: skip
+    def fused(q, k, vals, v, b):
+        context, weights, _ = function.apply(q, k, vals, v, b, None, None, True)
+        return context, weights
 
-    return lambda q, k, vals, v, b: Direct.apply(q, k, vals, v, b)
+    return fused
 
 
 def time_ms(triton, fn, device, grad_to_none=None) -> tuple[float, float, float]:

@@ -114,36 +114,49 @@ def fused_available(device: torch.device | str, dtype: torch.dtype) -> bool:
 # --- autograd --------------------------------------------------------------------------------------
 
 
-class AdditiveAttentionFunction(torch.autograd.Function):
-    """Autograd over the fwd/bwd ops. Saves the inputs, the context and the O(B*Tq) row statistics."""
+def attention_function(fwd, bwd, name: str = "AdditiveAttentionFunction") -> type:
+    """A torch.autograd.Function over a (fwd, bwd) kernel pair that follows the op-level contract.
 
-    @staticmethod
-    def forward(query, keys, values, v, bias, lengths, mask, return_weights):
-        return torch.ops.seq2seq_fast.additive_attention_fwd(
-            query, keys, values, v, bias, lengths, mask, return_weights
-        )
+    ``apply(query3d, keys, values, v, bias, lengths, mask, return_weights)`` returns
+    (context, weights, lse). It saves the inputs, the context and the O(B*Tq) row statistics.
+    The public op uses the registered torch ops; tests and the GPU check's CPU dry run wrap the
+    Triton launchers directly with it (on CPU tensors the dispatcher would pick the C++ kernel).
+    """
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        query, keys, values, v, bias, lengths, mask, _ = inputs
-        context, _, lse = output
-        ctx.save_for_backward(query, keys, values, v, bias, lengths, mask, context, lse)
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)
+    class _AttentionFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(query, keys, values, v, bias, lengths, mask, return_weights):
+            return fwd(query, keys, values, v, bias, lengths, mask, return_weights)
 
-    @staticmethod
-    def backward(ctx, grad_context, grad_weights, _grad_lse):
-        query, keys, values, v, bias, lengths, mask, context, lse = ctx.saved_tensors
-        if grad_context is None:
-            grad_context = torch.zeros_like(context)
-        if grad_weights is not None and grad_weights.numel() == 0:
-            grad_weights = None
-        grads = torch.ops.seq2seq_fast.additive_attention_bwd(
-            grad_context.contiguous(),
-            None if grad_weights is None else grad_weights.contiguous(),
-            query, keys, values, v, bias, lengths, mask, context, lse,
-        )  # fmt: skip
-        return (*grads, None, None, None)
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            query, keys, values, v, bias, lengths, mask, _ = inputs
+            context, _, lse = output
+            ctx.save_for_backward(query, keys, values, v, bias, lengths, mask, context, lse)
+            ctx.mark_non_differentiable(lse)
+            ctx.set_materialize_grads(False)
+
+        @staticmethod
+        def backward(ctx, grad_context, grad_weights, _grad_lse):
+            query, keys, values, v, bias, lengths, mask, context, lse = ctx.saved_tensors
+            if grad_context is None:
+                grad_context = torch.zeros_like(context)
+            if grad_weights is not None and grad_weights.numel() == 0:
+                grad_weights = None
+            grads = bwd(
+                grad_context.contiguous(),
+                None if grad_weights is None else grad_weights.contiguous(),
+                query, keys, values, v, bias, lengths, mask, context, lse,
+            )  # fmt: skip
+            return (*grads, None, None, None)
+
+    _AttentionFunction.__name__ = _AttentionFunction.__qualname__ = name
+    return _AttentionFunction
+
+
+AdditiveAttentionFunction = attention_function(
+    torch.ops.seq2seq_fast.additive_attention_fwd, torch.ops.seq2seq_fast.additive_attention_bwd
+)
 
 
 # --- input checks ----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch
 
 import seq2seq_fast
 from seq2seq_fast import additive_attention
+from seq2seq_fast.ops import attention_function
 
 GRAD_NAMES = ("query", "keys", "values", "v", "bias")
 TANH_BOUND = 1e-6  # |fast tanh - tanh| in float32, C++ and Triton "exp" paths (their own tests)
@@ -46,31 +47,11 @@ def triton_attention(query, keys, values, v, bias=None, *, lengths=None, mask=No
         mask = mask.to(query.device).contiguous()
     bias_t = bias if bias is not None else query.new_zeros(query.shape[-1])
 
-    class TritonFunction(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, val, vv, b):
-            context, weights, lse = tk.additive_attention_fwd(
-                q, k, val, vv, b, lengths, mask, return_weights
-            )
-            ctx.save_for_backward(q, k, val, vv, b, context, lse)
-            ctx.set_materialize_grads(False)
-            return context, weights
-
-        @staticmethod
-        def backward(ctx, grad_context, grad_weights):
-            q, k, val, vv, b, context, lse = ctx.saved_tensors
-            if grad_context is None:
-                grad_context = torch.zeros_like(context)
-            if grad_weights is not None and grad_weights.numel() == 0:
-                grad_weights = None
-            return tk.additive_attention_bwd(
-                grad_context.contiguous(),
-                None if grad_weights is None else grad_weights.contiguous(),
-                q, k, val, vv, b, lengths, mask, context, lse,
-            )  # fmt: skip
-
     query3 = query.unsqueeze(1) if single_step else query
-    context, weights = TritonFunction.apply(query3, keys, values, v, bias_t)
+    function = attention_function(tk.additive_attention_fwd, tk.additive_attention_bwd)
+    context, weights, _ = function.apply(
+        query3, keys, values, v, bias_t, lengths, mask, return_weights
+    )
     if single_step:
         context = context.squeeze(1)
         weights = weights.squeeze(1) if return_weights else weights
