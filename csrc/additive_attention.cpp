@@ -39,6 +39,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "kernels.h"
 
 namespace seq2seq_fast {
@@ -145,6 +149,26 @@ T* thread_scratch(int slot, int64_t n) {
     buffer.bytes = rounded;
   }
   return static_cast<T*>(buffer.data);
+}
+
+// An uninitialised output that the kernel is about to write in full. Fresh memory from the OS
+// costs a page fault per 4 KiB on first write (a decoding step's dkeys and dvalues are hundreds
+// of MiB, and the faults took 3/4 of that backward); on Linux, the 2 MiB-aligned interior of a
+// large allocation is marked for transparent huge pages (advice only: without THP, or where the
+// memory was already mapped, nothing changes).
+Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& opts) {
+  Tensor out = at::empty(sizes, opts);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const size_t bytes = out.nbytes();
+  if (bytes >= 4 * kHuge) {
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(out.data_ptr());
+    const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
+    const uintptr_t last = (begin + bytes) & ~(kHuge - 1);
+    if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+  }
+#endif
+  return out;
 }
 
 // ---- work plan -------------------------------------------------------------------------------
@@ -298,14 +322,25 @@ ScoreVectors<T> score_vectors(const Tensor& v, int64_t H, int64_t Hp) {
   return sv;
 }
 
-// Packs an item's query rows (+ bias) and its batch row's keys; picks the tanh path; returns it.
+// Packs an item's query rows (+ bias) and its batch row's keys; picks the tanh path. The keys
+// the score kernels should read are returned in `keys_out`: the packed copy, or, on the rational
+// path with H already a multiple of kPadTo, the input rows themselves (a decoding step streams
+// B * Tk * H keys from memory once: copying them first would read and write them twice).
 template <typename T>
 int pack_item(const KernelTable<T>& kt, const T* q_rows, int64_t nq, const T* k_rows, int64_t nk,
-              const T* bias, int64_t H, int64_t Hp, T* qbuf, T* kbuf) {
+              const T* bias, int64_t H, int64_t Hp, T* qbuf, T* kbuf, const T** keys_out) {
   const T limit = product_limit<T>();
-  bool in_range = kt.pack_rows(q_rows, nq, H, bias, qbuf, Hp, limit);
-  in_range = kt.pack_rows(k_rows, nk, H, nullptr, kbuf, Hp, limit) && in_range;
-  if (in_range && nq >= kMinQueriesForProduct) {
+  const bool in_range = kt.pack_rows(q_rows, nq, H, bias, qbuf, Hp, limit);
+  *keys_out = kbuf;
+  if (nq < kMinQueriesForProduct) {
+    if (H == Hp) {
+      *keys_out = k_rows;
+    } else {
+      kt.pack_rows(k_rows, nk, H, nullptr, kbuf, Hp, limit);
+    }
+    return kRational;
+  }
+  if (kt.pack_rows(k_rows, nk, H, nullptr, kbuf, Hp, limit) && in_range) {
     kt.exp_inplace(qbuf, nq * Hp, T(2));
     kt.exp_inplace(kbuf, nk * Hp, T(2));
     return kProduct;
@@ -393,7 +428,6 @@ std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Te
   for_each_item(plan, make_scratch, [&](int64_t item, Scratch& scratch) {
     {
       T* qbuf = scratch.qbuf;
-      T* kbuf = scratch.kbuf;
       const int64_t b = item / plan.blocks_per_row;
       const int64_t t0 = (item % plan.blocks_per_row) * plan.block;
       const int64_t nq = std::min(plan.block, n.Tq - t0);
@@ -401,8 +435,9 @@ std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Te
       const int64_t nk = kv.count(b);
       T* rows = wp + (b * n.Tq + t0) * n.Tk;
       if (nk > 0) {
+        const T* kbuf = nullptr;
         const int path = pack_item<T>(kt, qp + (b * n.Tq + t0) * n.H, nq, kp + b * n.Tk * n.H,
-                                      nk, bp, n.H, Hp, qbuf, kbuf);
+                                      nk, bp, n.H, Hp, qbuf, scratch.kbuf, &kbuf);
         const bool prod = path == kProduct;
         kt.scores(path, qbuf, nq, kbuf, nk, Hp,
                   prod ? sv.product.data() : sv.rational.data(), prod ? sv.sum_v : T(0), rows,
@@ -447,7 +482,7 @@ template <typename T>
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query_in,
     const Tensor& keys_in, const Tensor& values_in, const Tensor& v_in, const Tensor& bias_in,
-    const KeyValidity& kv, const Sizes& n) {
+    const KeyValidity& kv, const Sizes& n, const Tensor& saved_weights) {
   const Tensor query = query_in.contiguous(), keys = keys_in.contiguous();
   const Tensor v = v_in.contiguous(), bias = bias_in.contiguous();
   const Tensor dctx = grad_context.contiguous();
@@ -467,9 +502,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     if (gw.defined()) dp.add_(gw);
     dp = dp.contiguous();
   }
-  Tensor probs = at::empty({n.B, n.Tq, n.Tk}, opts);
-  Tensor dq = at::empty({n.B, n.Tq, n.H}, opts);
-  Tensor dk = at::empty({n.B, n.Tk, n.H}, opts);  // rows s >= length are zeroed by their item
+  // With the forward's weights, one pass computes y and accumulates the gradients; without
+  // them, the scores are recomputed and re-normalised first (probs).
+  const bool have_p = saved_weights.defined();
+  Tensor probs = have_p ? saved_weights.contiguous() : at::empty({n.B, n.Tq, n.Tk}, opts);
+  Tensor dq = empty_output({n.B, n.Tq, n.H}, opts);
+  Tensor dk = empty_output({n.B, n.Tk, n.H}, opts);  // rows s >= length are zeroed by their item
   const Plan plan = make_plan(n.B, n.Tq, n.Tk, n.H);
   const bool split = plan.blocks_per_row > 1;
   // Split rows: each item's dkeys (already scaled) in its own slot, summed in order afterwards.
@@ -477,7 +515,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   // Per item: dv contribution (Hp) then sum of de.
   Tensor dv_parts = at::zeros({plan.items, Hp}, opts);
   const bool dvalues_in_items = !split && (n.Tq <= kMaxQueriesForRankUpdate || !use_bmm);
-  Tensor dvalues = dvalues_in_items ? at::empty({n.B, n.Tk, n.Dv}, opts) : Tensor();
+  Tensor dvalues = dvalues_in_items ? empty_output({n.B, n.Tk, n.Dv}, opts) : Tensor();
   T* dvalp = dvalues_in_items ? dvalues.data_ptr<T>() : nullptr;
   const T* dctxp = dctx.data_ptr<T>();
 
@@ -496,9 +534,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   // The score pass stores y (r or tanh) for a sub-block of query rows; the gradient pass reads
   // it back instead of recomputing the reciprocal. The sub-block keeps that buffer near
   // kYBufferBytes (at least one query row: Tk * Hp values).
-  const int64_t sub_rows = std::max<int64_t>(
-      1, std::min<int64_t>(plan.block, kYBufferBytes / int64_t(sizeof(T)) /
-                                           std::max<int64_t>(1, n.Tk * Hp)));
+  const int64_t sub_rows =
+      have_p ? 0
+             : std::max<int64_t>(1, std::min<int64_t>(plan.block,
+                                                      kYBufferBytes / int64_t(sizeof(T)) /
+                                                          std::max<int64_t>(1, n.Tk * Hp)));
   struct Scratch {
     T *qbuf, *kbuf, *ys, *de, *gq, *gk, *dps;
   };
@@ -510,7 +550,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   };
   for_each_item(plan, make_scratch, [&](int64_t item, Scratch& scratch) {
     T* qbuf = scratch.qbuf;
-    T* kbuf = scratch.kbuf;
     T* ys = scratch.ys;
     T* de = scratch.de;
     T* gq = scratch.gq;
@@ -534,12 +573,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
       }
     }
     if (nk == 0) {
-      std::fill(p_rows, p_rows + nq * n.Tk, T(0));
+      if (!have_p) std::fill(p_rows, p_rows + nq * n.Tk, T(0));
       std::fill(dq_rows, dq_rows + nq * n.H, T(0));
       return;
     }
+    const T* kbuf = nullptr;
     const int path = pack_item<T>(kt, qp + (b * n.Tq + t0) * n.H, nq, kp + b * n.Tk * n.H, nk,
-                                  bp, n.H, Hp, qbuf, kbuf);
+                                  bp, n.H, Hp, qbuf, scratch.kbuf, &kbuf);
     const bool prod = path == kProduct;
     // dp rows of this item (valid prefix s < nk; masked keys get de = 0 below).
     const T* dp_rows;
@@ -556,19 +596,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
       dp_rows = dps;
     }
     std::fill(gq, gq + nq * Hp, T(0));
-    std::fill(gk, gk + nk * Hp, T(0));
     T* gv = dvp + item * Hp;
+    // Product path: sech^2 = 4u and tanh = 1 - 2r; rational: sech^2 = u, tanh = y.
+    const T* scale = prod ? sv.grad_product.data() : sv.rational.data();
+    T* dk_rows =
+        split ? dkp + (b * plan.blocks_per_row + blk) * n.Tk * n.H : dkp + b * n.Tk * n.H;
     double sum_de = 0;
-    for (int64_t r0 = 0; r0 < nq; r0 += sub_rows) {
-      const int64_t rn = std::min(sub_rows, nq - r0);
-      T* p_sub = p_rows + r0 * n.Tk;
-      kt.scores(path, qbuf + r0 * Hp, rn, kbuf, nk, Hp,
-                prod ? sv.product.data() : sv.rational.data(), prod ? sv.sum_v : T(0), p_sub,
-                n.Tk, ys);
-      softmax_rows<T>(kt, p_sub, rn, n.Tk, nk, valid, nullptr);
-      // de = p (dp - sum_s p dp) on the valid keys, 0 elsewhere.
+    // de = p (dp - sum_s p dp) over the valid keys of rows [r0, r0 + rn), 0 elsewhere.
+    auto form_de = [&](int64_t r0, int64_t rn) {
       for (int64_t t = 0; t < rn; ++t) {
-        const T* p = p_sub + t * n.Tk;
+        const T* p = p_rows + (r0 + t) * n.Tk;
         const T* g = dp_rows + (r0 + t) * n.Tk;
         T* d = de + (r0 + t) * n.Tk;
         double dot = 0;
@@ -580,18 +617,34 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
           sum_de += d[s];
         }
       }
-      kt.grads(path, ys, rn, nk, Hp, de + r0 * n.Tk, n.Tk, gq + r0 * Hp, gk, gv);
+    };
+    if (have_p) {
+      form_de(0, nq);
+      // Unpadded rows: dkeys are written in place, already scaled.
+      T* gk_out = n.H == Hp ? dk_rows : gk;
+      kt.fused_grads(path, qbuf, nq, kbuf, nk, Hp, de, n.Tk, gq, gk_out, gv, scale);
+      if (gk_out == gk) {
+        for (int64_t s = 0; s < nk; ++s) std::copy(gk + s * Hp, gk + s * Hp + n.H, dk_rows + s * n.H);
+      }
+    } else {
+      std::fill(gk, gk + nk * Hp, T(0));
+      for (int64_t r0 = 0; r0 < nq; r0 += sub_rows) {
+        const int64_t rn = std::min(sub_rows, nq - r0);
+        T* p_sub = p_rows + r0 * n.Tk;
+        kt.scores(path, qbuf + r0 * Hp, rn, kbuf, nk, Hp,
+                  prod ? sv.product.data() : sv.rational.data(), prod ? sv.sum_v : T(0), p_sub,
+                  n.Tk, ys);
+        softmax_rows<T>(kt, p_sub, rn, n.Tk, nk, valid, nullptr);
+        form_de(r0, rn);
+        kt.grads(path, ys, rn, nk, Hp, de + r0 * n.Tk, n.Tk, gq + r0 * Hp, gk, gv);
+      }
+      kt.scale_rows(gk, nk, Hp, scale, dk_rows, n.H);
     }
     if (dvalp != nullptr) {
       kt.weighted_rows(p_rows, 1, n.Tk, nk, nq, dctxp + b * n.Tq * n.Dv, n.Dv,
                        dvalp + b * n.Tk * n.Dv);
     }
-    // Product path: sech^2 = 4u and tanh = 1 - 2r; rational: sech^2 = u, tanh = y.
-    const T* scale = prod ? sv.grad_product.data() : sv.rational.data();
     kt.scale_rows(gq, nq, Hp, scale, dq_rows, n.H);
-    T* dk_rows =
-        split ? dkp + (b * plan.blocks_per_row + blk) * n.Tk * n.H : dkp + b * n.Tk * n.H;
-    kt.scale_rows(gk, nk, Hp, scale, dk_rows, n.H);
     if (prod) {
       for (int64_t h = 0; h < Hp; ++h) gv[h] = T(sum_de) - T(2) * gv[h];
     }
@@ -608,7 +661,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_attention_bwd(
     const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query,
     const Tensor& keys, const Tensor& values, const Tensor& v, const Tensor& bias,
     const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
-    const Tensor& context, const Tensor& lse) {
+    const Tensor& context, const Tensor& lse, const std::optional<Tensor>& weights) {
   const char* op = "seq2seq_fast::additive_attention_bwd";
   const Sizes n = check_inputs(op, query, keys, values, v, bias, lengths, mask);
   TORCH_CHECK(grad_context.dim() == 3 && grad_context.size(0) == n.B &&
@@ -628,15 +681,28 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_attention_bwd(
   TORCH_CHECK(lse.dim() == 2 && lse.size(0) == n.B && lse.size(1) == n.Tq, op,
               ": lse must be [B, Tq], got ", lse.sizes());
   (void)context;  // dp . p is formed from dp directly; context is part of the contract only
+  // weights: the forward's softmax weights (optional; an empty tensor counts as absent).
+  Tensor saved_p;
+  if (weights.has_value() && weights->numel() > 0) {
+    TORCH_CHECK(weights->dim() == 3 && weights->size(0) == n.B && weights->size(1) == n.Tq &&
+                    weights->size(2) == n.Tk,
+                op, ": weights must be [B, Tq, Tk]=[", n.B, ", ", n.Tq, ", ", n.Tk, "], got ",
+                weights->sizes());
+    TORCH_CHECK(weights->scalar_type() == query.scalar_type(), op,
+                ": weights must have query's dtype, got ", weights->scalar_type());
+    saved_p = *weights;
+  }
   const KeyValidity kv = key_validity(op, lengths, mask, n.Tk);
   if (n.B == 0 || n.Tq == 0) {  // no rows: every gradient is zero
     return {at::zeros_like(query), at::zeros_like(keys), at::zeros_like(values), at::zeros_like(v),
             at::zeros_like(bias)};
   }
   if (query.scalar_type() == at::kDouble) {
-    return backward_impl<double>(grad_context, grad_weights, query, keys, values, v, bias, kv, n);
+    return backward_impl<double>(grad_context, grad_weights, query, keys, values, v, bias, kv, n,
+                                  saved_p);
   }
-  return backward_impl<float>(grad_context, grad_weights, query, keys, values, v, bias, kv, n);
+  return backward_impl<float>(grad_context, grad_weights, query, keys, values, v, bias, kv, n,
+                               saved_p);
 }
 
 // ---- test hooks ------------------------------------------------------------------------------

@@ -160,6 +160,100 @@ void grads(int path, const typename S::T* ys, int64_t nq, int64_t nk, int64_t Hp
   }
 }
 
+// One pass for the backward when the softmax weights are known (saved by the forward): y is
+// computed and consumed in registers, never stored. Same accumulation as grads() above, except
+// for the keys: gk[s] = kscale * sum_t d u is written scaled, and overwritten.
+// DIRECT: the tile holds every query of the item, so each gk row is complete when the tile ends:
+// it is written straight away (no zeroing, reloading or second scaling pass over gk).
+template <int P, int QB, int KB, bool DIRECT>
+void fused_grad_tile(const typename S::T* A, const typename S::T* Bk, int64_t Hp,
+                     const typename S::T* de, int64_t ldd, typename S::T* gq, typename S::T* gk,
+                     typename S::T* gv, const typename S::T* kscale) {
+  using V = typename S::V;
+  using T = typename S::T;
+  const V one = S::set1(T(1));
+  V d[QB][KB];
+  for (int i = 0; i < QB; ++i)
+    for (int j = 0; j < KB; ++j) d[i][j] = S::set1(de[i * ldd + j]);
+  for (int64_t h = 0; h < Hp; h += S::W) {
+    V a[QB], gqa[QB];
+    for (int i = 0; i < QB; ++i) {
+      a[i] = S::load(A + i * Hp + h);
+      gqa[i] = S::load(gq + i * Hp + h);
+    }
+    V gva[2] = {S::load(gv + h), S::zero()};
+    for (int j = 0; j < KB; ++j) {
+      const V b = S::load(Bk + j * Hp + h);
+      V gka = DIRECT ? S::zero() : S::load(gk + j * Hp + h);
+      for (int i = 0; i < QB; ++i) {
+        const V y = elem<P>(a[i], b, one);
+        const V u = deriv<P>(y, one);
+        gqa[i] = S::fma(d[i][j], u, gqa[i]);
+        gka = S::fma(d[i][j], u, gka);
+        gva[(i + j) & 1] = S::fma(d[i][j], y, gva[(i + j) & 1]);
+      }
+      S::store(gk + j * Hp + h, DIRECT ? S::mul(gka, S::load(kscale + h)) : gka);
+    }
+    for (int i = 0; i < QB; ++i) S::store(gq + i * Hp + h, gqa[i]);
+    S::store(gv + h, S::add(gva[0], gva[1]));
+  }
+}
+
+template <int P, int QB, bool DIRECT>
+void fused_grad_cols(const typename S::T* A, const typename S::T* Bk, int64_t nk, int64_t Hp,
+                     const typename S::T* de, int64_t ldd, typename S::T* gq, typename S::T* gk,
+                     typename S::T* gv, const typename S::T* kscale) {
+  int64_t s = 0;
+  for (; s + S::KB <= nk; s += S::KB)
+    fused_grad_tile<P, QB, S::KB, DIRECT>(A, Bk + s * Hp, Hp, de + s, ldd, gq, gk + s * Hp, gv,
+                                          kscale);
+  for (; s < nk; ++s)
+    fused_grad_tile<P, QB, 1, DIRECT>(A, Bk + s * Hp, Hp, de + s, ldd, gq, gk + s * Hp, gv,
+                                      kscale);
+}
+
+template <int P>
+void fused_grads_rows(const typename S::T* A, int64_t nq, const typename S::T* Bk, int64_t nk,
+                      int64_t Hp, const typename S::T* de, int64_t ldd, typename S::T* gq,
+                      typename S::T* gk, typename S::T* gv, const typename S::T* kscale) {
+  using T = typename S::T;
+  if (nq <= S::QB) {  // one query tile: every gk row is final when written
+    switch (nq) {
+      case 1: fused_grad_cols<P, 1, true>(A, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale); break;
+      case 2: fused_grad_cols<P, 2, true>(A, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale); break;
+      case 3: fused_grad_cols<P, 3, true>(A, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale); break;
+      default: fused_grad_cols<P, S::QB, true>(A, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale); break;
+    }
+    return;
+  }
+  for (int64_t i = 0; i < nk * Hp; ++i) gk[i] = T(0);
+  for (int64_t t = 0; t < nq; t += S::QB) {
+    const int64_t qn = nq - t < S::QB ? nq - t : S::QB;
+    const auto* a = A + t * Hp;
+    const auto* d = de + t * ldd;
+    auto* g = gq + t * Hp;
+    switch (qn) {
+      case 1: fused_grad_cols<P, 1, false>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale); break;
+      case 2: fused_grad_cols<P, 2, false>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale); break;
+      case 3: fused_grad_cols<P, 3, false>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale); break;
+      default: fused_grad_cols<P, 4, false>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale); break;
+    }
+  }
+  for (int64_t s = 0; s < nk; ++s)
+    for (int64_t h = 0; h < Hp; h += S::W)
+      S::store(gk + s * Hp + h, S::mul(S::load(gk + s * Hp + h), S::load(kscale + h)));
+}
+
+void fused_grads(int path, const typename S::T* A, int64_t nq, const typename S::T* Bk,
+                 int64_t nk, int64_t Hp, const typename S::T* de, int64_t ldd, typename S::T* gq,
+                 typename S::T* gk, typename S::T* gv, const typename S::T* kscale) {
+  if (path == kProduct) {
+    fused_grads_rows<kProduct>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
+  } else {
+    fused_grads_rows<kRational>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
+  }
+}
+
 bool pack_rows(const typename S::T* src, int64_t rows, int64_t H, const typename S::T* add,
                typename S::T* dst, int64_t Hp, typename S::T limit) {
   using V = typename S::V;
@@ -240,8 +334,47 @@ void weighted_rows_block(const typename S::T* w, int64_t so, int64_t si, int64_t
   }
 }
 
+// One output row, x read row by row (four rows per sweep of the L1-resident output): for few
+// outputs (a decoding step's context) x streams from memory in address order, which the hardware
+// prefetchers follow, instead of n_in interleaved streams.
+void weighted_row_stream(const typename S::T* w, int64_t si, int64_t n_in, const typename S::T* x,
+                         int64_t D, typename S::T* out) {
+  using V = typename S::V;
+  using T = typename S::T;
+  for (int64_t d = 0; d < D; ++d) out[d] = T(0);
+  const int64_t Dv = D / S::W * S::W;
+  int64_t i = 0;
+  for (; i + 4 <= n_in; i += 4) {
+    const T* x0 = x + i * D;
+    const V w0 = S::set1(w[i * si]), w1 = S::set1(w[(i + 1) * si]);
+    const V w2 = S::set1(w[(i + 2) * si]), w3 = S::set1(w[(i + 3) * si]);
+    for (int64_t d = 0; d < Dv; d += S::W) {
+      V acc = S::load(out + d);
+      acc = S::fma(w0, S::load(x0 + d), acc);
+      acc = S::fma(w1, S::load(x0 + D + d), acc);
+      acc = S::fma(w2, S::load(x0 + 2 * D + d), acc);
+      acc = S::fma(w3, S::load(x0 + 3 * D + d), acc);
+      S::store(out + d, acc);
+    }
+    for (int64_t d = Dv; d < D; ++d) {
+      out[d] += w[i * si] * x0[d] + w[(i + 1) * si] * x0[D + d] + w[(i + 2) * si] * x0[2 * D + d] +
+                w[(i + 3) * si] * x0[3 * D + d];
+    }
+  }
+  for (; i < n_in; ++i) {
+    const T* xi = x + i * D;
+    const V wi = S::set1(w[i * si]);
+    for (int64_t d = 0; d < Dv; d += S::W) S::store(out + d, S::fma(wi, S::load(xi + d), S::load(out + d)));
+    for (int64_t d = Dv; d < D; ++d) out[d] += w[i * si] * xi[d];
+  }
+}
+
 void weighted_rows(const typename S::T* w, int64_t so, int64_t si, int64_t n_out, int64_t n_in,
                    const typename S::T* x, int64_t D, typename S::T* out) {
+  if (n_out < 4) {
+    for (int64_t o = 0; o < n_out; ++o) weighted_row_stream(w + o * so, si, n_in, x, D, out + o * D);
+    return;
+  }
   int64_t o = 0;
   for (; o + 4 <= n_out; o += 4) weighted_rows_block<4>(w + o * so, so, si, n_in, x, D, out + o * D);
   for (; o < n_out; ++o) weighted_rows_block<1>(w + o * so, so, si, n_in, x, D, out + o * D);
@@ -316,6 +449,7 @@ void tanh_pairs(int path, const typename S::T* a, const typename S::T* b, typena
 
 const KernelTable<typename S::T>& table(const char* name) {
   static const KernelTable<typename S::T> t{name,   pack_rows, exp_inplace, scale_rows,
-                                            weighted_rows, dots, scores, grads, tanh_pairs};
+                                            weighted_rows, dots, scores, grads, fused_grads,
+                                            tanh_pairs};
   return t;
 }

@@ -56,6 +56,11 @@ struct KernelTable {
   //   gq[t] += d u,  gk[s] += d u,  gv += d y          (all rows Hp long)
   void (*grads)(int path, const T* ys, int64_t nq, int64_t nk, int64_t Hp, const T* de,
                 int64_t ldd, T* gq, T* gk, T* gv);
+  // The same accumulation in one pass, y = f(A[t], B[s]) computed in registers (A, Bk packed as
+  // for scores): the backward when the forward's softmax weights are saved. Unlike grads(), gk is
+  // overwritten with kscale * (sum over t of d u) (nk rows Hp long; kscale Hp long).
+  void (*fused_grads)(int path, const T* A, int64_t nq, const T* Bk, int64_t nk, int64_t Hp,
+                      const T* de, int64_t ldd, T* gq, T* gk, T* gv, const T* kscale);
   // out[i] = tanh(a[i] + b[i]) as the kernels evaluate it (test hook); n a multiple of 16.
   // kProduct expects a, b already mapped to exp(2a), exp(2b).
   void (*tanh_pairs)(int path, const T* a, const T* b, T* out, int64_t n);

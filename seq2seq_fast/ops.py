@@ -15,7 +15,10 @@ Op-level contract (inputs already checked and normalised by ``additive_attention
         mask bool [B,Tk]?, return_weights) -> (context [B,Tq,Dv], weights [B,Tq,Tk] or [0], lse f32 [B,Tq])
     lse = max + log(sum exp) of the valid scores of a row; +inf for a row with no valid key.
     bwd(grad_context [B,Tq,Dv], grad_weights [B,Tq,Tk]?, query, keys, values, v, bias, lengths?, mask?,
-        context, lse) -> (grad_query, grad_keys, grad_values, grad_v, grad_bias), input dtype.
+        context, lse, weights [B,Tq,Tk]?) -> (grad_query, grad_keys, grad_values, grad_v, grad_bias),
+        input dtype. weights: the forward's softmax weights, when the caller kept them; the CPU
+        kernel then needs one pass over the (query, key) pairs instead of two (Triton recomputes
+        them from lse either way).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ torch.library.define(
 torch.library.define(
     BWD_NAME,
     "(Tensor grad_context, Tensor? grad_weights, Tensor query, Tensor keys, Tensor values, "
-    "Tensor v, Tensor bias, Tensor? lengths, Tensor? mask, Tensor context, Tensor lse) "
+    "Tensor v, Tensor bias, Tensor? lengths, Tensor? mask, Tensor context, Tensor lse, "
+    "Tensor? weights=None) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 
@@ -55,8 +59,9 @@ def _fwd_fake(query, keys, values, v, bias, lengths, mask, return_weights):
 
 @torch.library.register_fake(BWD_NAME)
 def _bwd_fake(
-    grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, context, lse
-):
+    grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, context, lse,
+    weights=None,
+):  # fmt: skip
     return (
         torch.empty_like(query),
         torch.empty_like(keys),
@@ -114,31 +119,40 @@ def fused_available(device: torch.device | str, dtype: torch.dtype) -> bool:
 # --- autograd --------------------------------------------------------------------------------------
 
 
-def attention_function(fwd, bwd, name: str = "AdditiveAttentionFunction") -> type:
+def attention_function(
+    fwd, bwd, name: str = "AdditiveAttentionFunction", save_weights=lambda query: False
+) -> type:
     """A torch.autograd.Function over a (fwd, bwd) kernel pair that follows the op-level contract.
 
     ``apply(query3d, keys, values, v, bias, lengths, mask, return_weights)`` returns
-    (context, weights, lse). It saves the inputs, the context and the O(B*Tq) row statistics.
-    The public op uses the registered torch ops; tests and the GPU check's CPU dry run wrap the
-    Triton launchers directly with it (on CPU tensors the dispatcher would pick the C++ kernel).
+    (context, weights, lse). It saves the inputs, the context and the O(B*Tq) row statistics,
+    and the O(B*Tq*Tk) weights when the forward returned them: when the caller asked for them, or
+    when ``save_weights(query)`` is true (the forward then computes them even if not asked, and
+    the backward needs no recomputation of the softmax). The public op uses the registered torch
+    ops; tests and the GPU check's CPU dry run wrap the Triton launchers directly with it (on CPU
+    tensors the dispatcher would pick the C++ kernel).
     """
 
     class _AttentionFunction(torch.autograd.Function):
         @staticmethod
         def forward(query, keys, values, v, bias, lengths, mask, return_weights):
-            return fwd(query, keys, values, v, bias, lengths, mask, return_weights)
+            keep = return_weights or save_weights(query)
+            return fwd(query, keys, values, v, bias, lengths, mask, keep)
 
         @staticmethod
         def setup_context(ctx, inputs, output):
             query, keys, values, v, bias, lengths, mask, _ = inputs
-            context, _, lse = output
-            ctx.save_for_backward(query, keys, values, v, bias, lengths, mask, context, lse)
+            context, weights, lse = output
+            saved_weights = weights if weights.numel() > 0 else None
+            ctx.save_for_backward(
+                query, keys, values, v, bias, lengths, mask, context, lse, saved_weights
+            )
             ctx.mark_non_differentiable(lse)
             ctx.set_materialize_grads(False)
 
         @staticmethod
         def backward(ctx, grad_context, grad_weights, _grad_lse):
-            query, keys, values, v, bias, lengths, mask, context, lse = ctx.saved_tensors
+            query, keys, values, v, bias, lengths, mask, context, lse, weights = ctx.saved_tensors
             if grad_context is None:
                 grad_context = torch.zeros_like(context)
             if grad_weights is not None and grad_weights.numel() == 0:
@@ -146,7 +160,7 @@ def attention_function(fwd, bwd, name: str = "AdditiveAttentionFunction") -> typ
             grads = bwd(
                 grad_context.contiguous(),
                 None if grad_weights is None else grad_weights.contiguous(),
-                query, keys, values, v, bias, lengths, mask, context, lse,
+                query, keys, values, v, bias, lengths, mask, context, lse, weights,
             )  # fmt: skip
             return (*grads, None, None, None)
 
@@ -155,7 +169,11 @@ def attention_function(fwd, bwd, name: str = "AdditiveAttentionFunction") -> typ
 
 
 AdditiveAttentionFunction = attention_function(
-    torch.ops.seq2seq_fast.additive_attention_fwd, torch.ops.seq2seq_fast.additive_attention_bwd
+    torch.ops.seq2seq_fast.additive_attention_fwd,
+    torch.ops.seq2seq_fast.additive_attention_bwd,
+    # The CPU kernel writes the weights in the forward anyway (O(B*Tq*Tk), no extra work), and its
+    # backward is one pass instead of two with them. Triton recomputes them from lse instead.
+    save_weights=lambda query: query.device.type == "cpu",
 )
 
 

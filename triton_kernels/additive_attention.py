@@ -1402,6 +1402,7 @@ def additive_attention_bwd(
     mask: torch.Tensor | None,
     context: torch.Tensor,
     lse: torch.Tensor,
+    weights: torch.Tensor | None = None,
     *,
     configs: tuple[TileConfig, TileConfig, TileConfig] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1411,7 +1412,9 @@ def additive_attention_bwd(
         grad_context [B, Tq, Dv]; grad_weights [B, Tq, Tk] or None; query, keys, values, v, bias,
         lengths, mask as in :func:`additive_attention_fwd`; context [B, Tq, Dv] (unused: delta is
         recomputed exactly from p and dp rather than from the rounded context); lse float32 [B, Tq]
-        from the forward. configs: tile override (benchmarks).
+        from the forward; weights: the forward's weights when the caller kept them (unused here:
+        p = exp(e - lse) is recomputed in the score tiles, where it costs one exp per pair and
+        saves reading a [B, Tq, Tk] tensor). configs: tile override (benchmarks).
     """
     with _on_device(query.device):
         return _additive_attention_bwd_impl(
