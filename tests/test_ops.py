@@ -299,6 +299,59 @@ def test_opcheck_bwd(kind, with_grad_weights):
     grad_weights = torch.randn_like(weights) if with_grad_weights else None
     args = (grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, context, lse)
     torch.library.opcheck(torch.ops.seq2seq_fast.additive_attention_bwd.default, args)
+    torch.library.opcheck(torch.ops.seq2seq_fast.additive_attention_bwd.default, (*args, weights))
+
+
+# Both backward paths of the CPU kernel: one pass from the forward's weights (what autograd uses)
+# and the recomputing one (no weights). Shapes cover one query (direct dkeys), several query tiles,
+# H not a multiple of 16 (padded rows), H a multiple of 16 with one query (keys read in place),
+# a batch row split over work items, and the product and rational tanh paths (scale).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("kind", ["none", "lengths", "mask"])
+@pytest.mark.parametrize(
+    "shape",
+    [(3, 1, 9, 32, 16), (2, 3, 7, 17, 5), (3, 13, 9, 48, 6), (1, 40, 9, 20, 5), (4, 6, 5, 16, 3)],
+    ids=lambda s: "x".join(map(str, s)),
+)
+@pytest.mark.parametrize("scale", [1.0, 60.0], ids=["product", "rational"])
+def test_backward_with_saved_weights_matches_recompute(shape, kind, dtype, scale):
+    query, keys, values, v, bias = make_inputs(*shape, dtype, scale=scale)
+    lengths, mask = key_masks(kind, shape[0], shape[2])
+    fwd = torch.ops.seq2seq_fast.additive_attention_fwd
+    bwd = torch.ops.seq2seq_fast.additive_attention_bwd
+    context, weights, lse = fwd(query, keys, values, v, bias, lengths, mask, True)
+    gen = torch.Generator().manual_seed(3)
+    grad_context = torch.randn(context.shape, generator=gen, dtype=torch.float64).to(dtype)
+    grad_weights = torch.randn(weights.shape, generator=gen, dtype=torch.float64).to(dtype)
+    for gw in (None, grad_weights):
+        args = (grad_context, gw, query, keys, values, v, bias, lengths, mask, context, lse)
+        recomputed = bwd(*args)
+        kept = weights.clone()
+        one_pass = bwd(*args, weights)
+        torch.testing.assert_close(weights, kept, rtol=0, atol=0)  # not written to
+        for got, want in zip(one_pass, recomputed, strict=True):
+            torch.testing.assert_close(got, want, **tolerance(dtype, v))
+        # and both equal the reference's gradients
+        leaves = [t.clone().requires_grad_(True) for t in (query, keys, values, v, bias)]
+        ref_context, ref_weights = additive_attention_ref(*leaves, lengths=lengths, mask=mask)
+        loss = (ref_context * grad_context).sum()
+        if gw is not None:
+            loss = loss + (ref_weights * gw).sum()
+        ref_grads = torch.autograd.grad(loss, leaves)
+        for got, want in zip(one_pass, ref_grads, strict=True):
+            torch.testing.assert_close(got, want, **tolerance(dtype, v))
+
+
+def test_backward_rejects_misshapen_weights():
+    query, keys, values, v, bias = make_inputs(2, 3, 4, 8, 5, torch.float32)
+    context, weights, lse = torch.ops.seq2seq_fast.additive_attention_fwd(
+        query, keys, values, v, bias, None, None, True
+    )
+    args = (torch.ones_like(context), None, query, keys, values, v, bias, None, None, context, lse)
+    with pytest.raises(RuntimeError, match="weights must be"):
+        torch.ops.seq2seq_fast.additive_attention_bwd(*args, weights[:, :2])
+    with pytest.raises(RuntimeError, match="weights must have"):
+        torch.ops.seq2seq_fast.additive_attention_bwd(*args, weights.double())
 
 
 def test_lse_contract():
