@@ -6,7 +6,7 @@
 Providers:
     reference   the plain PyTorch attention (builds the [B, Tq, Tk, H] tensor)
     fused       the fused op (C++ on CPU, Triton on CUDA)
-    compile     torch.compile of the whole model (fused op inside; RNN layers stay ATen calls)
+    compile     torch.compile of the whole model as one graph (fused op and RNN layers inside)
     zero        the same model with an attention that costs nothing (context = mean of the
                 encoder states, no scores): the upper bound any attention kernel can reach
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.models import Seq2Seq, Seq2SeqConfig, sequence_loss
+from seq2seq_fast.models import Seq2Seq, Seq2SeqConfig, compile_model, sequence_loss
 from seq2seq_fast.ops import fused_unavailable_reason
 
 PROVIDERS = ("reference", "fused", "compile", "zero")
@@ -48,19 +48,40 @@ SIZES = {
 }
 
 
+class _NoQueryProjection(nn.Module):
+    """Stands in for the query projection: a weight with no rows, so a decoder that stacks it on
+    another matrix product (the bahdanau decoder's [W_hh; W_q]) does no extra work."""
+
+    def __init__(self, query_size: int) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.empty(0, query_size), persistent=False)
+
+    def forward(self, query: Tensor) -> Tensor:
+        return query[..., :0]
+
+
 class ZeroCostAttention(nn.Module):
     """Stand-in with BahdanauAttention's call convention whose work is negligible: context = mean
-    of the values over valid positions (keeps gradients flowing to the encoder), weights = 0."""
+    of the values over all positions (keeps gradients flowing to the encoder), weights = 0; no key
+    or query projection, no scores."""
 
     def __init__(self, original: nn.Module) -> None:
         super().__init__()
         self.original = original  # keeps the parameter count identical
+        self.query_proj = _NoQueryProjection(original.query_size)
 
     def project_keys(self, keys: Tensor) -> Tensor:
         return keys[..., :1]
 
+    def score_vector(self) -> tuple[None, None]:
+        return None, None
+
     def forward(self, query, keys, values=None, *, lengths=None, mask=None, projected_keys=None):
         values = keys if values is None else values
+        return self.attend_projected(query, projected_keys, values)
+
+    def attend_projected(self, query, projected_keys, values, *, lengths=None, mask=None,
+                         score_vector=None):  # fmt: skip
         context = values.mean(1)
         weights = values.new_zeros(values.shape[0], values.shape[1])
         if query.dim() == 3:
@@ -83,8 +104,8 @@ def make_step(provider: str, decoder: str, size: Size, vocab: int, device: str):
     model = Seq2Seq(config).to(device).train()
     if provider == "zero":
         model.decoder.attention = ZeroCostAttention(model.decoder.attention)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    run = torch.compile(model) if provider == "compile" else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as train.py
+    run = compile_model(model) if provider == "compile" else model
     gen = torch.Generator().manual_seed(0)
     shape = (size.batch, size.length)
     src = torch.randint(4, vocab, shape, generator=gen).to(device)

@@ -173,9 +173,28 @@ class BahdanauAttention(nn.Module):
         if projected_keys is None:
             projected_keys = self.project_keys(keys)
         values = keys if values is None else values
-        v_eff, bias = self.score_vector()
+        return self.attend_projected(
+            self.query_proj(query), projected_keys, values, lengths=lengths, mask=mask
+        )
+
+    def attend_projected(
+        self,
+        projected_query: Tensor,
+        projected_keys: Tensor,
+        values: Tensor,
+        *,
+        lengths: Tensor | None = None,
+        mask: Tensor | None = None,
+        score_vector: tuple[Tensor, Tensor | None] | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """``forward`` for a query already projected (``query_proj``), without the module-level
+        checks (the op still checks shapes): projected_query [B, Tq, H] or [B, H], projected_keys
+        [B, Tk, H], values [B, Tk, Dv] -> (context, weights). A caller that attends many times with
+        the same parameters (a decoder, step by step) passes ``score_vector=self.score_vector()``
+        computed once."""
+        v_eff, bias = self.score_vector() if score_vector is None else score_vector
         context, weights = attend(
-            self.backend, self.query_proj(query), projected_keys, values, v_eff, bias,
+            self.backend, projected_query, projected_keys, values, v_eff, bias,
             lengths=lengths, mask=mask,
         )  # fmt: skip
         return context, weights

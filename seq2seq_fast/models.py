@@ -19,6 +19,7 @@ Token ids: every vocabulary in this package puts <pad>=0, <unk>=1, <s>=2, </s>=3
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any, NamedTuple
 
@@ -126,12 +127,44 @@ def _decoder_attention(config: Seq2SeqConfig, memory_size: int) -> BahdanauAtten
     )
 
 
+def reverse_within_lengths(lengths: Tensor, width: int) -> Tensor:
+    """int64 [B, width]: the position that row b's position t comes from when each row is reversed
+    within its length (length - 1 - t for t < length, t itself in the padding). An involution:
+    gathering with it twice gives back the input."""
+    positions = torch.arange(width, device=lengths.device)
+    return torch.where(positions < lengths[:, None], lengths[:, None] - 1 - positions, positions)
+
+
+def _gather_time(x: Tensor, index: Tensor) -> Tensor:
+    """x [B, T, F], index [B, T] -> x[b, index[b, t]]."""
+    return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
+def _rnn_direction(rnn: nn.RNNBase, layer: int, reverse: bool, x: Tensor) -> Tensor:
+    """One layer, one direction of ``rnn`` (its own weights) over x [B, T, F] from zero state, left
+    to right -> outputs [B, T, H]."""
+    suffix = f"_l{layer}" + ("_reverse" if reverse else "")
+    names = ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if rnn.bias else ())
+    weights = [getattr(rnn, name + suffix) for name in names]
+    h0 = x.new_zeros(1, x.shape[0], rnn.hidden_size)
+    if isinstance(rnn, nn.GRU):
+        return torch.gru(x, h0, weights, rnn.bias, 1, 0.0, rnn.training, False, True)[0]
+    return torch.lstm(x, (h0, h0), weights, rnn.bias, 1, 0.0, rnn.training, False, True)[0]
+
+
 class Encoder(nn.Module):
-    """Embedding and a (bi)directional multi-layer GRU/LSTM over packed variable-length batches.
+    """Embedding and a (bi)directional multi-layer GRU/LSTM over variable-length batches.
 
     ``forward(src [B, S] int64, lengths [B]) -> (outputs [B, S, D] zero at padding, summary [B, D])``
     with D = hidden (x2 if bidirectional); summary = [last forward state; first backward state] of
     the top layer, read at each row's own length.
+
+    Two ways to run the RNN that give the same results (tests/test_models.py checks outputs, final
+    states and gradients): ``packed=True`` packs the batch (``pack_padded_sequence``); the default
+    runs each layer and direction on the padded batch, the backward direction on rows reversed
+    within their lengths (a gather), so padding never reaches a valid position. The default is the
+    faster one on CPU (the packed backward zero-fills a [total tokens, 3H] gradient per time step)
+    and the one ``torch.compile`` traces without a graph break.
     """
 
     def __init__(self, config: Seq2SeqConfig) -> None:
@@ -151,20 +184,71 @@ class Encoder(nn.Module):
         self.bidirectional = config.bidirectional
         self.output_size = config.hidden_size * (2 if config.bidirectional else 1)
 
-    def forward(self, src: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    def run_rnn(self, x: Tensor, lengths: Tensor, *, packed: bool = False) -> tuple[Tensor, Tensor]:
+        """x [B, S, E], lengths int64 [B] (>= 1) -> (outputs [B, S, D] zero at padding, final
+        hidden states [layers * directions, B, H] as nn.GRU/nn.LSTM order them)."""
+        if packed:
+            sequence = pack_padded_sequence(
+                x, lengths.cpu(), batch_first=True, enforce_sorted=False
+            )
+            out, final = self.rnn(sequence)
+            out, _ = pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
+            return out, _top_hidden(final)
+        rnn, width = self.rnn, x.shape[1]
+        rows = torch.arange(x.shape[0], device=x.device)
+        last = (lengths - 1).clamp(min=0)
+        reverse = reverse_within_lengths(lengths, width) if self.bidirectional else None
+        finals = []
+        for layer in range(rnn.num_layers):
+            if layer > 0 and rnn.dropout > 0:
+                x = F.dropout(x, rnn.dropout, self.training)
+            out = _rnn_direction(rnn, layer, False, x)
+            finals.append(out[rows, last])
+            if reverse is not None:
+                out_reverse = _gather_time(
+                    _rnn_direction(rnn, layer, True, _gather_time(x, reverse)), reverse
+                )
+                finals.append(out_reverse[:, 0])
+                out = torch.cat([out, out_reverse], dim=-1)
+            x = out
+        valid = torch.arange(width, device=x.device)[None, :] < lengths[:, None]
+        return x * valid.unsqueeze(-1).to(x.dtype), torch.stack(finals)
+
+    def forward(
+        self, src: Tensor, lengths: Tensor, *, packed: bool = False
+    ) -> tuple[Tensor, Tensor]:
         embedded = self.dropout(self.embedding(src))
-        packed = pack_padded_sequence(
-            embedded, lengths.cpu(), batch_first=True, enforce_sorted=False
-        )
-        packed_out, _ = self.rnn(packed)
-        outputs, _ = pad_packed_sequence(packed_out, batch_first=True, total_length=src.shape[1])
-        rows = torch.arange(src.shape[0], device=src.device)
-        last = outputs[rows, (lengths - 1).clamp(min=0), : self.hidden_size]
-        if self.bidirectional:
-            summary = torch.cat([last, outputs[:, 0, self.hidden_size :]], dim=-1)
-        else:
-            summary = last
+        outputs, final = self.run_rnn(embedded, lengths, packed=packed)
+        summary = torch.cat([final[-2], final[-1]], dim=-1) if self.bidirectional else final[-1]
         return self.dropout(outputs), summary
+
+
+def _cell_update(cell_type: str, gates_in: Tensor, gates_hidden: Tensor, layer_state):
+    """The GRUCell/LSTMCell update from the two gate projections (biases included):
+    gates_in = W_ih x + b_ih, gates_hidden = W_hh h + b_hh, each [B, 3H] (GRU) or [B, 4H] (LSTM)."""
+    # split (not slicing) so that each backward is one cat, not a zero-filled buffer per slice
+    if cell_type == "gru":
+        hidden = layer_state.shape[-1]
+        in_rz, in_n = gates_in.split([2 * hidden, hidden], dim=1)
+        hidden_rz, hidden_n = gates_hidden.split([2 * hidden, hidden], dim=1)
+        reset, update = torch.sigmoid(in_rz + hidden_rz).chunk(2, dim=1)
+        new = torch.tanh(torch.addcmul(in_n, reset, hidden_n))
+        return torch.lerp(new, layer_state, update)  # (1 - z) n + z h
+    h, c = layer_state
+    i, f, g, o = (gates_in + gates_hidden).chunk(4, dim=1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return torch.sigmoid(o) * torch.tanh(c), c
+
+
+class _StepWeights(NamedTuple):
+    """The Bahdanau decoder's weights arranged once per sequence (see BahdanauDecoder._weights)."""
+
+    embedded_in: Tensor  # [G, E]: layer 0's W_ih on the embedding
+    context_in: Tensor  # [G, D]: layer 0's W_ih on the context
+    bias_in: Tensor | None  # [G]: layer 0's b_ih
+    top_and_query: Tensor  # [G + A, H]: the top layer's W_hh stacked on the attention's W_q
+    top_and_query_bias: Tensor | None  # [G + A]: b_hh and zeros
+    score: tuple  # the attention's (v_eff, bias), computed once
 
 
 class BahdanauDecoder(nn.Module):
@@ -172,12 +256,19 @@ class BahdanauDecoder(nn.Module):
 
     At step t: c_t = attention(query = s_{t-1} (top layer), encoder states), the first cell consumes
     [emb(y_{t-1}); c_t], further layers consume the layer below, and logits = W [s_t; c_t].
+
+    The cells are nn.GRUCell/nn.LSTMCell (parameters, state_dict), evaluated with the same math but
+    arranged to do less per step: layer 0's input projection of the embeddings is one matrix
+    product over all target steps, only the context part is projected per step; s_{t-1} is
+    multiplied once by [W_hh (top layer); W_q] for both the top cell and the attention query; the
+    attention's score vector is formed once per sequence; the output layer runs once on all steps.
     """
 
     def __init__(self, config: Seq2SeqConfig, memory_size: int) -> None:
         super().__init__()
         hidden, layers = config.hidden_size, config.decoder_layers
         self.cell_type = config.cell
+        self.embed_size = config.embed_size
         self.embedding = nn.Embedding(config.tgt_vocab_size, config.embed_size, padding_idx=PAD_ID)
         self.attention = _decoder_attention(config, memory_size)
         self.cells = nn.ModuleList(
@@ -187,41 +278,75 @@ class BahdanauDecoder(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.output = nn.Linear(hidden + memory_size, config.tgt_vocab_size)
 
-    def _step(
-        self, embedded: Tensor, state: State, memory: Memory
-    ) -> tuple[Tensor, Tensor, State, Tensor]:
-        """embedded [B, E] -> (s_t [B, H], c_t [B, D], new state, weights [B, S])."""
-        query = _top_hidden(state[-1])
-        context, weights = self.attention(
-            query, memory.values, lengths=memory.lengths, projected_keys=memory.keys
+    def _weights(self) -> _StepWeights:
+        first, top = self.cells[0], self.cells[-1]
+        query_weight = self.attention.query_proj.weight
+        top_bias = top.bias_hh
+        if top_bias is not None:
+            top_bias = torch.cat([top_bias, top_bias.new_zeros(query_weight.shape[0])])
+        return _StepWeights(
+            first.weight_ih[:, : self.embed_size],
+            first.weight_ih[:, self.embed_size :],
+            first.bias_ih,
+            torch.cat([top.weight_hh, query_weight]),
+            top_bias,
+            self.attention.score_vector(),
         )
-        x = torch.cat([embedded, context], dim=-1)
-        new_state = []
+
+    def _step(
+        self, gates_embedded: Tensor, state: State, memory: Memory, weights: _StepWeights
+    ) -> tuple[Tensor, Tensor, State, Tensor]:
+        """gates_embedded [B, G] (= W_ih emb(y_{t-1}) + b_ih of layer 0) -> (s_t [B, H], c_t [B, D],
+        new state, attention weights [B, S])."""
+        top_and_query = F.linear(
+            _top_hidden(state[-1]), weights.top_and_query, weights.top_and_query_bias
+        )
+        gates = weights.embedded_in.shape[0]
+        gates_top, query = top_and_query.split([gates, top_and_query.shape[1] - gates], dim=1)
+        context, attention_weights = self.attention.attend_projected(
+            query, memory.keys, memory.values, lengths=memory.lengths, score_vector=weights.score
+        )
+        gates_in = torch.addmm(gates_embedded, context, weights.context_in.t())
+        new_state, x = [], context
+        last = len(self.cells) - 1
         for i, (cell, layer_state) in enumerate(zip(self.cells, state, strict=True)):
-            layer_state = cell(x, layer_state)
+            if i > 0:
+                gates_in = F.linear(self.dropout(x), cell.weight_ih, cell.bias_ih)
+            if i == last:
+                gates_hidden = gates_top
+            else:
+                gates_hidden = F.linear(_top_hidden(layer_state), cell.weight_hh, cell.bias_hh)
+            layer_state = _cell_update(self.cell_type, gates_in, gates_hidden, layer_state)
             new_state.append(layer_state)
             x = _top_hidden(layer_state)
-            if i + 1 < len(self.cells):
-                x = self.dropout(x)
-        return x, context, tuple(new_state), weights
+        return x, context, tuple(new_state), attention_weights
+
+    def _gates_embedded(self, embedded: Tensor, weights: _StepWeights) -> Tensor:
+        return F.linear(embedded, weights.embedded_in, weights.bias_in)
 
     def forward(self, tgt_in: Tensor, state: State, memory: Memory) -> tuple[Tensor, Tensor, State]:
         """Teacher forcing: tgt_in [B, T] -> (logits [B, T, V], weights [B, T, S], final state)."""
-        embedded = self.dropout(self.embedding(tgt_in))
+        weights = self._weights()
+        # Time-major, so that each step reads a contiguous [B, G] slice.
+        embedded = self.dropout(self.embedding(tgt_in.t()))
+        # [T, B, G] in one product; unbind (not indexing) so the backward is one stack
+        gates_embedded = self._gates_embedded(embedded, weights).unbind(0)
         outputs, contexts, all_weights = [], [], []
-        for t in range(tgt_in.shape[1]):
-            s_t, c_t, state, weights = self._step(embedded[:, t], state, memory)
+        for gates_t in gates_embedded:
+            s_t, c_t, state, attention_weights = self._step(gates_t, state, memory, weights)
             outputs.append(s_t)
             contexts.append(c_t)
-            all_weights.append(weights)
+            all_weights.append(attention_weights)
         features = torch.cat([torch.stack(outputs, 1), torch.stack(contexts, 1)], dim=-1)
         logits = self.output(self.dropout(features))
         return logits, torch.stack(all_weights, 1), state
 
     def step(self, y_prev: Tensor, state: State, memory: Memory) -> tuple[Tensor, Tensor, State]:
         """One decoding step: y_prev [B] -> (logits [B, V], weights [B, S], state)."""
-        s_t, c_t, state, weights = self._step(self.embedding(y_prev), state, memory)
-        return self.output(torch.cat([s_t, c_t], dim=-1)), weights, state
+        weights = self._weights()
+        gates_embedded = self._gates_embedded(self.embedding(y_prev), weights)
+        s_t, c_t, state, attention_weights = self._step(gates_embedded, state, memory, weights)
+        return self.output(torch.cat([s_t, c_t], dim=-1)), attention_weights, state
 
 
 class GNMTDecoder(nn.Module):
@@ -326,6 +451,19 @@ class Seq2Seq(nn.Module):
         memory, state = self.encode(src, src_lengths)
         logits, weights, _ = self.decoder(tgt_in, state, memory)
         return logits, weights
+
+
+def compile_model(model: nn.Module, **options) -> Callable[..., Any]:
+    """``torch.compile(model, **options)`` traced as one graph: the encoder's and the GNMT decoder's
+    GRU/LSTM layers included (dynamo's ``allow_rnn``, set only while the compiled model runs), the
+    fused attention op inside. Returns a callable with the model's call signature."""
+    compiled = torch.compile(model, **options)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(allow_rnn=True):
+            return compiled(*args, **kwargs)
+
+    return run
 
 
 def sequence_loss(logits: Tensor, tgt_out: Tensor, label_smoothing: float = 0.0) -> Tensor:
