@@ -52,7 +52,7 @@ using at::Tensor;
 
 // ---- instruction-set selection ---------------------------------------------------------------
 
-bool cpu_has_avx512() {
+[[maybe_unused]] bool cpu_has_avx512() {
 #if SEQ2SEQ_FAST_X86_SIMD
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
   return ok;
@@ -61,7 +61,7 @@ bool cpu_has_avx512() {
 #endif
 }
 
-bool cpu_has_avx2() {
+[[maybe_unused]] bool cpu_has_avx2() {
 #if SEQ2SEQ_FAST_X86_SIMD
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return ok;
