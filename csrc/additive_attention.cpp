@@ -43,6 +43,7 @@
 #include <sys/mman.h>
 #endif
 
+#include "item_pool.h"
 #include "kernels.h"
 
 namespace seq2seq_fast {
@@ -196,7 +197,9 @@ Plan make_plan(int64_t B, int64_t Tq, int64_t Tk, int64_t H) {
 // Runs fn(item, scratch) for every item. Threads take items from a shared counter, so a thread
 // that the OS deschedules (a shared machine) does not hold the others back. Every item writes
 // only its own outputs and partial buffers: results do not depend on which thread ran an item.
-// Tiny work runs inline, without waking a thread.
+// Tiny work runs inline, without waking a thread. The threads are the caller plus helpers from
+// item_pool.h, which does not wait for a helper that never got a core; SEQ2SEQ_FAST_POOL=omp
+// uses at::parallel_for instead (for comparison).
 template <typename MakeScratch, typename Fn>
 void for_each_item(const Plan& plan, MakeScratch make_scratch, Fn fn) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
@@ -208,14 +211,18 @@ void for_each_item(const Plan& plan, MakeScratch make_scratch, Fn fn) {
     return;
   }
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  auto participant = [&] {
     auto scratch = make_scratch();
-    for (int64_t task = begin; task < end; ++task) {
-      for (int64_t item = next.fetch_add(1); item < plan.items; item = next.fetch_add(1)) {
-        fn(item, scratch);
-      }
+    for (int64_t item = next.fetch_add(1); item < plan.items; item = next.fetch_add(1)) {
+      fn(item, scratch);
     }
-  });
+  };
+  const char* pool_env = std::getenv("SEQ2SEQ_FAST_POOL");
+  if (pool_env != nullptr && std::string(pool_env) == "omp") {
+    at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) { participant(); });
+    return;
+  }
+  run_with_helpers(int(tasks - 1), participant);
 }
 
 // ---- checks ----------------------------------------------------------------------------------
