@@ -36,6 +36,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -519,8 +520,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   const bool split = plan.blocks_per_row > 1;
   // Split rows: each item's dkeys (already scaled) in its own slot, summed in order afterwards.
   Tensor dk_parts = split ? at::zeros({n.B, plan.blocks_per_row, n.Tk, n.H}, opts) : Tensor();
-  // Per item: dv contribution (Hp) then sum of de.
-  Tensor dv_parts = at::zeros({plan.items, Hp}, opts);
+  // Per item: its dv contribution (Hp) and its dbias contribution (sum of its dq rows, H), each
+  // item writing its own rows; summed in item order afterwards. Plain buffers, no torch op:
+  // every torch op here would be one more parallel region (see for_each_item).
+  std::unique_ptr<T[]> dv_parts(new T[size_t(plan.items) * size_t(Hp)]);
+  std::unique_ptr<T[]> db_parts(new T[size_t(plan.items) * size_t(n.H)]);
   const bool dvalues_in_items = !split && (n.Tq <= kMaxQueriesForRankUpdate || !use_bmm);
   Tensor dvalues = dvalues_in_items ? empty_output({n.B, n.Tk, n.Dv}, opts) : Tensor();
   T* dvalp = dvalues_in_items ? dvalues.data_ptr<T>() : nullptr;
@@ -536,7 +540,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   T* pp = probs.data_ptr<T>();
   T* dqp = dq.data_ptr<T>();
   T* dkp = split ? dk_parts.data_ptr<T>() : dk.data_ptr<T>();
-  T* dvp = dv_parts.data_ptr<T>();
+  T* dvp = dv_parts.get();
+  T* dbp = db_parts.get();
 
   // The score pass stores y (r or tanh) for a sub-block of query rows; the gradient pass reads
   // it back instead of recomputing the reciprocal. The sub-block keeps that buffer near
@@ -566,6 +571,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     const int64_t blk = item % plan.blocks_per_row;
     const int64_t t0 = blk * plan.block;
     const int64_t nq = std::min(plan.block, n.Tq - t0);
+    std::fill(dvp + item * Hp, dvp + (item + 1) * Hp, T(0));  // this item's partial sums
+    std::fill(dbp + item * n.H, dbp + (item + 1) * n.H, T(0));
     if (nq <= 0) return;
     const int64_t nk = kv.count(b);
     const bool* valid = kv.row_mask(b);
@@ -652,14 +659,35 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
                        dvalp + b * n.Tk * n.Dv);
     }
     kt.scale_rows(gq, nq, Hp, scale, dq_rows, n.H);
+    T* db = dbp + item * n.H;
+    std::copy(dq_rows, dq_rows + n.H, db);
+    for (int64_t t = 1; t < nq; ++t) {
+      for (int64_t h = 0; h < n.H; ++h) db[h] += dq_rows[t * n.H + h];
+    }
     if (prod) {
       for (int64_t h = 0; h < Hp; ++h) gv[h] = T(sum_de) - T(2) * gv[h];
     }
   });
 
   if (split) dk = dk_parts.sum(1);
-  Tensor dv = dv_parts.sum(0).narrow(0, 0, n.H).contiguous();
-  Tensor dbias = dq.sum({0, 1});
+  Tensor dv = at::empty({n.H}, opts), dbias = at::empty({n.H}, opts);
+  {
+    std::vector<double> sum_v(n.H, 0.0), sum_b(n.H, 0.0);
+    for (int64_t item = 0; item < plan.items; ++item) {
+      const T* pv = dvp + item * Hp;
+      const T* pb = dbp + item * n.H;
+      for (int64_t h = 0; h < n.H; ++h) {
+        sum_v[h] += pv[h];
+        sum_b[h] += pb[h];
+      }
+    }
+    T* dvo = dv.data_ptr<T>();
+    T* dbo = dbias.data_ptr<T>();
+    for (int64_t h = 0; h < n.H; ++h) {
+      dvo[h] = T(sum_v[h]);
+      dbo[h] = T(sum_b[h]);
+    }
+  }
   if (!dvalues_in_items) dvalues = at::bmm(probs.transpose(1, 2), dctx);
   return {dq, dk, dvalues, dv, dbias};
 }
