@@ -13,6 +13,10 @@
 namespace seq2seq_fast {
 namespace {
 
+// Rounds of sched_yield() the caller gives a helper that is finishing its last item before it
+// sleeps on a condition variable (a yield returns at once when no other thread wants the core).
+constexpr int kWatchRounds = 200;
+
 class Pool {
  public:
   void run(int helpers, const std::function<void()>& participant) {
@@ -41,7 +45,16 @@ class Pool {
       std::unique_lock<std::mutex> lk(mu_);
       open_ = 0;  // helpers that have not started by now stay out
       job_ = nullptr;
-      done_.wait(lk, [&] { return active_ == 0; });
+    }
+    // A helper still inside is usually running its last item: watch it briefly (a sleep and
+    // wake-up would add tens of microseconds to every call), then sleep (it may have lost its
+    // core, and spinning would keep that core from it).
+    for (int i = 0; i < kWatchRounds && active_.load(std::memory_order_acquire) != 0; ++i) {
+      std::this_thread::yield();
+    }
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      done_.wait(lk, [&] { return active_.load(std::memory_order_relaxed) == 0; });
       theirs = error_;
       error_ = nullptr;
     }
@@ -71,7 +84,7 @@ class Pool {
       seen = generation_.load(std::memory_order_acquire);
       if (job_ == nullptr || open_ <= 0) continue;  // closed, or enough helpers already
       --open_;
-      ++active_;
+      active_.fetch_add(1, std::memory_order_relaxed);
       const std::function<void()>* job = job_;
       lk.unlock();
       std::exception_ptr err;
@@ -82,7 +95,7 @@ class Pool {
       }
       lk.lock();
       if (err && !error_) error_ = err;
-      if (--active_ == 0) done_.notify_all();
+      if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) done_.notify_all();
     }
   }
 
@@ -92,7 +105,7 @@ class Pool {
   std::atomic<uint64_t> generation_{0};
   const std::function<void()>* job_ = nullptr;
   int open_ = 0;       // helpers that may still join the current job
-  int active_ = 0;     // helpers inside the current job
+  std::atomic<int> active_{0};  // helpers inside the current job (changed under mu_)
   int sleepers_ = 0;   // helpers waiting on wake_
   unsigned threads_ = 0;
   std::exception_ptr error_;
