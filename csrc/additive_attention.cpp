@@ -9,22 +9,26 @@
 // SIMD kernels (kernels.h; AVX-512 / AVX2 / portable chosen at run time), and the softmax of its
 // rows into the [B,Tq,Tk] weights. The value-side products (context = p values,
 // dp = dctx values^T, dvalues = p^T dctx) are done by the items too (SIMD kernels about as fast as
-// BLAS at these sizes), so that each op is one parallel region: on a machine shared with other
-// jobs every extra region can wait a scheduler slice for a descheduled thread.
+// BLAS at these sizes), so that each op is one parallel region (item_pool.h): on a machine shared
+// with other jobs every extra region can wait a scheduler slice for a descheduled thread.
 // SEQ2SEQ_FAST_CTX=bmm switches them back to batched matmuls (for comparison; dvalues stays in
 // the items for <= 8 queries, where BLAS at inner dimension Tq is slow). Nothing of size
 // B*Tq*Tk*H is ever allocated: per-thread scratch is O(rows * H) plus a 512 KiB y buffer, buffers
 // O(B*Tq*Tk).
 //
-// Backward recomputes the scores of each item, a few query rows at a time, keeping each element's
-// y (r = 1/(1 + e^{2a} e^{2b}) or tanh) in the y buffer; re-normalises the rows (from the
-// recomputed row maximum and sum: equal to exp(e - lse), but float64 stays exact although lse is
-// float32); forms de = p (dp - sum_s p dp); and reads y back to accumulate
+// Backward, given the forward's weights p (what autograd passes on CPU): forms
+// de = p (dp - sum_s p dp) first, then makes one pass over the (query, key) pairs that computes
+// y (r = 1/(1 + e^{2a} e^{2b}) or tanh) in registers and accumulates
 //   dq[t] += de sech^2 v,  dk[s] += de sech^2 v,  dv += de tanh,  dbias = sum_t dq[t].
+// With one query tile per item (a decoding step) each dkeys row is final when its tile ends and is
+// written straight to the output. Without p, it recomputes the scores of each item, a few query
+// rows at a time, keeping each element's y in the y buffer; re-normalises the rows (from the
+// recomputed row maximum and sum: equal to exp(e - lse), but float64 stays exact although lse is
+// float32); and reads y back for the same accumulation.
 // dkeys of a batch row that is split over several items goes through per-item partial buffers
-// reduced in a fixed order (only when B is small, so they stay O(threads * Tk * H)); dv partials
-// are per item; threads take whole items: results are bitwise reproducible run to run for a fixed
-// thread count.
+// reduced in a fixed order (only when B is small, so they stay O(threads * Tk * H)); dv and dbias
+// partials are per item; threads take whole items: results are bitwise reproducible run to run
+// for a fixed thread count.
 #include <ATen/Parallel.h>
 #include <Python.h>
 #include <torch/library.h>
