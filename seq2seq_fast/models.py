@@ -1,6 +1,7 @@
 """Attention Seq2Seq models on :class:`~seq2seq_fast.BahdanauAttention`: encoder, two decoders, search.
 
-    Encoder        embedding -> GRU/LSTM (optionally bidirectional, multi-layer), packed batches
+    Encoder        embedding -> GRU/LSTM (optionally bidirectional, multi-layer) over variable-
+                   length batches (backward direction on rows reversed within their lengths)
     BahdanauDecoder  the paper's recurrence, one step at a time:
                    c_t = attend(query=s_{t-1}), s_t = cell([y_{t-1}; c_t], s_{t-1}),
                    p(y_t) = softmax(W [s_t; c_t])
@@ -8,6 +9,7 @@
                    target steps is ONE fused call (Tq = target length); its context feeds the later
                    layers (GNMT's layout) -- the fast training path
     Seq2Seq        encoder + bridge + decoder; ``forward`` gives teacher-forced logits
+    compile_model  torch.compile of a model as one graph (RNN layers and the fused op inside)
     greedy_decode, beam_search   batched decoding that also returns the attention matrices
 
 Both decoders mask padding with the source lengths and project the encoder states once per source
@@ -160,11 +162,13 @@ class Encoder(nn.Module):
     the top layer, read at each row's own length.
 
     Two ways to run the RNN that give the same results (tests/test_models.py checks outputs, final
-    states and gradients): ``packed=True`` packs the batch (``pack_padded_sequence``); the default
-    runs each layer and direction on the padded batch, the backward direction on rows reversed
-    within their lengths (a gather), so padding never reaches a valid position. The default is the
-    faster one on CPU (the packed backward zero-fills a [total tokens, 3H] gradient per time step)
-    and the one ``torch.compile`` traces without a graph break.
+    states and gradients): ``packed=True`` packs the batch (``pack_padded_sequence``);
+    ``packed=False`` runs each layer and direction on the padded batch, the backward direction on
+    rows reversed within their lengths (a gather), so padding never reaches a valid position. The
+    default (``packed=None``) packs only CUDA batches in eager mode (cuDNN runs packed batches
+    natively and wants the module's own flattened weights); on CPU the padded path is the faster
+    one (the packed backward zero-fills a [total tokens, 3H] gradient per time step), and it is the
+    one ``torch.compile`` traces without a graph break.
     """
 
     def __init__(self, config: Seq2SeqConfig) -> None:
@@ -184,9 +188,13 @@ class Encoder(nn.Module):
         self.bidirectional = config.bidirectional
         self.output_size = config.hidden_size * (2 if config.bidirectional else 1)
 
-    def run_rnn(self, x: Tensor, lengths: Tensor, *, packed: bool = False) -> tuple[Tensor, Tensor]:
+    def run_rnn(
+        self, x: Tensor, lengths: Tensor, *, packed: bool | None = None
+    ) -> tuple[Tensor, Tensor]:
         """x [B, S, E], lengths int64 [B] (>= 1) -> (outputs [B, S, D] zero at padding, final
         hidden states [layers * directions, B, H] as nn.GRU/nn.LSTM order them)."""
+        if packed is None:
+            packed = x.is_cuda and not torch.compiler.is_compiling()
         if packed:
             sequence = pack_padded_sequence(
                 x, lengths.cpu(), batch_first=True, enforce_sorted=False
@@ -215,7 +223,7 @@ class Encoder(nn.Module):
         return x * valid.unsqueeze(-1).to(x.dtype), torch.stack(finals)
 
     def forward(
-        self, src: Tensor, lengths: Tensor, *, packed: bool = False
+        self, src: Tensor, lengths: Tensor, *, packed: bool | None = None
     ) -> tuple[Tensor, Tensor]:
         embedded = self.dropout(self.embedding(src))
         outputs, final = self.run_rnn(embedded, lengths, packed=packed)
