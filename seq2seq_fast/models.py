@@ -165,10 +165,10 @@ class Encoder(nn.Module):
     states and gradients): ``packed=True`` packs the batch (``pack_padded_sequence``);
     ``packed=False`` runs each layer and direction on the padded batch, the backward direction on
     rows reversed within their lengths (a gather), so padding never reaches a valid position. The
-    default (``packed=None``) packs only CUDA batches in eager mode (cuDNN runs packed batches
-    natively and wants the module's own flattened weights); on CPU the padded path is the faster
-    one (the packed backward zero-fills a [total tokens, 3H] gradient per time step), and it is the
-    one ``torch.compile`` traces without a graph break.
+    default (``packed=None``) takes the padded path under ``torch.compile`` (traced without a graph
+    break) and for CPU training (the packed backward zero-fills a [total tokens, 3H] gradient per
+    time step), and packs otherwise: without autograd (decoding) packing skips the padding, and
+    cuDNN runs packed batches natively on the module's flattened weights.
     """
 
     def __init__(self, config: Seq2SeqConfig) -> None:
@@ -194,7 +194,9 @@ class Encoder(nn.Module):
         """x [B, S, E], lengths int64 [B] (>= 1) -> (outputs [B, S, D] zero at padding, final
         hidden states [layers * directions, B, H] as nn.GRU/nn.LSTM order them)."""
         if packed is None:
-            packed = x.is_cuda and not torch.compiler.is_compiling()
+            packed = not torch.compiler.is_compiling() and (
+                x.is_cuda or not torch.is_grad_enabled()
+            )
         if packed:
             sequence = pack_padded_sequence(
                 x, lengths.cpu(), batch_first=True, enforce_sorted=False
@@ -254,8 +256,11 @@ class _StepWeights(NamedTuple):
     embedded_in: Tensor  # [G, E]: layer 0's W_ih on the embedding
     context_in: Tensor  # [G, D]: layer 0's W_ih on the context
     bias_in: Tensor | None  # [G]: layer 0's b_ih
-    top_and_query: Tensor  # [G + A, H]: the top layer's W_hh stacked on the attention's W_q
-    top_and_query_bias: Tensor | None  # [G + A]: b_hh and zeros
+    # The top layer's W_hh [G, H] and b_hh; with query None, W_q is stacked below them ([G + A, H],
+    # bias padded with zeros) so that one product gives both the top cell's gates and the query.
+    top: Tensor
+    top_bias: Tensor | None
+    query: Tensor | None  # [A, H]: the attention's W_q when not stacked
     score: tuple  # the attention's (v_eff, bias), computed once
 
 
@@ -286,18 +291,23 @@ class BahdanauDecoder(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.output = nn.Linear(hidden + memory_size, config.tgt_vocab_size)
 
-    def _weights(self) -> _StepWeights:
+    def _weights(self, stack_query: bool = True) -> _StepWeights:
+        """The weights as the steps use them; ``stack_query`` stacks W_q below the top W_hh (a copy
+        per call: worth it over a sequence, not for a single decoding step)."""
         first, top = self.cells[0], self.cells[-1]
         query_weight = self.attention.query_proj.weight
-        top_bias = top.bias_hh
-        if top_bias is not None:
-            top_bias = torch.cat([top_bias, top_bias.new_zeros(query_weight.shape[0])])
+        top_weight, top_bias = top.weight_hh, top.bias_hh
+        if stack_query:
+            top_weight = torch.cat([top_weight, query_weight])
+            if top_bias is not None:
+                top_bias = torch.cat([top_bias, top_bias.new_zeros(query_weight.shape[0])])
         return _StepWeights(
             first.weight_ih[:, : self.embed_size],
             first.weight_ih[:, self.embed_size :],
             first.bias_ih,
-            torch.cat([top.weight_hh, query_weight]),
+            top_weight,
             top_bias,
+            None if stack_query else query_weight,
             self.attention.score_vector(),
         )
 
@@ -306,11 +316,13 @@ class BahdanauDecoder(nn.Module):
     ) -> tuple[Tensor, Tensor, State, Tensor]:
         """gates_embedded [B, G] (= W_ih emb(y_{t-1}) + b_ih of layer 0) -> (s_t [B, H], c_t [B, D],
         new state, attention weights [B, S])."""
-        top_and_query = F.linear(
-            _top_hidden(state[-1]), weights.top_and_query, weights.top_and_query_bias
-        )
-        gates = weights.embedded_in.shape[0]
-        gates_top, query = top_and_query.split([gates, top_and_query.shape[1] - gates], dim=1)
+        top_hidden = _top_hidden(state[-1])
+        gates_top = F.linear(top_hidden, weights.top, weights.top_bias)
+        if weights.query is None:  # W_q stacked below W_hh
+            gates = weights.embedded_in.shape[0]
+            gates_top, query = gates_top.split([gates, gates_top.shape[1] - gates], dim=1)
+        else:
+            query = F.linear(top_hidden, weights.query)
         context, attention_weights = self.attention.attend_projected(
             query, memory.keys, memory.values, lengths=memory.lengths, score_vector=weights.score
         )
@@ -351,7 +363,7 @@ class BahdanauDecoder(nn.Module):
 
     def step(self, y_prev: Tensor, state: State, memory: Memory) -> tuple[Tensor, Tensor, State]:
         """One decoding step: y_prev [B] -> (logits [B, V], weights [B, S], state)."""
-        weights = self._weights()
+        weights = self._weights(stack_query=False)
         gates_embedded = self._gates_embedded(self.embedding(y_prev), weights)
         s_t, c_t, state, attention_weights = self._step(gates_embedded, state, memory, weights)
         return self.output(torch.cat([s_t, c_t], dim=-1)), attention_weights, state
