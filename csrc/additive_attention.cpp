@@ -9,8 +9,8 @@
 // SIMD kernels (kernels.h; AVX-512 / AVX2 / portable chosen at run time), and the softmax of its
 // rows into the [B,Tq,Tk] weights. The value-side products (context = p values,
 // dp = dctx values^T, dvalues = p^T dctx) are done by the items too (SIMD kernels about as fast as
-// BLAS at these sizes), so that each op is one parallel region (item_pool.h): on a machine shared
-// with other jobs every extra region can wait a scheduler slice for a descheduled thread.
+// BLAS at these sizes), so that each op is one parallel region: on a machine shared with other
+// jobs every extra region can wait a scheduler slice for a descheduled thread (for_each_item).
 // SEQ2SEQ_FAST_CTX=bmm switches them back to batched matmuls (for comparison; dvalues stays in
 // the items for <= 8 queries, where BLAS at inner dimension Tq is slow). Nothing of size
 // B*Tq*Tk*H is ever allocated: per-thread scratch is O(rows * H) plus a 512 KiB y buffer, buffers
@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -48,7 +49,6 @@
 #include <sys/mman.h>
 #endif
 
-#include "item_pool.h"
 #include "kernels.h"
 
 namespace seq2seq_fast {
@@ -199,35 +199,65 @@ Plan make_plan(int64_t B, int64_t Tq, int64_t Tk, int64_t H) {
   return {blocks, block, B * blocks, std::max<int64_t>(1, block * Tk * H)};
 }
 
+// Contention back-off. A parallel region ends with a barrier that waits for every thread of the
+// team; when the OS has descheduled one of them (another job holds the core) that wait lasts a
+// scheduler slice, whatever the other threads did meanwhile: measured here, a 0.7 ms forward took
+// 8 ms at 2 threads with the other core busy (1.2 ms on one thread). So each region checks how
+// long the calling thread waited after its own last item; when that wait exceeds half of its own
+// working time (plus 100 us), the next calls run on the calling thread alone for kBackoff, and
+// then try the team again. On an idle machine the wait is at most one item and nothing changes.
+// SEQ2SEQ_FAST_BACKOFF=0 turns this off (always the whole team; for comparison).
+constexpr std::chrono::milliseconds kBackoff{20};
+std::atomic<int64_t> g_alone_until_ns{0};
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+bool backoff_enabled() {
+  const char* env = std::getenv("SEQ2SEQ_FAST_BACKOFF");
+  return !(env != nullptr && std::string(env) == "0");
+}
+
 // Runs fn(item, scratch) for every item. Threads take items from a shared counter, so a thread
-// that the OS deschedules (a shared machine) does not hold the others back. Every item writes
-// only its own outputs and partial buffers: results do not depend on which thread ran an item.
-// Tiny work runs inline, without waking a thread. The threads are the caller plus helpers from
-// item_pool.h, which does not wait for a helper that never got a core; SEQ2SEQ_FAST_POOL=omp
-// uses at::parallel_for instead (for comparison).
+// that the OS deschedules does not hold the others back until the final barrier (see above).
+// Every item writes only its own outputs and partial buffers: results do not depend on which
+// thread ran an item. Tiny work runs inline, without waking a thread.
 template <typename MakeScratch, typename Fn>
 void for_each_item(const Plan& plan, MakeScratch make_scratch, Fn fn) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t by_work = std::max<int64_t>(1, plan.items * plan.work_per_item / kMinWorkPerTask);
   const int64_t tasks = std::min({threads, by_work, plan.items});
-  if (tasks <= 1 || at::in_parallel_region()) {
+  const bool backoff = backoff_enabled();
+  const int64_t start = now_ns();
+  if (tasks <= 1 || at::in_parallel_region() ||
+      (backoff && start < g_alone_until_ns.load(std::memory_order_relaxed))) {
     auto scratch = make_scratch();
     for (int64_t item = 0; item < plan.items; ++item) fn(item, scratch);
     return;
   }
   std::atomic<int64_t> next{0};
-  auto participant = [&] {
+  std::atomic<int64_t> caller_done{0};
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     auto scratch = make_scratch();
-    for (int64_t item = next.fetch_add(1); item < plan.items; item = next.fetch_add(1)) {
-      fn(item, scratch);
+    for (int64_t task = begin; task < end; ++task) {
+      for (int64_t item = next.fetch_add(1); item < plan.items; item = next.fetch_add(1)) {
+        fn(item, scratch);
+      }
     }
-  };
-  const char* pool_env = std::getenv("SEQ2SEQ_FAST_POOL");
-  if (pool_env != nullptr && std::string(pool_env) == "omp") {
-    at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) { participant(); });
-    return;
+    if (at::get_thread_num() == 0) caller_done.store(now_ns(), std::memory_order_relaxed);
+  });
+  const int64_t finish = now_ns();
+  const int64_t done = caller_done.load(std::memory_order_relaxed);
+  if (backoff && done > 0) {
+    const int64_t waited = finish - done, worked = done - start;
+    if (waited > worked / 2 + 100000) {
+      g_alone_until_ns.store(finish + std::chrono::nanoseconds(kBackoff).count(),
+                             std::memory_order_relaxed);
+    }
   }
-  run_with_helpers(int(tasks - 1), participant);
 }
 
 // ---- checks ----------------------------------------------------------------------------------

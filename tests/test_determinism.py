@@ -168,36 +168,6 @@ def test_cpp_concurrent_calls_equal_serial(with_grad, threads):
                 assert torch.equal(x, y), f"request {i} differs when run concurrently"
 
 
-def _hash_in_forked_child(conn):
-    torch.set_num_threads(2)
-    inputs, lengths = make_case(SHAPES[2], torch.float32)
-    result = flat(forward_backward(additive_attention, inputs, lengths=lengths))
-    conn.send([t.numpy() for t in result])
-    conn.close()
-
-
-@requires_cpp
-@pytest.mark.skipif(sys.platform != "linux", reason="fork start method")
-def test_cpp_threads_work_in_a_forked_child(threads):
-    """The kernel's helper threads do not survive fork(): a child (DataLoader workers, fork-based
-    multiprocessing) gets fresh ones, and neither hangs nor differs."""
-    import multiprocessing
-
-    threads(2)
-    inputs, lengths = make_case(SHAPES[2], torch.float32)
-    parent = flat(forward_backward(additive_attention, inputs, lengths=lengths))  # pool started
-    ctx = multiprocessing.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_hash_in_forked_child, args=(send,))
-    child.start()
-    assert receive.poll(120), "the forked child did not answer within 120 s"
-    got = receive.recv()
-    child.join(30)
-    assert child.exitcode == 0
-    for name, a, b in zip(("context", "weights", *GRAD_NAMES), parent, got, strict=True):
-        assert torch.equal(a, torch.from_numpy(b)), name
-
-
 @requires_cpp
 def test_module_shared_by_threads_equals_serial(threads):
     """One BahdanauAttention (eval, no grad) serving decoding steps from several threads."""
