@@ -13,18 +13,16 @@
 // jobs every extra region can wait a scheduler slice for a descheduled thread (for_each_item).
 // SEQ2SEQ_FAST_CTX=bmm switches them back to batched matmuls (for comparison; dvalues stays in
 // the items for <= 8 queries, where BLAS at inner dimension Tq is slow). Nothing of size
-// B*Tq*Tk*H is ever allocated: per-thread scratch is O(rows * H) plus a 512 KiB y buffer, buffers
-// O(B*Tq*Tk).
+// B*Tq*Tk*H is ever allocated: per-thread scratch is O((rows + Tk) * H), buffers O(B*Tq*Tk).
 //
 // Backward, given the forward's weights p (what autograd passes on CPU): forms
 // de = p (dp - sum_s p dp) first, then makes one pass over the (query, key) pairs that computes
 // y (r = 1/(1 + e^{2a} e^{2b}) or tanh) in registers and accumulates
 //   dq[t] += de sech^2 v,  dk[s] += de sech^2 v,  dv += de tanh,  dbias = sum_t dq[t].
 // With one query tile per item (a decoding step) each dkeys row is final when its tile ends and is
-// written straight to the output. Without p, it recomputes the scores of each item, a few query
-// rows at a time, keeping each element's y in the y buffer; re-normalises the rows (from the
-// recomputed row maximum and sum: equal to exp(e - lse), but float64 stays exact although lse is
-// float32); and reads y back for the same accumulation.
+// written straight to the output. Without p (a direct call of the op), each item first recomputes
+// its rows of p as the forward does (scores, then the softmax from the row maximum and sum: equal
+// to exp(e - lse), but float64 stays exact although lse is float32).
 // dkeys of a batch row that is split over several items goes through per-item partial buffers
 // reduced in a fixed order (only when B is small, so they stay O(threads * Tk * H)); dv and dbias
 // partials are per item; threads take whole items: results are bitwise reproducible run to run
@@ -119,9 +117,6 @@ constexpr int64_t kMinQueriesForProduct = 2;
 // Rows of a batch row split over threads get at least this many queries each, so that the keys'
 // exponentials are shared by several queries.
 constexpr int64_t kMinQueriesPerBlock = 4;
-// Backward keeps y = r or tanh of a few query rows for the gradient pass: about this many bytes
-// (L2-resident), and never less than one query row (Tk * H values).
-constexpr int64_t kYBufferBytes = 512 * 1024;
 // Up to this many queries, dvalues = p^T dctx is a rank-Tq update done per item (BLAS is slow at
 // inner dimension Tq = 1, a decoding step); above it, one batched matmul.
 constexpr int64_t kMaxQueriesForRankUpdate = 8;
@@ -483,7 +478,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Te
         const bool prod = path == kProduct;
         kt.scores(path, qbuf, nq, kbuf, nk, Hp,
                   prod ? sv.product.data() : sv.rational.data(), prod ? sv.sum_v : T(0), rows,
-                  n.Tk, nullptr);
+                  n.Tk);
       }
       softmax_rows<T>(kt, rows, nq, n.Tk, nk, kv.row_mask(b), lp + b * n.Tq + t0);
       if (ctxp != nullptr) {
@@ -577,26 +572,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   T* dvp = dv_parts.get();
   T* dbp = db_parts.get();
 
-  // The score pass stores y (r or tanh) for a sub-block of query rows; the gradient pass reads
-  // it back instead of recomputing the reciprocal. The sub-block keeps that buffer near
-  // kYBufferBytes (at least one query row: Tk * Hp values).
-  const int64_t sub_rows =
-      have_p ? 0
-             : std::max<int64_t>(1, std::min<int64_t>(plan.block,
-                                                      kYBufferBytes / int64_t(sizeof(T)) /
-                                                          std::max<int64_t>(1, n.Tk * Hp)));
   struct Scratch {
-    T *qbuf, *kbuf, *ys, *de, *gq, *gk, *dps;
+    T *qbuf, *kbuf, *de, *gq, *gk, *dps;
   };
   auto make_scratch = [&] {
     return Scratch{thread_scratch<T>(0, plan.block * Hp), thread_scratch<T>(1, n.Tk * Hp),
-                   thread_scratch<T>(2, sub_rows * n.Tk * Hp), thread_scratch<T>(3, plan.block * n.Tk),
+                   thread_scratch<T>(3, plan.block * n.Tk),
                    thread_scratch<T>(4, plan.block * Hp), thread_scratch<T>(5, n.Tk * Hp),
                    thread_scratch<T>(7, plan.block * n.Tk)};
   };
   for_each_item(plan, make_scratch, [&](int64_t item, Scratch& scratch) {
     T* qbuf = scratch.qbuf;
-    T* ys = scratch.ys;
     T* de = scratch.de;
     T* gq = scratch.gq;
     T* gk = scratch.gk;
@@ -649,44 +635,31 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     const T* scale = prod ? sv.grad_product.data() : sv.rational.data();
     T* dk_rows =
         split ? dkp + (b * plan.blocks_per_row + blk) * n.Tk * n.H : dkp + b * n.Tk * n.H;
+    if (!have_p) {  // the forward's weights, recomputed: scores, then the softmax of each row
+      kt.scores(path, qbuf, nq, kbuf, nk, Hp, prod ? sv.product.data() : sv.rational.data(),
+                prod ? sv.sum_v : T(0), p_rows, n.Tk);
+      softmax_rows<T>(kt, p_rows, nq, n.Tk, nk, valid, nullptr);
+    }
+    // de = p (dp - sum_s p dp) over the valid keys, 0 elsewhere.
     double sum_de = 0;
-    // de = p (dp - sum_s p dp) over the valid keys of rows [r0, r0 + rn), 0 elsewhere.
-    auto form_de = [&](int64_t r0, int64_t rn) {
-      for (int64_t t = 0; t < rn; ++t) {
-        const T* p = p_rows + (r0 + t) * n.Tk;
-        const T* g = dp_rows + (r0 + t) * n.Tk;
-        T* d = de + (r0 + t) * n.Tk;
-        double dot = 0;
-        for (int64_t s = 0; s < nk; ++s) {
-          if (!valid || valid[s]) dot += double(p[s]) * double(g[s]);
-        }
-        for (int64_t s = 0; s < nk; ++s) {
-          d[s] = (!valid || valid[s]) ? p[s] * (g[s] - T(dot)) : T(0);
-          sum_de += d[s];
-        }
+    for (int64_t t = 0; t < nq; ++t) {
+      const T* p = p_rows + t * n.Tk;
+      const T* g = dp_rows + t * n.Tk;
+      T* d = de + t * n.Tk;
+      double dot = 0;
+      for (int64_t s = 0; s < nk; ++s) {
+        if (!valid || valid[s]) dot += double(p[s]) * double(g[s]);
       }
-    };
-    if (have_p) {
-      form_de(0, nq);
-      // Unpadded rows: dkeys are written in place, already scaled.
-      T* gk_out = n.H == Hp ? dk_rows : gk;
-      kt.fused_grads(path, qbuf, nq, kbuf, nk, Hp, de, n.Tk, gq, gk_out, gv, scale);
-      if (gk_out == gk) {
-        for (int64_t s = 0; s < nk; ++s) std::copy(gk + s * Hp, gk + s * Hp + n.H, dk_rows + s * n.H);
+      for (int64_t s = 0; s < nk; ++s) {
+        d[s] = (!valid || valid[s]) ? p[s] * (g[s] - T(dot)) : T(0);
+        sum_de += d[s];
       }
-    } else {
-      std::fill(gk, gk + nk * Hp, T(0));
-      for (int64_t r0 = 0; r0 < nq; r0 += sub_rows) {
-        const int64_t rn = std::min(sub_rows, nq - r0);
-        T* p_sub = p_rows + r0 * n.Tk;
-        kt.scores(path, qbuf + r0 * Hp, rn, kbuf, nk, Hp,
-                  prod ? sv.product.data() : sv.rational.data(), prod ? sv.sum_v : T(0), p_sub,
-                  n.Tk, ys);
-        softmax_rows<T>(kt, p_sub, rn, n.Tk, nk, valid, nullptr);
-        form_de(r0, rn);
-        kt.grads(path, ys, rn, nk, Hp, de + r0 * n.Tk, n.Tk, gq + r0 * Hp, gk, gv);
-      }
-      kt.scale_rows(gk, nk, Hp, scale, dk_rows, n.H);
+    }
+    // Unpadded rows: dkeys are written in place, already scaled.
+    T* gk_out = n.H == Hp ? dk_rows : gk;
+    kt.fused_grads(path, qbuf, nq, kbuf, nk, Hp, de, n.Tk, gq, gk_out, gv, scale);
+    if (gk_out == gk) {
+      for (int64_t s = 0; s < nk; ++s) std::copy(gk + s * Hp, gk + s * Hp + n.H, dk_rows + s * n.H);
     }
     if (dvalp != nullptr) {
       kt.weighted_rows(p_rows, 1, n.Tk, nk, nq, dctxp + b * n.Tq * n.Dv, n.Dv,

@@ -26,11 +26,9 @@ inline typename S::V deriv(typename S::V y, typename S::V one) {
   }
 }
 
-// ys (optional): y = f(A[t], B[s]) stored at ys[(t * ldy + s) * Hp + h] for the backward pass.
 template <int P, int QB, int KB>
 void score_tile(const typename S::T* A, const typename S::T* Bk, int64_t Hp,
-                const typename S::T* veff, typename S::T offset, typename S::T* out, int64_t ldo,
-                typename S::T* ys, int64_t ldy) {
+                const typename S::T* veff, typename S::T offset, typename S::T* out, int64_t ldo) {
   using V = typename S::V;
   using T = typename S::T;
   const V one = S::set1(T(1));
@@ -44,9 +42,7 @@ void score_tile(const typename S::T* A, const typename S::T* Bk, int64_t Hp,
     for (int j = 0; j < KB; ++j) {
       const V b = S::load(Bk + j * Hp + h);
       for (int i = 0; i < QB; ++i) {
-        const V y = elem<P>(a[i], b, one);
-        if (ys != nullptr) S::store(ys + (i * ldy + j) * Hp + h, y);
-        acc[i][j] = S::fma(vv, y, acc[i][j]);
+        acc[i][j] = S::fma(vv, elem<P>(a[i], b, one), acc[i][j]);
       }
     }
   }
@@ -56,113 +52,44 @@ void score_tile(const typename S::T* A, const typename S::T* Bk, int64_t Hp,
 
 template <int P, int QB>
 void score_cols(const typename S::T* A, const typename S::T* Bk, int64_t nk, int64_t Hp,
-                const typename S::T* veff, typename S::T offset, typename S::T* out, int64_t ldo,
-                typename S::T* ys) {
+                const typename S::T* veff, typename S::T offset, typename S::T* out, int64_t ldo) {
   int64_t s = 0;
   for (; s + S::KB <= nk; s += S::KB)
-    score_tile<P, QB, S::KB>(A, Bk + s * Hp, Hp, veff, offset, out + s, ldo,
-                             ys ? ys + s * Hp : nullptr, nk);
-  for (; s < nk; ++s)
-    score_tile<P, QB, 1>(A, Bk + s * Hp, Hp, veff, offset, out + s, ldo,
-                         ys ? ys + s * Hp : nullptr, nk);
+    score_tile<P, QB, S::KB>(A, Bk + s * Hp, Hp, veff, offset, out + s, ldo);
+  for (; s < nk; ++s) score_tile<P, QB, 1>(A, Bk + s * Hp, Hp, veff, offset, out + s, ldo);
 }
 
 template <int P>
 void scores_rows(const typename S::T* A, int64_t nq, const typename S::T* Bk, int64_t nk,
                  int64_t Hp, const typename S::T* veff, typename S::T offset, typename S::T* out,
-                 int64_t ldo, typename S::T* ys) {
+                 int64_t ldo) {
   for (int64_t t = 0; t < nq; t += S::QB) {
     const int64_t qn = nq - t < S::QB ? nq - t : S::QB;
     const auto* a = A + t * Hp;
     auto* o = out + t * ldo;
-    auto* y = ys ? ys + t * nk * Hp : nullptr;
     switch (qn) {
-      case 1: score_cols<P, 1>(a, Bk, nk, Hp, veff, offset, o, ldo, y); break;
-      case 2: score_cols<P, 2>(a, Bk, nk, Hp, veff, offset, o, ldo, y); break;
-      case 3: score_cols<P, 3>(a, Bk, nk, Hp, veff, offset, o, ldo, y); break;
-      default: score_cols<P, 4>(a, Bk, nk, Hp, veff, offset, o, ldo, y); break;
+      case 1: score_cols<P, 1>(a, Bk, nk, Hp, veff, offset, o, ldo); break;
+      case 2: score_cols<P, 2>(a, Bk, nk, Hp, veff, offset, o, ldo); break;
+      case 3: score_cols<P, 3>(a, Bk, nk, Hp, veff, offset, o, ldo); break;
+      default: score_cols<P, 4>(a, Bk, nk, Hp, veff, offset, o, ldo); break;
     }
   }
 }
 
 void scores(int path, const typename S::T* A, int64_t nq, const typename S::T* Bk, int64_t nk,
             int64_t Hp, const typename S::T* veff, typename S::T offset, typename S::T* out,
-            int64_t ldo, typename S::T* ys) {
+            int64_t ldo) {
   if (path == kProduct) {
-    scores_rows<kProduct>(A, nq, Bk, nk, Hp, veff, offset, out, ldo, ys);
+    scores_rows<kProduct>(A, nq, Bk, nk, Hp, veff, offset, out, ldo);
   } else {
-    scores_rows<kRational>(A, nq, Bk, nk, Hp, veff, offset, out, ldo, ys);
-  }
-}
-
-// Gradient accumulation from the y stored by the score pass: ys[(t * nk + s) * Hp + h].
-template <int P, int QB, int KB>
-void grad_tile(const typename S::T* ys, int64_t nk, int64_t Hp, const typename S::T* de,
-               int64_t ldd, typename S::T* gq, typename S::T* gk, typename S::T* gv) {
-  using V = typename S::V;
-  using T = typename S::T;
-  const V one = S::set1(T(1));
-  for (int64_t h = 0; h < Hp; h += S::W) {
-    V gqa[QB];
-    for (int i = 0; i < QB; ++i) gqa[i] = S::load(gq + i * Hp + h);
-    V gva[2] = {S::load(gv + h), S::zero()};  // two chains: shorter FMA latency chain
-    for (int j = 0; j < KB; ++j) {
-      V gka = S::load(gk + j * Hp + h);
-      for (int i = 0; i < QB; ++i) {
-        const V d = S::set1(de[i * ldd + j]);
-        const V y = S::load(ys + (i * nk + j) * Hp + h);
-        const V u = deriv<P>(y, one);
-        gqa[i] = S::fma(d, u, gqa[i]);
-        gka = S::fma(d, u, gka);
-        gva[(i + j) & 1] = S::fma(d, y, gva[(i + j) & 1]);
-      }
-      S::store(gk + j * Hp + h, gka);
-    }
-    for (int i = 0; i < QB; ++i) S::store(gq + i * Hp + h, gqa[i]);
-    S::store(gv + h, S::add(gva[0], gva[1]));
-  }
-}
-
-template <int P, int QB>
-void grad_cols(const typename S::T* ys, int64_t nk, int64_t Hp, const typename S::T* de,
-               int64_t ldd, typename S::T* gq, typename S::T* gk, typename S::T* gv) {
-  int64_t s = 0;
-  for (; s + S::KB <= nk; s += S::KB)
-    grad_tile<P, QB, S::KB>(ys + s * Hp, nk, Hp, de + s, ldd, gq, gk + s * Hp, gv);
-  for (; s < nk; ++s) grad_tile<P, QB, 1>(ys + s * Hp, nk, Hp, de + s, ldd, gq, gk + s * Hp, gv);
-}
-
-template <int P>
-void grads_rows(const typename S::T* ys, int64_t nq, int64_t nk, int64_t Hp,
-                const typename S::T* de, int64_t ldd, typename S::T* gq, typename S::T* gk,
-                typename S::T* gv) {
-  for (int64_t t = 0; t < nq; t += S::QB) {
-    const int64_t qn = nq - t < S::QB ? nq - t : S::QB;
-    const auto* y = ys + t * nk * Hp;
-    const auto* d = de + t * ldd;
-    auto* g = gq + t * Hp;
-    switch (qn) {
-      case 1: grad_cols<P, 1>(y, nk, Hp, d, ldd, g, gk, gv); break;
-      case 2: grad_cols<P, 2>(y, nk, Hp, d, ldd, g, gk, gv); break;
-      case 3: grad_cols<P, 3>(y, nk, Hp, d, ldd, g, gk, gv); break;
-      default: grad_cols<P, 4>(y, nk, Hp, d, ldd, g, gk, gv); break;
-    }
-  }
-}
-
-void grads(int path, const typename S::T* ys, int64_t nq, int64_t nk, int64_t Hp,
-           const typename S::T* de, int64_t ldd, typename S::T* gq, typename S::T* gk,
-           typename S::T* gv) {
-  if (path == kProduct) {
-    grads_rows<kProduct>(ys, nq, nk, Hp, de, ldd, gq, gk, gv);
-  } else {
-    grads_rows<kRational>(ys, nq, nk, Hp, de, ldd, gq, gk, gv);
+    scores_rows<kRational>(A, nq, Bk, nk, Hp, veff, offset, out, ldo);
   }
 }
 
 // One pass for the backward when the softmax weights are known (saved by the forward): y is
-// computed and consumed in registers, never stored. Same accumulation as grads() above, except
-// for the keys: gk[s] = kscale * sum_t d u is written scaled, and overwritten.
+// computed and consumed in registers, never stored:
+//   u = y - y^2 (kProduct, = sech^2 / 4) or 1 - y^2 (kRational, = sech^2)
+//   gq[t] += d u,  gv += d y,  gk[s] = kscale * sum_t d u (written scaled, overwritten)
 // DIRECT: the tile holds every query of the item, so each gk row is complete when the tile ends:
 // it is written straight away (no zeroing, reloading or second scaling pass over gk).
 template <int P, int QB, int KB, bool DIRECT>
@@ -449,7 +376,7 @@ void tanh_pairs(int path, const typename S::T* a, const typename S::T* b, typena
 
 const KernelTable<typename S::T>& table(const char* name) {
   static const KernelTable<typename S::T> t{name,   pack_rows, exp_inplace, scale_rows,
-                                            weighted_rows, dots, scores, grads, fused_grads,
+                                            weighted_rows, dots, scores, fused_grads,
                                             tanh_pairs};
   return t;
 }

@@ -48,17 +48,14 @@ struct KernelTable {
   void (*dots)(const T* a, int64_t na, const T* b, int64_t nb, int64_t D, T* out, int64_t ldo);
   // out[t * ldo + s] = offset + sum_h veff[h] * y[t,s,h] for t < nq, s < nk, where
   // y = f(A[t], B[s]) = r = 1/(1 + A B) (kProduct; veff = -2 v, offset = sum v) or tanh(A + B)
-  // (kRational; veff = v). When ys is not null, y is also stored at ys[(t * nk + s) * Hp + h].
+  // (kRational; veff = v).
   void (*scores)(int path, const T* A, int64_t nq, const T* Bk, int64_t nk, int64_t Hp,
-                 const T* veff, T offset, T* out, int64_t ldo, T* ys);
-  // Accumulates, for t < nq, s < nk, with d = de[t * ldd + s] and y read from ys (as stored above):
+                 const T* veff, T offset, T* out, int64_t ldo);
+  // The backward's one pass over the (query, key) pairs, y as above computed in registers, with
+  // d = de[t * ldd + s] (A, Bk packed as for scores):
   //   u = y - y^2 (kProduct, = sech^2 / 4) or 1 - y^2 (kRational, = sech^2)
-  //   gq[t] += d u,  gk[s] += d u,  gv += d y          (all rows Hp long)
-  void (*grads)(int path, const T* ys, int64_t nq, int64_t nk, int64_t Hp, const T* de,
-                int64_t ldd, T* gq, T* gk, T* gv);
-  // The same accumulation in one pass, y = f(A[t], B[s]) computed in registers (A, Bk packed as
-  // for scores): the backward when the forward's softmax weights are saved. Unlike grads(), gk is
-  // overwritten with kscale * (sum over t of d u) (nk rows Hp long; kscale Hp long).
+  //   gq[t] += d u,  gv += d y,  gk[s] = kscale * (sum over t of d u)   (rows Hp long; gk
+  //   overwritten, nk rows)
   void (*fused_grads)(int path, const T* A, int64_t nq, const T* Bk, int64_t nk, int64_t Hp,
                       const T* de, int64_t ldd, T* gq, T* gk, T* gv, const T* kscale);
   // out[i] = tanh(a[i] + b[i]) as the kernels evaluate it (test hook); n a multiple of 16.
