@@ -158,28 +158,23 @@ def returning(call, expected):
     return checked
 
 
-def replace_at(**changes):
-    names = ["q", "k", "val", "v", "b", "lengths", "mask", "return_weights"]
+def _replacer(names):
+    def replace(**changes):
+        def change(args):
+            args = list(args)
+            for name, make in changes.items():
+                args[names.index(name)] = make(args)
+            return args
 
-    def change(args):
-        args = list(args)
-        for name, make in changes.items():
-            args[names.index(name)] = make(args)
-        return args
+        return change
 
-    return change
+    return replace
 
 
-def bwd_replace_at(**changes):
-    names = ["gc", "gw", "q", "k", "val", "v", "b", "lengths", "mask", "context", "lse"]
-
-    def change(args):
-        args = list(args)
-        for name, make in changes.items():
-            args[names.index(name)] = make(args)
-        return args
-
-    return change
+replace_at = _replacer(["q", "k", "val", "v", "b", "lengths", "mask", "return_weights"])
+bwd_replace_at = _replacer(
+    ["gc", "gw", "q", "k", "val", "v", "b", "lengths", "mask", "context", "lse"]
+)
 
 
 def empty_batch(args):
