@@ -69,6 +69,8 @@ class ZeroCostAttention(nn.Module):
         super().__init__()
         self.original = original  # keeps the parameter count identical
         self.query_proj = _NoQueryProjection(original.query_size)
+        self.backend = "reference"  # no fused kernel (and no stepwise memory) behind this one
+        self._last: tuple[Tensor, Tensor] | None = None
 
     def project_keys(self, keys: Tensor) -> Tensor:
         return keys[..., :1]
@@ -81,8 +83,14 @@ class ZeroCostAttention(nn.Module):
         return self.attend_projected(query, projected_keys, values)
 
     def attend_projected(self, query, projected_keys, values, *, lengths=None, mask=None,
-                         score_vector=None):  # fmt: skip
-        context = values.mean(1)
+                         score_vector=None, stepwise=None):  # fmt: skip
+        # The mean once per sequence (a step-by-step decoder passes the same values every step),
+        # so that the steps do not each add a [B, S, D] gradient: nothing here costs per step.
+        if self._last is not None and self._last[0] is values:
+            context = self._last[1]
+        else:
+            context = values.mean(1)
+            self._last = (values, context)
         weights = values.new_zeros(values.shape[0], values.shape[1])
         if query.dim() == 3:
             t = query.shape[1]

@@ -519,7 +519,8 @@ template <typename T>
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query_in,
     const Tensor& keys_in, const Tensor& values_in, const Tensor& v_in, const Tensor& bias_in,
-    const KeyValidity& kv, const Sizes& n, const Tensor& saved_weights) {
+    const KeyValidity& kv, const Sizes& n, const Tensor& saved_weights,
+    const Tensor& dkeys_acc = Tensor(), bool want_dvalues = true) {
   const Tensor query = query_in.contiguous(), keys = keys_in.contiguous();
   const Tensor v = v_in.contiguous(), bias = bias_in.contiguous();
   const Tensor dctx = grad_context.contiguous();
@@ -544,7 +545,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   const bool have_p = saved_weights.defined();
   Tensor probs = have_p ? saved_weights.contiguous() : at::empty({n.B, n.Tq, n.Tk}, opts);
   Tensor dq = empty_output({n.B, n.Tq, n.H}, opts);
-  Tensor dk = empty_output({n.B, n.Tk, n.H}, opts);  // rows s >= length are zeroed by their item
+  // Accumulating (dkeys_acc given): dkeys are added to it, rows s >= length left as they are.
+  const bool acc = dkeys_acc.defined();
+  Tensor dk = acc ? dkeys_acc : empty_output({n.B, n.Tk, n.H}, opts);  // else rows s >= length
+                                                                       // are zeroed by their item
   const Plan plan = make_plan(n.B, n.Tq, n.Tk, n.H);
   const bool split = plan.blocks_per_row > 1;
   // Split rows: each item's dkeys (already scaled) in its own slot, summed in order afterwards.
@@ -554,7 +558,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   // every torch op here would be one more parallel region (see for_each_item).
   std::unique_ptr<T[]> dv_parts(new T[size_t(plan.items) * size_t(Hp)]);
   std::unique_ptr<T[]> db_parts(new T[size_t(plan.items) * size_t(n.H)]);
-  const bool dvalues_in_items = !split && (n.Tq <= kMaxQueriesForRankUpdate || !use_bmm);
+  const bool dvalues_in_items =
+      want_dvalues && !split && (n.Tq <= kMaxQueriesForRankUpdate || !use_bmm);
   Tensor dvalues = dvalues_in_items ? empty_output({n.B, n.Tk, n.Dv}, opts) : Tensor();
   T* dvalp = dvalues_in_items ? dvalues.data_ptr<T>() : nullptr;
   const T* dctxp = dctx.data_ptr<T>();
@@ -600,7 +605,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     T* dq_rows = dqp + (b * n.Tq + t0) * n.H;
     if (!split) {  // this item owns the whole batch row b: zero what no key writes
       T* dk_rows = dkp + b * n.Tk * n.H;
-      std::fill(dk_rows + nk * n.H, dk_rows + n.Tk * n.H, T(0));
+      if (!acc) std::fill(dk_rows + nk * n.H, dk_rows + n.Tk * n.H, T(0));
       if (dvalp != nullptr) {
         T* dval_rows = dvalp + b * n.Tk * n.Dv;
         std::fill(dval_rows + nk * n.Dv, dval_rows + n.Tk * n.Dv, T(0));
@@ -655,10 +660,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
         sum_de += d[s];
       }
     }
-    // Unpadded rows: dkeys are written in place, already scaled.
-    T* gk_out = n.H == Hp ? dk_rows : gk;
+    // Unpadded rows: dkeys are written in place, already scaled (accumulating: added from the
+    // item's scratch, which is still in cache).
+    T* gk_out = n.H == Hp && !(acc && !split) ? dk_rows : gk;
     kt.fused_grads(path, qbuf, nq, kbuf, nk, Hp, de, n.Tk, gq, gk_out, gv, scale);
-    if (gk_out == gk) {
+    if (gk_out == gk && acc && !split) {
+      for (int64_t s = 0; s < nk; ++s) {
+        const T* src = gk + s * Hp;
+        T* dst = dk_rows + s * n.H;
+        for (int64_t h = 0; h < n.H; ++h) dst[h] += src[h];
+      }
+    } else if (gk_out == gk) {
       for (int64_t s = 0; s < nk; ++s) std::copy(gk + s * Hp, gk + s * Hp + n.H, dk_rows + s * n.H);
     }
     if (dvalp != nullptr) {
@@ -676,7 +688,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     }
   });
 
-  if (split) dk = dk_parts.sum(1);
+  if (split && acc) {
+    dk.add_(dk_parts.sum(1));
+  } else if (split) {
+    dk = dk_parts.sum(1);
+  }
   Tensor dv = at::empty({n.H}, opts), dbias = at::empty({n.H}, opts);
   {
     std::vector<double> sum_v(n.H, 0.0), sum_b(n.H, 0.0);
@@ -695,16 +711,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
       dbo[h] = T(sum_b[h]);
     }
   }
-  if (!dvalues_in_items) dvalues = at::bmm(probs.transpose(1, 2), dctx);
+  if (!dvalues_in_items && want_dvalues) dvalues = at::bmm(probs.transpose(1, 2), dctx);
   return {dq, dk, dvalues, dv, dbias};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_attention_bwd(
-    const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query,
-    const Tensor& keys, const Tensor& values, const Tensor& v, const Tensor& bias,
-    const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
-    const Tensor& context, const Tensor& lse, const std::optional<Tensor>& weights) {
-  const char* op = "seq2seq_fast::additive_attention_bwd";
+// The backward's argument checks and dispatch; dkeys_acc / want_dvalues as in backward_impl.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> checked_backward(
+    const char* op, const Tensor& grad_context, const std::optional<Tensor>& grad_weights,
+    const Tensor& query, const Tensor& keys, const Tensor& values, const Tensor& v,
+    const Tensor& bias, const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
+    const Tensor& lse, const std::optional<Tensor>& weights, const Tensor& dkeys_acc,
+    bool want_dvalues) {
   const Sizes n = check_inputs(op, query, keys, values, v, bias, lengths, mask);
   TORCH_CHECK(grad_context.dim() == 3 && grad_context.size(0) == n.B &&
                   grad_context.size(1) == n.Tq && grad_context.size(2) == n.Dv,
@@ -722,7 +739,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_attention_bwd(
   }
   TORCH_CHECK(lse.dim() == 2 && lse.size(0) == n.B && lse.size(1) == n.Tq, op,
               ": lse must be [B, Tq], got ", lse.sizes());
-  (void)context;  // dp . p is formed from dp directly; context is part of the contract only
   // weights: the forward's softmax weights (optional; an empty tensor counts as absent).
   Tensor saved_p;
   if (weights.has_value() && weights->numel() > 0) {
@@ -734,17 +750,51 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_attention_bwd(
                 ": weights must have query's dtype, got ", weights->scalar_type());
     saved_p = *weights;
   }
+  if (dkeys_acc.defined()) {
+    TORCH_CHECK(dkeys_acc.sizes() == keys.sizes() && dkeys_acc.scalar_type() == keys.scalar_type() &&
+                    dkeys_acc.device().is_cpu() && dkeys_acc.is_contiguous(),
+                op, ": grad_keys must be a contiguous CPU tensor of keys' shape ", keys.sizes(),
+                " and dtype ", keys.scalar_type(), ", got ", dkeys_acc.sizes(), " ",
+                dkeys_acc.scalar_type(), (dkeys_acc.is_contiguous() ? "" : " (not contiguous)"));
+  }
   const KeyValidity kv = key_validity(op, lengths, mask, n.Tk);
   if (n.B == 0 || n.Tq == 0) {  // no rows: every gradient is zero
-    return {at::zeros_like(query), at::zeros_like(keys), at::zeros_like(values), at::zeros_like(v),
+    return {at::zeros_like(query), dkeys_acc.defined() ? dkeys_acc : at::zeros_like(keys),
+            want_dvalues ? at::zeros_like(values) : Tensor(), at::zeros_like(v),
             at::zeros_like(bias)};
   }
   if (query.scalar_type() == at::kDouble) {
     return backward_impl<double>(grad_context, grad_weights, query, keys, values, v, bias, kv, n,
-                                  saved_p);
+                                  saved_p, dkeys_acc, want_dvalues);
   }
   return backward_impl<float>(grad_context, grad_weights, query, keys, values, v, bias, kv, n,
-                               saved_p);
+                               saved_p, dkeys_acc, want_dvalues);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_attention_bwd(
+    const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query,
+    const Tensor& keys, const Tensor& values, const Tensor& v, const Tensor& bias,
+    const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
+    const Tensor& context, const Tensor& lse, const std::optional<Tensor>& weights) {
+  (void)context;  // dp . p is formed from dp directly; context is part of the contract only
+  return checked_backward("seq2seq_fast::additive_attention_bwd", grad_context, grad_weights,
+                          query, keys, values, v, bias, lengths, mask, lse, weights, Tensor(),
+                          true);
+}
+
+// The backward of one call among many that attend to the same keys and values (a decoder's
+// steps): dkeys are added to grad_keys in place and dvalues are not formed (the caller forms
+// them once for all calls from their weights and grad_context: one batched product instead of a
+// [B, Tk, Dv] tensor per call, written and then summed by autograd). Returns (dquery, dv, dbias).
+std::tuple<Tensor, Tensor, Tensor> additive_attention_bwd_accumulate(
+    const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query,
+    const Tensor& keys, const Tensor& values, const Tensor& v, const Tensor& bias,
+    const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask, const Tensor& lse,
+    const std::optional<Tensor>& weights, const Tensor& grad_keys) {
+  auto grads = checked_backward("seq2seq_fast::_additive_attention_bwd_accumulate", grad_context,
+                                grad_weights, query, keys, values, v, bias, lengths, mask, lse,
+                                weights, grad_keys, false);
+  return {std::get<0>(grads), std::get<3>(grads), std::get<4>(grads)};
 }
 
 // ---- test hooks ------------------------------------------------------------------------------
@@ -788,13 +838,21 @@ TORCH_LIBRARY_IMPL(seq2seq_fast, CPU, m) {
   m.impl("additive_attention_bwd", &seq2seq_fast::additive_attention_bwd);
 }
 
-// Test and benchmark hooks, private to the C++ extension.
+// Private ops of the C++ extension: test and benchmark hooks, and the accumulating backward
+// (seq2seq_fast/stepwise.py).
 TORCH_LIBRARY_FRAGMENT(seq2seq_fast, m) {
   m.def("_fast_tanh(Tensor x, Tensor y, int path) -> Tensor");
   m.def("_cpu_isa() -> str", &seq2seq_fast::cpu_isa);
+  m.def(
+      "_additive_attention_bwd_accumulate(Tensor grad_context, Tensor? grad_weights, "
+      "Tensor query, Tensor keys, Tensor values, Tensor v, Tensor bias, Tensor? lengths, "
+      "Tensor? mask, Tensor lse, Tensor? weights, Tensor(a!) grad_keys) -> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(seq2seq_fast, CPU, m) { m.impl("_fast_tanh", &seq2seq_fast::fast_tanh); }
+TORCH_LIBRARY_IMPL(seq2seq_fast, CPU, m) {
+  m.impl("_fast_tanh", &seq2seq_fast::fast_tanh);
+  m.impl("_additive_attention_bwd_accumulate", &seq2seq_fast::additive_attention_bwd_accumulate);
+}
 
 // `from seq2seq_fast import _C` loads the library (running the registrations above).
 extern "C" {

@@ -18,6 +18,7 @@ from seq2seq_fast.ops import (
     run_checked,
     warn_fallback_once,
 )
+from seq2seq_fast.stepwise import StepwiseMemory
 
 BACKENDS = ("auto", "fused", "reference")
 
@@ -39,8 +40,11 @@ def attend(
     lengths: Tensor | None = None,
     mask: Tensor | None = None,
     return_weights: bool = True,
+    stepwise: StepwiseMemory | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """``additive_attention`` through ``backend`` ("auto", "fused" or "reference"); same contract."""
+    """``additive_attention`` through ``backend`` ("auto", "fused" or "reference"); same contract.
+    ``stepwise``: a :class:`~seq2seq_fast.stepwise.StepwiseMemory` whose ``keys`` and ``values``
+    are the ones passed (a decoder's steps; used only where the fused CPU kernel runs)."""
     checked = check_inputs(query, keys, values, v, bias, lengths, mask)
     use_reference = backend == "reference"
     if not use_reference:
@@ -50,7 +54,7 @@ def attend(
                 raise RuntimeError(f"backend='fused' but {reason}")
             warn_fallback_once(query.device, query.dtype, reason)
             use_reference = True
-    return run_checked(checked, return_weights, use_reference)
+    return run_checked(checked, return_weights, use_reference, None if use_reference else stepwise)
 
 
 class BahdanauAttention(nn.Module):
@@ -186,16 +190,18 @@ class BahdanauAttention(nn.Module):
         lengths: Tensor | None = None,
         mask: Tensor | None = None,
         score_vector: tuple[Tensor, Tensor | None] | None = None,
+        stepwise: StepwiseMemory | None = None,
     ) -> tuple[Tensor, Tensor]:
         """``forward`` for a query already projected (``query_proj``), without the module-level
         checks (the op still checks shapes): projected_query [B, Tq, H] or [B, H], projected_keys
         [B, Tk, H], values [B, Tk, Dv] -> (context, weights). A caller that attends many times with
         the same parameters (a decoder, step by step) passes ``score_vector=self.score_vector()``
-        computed once."""
+        computed once, and, when training, ``stepwise=StepwiseMemory.for_training(...)`` built
+        once per sequence (its ``keys`` and ``values`` passed here)."""
         v_eff, bias = self.score_vector() if score_vector is None else score_vector
         context, weights = attend(
             self.backend, projected_query, projected_keys, values, v_eff, bias,
-            lengths=lengths, mask=mask,
+            lengths=lengths, mask=mask, stepwise=stepwise,
         )  # fmt: skip
         return context, weights
 

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from seq2seq_fast.attention import BahdanauAttention
+from seq2seq_fast.stepwise import StepwiseMemory
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 CELLS = ("gru", "lstm")
@@ -312,7 +313,12 @@ class BahdanauDecoder(nn.Module):
         )
 
     def _step(
-        self, gates_embedded: Tensor, state: State, memory: Memory, weights: _StepWeights
+        self,
+        gates_embedded: Tensor,
+        state: State,
+        memory: Memory,
+        weights: _StepWeights,
+        stepwise: StepwiseMemory | None = None,
     ) -> tuple[Tensor, Tensor, State, Tensor]:
         """gates_embedded [B, G] (= W_ih emb(y_{t-1}) + b_ih of layer 0) -> (s_t [B, H], c_t [B, D],
         new state, attention weights [B, S])."""
@@ -324,8 +330,9 @@ class BahdanauDecoder(nn.Module):
         else:
             query = F.linear(top_hidden, weights.query)
         context, attention_weights = self.attention.attend_projected(
-            query, memory.keys, memory.values, lengths=memory.lengths, score_vector=weights.score
-        )
+            query, memory.keys, memory.values, lengths=memory.lengths, score_vector=weights.score,
+            stepwise=stepwise,
+        )  # fmt: skip
         gates_in = torch.addmm(gates_embedded, context, weights.context_in.t())
         new_state, x = [], context
         last = len(self.cells) - 1
@@ -347,13 +354,21 @@ class BahdanauDecoder(nn.Module):
     def forward(self, tgt_in: Tensor, state: State, memory: Memory) -> tuple[Tensor, Tensor, State]:
         """Teacher forcing: tgt_in [B, T] -> (logits [B, T, V], weights [B, T, S], final state)."""
         weights = self._weights()
+        # Training on CPU: the steps' key and value gradients are gathered once (stepwise.py).
+        stepwise = StepwiseMemory.for_training(
+            memory.keys, memory.values, getattr(self.attention, "backend", "reference")
+        )
+        if stepwise is not None:
+            memory = memory._replace(keys=stepwise.keys, values=stepwise.values)
         # Time-major, so that each step reads a contiguous [B, G] slice.
         embedded = self.dropout(self.embedding(tgt_in.t()))
         # [T, B, G] in one product; unbind (not indexing) so the backward is one stack
         gates_embedded = self._gates_embedded(embedded, weights).unbind(0)
         outputs, contexts, all_weights = [], [], []
         for gates_t in gates_embedded:
-            s_t, c_t, state, attention_weights = self._step(gates_t, state, memory, weights)
+            s_t, c_t, state, attention_weights = self._step(
+                gates_t, state, memory, weights, stepwise
+            )
             outputs.append(s_t)
             contexts.append(c_t)
             all_weights.append(attention_weights)

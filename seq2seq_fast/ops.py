@@ -119,6 +119,16 @@ def fused_available(device: torch.device | str, dtype: torch.dtype) -> bool:
 # --- autograd --------------------------------------------------------------------------------------
 
 
+def no_double_backward() -> None:
+    """Raise in a backward run with create_graph=True: the kernels' backward has no derivative of
+    its own, and autograd would silently treat it as constant."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise RuntimeError(
+            "seq2seq_fast: the fused attention's backward is not differentiable "
+            "(create_graph=True); use backend='reference' for higher-order gradients"
+        )
+
+
 def attention_function(
     fwd, bwd, name: str = "AdditiveAttentionFunction", save_weights=lambda query: False
 ) -> type:
@@ -152,6 +162,7 @@ def attention_function(
 
         @staticmethod
         def backward(ctx, grad_context, grad_weights, _grad_lse):
+            no_double_backward()
             query, keys, values, v, bias, lengths, mask, context, lse, weights = ctx.saved_tensors
             if grad_context is None:
                 grad_context = torch.zeros_like(context)
@@ -331,8 +342,9 @@ def additive_attention(
     return run_checked(checked, return_weights, use_reference=False)
 
 
-def run_checked(checked: tuple, return_weights: bool, use_reference: bool):
-    """Run inputs that ``check_inputs`` returned through the fused op or the reference."""
+def run_checked(checked: tuple, return_weights: bool, use_reference: bool, stepwise=None):
+    """Run inputs that ``check_inputs`` returned through the fused op or the reference; with a
+    ``stepwise`` memory (seq2seq_fast.stepwise) that owns the keys and values, through it."""
     query3, keys, values, v, bias, lengths, mask, single_step = checked
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
@@ -350,7 +362,12 @@ def run_checked(checked: tuple, return_weights: bool, use_reference: bool):
         raise TypeError(f"additive_attention: {reason}; use the reference (backend='reference')")
     if bias is None:
         bias = query3.new_zeros(query3.shape[-1])
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query3, keys, values, v, bias)):
+    grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (query3, keys, values, v, bias)
+    )
+    if grad and stepwise is not None and stepwise.owns(keys, values):
+        context, weights = stepwise.attend(query3, v, bias, lengths, mask)
+    elif grad:
         context, weights, _ = AdditiveAttentionFunction.apply(
             query3, keys, values, v, bias, lengths, mask, return_weights
         )

@@ -620,3 +620,14 @@ def test_cpp_checks_its_inputs():
         fwd(q, k, val, v, b, None, torch.ones(2, 3, dtype=torch.bool), True)
     with pytest.raises(RuntimeError, match="dtype"):
         fwd(q, k.double(), val, v, b, None, None, True)
+
+
+def test_create_graph_is_a_clear_error_not_a_silently_wrong_derivative():
+    leaves = [t.requires_grad_(True) for t in make_inputs(2, 3, 4, 8, 3, torch.float64)]
+    context, _ = additive_attention(*leaves)
+    with pytest.raises(RuntimeError, match="not differentiable .create_graph=True.; use backend="):
+        torch.autograd.grad(context.sum(), leaves[1], create_graph=True)
+    # The reference gives second derivatives.
+    context, _ = additive_attention_ref(*leaves)
+    (grad_keys,) = torch.autograd.grad(context.sum(), leaves[1], create_graph=True)
+    assert grad_keys.requires_grad

@@ -1,0 +1,148 @@
+"""Many attention calls over the same keys and values (a decoder's steps), gradients gathered once.
+
+A step-by-step decoder (Bahdanau's recurrence) attends to the same projected keys [B, Tk, H] and
+values [B, Tk, Dv] at every target step. Through the plain op, each step's backward returns a
+fresh dkeys and dvalues, and autograd adds them up: per step, two tensors of the memory's size
+written, read and summed, although a step's own work is only O(B * Tk * H). ``StepwiseMemory``
+routes the steps' gradients differently (CPU kernel only):
+
+- the keys and values enter the graph once, through one node whose backward runs after every
+  step's backward (autograd's dependency order) and returns the gathered gradients;
+- each step's backward (``_additive_attention_bwd_accumulate``) adds its dkeys into one buffer in
+  place and forms no dvalues; it keeps its weights and grad_context (O(B * Tk) and O(B * Dv));
+- dvalues = sum over steps of p_t^T dctx_t is then one batched product, cat(p)^T cat(dctx).
+
+Results equal the plain op's up to float rounding (the sums are taken in another order). The
+backward is not differentiable (``create_graph=True`` raises, as with the plain op); a backward that reaches
+the steps but not the memory (``torch.autograd.grad`` with an intermediate as input) leaves
+nothing behind for the next one (each backward's gathering is keyed by its graph task).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from seq2seq_fast.ops import fused_unavailable_reason, no_double_backward
+
+
+class _MemoryNode(torch.autograd.Function):
+    """keys, values -> aliases of them; the backward returns what the steps gathered."""
+
+    @staticmethod
+    def forward(ctx, keys: Tensor, values: Tensor, memory: StepwiseMemory):
+        ctx.memory = memory
+        ctx.set_materialize_grads(False)
+        return keys.view_as(keys), values.view_as(values)
+
+    @staticmethod
+    def backward(ctx, grad_keys, grad_values):
+        no_double_backward()
+        dkeys, dvalues = ctx.memory._collect()
+        if grad_keys is not None:  # the aliases used elsewhere too
+            dkeys = grad_keys if dkeys is None else dkeys + grad_keys
+        if grad_values is not None:
+            dvalues = grad_values if dvalues is None else dvalues + grad_values
+        return dkeys, dvalues, None
+
+
+class _StepAttention(torch.autograd.Function):
+    """One step's attention through the fused op; keys/values gradients go to the memory."""
+
+    @staticmethod
+    def forward(ctx, query, keys, values, v, bias, lengths, mask, memory: StepwiseMemory):
+        context, weights, lse = torch.ops.seq2seq_fast.additive_attention_fwd(
+            query, keys, values, v, bias, lengths, mask, True
+        )
+        ctx.save_for_backward(query, keys, values, v, bias, lengths, mask, lse, weights)
+        ctx.memory = memory
+        ctx.set_materialize_grads(False)
+        return context, weights
+
+    @staticmethod
+    def backward(ctx, grad_context, grad_weights):
+        no_double_backward()
+        query, keys, values, v, bias, lengths, mask, lse, weights = ctx.saved_tensors
+        if grad_context is None:
+            grad_context = torch.zeros(
+                (*query.shape[:2], values.shape[2]), dtype=query.dtype, device=query.device
+            )
+        grad_query, grad_v, grad_bias = ctx.memory._accumulate(
+            grad_context.contiguous(),
+            None if grad_weights is None else grad_weights.contiguous(),
+            query, keys, values, v, bias, lengths, mask, lse, weights,
+        )  # fmt: skip
+        return grad_query, None, None, grad_v, grad_bias, None, None, None
+
+
+class StepwiseMemory:
+    """Keys [B, Tk, H] and values [B, Tk, Dv] that many attention calls read, for training.
+
+    Use ``memory.keys`` and ``memory.values`` (aliases that carry the gathered gradients) in place
+    of the originals, and pass ``memory`` to :func:`seq2seq_fast.attention.attend` (or
+    ``BahdanauAttention.attend_projected(..., stepwise=memory)``) at each call. Build one per
+    forward pass with :meth:`for_training`, which returns None where the fused CPU kernel does not
+    apply (then call as usual).
+    """
+
+    def __init__(self, keys: Tensor, values: Tensor) -> None:
+        self._source = (keys, values)
+        self.keys, self.values = _MemoryNode.apply(keys, values, self)
+        self._reset(None)
+
+    @classmethod
+    def for_training(cls, keys: Tensor, values: Tensor, backend: str) -> StepwiseMemory | None:
+        """A StepwiseMemory when it pays and applies: gradients wanted for keys or values, the
+        fused CPU kernel serving them under ``backend``, not inside torch.compile (whose graph the
+        memory's Python-side state would break). Otherwise None."""
+        if backend == "reference" or not torch.is_grad_enabled():
+            return None
+        if not (keys.requires_grad or values.requires_grad):
+            return None
+        if keys.device.type != "cpu" or fused_unavailable_reason(keys.device, keys.dtype):
+            return None
+        if torch.compiler.is_compiling():
+            return None
+        if keys.dim() != 3 or values.dim() != 3 or min(keys.shape) == 0 or values.shape[2] == 0:
+            return None  # the op's checks (and the reference for empty sizes) handle these
+        return cls(keys, values)
+
+    def owns(self, keys: Tensor, values: Tensor) -> bool:
+        return keys is self.keys and values is self.values
+
+    def _reset(self, task: int | None) -> None:
+        self._task = task
+        self._grad_keys: Tensor | None = None
+        self._weights: list[Tensor] = []
+        self._grad_contexts: list[Tensor] = []
+
+    def attend(self, query3, v, bias, lengths, mask) -> tuple[Tensor, Tensor]:
+        """(context [B, Tq, Dv], weights [B, Tq, Tk]) of query3 [B, Tq, H] against this memory."""
+        return _StepAttention.apply(query3, self.keys, self.values, v, bias, lengths, mask, self)
+
+    def _accumulate(self, grad_context, grad_weights, query, keys, values, v, bias, lengths, mask,
+                    lse, weights):  # fmt: skip
+        task = torch._C._current_graph_task_id()
+        if task != self._task:  # a new backward pass: nothing of an earlier one counts
+            self._reset(task)
+        if self._grad_keys is None:
+            self._grad_keys = torch.zeros(keys.shape, dtype=keys.dtype, device=keys.device)
+        grads = torch.ops.seq2seq_fast._additive_attention_bwd_accumulate(
+            grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, lse, weights,
+            self._grad_keys,
+        )  # fmt: skip
+        self._weights.append(weights)
+        self._grad_contexts.append(grad_context)
+        return grads
+
+    def _collect(self) -> tuple[Tensor | None, Tensor | None]:
+        """(dkeys, dvalues) gathered in this backward pass (None: no step contributed)."""
+        if self._task != torch._C._current_graph_task_id() or not self._weights:
+            self._reset(None)
+            return None, None
+        weights = torch.cat(self._weights, dim=1)  # [B, sum Tq, Tk]
+        grad_contexts = torch.cat(self._grad_contexts, dim=1)  # [B, sum Tq, Dv]
+        grad_values = torch.bmm(weights.transpose(1, 2), grad_contexts)
+        grad_keys = self._grad_keys
+        self._reset(None)
+        return grad_keys, grad_values
