@@ -362,9 +362,7 @@ def run_checked(checked: tuple, return_weights: bool, use_reference: bool, stepw
         raise TypeError(f"additive_attention: {reason}; use the reference (backend='reference')")
     if bias is None:
         bias = query3.new_zeros(query3.shape[-1])
-    grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (query3, keys, values, v, bias)
-    )
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query3, keys, values, v, bias))
     if grad and stepwise is not None and stepwise.owns(keys, values):
         context, weights = stepwise.attend(query3, v, bias, lengths, mask)
     elif grad:

@@ -1,0 +1,280 @@
+// Torch-free check of the CPU kernel tables (csrc/kernels.h) against plain double-precision loops.
+//
+// Built and run by tests/test_portability.py: natively (every table this CPU supports) and, cross-
+// compiled for aarch64 with Zig, under qemu-aarch64 (the portable tables: what an aarch64 build of
+// the extension runs). Prints one line per table and check; exits 1 on the first failure.
+//
+// No C++ library beyond headers (no std::vector or std::string): linked with -nostdlib++, the
+// aarch64 build needs only Zig's musl, not a cross-built libc++ as well (half the build time).
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <limits>  // header only
+
+#include "kernels.h"
+
+using namespace seq2seq_fast;
+
+namespace {
+
+int g_checks = 0;
+
+// A malloc'd array (a minimal stand-in for std::vector).
+template <typename T>
+struct Buf {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit Buf(size_t size, T fill = T(0)) : p(static_cast<T*>(malloc(sizeof(T) * (size + 1)))), n(size) {
+    if (p == nullptr) abort();
+    for (size_t i = 0; i < n; ++i) p[i] = fill;
+  }
+  Buf(const Buf& other) : Buf(other.n) { memcpy(p, other.p, sizeof(T) * n); }
+  template <typename U>
+  explicit Buf(const Buf<U>& other) : Buf(other.n) {
+    for (size_t i = 0; i < n; ++i) p[i] = T(other.p[i]);
+  }
+  Buf& operator=(const Buf&) = delete;
+  ~Buf() { free(p); }
+  T& operator[](size_t i) { return p[i]; }
+  const T& operator[](size_t i) const { return p[i]; }
+  T* data() { return p; }
+  const T* data() const { return p; }
+  size_t size() const { return n; }
+};
+
+// Deterministic normals: xorshift64* and Box-Muller.
+struct Rng {
+  uint64_t state;
+  explicit Rng(uint64_t seed) : state(seed * 0x9E3779B97F4A7C15ull + 1) {}
+  double uniform() {  // (0, 1)
+    state ^= state >> 12;
+    state ^= state << 25;
+    state ^= state >> 27;
+    return (double((state * 0x2545F4914F6CDD1Dull) >> 11) + 0.5) / 9007199254740992.0;
+  }
+  double uniform(double lo, double hi) { return lo + (hi - lo) * uniform(); }
+  double normal() { return sqrt(-2.0 * log(uniform())) * cos(6.283185307179586 * uniform()); }
+};
+
+[[noreturn]] void fail(const char* table, const char* what, double got, double want,
+                       int64_t index) {
+  printf("FAIL %s %s: index %lld got %.9g want %.9g\n", table, what,
+         static_cast<long long>(index), got, want);
+  exit(1);
+}
+
+template <typename T>
+double tol() {
+  return sizeof(T) == 4 ? 2e-5 : 1e-11;
+}
+
+// |got - want| <= tol * (1 + |want|), NaN only where NaN is expected.
+template <typename T>
+void expect_close(const char* table, const char* what, const T* got, const Buf<double>& want,
+                  double scale_tol = 1.0) {
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double g = double(got[i]), w = want[i];
+    if (isnan(w) != isnan(g)) fail(table, what, g, w, int64_t(i));
+    if (isnan(w)) continue;
+    if (!(fabs(g - w) <= scale_tol * tol<T>() * (1.0 + fabs(w)))) fail(table, what, g, w, int64_t(i));
+  }
+  ++g_checks;
+}
+
+template <typename T>
+void randomize(Buf<T>& out, Rng& gen, double scale) {
+  for (size_t i = 0; i < out.size(); ++i) out[i] = T(scale * gen.normal());
+}
+
+template <typename T>
+void check_tanh(const char* name, const KernelTable<T>& kt) {
+  const int64_t n = 4096;
+  Buf<T> a(n), b(n), out(n);
+  Buf<double> want(n);
+  Rng gen(1);
+  for (int64_t i = 0; i < n; ++i) {
+    a[i] = T(i % 2 ? gen.uniform(-30.0, 30.0) : gen.uniform(-3.0, 3.0));
+    b[i] = T(gen.uniform(-3.0, 3.0));
+  }
+  a[0] = std::numeric_limits<T>::infinity();
+  a[1] = -std::numeric_limits<T>::infinity();
+  a[2] = std::numeric_limits<T>::quiet_NaN();
+  for (int64_t i = 0; i < n; ++i) want[i] = tanh(double(a[i]) + double(b[i]));
+  kt.tanh_pairs(kRational, a.data(), b.data(), out.data(), n);
+  expect_close<T>(name, "tanh rational", out.data(), want, 0.05);  // 1e-6 for float
+  // Product path: inputs mapped to exp(2a), exp(2b), within the product limit.
+  for (int64_t i = 0; i < n; ++i) {
+    const double x = gen.uniform(-12.0, 12.0), y = gen.uniform(-12.0, 12.0);
+    want[i] = tanh(x + y);
+    a[i] = T(exp(2.0 * x));
+    b[i] = T(exp(2.0 * y));
+  }
+  kt.tanh_pairs(kProduct, a.data(), b.data(), out.data(), n);
+  expect_close<T>(name, "tanh product", out.data(), want, 0.05);
+}
+
+template <typename T>
+void check_rows(const char* name, const KernelTable<T>& kt) {
+  Rng gen(2);
+  char what[128];
+  const int64_t rows = 5, H = 21, Hp = 32;
+  Buf<T> src(rows * H), add(H), dst(rows * Hp, T(7));
+  randomize(src, gen, 2.0);
+  randomize(add, gen, 1.0);
+  Buf<double> want(rows * Hp);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < H; ++h) want[r * Hp + h] = double(src[r * H + h]) + double(add[h]);
+  if (!kt.pack_rows(src.data(), rows, H, add.data(), dst.data(), Hp, T(40)))
+    fail(name, "pack_rows in range", 0, 1, 0);
+  expect_close<T>(name, "pack_rows", dst.data(), want);  // padding h >= H must be 0
+  src[7] = T(100);
+  if (kt.pack_rows(src.data(), rows, H, nullptr, dst.data(), Hp, T(40)))
+    fail(name, "pack_rows out of range", 1, 0, 7);
+  ++g_checks;
+
+  Buf<T> e(37);
+  randomize(e, gen, 3.0);
+  e[3] = -std::numeric_limits<T>::infinity();
+  Buf<double> ewant(e.size());
+  for (size_t i = 0; i < e.size(); ++i) ewant[i] = exp(0.5 * double(e[i]));
+  kt.exp_inplace(e.data(), int64_t(e.size()), T(0.5));
+  expect_close<T>(name, "exp_inplace", e.data(), ewant);
+
+  Buf<T> scale(Hp), packed(rows * Hp), scaled(rows * H);
+  randomize(scale, gen, 1.0);
+  randomize(packed, gen, 1.0);
+  Buf<double> swant(rows * H);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < H; ++h) swant[r * H + h] = double(packed[r * Hp + h]) * double(scale[h]);
+  kt.scale_rows(packed.data(), rows, Hp, scale.data(), scaled.data(), H);
+  expect_close<T>(name, "scale_rows", scaled.data(), swant);
+
+  const int64_t outs[] = {1, 2, 3, 5, 9};
+  for (int64_t n_out : outs) {
+    const int64_t n_in = 7, D = 45, so = n_in, si = 1;
+    Buf<T> w(n_out * n_in), x(n_in * D), out(n_out * D);
+    randomize(w, gen, 1.0);
+    randomize(x, gen, 1.0);
+    Buf<double> want2(n_out * D);
+    for (int64_t o = 0; o < n_out; ++o)
+      for (int64_t i = 0; i < n_in; ++i)
+        for (int64_t d = 0; d < D; ++d)
+          want2[o * D + d] += double(w[o * so + i * si]) * double(x[i * D + d]);
+    kt.weighted_rows(w.data(), so, si, n_out, n_in, x.data(), D, out.data());
+    snprintf(what, sizeof what, "weighted_rows n_out=%lld", static_cast<long long>(n_out));
+    expect_close<T>(name, what, out.data(), want2);
+  }
+
+  const int64_t na = 3, nb = 6, D = 29, ldo = 8;
+  Buf<T> a(na * D), b(nb * D), out(na * ldo);
+  randomize(a, gen, 1.0);
+  randomize(b, gen, 1.0);
+  Buf<double> dwant(na * ldo);
+  for (int64_t i = 0; i < na; ++i)
+    for (int64_t j = 0; j < nb; ++j)
+      for (int64_t d = 0; d < D; ++d) dwant[i * ldo + j] += double(a[i * D + d]) * double(b[j * D + d]);
+  kt.dots(a.data(), na, b.data(), nb, D, out.data(), ldo);
+  expect_close<T>(name, "dots", out.data(), dwant);
+}
+
+// scores and fused_grads on packed rows, both tanh paths, over query/key counts that cover every
+// register-tile remainder, against the formulas of kernels.h in double.
+template <typename T>
+void check_pairs(const char* name, const KernelTable<T>& kt) {
+  Rng gen(3);
+  char what[160];
+  const int64_t hps[] = {16, 48}, nks[] = {1, 3, 4, 5, 9};
+  const int paths[] = {kRational, kProduct};
+  for (int path : paths) {
+    const char* pname = path == kProduct ? "product" : "rational";
+    for (int64_t Hp : hps) {
+      for (int64_t nq = 1; nq <= 6; ++nq) {
+        for (int64_t nk : nks) {
+          Buf<T> a(nq * Hp), b(nk * Hp), v(Hp);
+          randomize(a, gen, 1.0);
+          randomize(b, gen, 1.0);
+          randomize(v, gen, 0.3);
+          auto y = [&](int64_t t, int64_t s, int64_t h) {  // y as the kernels define it
+            const double x = double(a[t * Hp + h]) + double(b[s * Hp + h]);
+            return path == kProduct ? 1.0 / (1.0 + exp(2.0 * x)) : tanh(x);
+          };
+          Buf<T> A(a), B(b);  // packed rows: exp(2a), exp(2b) for the product path
+          if (path == kProduct) {
+            for (size_t i = 0; i < A.size(); ++i) A[i] = T(exp(2.0 * double(a[i])));
+            for (size_t i = 0; i < B.size(); ++i) B[i] = T(exp(2.0 * double(b[i])));
+          }
+          const int64_t ldo = nk + 2;
+          Buf<T> out(nq * ldo);
+          Buf<double> want(nq * ldo);
+          for (int64_t t = 0; t < nq; ++t)
+            for (int64_t s = 0; s < nk; ++s) {
+              double e = 0;
+              for (int64_t h = 0; h < Hp; ++h) e += double(v[h]) * y(t, s, h);
+              want[t * ldo + s] = e + 0.25;
+            }
+          kt.scores(path, A.data(), nq, B.data(), nk, Hp, v.data(), T(0.25), out.data(), ldo);
+          snprintf(what, sizeof what, "scores %s nq=%lld nk=%lld Hp=%lld", pname,
+                   static_cast<long long>(nq), static_cast<long long>(nk),
+                   static_cast<long long>(Hp));
+          expect_close<T>(name, what, out.data(), want, 4.0);
+
+          Buf<T> de(nq * ldo), kscale(Hp), gq(nq * Hp), gv(Hp), gk(nk * Hp, T(9));
+          randomize(de, gen, 1.0);
+          randomize(kscale, gen, 1.0);
+          randomize(gq, gen, 1.0);  // accumulated into
+          randomize(gv, gen, 1.0);  // accumulated into; gk is overwritten
+          Buf<double> wq(gq), wv(gv), wk(nk * Hp);
+          for (int64_t t = 0; t < nq; ++t)
+            for (int64_t s = 0; s < nk; ++s)
+              for (int64_t h = 0; h < Hp; ++h) {
+                const double yy = y(t, s, h), d = double(de[t * ldo + s]);
+                const double u = path == kProduct ? yy - yy * yy : 1.0 - yy * yy;
+                wq[t * Hp + h] += d * u;
+                wk[s * Hp + h] += d * u * double(kscale[h]);
+                wv[h] += d * yy;
+              }
+          kt.fused_grads(path, A.data(), nq, B.data(), nk, Hp, de.data(), ldo, gq.data(),
+                         gk.data(), gv.data(), kscale.data());
+          snprintf(what, sizeof what, "fused_grads %s nq=%lld nk=%lld Hp=%lld", pname,
+                   static_cast<long long>(nq), static_cast<long long>(nk),
+                   static_cast<long long>(Hp));
+          const size_t len = strlen(what);
+          snprintf(what + len, sizeof what - len, " (gq)");
+          expect_close<T>(name, what, gq.data(), wq, 4.0);
+          snprintf(what + len, sizeof what - len, " (gk)");
+          expect_close<T>(name, what, gk.data(), wk, 4.0);
+          snprintf(what + len, sizeof what - len, " (gv)");
+          expect_close<T>(name, what, gv.data(), wv, 4.0);
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void check_table(const char* name, const KernelTable<T>& kt) {
+  const int before = g_checks;
+  check_tanh<T>(name, kt);
+  check_rows<T>(name, kt);
+  check_pairs<T>(name, kt);
+  printf("ok %s: %d checks\n", name, g_checks - before);
+}
+
+}  // namespace
+
+int main() {
+  check_table<float>("portable float", portable_float_kernels());
+  check_table<double>("portable double", portable_double_kernels());
+#if SEQ2SEQ_FAST_X86_SIMD
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    check_table<float>("avx2 float", avx2_float_kernels());
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"))
+    check_table<float>("avx512 float", avx512_float_kernels());
+#endif
+  printf("all %d checks passed\n", g_checks);
+  return 0;
+}
