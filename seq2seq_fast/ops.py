@@ -119,14 +119,28 @@ def fused_available(device: torch.device | str, dtype: torch.dtype) -> bool:
 # --- autograd --------------------------------------------------------------------------------------
 
 
-def no_double_backward() -> None:
-    """Raise in a backward run with create_graph=True: the kernels' backward has no derivative of
-    its own, and autograd would silently treat it as constant."""
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        raise RuntimeError(
-            "seq2seq_fast: the fused attention's backward is not differentiable "
-            "(create_graph=True); use backend='reference' for higher-order gradients"
-        )
+def guard_double_backward(grads: tuple) -> tuple:
+    """A backward's results, made to raise when differentiated again (a backward run with
+    create_graph=True, then differentiated): the kernels' backward has no derivative of its own,
+    and autograd would otherwise treat it as a constant, silently. First-order results (also under
+    create_graph=True, and torch.func.grad) are unchanged."""
+    if (
+        not torch.is_grad_enabled()
+        or torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+    ):
+        return grads
+    tensors = [g for g in grads if isinstance(g, Tensor)]
+    if not tensors:
+        return grads
+    error = torch._C._functions.DelayedError(
+        b"seq2seq_fast: the fused attention's backward is not differentiable (a second-order "
+        b"gradient through it); use backend='reference' for higher-order gradients",
+        len(tensors),
+    )
+    wrapped = error(*[t.detach().requires_grad_(True) for t in tensors])
+    wrapped = iter(wrapped if isinstance(wrapped, tuple) else (wrapped,))
+    return tuple(next(wrapped) if isinstance(g, Tensor) else g for g in grads)
 
 
 def attention_function(
@@ -143,39 +157,59 @@ def attention_function(
     tensors the dispatcher would pick the C++ kernel).
     """
 
+    def forward_impl(query, keys, values, v, bias, lengths, mask, return_weights):
+        keep = return_weights or save_weights(query)
+        return fwd(query, keys, values, v, bias, lengths, mask, keep)
+
+    def setup_impl(ctx, inputs, output):
+        query, keys, values, v, bias, lengths, mask, _ = inputs
+        context, weights, lse = output
+        saved_weights = weights if weights.numel() > 0 else None
+        ctx.save_for_backward(
+            query, keys, values, v, bias, lengths, mask, context, lse, saved_weights
+        )
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+
+    def backward_impl(ctx, grad_context, grad_weights, _grad_lse):
+        query, keys, values, v, bias, lengths, mask, context, lse, weights = ctx.saved_tensors
+        if grad_context is None:
+            grad_context = torch.zeros_like(context)
+        if grad_weights is not None and grad_weights.numel() == 0:
+            grad_weights = None
+        grads = bwd(
+            grad_context.contiguous(),
+            None if grad_weights is None else grad_weights.contiguous(),
+            query, keys, values, v, bias, lengths, mask, context, lse, weights,
+        )  # fmt: skip
+        return guard_double_backward((*grads, None, None, None))
+
     class _AttentionFunction(torch.autograd.Function):
-        @staticmethod
-        def forward(query, keys, values, v, bias, lengths, mask, return_weights):
-            keep = return_weights or save_weights(query)
-            return fwd(query, keys, values, v, bias, lengths, mask, keep)
+        forward = staticmethod(forward_impl)
+        setup_context = staticmethod(setup_impl)
+        backward = staticmethod(backward_impl)
+
+    class _EagerAttentionFunction(torch.autograd.Function):
+        """The same Function in the older style (forward takes ctx): its apply skips the
+        signature binding that the setup_context style pays on every call (~50 us, measured),
+        but torch.func transforms need the other one. ``eager_apply`` picks."""
 
         @staticmethod
-        def setup_context(ctx, inputs, output):
-            query, keys, values, v, bias, lengths, mask, _ = inputs
-            context, weights, lse = output
-            saved_weights = weights if weights.numel() > 0 else None
-            ctx.save_for_backward(
-                query, keys, values, v, bias, lengths, mask, context, lse, saved_weights
-            )
-            ctx.mark_non_differentiable(lse)
-            ctx.set_materialize_grads(False)
+        def forward(ctx, *inputs):
+            output = forward_impl(*inputs)
+            setup_impl(ctx, inputs, output)
+            return output
 
-        @staticmethod
-        def backward(ctx, grad_context, grad_weights, _grad_lse):
-            no_double_backward()
-            query, keys, values, v, bias, lengths, mask, context, lse, weights = ctx.saved_tensors
-            if grad_context is None:
-                grad_context = torch.zeros_like(context)
-            if grad_weights is not None and grad_weights.numel() == 0:
-                grad_weights = None
-            grads = bwd(
-                grad_context.contiguous(),
-                None if grad_weights is None else grad_weights.contiguous(),
-                query, keys, values, v, bias, lengths, mask, context, lse, weights,
-            )  # fmt: skip
-            return (*grads, None, None, None)
+        backward = staticmethod(backward_impl)
 
-    _AttentionFunction.__name__ = _AttentionFunction.__qualname__ = name
+    def eager_apply(*inputs):
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            return _AttentionFunction.apply(*inputs)
+        return _EagerAttentionFunction.apply(*inputs)
+
+    _AttentionFunction.eager_apply = staticmethod(eager_apply)
+    for cls in (_AttentionFunction, _EagerAttentionFunction):
+        cls.__name__ = cls.__qualname__ = name
     return _AttentionFunction
 
 
@@ -366,7 +400,7 @@ def run_checked(checked: tuple, return_weights: bool, use_reference: bool, stepw
     if grad and stepwise is not None and stepwise.owns(keys, values):
         context, weights = stepwise.attend(query3, v, bias, lengths, mask)
     elif grad:
-        context, weights, _ = AdditiveAttentionFunction.apply(
+        context, weights, _ = AdditiveAttentionFunction.eager_apply(
             query3, keys, values, v, bias, lengths, mask, return_weights
         )
     else:  # no autograd needed: skip Function.apply's per-call signature binding (~40 us)

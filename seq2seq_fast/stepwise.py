@@ -13,7 +13,7 @@ routes the steps' gradients differently (CPU kernel only):
 - dvalues = sum over steps of p_t^T dctx_t is then one batched product, cat(p)^T cat(dctx).
 
 Results equal the plain op's up to float rounding (the sums are taken in another order). The
-backward is not differentiable (``create_graph=True`` raises, as with the plain op); a backward that reaches
+backward is not differentiable: a second-order gradient through it raises, as with the plain op; a backward that reaches
 the steps but not the memory (``torch.autograd.grad`` with an intermediate as input) leaves
 nothing behind for the next one (each backward's gathering is keyed by its graph task).
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from seq2seq_fast.ops import fused_unavailable_reason, no_double_backward
+from seq2seq_fast.ops import fused_unavailable_reason, guard_double_backward
 
 
 class _MemoryNode(torch.autograd.Function):
@@ -37,13 +37,12 @@ class _MemoryNode(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_keys, grad_values):
-        no_double_backward()
         dkeys, dvalues = ctx.memory._collect()
         if grad_keys is not None:  # the aliases used elsewhere too
             dkeys = grad_keys if dkeys is None else dkeys + grad_keys
         if grad_values is not None:
             dvalues = grad_values if dvalues is None else dvalues + grad_values
-        return dkeys, dvalues, None
+        return guard_double_backward((dkeys, dvalues, None))
 
 
 class _StepAttention(torch.autograd.Function):
@@ -61,7 +60,6 @@ class _StepAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_context, grad_weights):
-        no_double_backward()
         query, keys, values, v, bias, lengths, mask, lse, weights = ctx.saved_tensors
         if grad_context is None:
             grad_context = torch.zeros(
@@ -72,7 +70,7 @@ class _StepAttention(torch.autograd.Function):
             None if grad_weights is None else grad_weights.contiguous(),
             query, keys, values, v, bias, lengths, mask, lse, weights,
         )  # fmt: skip
-        return grad_query, None, None, grad_v, grad_bias, None, None, None
+        return guard_double_backward((grad_query, None, None, grad_v, grad_bias, None, None, None))
 
 
 class StepwiseMemory:

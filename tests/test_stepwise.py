@@ -153,11 +153,16 @@ def test_for_training_applies_only_where_it_pays():
     assert StepwiseMemory.for_training(empty, torch.zeros(2, 0, 4), "auto") is None
 
 
-def test_create_graph_is_a_clear_error():
+def test_second_order_gradient_is_a_clear_error():
     leaves = _leaves(2, 5, 16, 4, torch.float64)
     loss = _decode(leaves, None, None, 2, stepwise=True)
-    with pytest.raises(RuntimeError, match="not differentiable .create_graph=True.; use backend="):
-        torch.autograd.grad(loss, [leaves[1]], create_graph=True)
+    grads = torch.autograd.grad(loss, leaves, create_graph=True)  # first order: fine
+    expected = _grads(_decode(leaves, None, None, 2, stepwise=False), leaves)
+    for a, b in zip(grads, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    for grad in grads[1:3]:  # keys and values: through the memory node
+        with pytest.raises(RuntimeError, match="not differentiable .a second-order gradient"):
+            grad.pow(2).sum().backward()
 
 
 def test_plain_calls_on_the_original_tensors_are_unaffected():
