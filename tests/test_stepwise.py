@@ -174,3 +174,33 @@ def test_plain_calls_on_the_original_tensors_are_unaffected():
     assert type(context.grad_fn).__name__ != "_StepAttentionBackward"
     expected, _ = additive_attention(query0, keys, values, v, bias)
     torch.testing.assert_close(context, expected)
+
+
+def _graph_node_names(tensor):
+    seen, names, stack = set(), set(), [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def test_bahdanau_decoder_trains_through_the_memory_with_the_fused_backend():
+    from seq2seq_fast.models import Seq2Seq, Seq2SeqConfig, sequence_loss
+
+    src = torch.randint(4, 12, (3, 5))
+    tgt = torch.randint(4, 12, (3, 4))
+    for backend in ("fused", "reference"):
+        torch.manual_seed(0)
+        config = Seq2SeqConfig(src_vocab_size=12, tgt_vocab_size=12, embed_size=8, hidden_size=16,
+                               decoder="bahdanau", backend=backend)  # fmt: skip
+        model = Seq2Seq(config)
+        loss = sequence_loss(model(src, torch.tensor([5, 2, 4]), tgt)[0], tgt)
+        names = _graph_node_names(loss)
+        fused = backend == "fused"
+        assert ("_StepAttentionBackward" in names) == fused
+        assert ("_MemoryNodeBackward" in names) == fused
+        assert "AdditiveAttentionFunctionBackward" not in names
