@@ -152,9 +152,11 @@ void check_rows(const char* name, const KernelTable<T>& kt) {
   kt.scale_rows(packed.data(), rows, Hp, scale.data(), scaled.data(), H);
   expect_close<T>(name, "scale_rows", scaled.data(), swant);
 
+  // w read row by row (context = p values) and transposed (dvalues = p^T dctx).
   const int64_t outs[] = {1, 2, 3, 5, 9};
-  for (int64_t n_out : outs) {
-    const int64_t n_in = 7, D = 45, so = n_in, si = 1;
+  for (int64_t k = 0; k < 10; ++k) {
+    const int64_t n_out = outs[k % 5], n_in = 7, D = 45;
+    const int64_t so = k < 5 ? n_in : 1, si = k < 5 ? 1 : n_out;
     Buf<T> w(n_out * n_in), x(n_in * D), out(n_out * D);
     randomize(w, gen, 1.0);
     randomize(x, gen, 1.0);
@@ -164,7 +166,8 @@ void check_rows(const char* name, const KernelTable<T>& kt) {
         for (int64_t d = 0; d < D; ++d)
           want2[o * D + d] += double(w[o * so + i * si]) * double(x[i * D + d]);
     kt.weighted_rows(w.data(), so, si, n_out, n_in, x.data(), D, out.data());
-    snprintf(what, sizeof what, "weighted_rows n_out=%lld", static_cast<long long>(n_out));
+    snprintf(what, sizeof what, "weighted_rows n_out=%lld%s", static_cast<long long>(n_out),
+             k < 5 ? "" : " transposed");
     expect_close<T>(name, what, out.data(), want2);
   }
 
