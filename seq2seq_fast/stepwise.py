@@ -12,10 +12,10 @@ routes the steps' gradients differently (CPU kernel only):
   place and forms no dvalues; it keeps its weights and grad_context (O(B * Tk) and O(B * Dv));
 - dvalues = sum over steps of p_t^T dctx_t is then one batched product, cat(p)^T cat(dctx).
 
-Results equal the plain op's up to float rounding (the sums are taken in another order). The
-backward is not differentiable: a second-order gradient through it raises, as with the plain op; a backward that reaches
-the steps but not the memory (``torch.autograd.grad`` with an intermediate as input) leaves
-nothing behind for the next one (each backward's gathering is keyed by its graph task).
+Results equal the plain op's up to float rounding (the sums are taken in another order). As with
+the plain op, a second-order gradient through it raises. A backward that reaches the steps but not
+the memory (``torch.autograd.grad`` with an intermediate as input) leaves nothing behind for the
+next one: each backward's gathering is keyed by its graph task.
 """
 
 from __future__ import annotations
