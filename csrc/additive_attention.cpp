@@ -482,9 +482,13 @@ std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Te
       }
       softmax_rows<T>(kt, rows, nq, n.Tk, nk, kv.row_mask(b), lp + b * n.Tq + t0);
       if (ctxp != nullptr) {
-        // All Tk keys, padding included: a zero weight times a non-finite value gives NaN, as
-        // in the reference's weights @ values.
-        kt.weighted_rows(rows, n.Tk, 1, nq, n.Tk, valp + b * n.Tk * n.Dv, n.Dv,
+        // With lengths, only the valid prefix of the values is read (as the Triton kernel does):
+        // a decoding step reads a quarter less memory on ragged batches, and a non-finite value
+        // in the padding does not reach the context (a row with no valid key gets zeros, never
+        // NaN). With a mask, every value is read: a masked key's zero weight times a non-finite
+        // value gives NaN, as in the reference's weights @ values.
+        const int64_t n_in = kv.row_mask(b) != nullptr ? n.Tk : nk;
+        kt.weighted_rows(rows, n.Tk, 1, nq, n_in, valp + b * n.Tk * n.Dv, n.Dv,
                          ctxp + (b * n.Tq + t0) * n.Dv);
       }
     }

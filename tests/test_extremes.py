@@ -302,11 +302,11 @@ def test_rows_untouched_by_nan_are_exact(backend, dtype, where, request):
 def test_nonfinite_values_at_masked_positions(backend, dtype, bad, masking):
     """Masked keys get weight exactly 0; what 0 * NaN gives depends on whether they are read.
 
-    The reference (and the C++ kernel, both bmm) multiply the zero weight by the masked value:
-    0 * NaN = NaN poisons the row. The Triton kernel never reads values past a row's length, so
-    with ``lengths`` that row stays finite (equal to the reference with the padding zeroed);
-    with a ``mask`` it reads them and agrees with the reference. Rows without a bad value are
-    unaffected either way.
+    The reference multiplies the zero weight by the masked value (``weights @ values``):
+    0 * NaN = NaN poisons the row. Both kernels never read values past a row's length, so with
+    ``lengths`` that row stays finite (equal to the reference with the padding zeroed); with a
+    ``mask`` they read them and agree with the reference. Rows without a bad value are unaffected
+    either way.
     """
     device = device_for(backend)
     inputs = make_inputs((2, 3, 7, 8, 2), dtype, device, seed=9)
@@ -324,11 +324,32 @@ def test_nonfinite_values_at_masked_positions(backend, dtype, bad, masking):
     tol = tolerance(dtype, inputs[3])
     assert normwise_error(weights, ref_weights) <= tol
     assert normwise_error(context[0], ref_context[0]) <= tol  # row 0 holds no bad value
-    if backend == "triton" and masking == "lengths":
+    if masking == "lengths":
         assert normwise_error(context[1], ref_context[1]) <= tol
     else:
         assert torch.isnan(context[1, :, 0]).all()
         assert normwise_error(context[1, :, 1], ref_context[1, :, 1]) <= tol
+
+
+@pytest.mark.parametrize("backend,dtype", ALL)
+def test_nonfinite_padding_never_reaches_an_empty_row(backend, dtype):
+    """DESIGN.md: a row with no valid position gives zero context, weights and gradients, never
+    NaN, whatever its padding holds; with ``lengths`` the padding of the other rows is not read
+    either (forward or backward), so their results stay finite."""
+    device = device_for(backend)
+    inputs = make_inputs((2, 3, 5, 8, 4), dtype, device, seed=4)
+    inputs[2][0] = math.nan  # every value of batch row 0, whose length is 0
+    inputs[2][1, 3:] = math.inf  # the padding of batch row 1, values and keys
+    inputs[1][1, 3:] = math.nan
+    leaves = [t.detach().requires_grad_(True) for t in inputs]
+    context, weights = BACKENDS[backend](*leaves, lengths=[0, 3])
+    assert torch.equal(context[0], torch.zeros_like(context[0]))
+    assert torch.equal(weights[0], torch.zeros_like(weights[0]))
+    assert torch.isfinite(context).all() and torch.isfinite(weights).all()
+    (context.sum() + weights.sum()).backward()
+    for name, leaf in zip(GRAD_NAMES, leaves, strict=True):
+        assert torch.isfinite(leaf.grad).all(), name
+    assert torch.equal(leaves[0].grad[0], torch.zeros_like(leaves[0].grad[0]))
 
 
 def _mask_last_two(device):

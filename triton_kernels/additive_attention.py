@@ -656,7 +656,9 @@ def _additive_attention_bwd_ds_kernel(
     for k_start in range(0, key_end, BLOCK_K2):
         offs_k = k_start + tl.arange(0, BLOCK_K2)
         idx_k = _index(offs_k, INT64_OFFSETS)
-        k_in = offs_k[:, None] < num_keys
+        # Values past the row's length are not read (as in the forward): a non-finite value in
+        # the padding must not reach dp, where p * dp = 0 * inf would poison delta and the row.
+        k_in = offs_k[:, None] < key_end
         dp = tl.zeros((ROWS2, BLOCK_K2), dtype=tl.float32)
         for d_start in range(0, value_dim, BLOCK_DV):
             offs_d = d_start + tl.arange(0, BLOCK_DV)
@@ -843,8 +845,12 @@ def _additive_attention_bwd_grad_kernel(
         offs_k = k_start + tl.arange(0, BLOCK_K)
         idx_k = _index(offs_k, INT64_OFFSETS)
         k_in = offs_k[:, None] < num_keys
+        # Keys past the row's length are not read: their ds is 0, but 0 * sech^2(NaN) would
+        # still reach grad query (their grad keys rows are stored as 0).
         k = tl.load(
-            keys_batch_ptr + idx_k[:, None] * stride_keys_s, mask=k_in & h_in[None, :], other=0.0
+            keys_batch_ptr + idx_k[:, None] * stride_keys_s,
+            mask=(offs_k[:, None] < key_end) & h_in[None, :],
+            other=0.0,
         ).to(tl.float32)
         if TANH_MODE == 2:
             if _pair_clamp_may_matter(max_abs_q, tl.max(tl.abs(k))):
