@@ -550,9 +550,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   Tensor probs = have_p ? saved_weights.contiguous() : at::empty({n.B, n.Tq, n.Tk}, opts);
   Tensor dq = empty_output({n.B, n.Tq, n.H}, opts);
   // Accumulating (dkeys_acc given): dkeys are added to it, rows s >= length left as they are.
+  // Otherwise a fresh output whose rows s >= length are zeroed by their item.
   const bool acc = dkeys_acc.defined();
-  Tensor dk = acc ? dkeys_acc : empty_output({n.B, n.Tk, n.H}, opts);  // else rows s >= length
-                                                                       // are zeroed by their item
+  Tensor dk = acc ? dkeys_acc : empty_output({n.B, n.Tk, n.H}, opts);
   const Plan plan = make_plan(n.B, n.Tq, n.Tk, n.H);
   const bool split = plan.blocks_per_row > 1;
   // Split rows: each item's dkeys (already scaled) in its own slot, summed in order afterwards.
@@ -666,9 +666,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     }
     // Unpadded rows: dkeys are written in place, already scaled (accumulating: added from the
     // item's scratch, which is still in cache).
-    T* gk_out = n.H == Hp && !(acc && !split) ? dk_rows : gk;
+    const bool add_into_rows = acc && !split;  // (split rows write their own slots)
+    T* gk_out = n.H == Hp && !add_into_rows ? dk_rows : gk;
     kt.fused_grads(path, qbuf, nq, kbuf, nk, Hp, de, n.Tk, gq, gk_out, gv, scale);
-    if (gk_out == gk && acc && !split) {
+    if (add_into_rows) {
       for (int64_t s = 0; s < nk; ++s) {
         const T* src = gk + s * Hp;
         T* dst = dk_rows + s * n.H;
