@@ -24,6 +24,7 @@ Op-level contract (inputs already checked and normalised by ``additive_attention
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -262,12 +263,29 @@ def _as_lengths(lengths: object, batch: int, num_keys: int, device: torch.device
         raise ValueError(f"lengths is on {lengths.device} but query is on {device}")
     # Values cannot be read while compiling or on the meta device (shapes only).
     if not torch.compiler.is_compiling() and lengths.numel() > 0 and lengths.device.type != "meta":
-        low, high = int(lengths.min()), int(lengths.max())
-        if low < 0 or high > num_keys:
-            raise ValueError(
-                f"lengths must lie in [0, Tk={num_keys}], got values from {low} to {high}"
-            )
+        _check_lengths_range(lengths, num_keys)
     return lengths.to(torch.int64).contiguous()
+
+
+# Lengths tensors whose range was checked: id -> (weak reference, version, Tk). A decoder passes the
+# same lengths at every step; reading their range each time costs two reductions and, on CUDA, two
+# host synchronisations per call. An in-place change bumps the version and checks again.
+_checked_lengths: dict[int, tuple] = {}
+
+
+def _check_lengths_range(lengths: Tensor, num_keys: int) -> None:
+    key = id(lengths)
+    entry = _checked_lengths.get(key)
+    if entry is not None and entry[0]() is lengths and entry[1:] == (lengths._version, num_keys):
+        return
+    low, high = int(lengths.min()), int(lengths.max())
+    if low < 0 or high > num_keys:
+        raise ValueError(f"lengths must lie in [0, Tk={num_keys}], got values from {low} to {high}")
+    try:
+        ref = weakref.ref(lengths, lambda _, key=key: _checked_lengths.pop(key, None))
+    except TypeError:  # not weak-referenceable: check every time
+        return
+    _checked_lengths[key] = (ref, lengths._version, num_keys)
 
 
 def _as_mask(mask: object, batch: int, num_keys: int, device: torch.device) -> Tensor:

@@ -646,3 +646,25 @@ def test_torch_func_grad_works():
     fused = torch.func.grad(lambda k: loss(k, additive_attention))(keys)
     reference = torch.func.grad(lambda k: loss(k, additive_attention_ref))(keys)
     torch.testing.assert_close(fused, reference)
+
+
+def test_lengths_checked_once_per_version():
+    # A decoder passes the same lengths every step: their range is read once, and again after an
+    # in-place change (or against another Tk).
+    from seq2seq_fast import ops
+
+    query, keys, values, v, bias = make_inputs(2, 3, 4, 8, 3, torch.float32)
+    lengths = torch.tensor([4, 2])
+    additive_attention(query, keys, values, v, bias, lengths=lengths)
+    assert ops._checked_lengths[id(lengths)][0]() is lengths
+    lengths[1] = 9
+    with pytest.raises(
+        ValueError, match=r"lengths must lie in \[0, Tk=4\], got values from 4 to 9"
+    ):
+        additive_attention(query, keys, values, v, bias, lengths=lengths)
+    lengths[1] = 4
+    with pytest.raises(ValueError, match=r"\[0, Tk=3\]"):
+        additive_attention(query, keys[:, :3], values[:, :3], v, bias, lengths=lengths)
+    key = id(lengths)
+    del lengths
+    assert key not in ops._checked_lengths
