@@ -54,7 +54,7 @@ def attend(
                 raise RuntimeError(f"backend='fused' but {reason}")
             warn_fallback_once(query.device, query.dtype, reason)
             use_reference = True
-    return run_checked(checked, return_weights, use_reference, None if use_reference else stepwise)
+    return run_checked(checked, return_weights, use_reference, stepwise)
 
 
 class BahdanauAttention(nn.Module):

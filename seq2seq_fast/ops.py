@@ -120,16 +120,18 @@ def fused_available(device: torch.device | str, dtype: torch.dtype) -> bool:
 # --- autograd --------------------------------------------------------------------------------------
 
 
+def traced_or_transformed() -> bool:
+    """Inside torch.compile's tracing or a torch.func transform: where only the setup_context-style
+    Function works and Python-side autograd state (StepwiseMemory) must stay out."""
+    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+
+
 def guard_double_backward(grads: tuple) -> tuple:
     """A backward's results, made to raise when differentiated again (a backward run with
     create_graph=True, then differentiated): the kernels' backward has no derivative of its own,
     and autograd would otherwise treat it as a constant, silently. First-order results (also under
     create_graph=True, and torch.func.grad) are unchanged."""
-    if (
-        not torch.is_grad_enabled()
-        or torch.compiler.is_compiling()
-        or torch._C._are_functorch_transforms_active()
-    ):
+    if not torch.is_grad_enabled() or traced_or_transformed():
         return grads
     tensors = [g for g in grads if isinstance(g, Tensor)]
     if not tensors:
@@ -204,7 +206,7 @@ def attention_function(
         backward = staticmethod(backward_impl)
 
     def eager_apply(*inputs):
-        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        if traced_or_transformed():
             return _AttentionFunction.apply(*inputs)
         return _EagerAttentionFunction.apply(*inputs)
 

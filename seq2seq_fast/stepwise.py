@@ -23,7 +23,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from seq2seq_fast.ops import fused_unavailable_reason, guard_double_backward
+from seq2seq_fast.ops import (
+    fused_unavailable_reason,
+    guard_double_backward,
+    traced_or_transformed,
+)
 
 
 class _MemoryNode(torch.autograd.Function):
@@ -84,7 +88,6 @@ class StepwiseMemory:
     """
 
     def __init__(self, keys: Tensor, values: Tensor) -> None:
-        self._source = (keys, values)
         self.keys, self.values = _MemoryNode.apply(keys, values, self)
         self._reset(None)
 
@@ -92,14 +95,14 @@ class StepwiseMemory:
     def for_training(cls, keys: Tensor, values: Tensor, backend: str) -> StepwiseMemory | None:
         """A StepwiseMemory when it pays and applies: gradients wanted for keys or values, the
         fused CPU kernel serving them under ``backend``, not inside torch.compile (whose graph the
-        memory's Python-side state would break). Otherwise None."""
+        memory's Python-side state would break) or a torch.func transform. Otherwise None."""
         if backend == "reference" or not torch.is_grad_enabled():
             return None
         if not (keys.requires_grad or values.requires_grad):
             return None
         if keys.device.type != "cpu" or fused_unavailable_reason(keys.device, keys.dtype):
             return None
-        if torch.compiler.is_compiling():
+        if traced_or_transformed():
             return None
         if keys.dim() != 3 or values.dim() != 3 or min(keys.shape) == 0 or values.shape[2] == 0:
             return None  # the op's checks (and the reference for empty sizes) handle these

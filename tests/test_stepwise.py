@@ -149,6 +149,10 @@ def test_for_training_applies_only_where_it_pays():
     assert StepwiseMemory.for_training(keys.detach(), values.detach(), "auto") is None
     with torch.no_grad():
         assert StepwiseMemory.for_training(keys, values, "auto") is None
+    grabbed = []
+    torch.func.grad(lambda k: grabbed.append(StepwiseMemory.for_training(k, values, "auto")) or
+                    k.sum())(keys.detach())  # fmt: skip
+    assert grabbed == [None]  # torch.func transforms take the plain op
     empty = torch.zeros(2, 0, 8, requires_grad=True)
     assert StepwiseMemory.for_training(empty, torch.zeros(2, 0, 4), "auto") is None
 
