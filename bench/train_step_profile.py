@@ -37,17 +37,18 @@ from train_throughput import SIZES, Size, ZeroCostAttention  # noqa: E402
 from seq2seq_fast.models import Memory, Seq2Seq, Seq2SeqConfig, sequence_loss  # noqa: E402
 
 
-def matmul_gflop(decoder: str, size: Size, vocab: int) -> dict[str, float]:
+def matmul_gflop(decoder: str, size: Size, vocab: int, cell: str = "gru") -> dict[str, float]:
     """Matrix-product GFLOP of one step (forward + backward) per part, bidirectional 1-layer GRU
-    encoder, embed = attention = hidden, 1-layer decoder."""
+    or LSTM encoder, embed = attention = hidden, 1-layer decoder."""
     h = size.hidden
+    g = 4 if cell == "lstm" else 3  # gates per hidden unit
     e, a, d, tokens = h, h, 2 * h, size.batch * size.length
-    encoder = 2 * (2 * tokens * e * 3 * h + 2 * tokens * h * 3 * h)
+    encoder = 2 * (2 * tokens * e * g * h + 2 * tokens * h * g * h)
     keys = 2 * tokens * d * a + 2 * size.batch * d * h
     if decoder == "bahdanau":  # [emb; ctx] -> 3H per step, s_{t-1} -> [3H; A]
-        cells = 2 * tokens * (e + d) * 3 * h + 2 * tokens * h * (3 * h + a)
+        cells = 2 * tokens * (e + d) * g * h + 2 * tokens * h * (g * h + a)
     else:  # one GRU layer over the target, the query projection of all steps
-        cells = 2 * tokens * e * 3 * h + 2 * tokens * h * 3 * h + 2 * tokens * h * a
+        cells = 2 * tokens * e * g * h + 2 * tokens * h * g * h + 2 * tokens * h * a
     output = 2 * tokens * (h + d) * vocab
     parts = {"encoder": encoder, "keys+bridge": keys, "decoder": cells, "output+loss": output}
     return {name: 3 * flop / 1e9 for name, flop in parts.items()}
@@ -57,10 +58,12 @@ def _median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
-def profile(decoder: str, size: Size, vocab: int, rounds: int) -> dict[str, float]:
+def profile(
+    decoder: str, size: Size, vocab: int, rounds: int, cell: str = "gru"
+) -> dict[str, float]:
     torch.manual_seed(0)
     config = Seq2SeqConfig(src_vocab_size=vocab, tgt_vocab_size=vocab, embed_size=size.hidden,
-                           hidden_size=size.hidden, decoder=decoder, backend="fused")  # fmt: skip
+                           hidden_size=size.hidden, decoder=decoder, cell=cell, backend="fused")  # fmt: skip
     model = Seq2Seq(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     gen = torch.Generator().manual_seed(0)
@@ -94,7 +97,9 @@ def profile(decoder: str, size: Size, vocab: int, rounds: int) -> dict[str, floa
     def decoder_part(module: nn.Module):
         def run() -> None:
             memory = Memory(outputs, keys.detach().requires_grad_(True), lengths)
-            features, _, _ = module(tgt_in, (state.detach().requires_grad_(True),), memory)
+            h = state.detach().requires_grad_(True)
+            features, _, _ = module(tgt_in, ((h, torch.zeros_like(h)) if cell == "lstm" else h,),
+                                    memory)  # fmt: skip
             features.sum().backward()
 
         return run
@@ -104,7 +109,8 @@ def profile(decoder: str, size: Size, vocab: int, rounds: int) -> dict[str, floa
     zero_cost = copy.deepcopy(without_output)
     zero_cost.attention = ZeroCostAttention(zero_cost.attention)
     with torch.no_grad():
-        features = without_output(tgt_in, (state,), Memory(outputs, keys, lengths))[0]
+        start = (state, torch.zeros_like(state)) if cell == "lstm" else state
+        features = without_output(tgt_in, (start,), Memory(outputs, keys, lengths))[0]
     features.requires_grad_(True)
 
     def output_loss() -> None:
@@ -139,18 +145,19 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--vocab", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cell", default="gru", choices=("gru", "lstm"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), vocab {args.vocab}, "
-          f"median of {args.rounds} rounds")  # fmt: skip
+          f"{args.cell.upper()}, median of {args.rounds} rounds")  # fmt: skip
     print()
     print("| hidden, length, batch | decoder | part | ms | share of step | GFLOP | GFLOP/s |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
     for size_name in args.sizes.split(","):
         size = SIZES[size_name]
         for decoder in args.decoders.split(","):
-            times = profile(decoder, size, args.vocab, args.rounds)
-            flops = matmul_gflop(decoder, size, args.vocab)
+            times = profile(decoder, size, args.vocab, args.rounds, args.cell)
+            flops = matmul_gflop(decoder, size, args.vocab, args.cell)
             whole = times["whole step"]
             listed = ("encoder", "keys+bridge", "decoder", "output+loss", "optimizer")
             times["sum of parts"] = sum(times[name] for name in listed)

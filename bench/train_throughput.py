@@ -99,7 +99,9 @@ class ZeroCostAttention(nn.Module):
         return context, weights
 
 
-def make_step(provider: str, decoder: str, size: Size, vocab: int, device: str):
+def make_step(
+    provider: str, decoder: str, size: Size, vocab: int, device: str, cell: str = "gru"
+):
     torch.manual_seed(0)
     config = Seq2SeqConfig(
         src_vocab_size=vocab,
@@ -107,6 +109,7 @@ def make_step(provider: str, decoder: str, size: Size, vocab: int, device: str):
         embed_size=size.hidden,
         hidden_size=size.hidden,
         decoder=decoder,
+        cell=cell,
         backend="reference" if provider == "reference" else "fused",
     )
     model = Seq2Seq(config).to(device).train()
@@ -171,6 +174,7 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=1000, help="source and target vocabulary")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--cell", default="gru", choices=("gru", "lstm"), help="RNN cell type")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -180,7 +184,7 @@ def main(argv=None) -> int:
         print(f"note: no fused kernel ({fused_reason}); fused/compile/zero use the reference")
     print(
         f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"vocab {args.vocab}, embed = hidden, GRU, bidirectional 1-layer encoder, 1-layer decoder, "
+        f"vocab {args.vocab}, embed = hidden, {args.cell.upper()}, bidirectional 1-layer encoder, 1-layer decoder, "
         f"median of {args.steps} steps after {args.warmup} warm-up"
     )
     rows = []
@@ -189,7 +193,7 @@ def main(argv=None) -> int:
         size = SIZES[size_name]
         tokens = size.batch * size.length
         for decoder in args.decoders.split(","):
-            steps = {p: make_step(p, decoder, size, args.vocab, args.device) for p in providers}
+            steps = {p: make_step(p, decoder, size, args.vocab, args.device, args.cell) for p in providers}
             timings = measure_interleaved(steps, args.steps, args.warmup, args.device)
             for provider in providers:
                 first, wall, cpu = timings[provider]
