@@ -99,9 +99,7 @@ class ZeroCostAttention(nn.Module):
         return context, weights
 
 
-def make_step(
-    provider: str, decoder: str, size: Size, vocab: int, device: str, cell: str = "gru"
-):
+def make_step(provider: str, decoder: str, size: Size, vocab: int, device: str, cell: str = "gru"):
     torch.manual_seed(0)
     config = Seq2SeqConfig(
         src_vocab_size=vocab,
@@ -193,7 +191,10 @@ def main(argv=None) -> int:
         size = SIZES[size_name]
         tokens = size.batch * size.length
         for decoder in args.decoders.split(","):
-            steps = {p: make_step(p, decoder, size, args.vocab, args.device, args.cell) for p in providers}
+            steps = {
+                p: make_step(p, decoder, size, args.vocab, args.device, args.cell)
+                for p in providers
+            }
             timings = measure_interleaved(steps, args.steps, args.warmup, args.device)
             for provider in providers:
                 first, wall, cpu = timings[provider]
