@@ -835,6 +835,10 @@ Tensor fast_tanh(const Tensor& x, const Tensor& y, int64_t path) {
 std::string cpu_isa() { return float_kernels().name; }
 
 }  // namespace
+
+// exp of n floats through the SIMD table chosen for this CPU (csrc/gru.cpp's gates).
+void exp_floats(float* p, int64_t n, float scale) { float_kernels().exp_inplace(p, n, scale); }
+
 }  // namespace seq2seq_fast
 
 // The two main schemas are defined in Python (seq2seq_fast/ops.py); only their CPU kernels here.

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from seq2seq_fast import gru as fused_gru
 from seq2seq_fast.attention import BahdanauAttention
 from seq2seq_fast.stepwise import StepwiseMemory
 
@@ -151,6 +152,8 @@ def _rnn_direction(rnn: nn.RNNBase, layer: int, reverse: bool, x: Tensor) -> Ten
     weights = [getattr(rnn, name + suffix) for name in names]
     h0 = x.new_zeros(1, x.shape[0], rnn.hidden_size)
     if isinstance(rnn, nn.GRU):
+        if fused_gru.applies(x):  # the recurrence as two C++ ops (seq2seq_fast/gru.py)
+            return fused_gru.gru_layer(x, h0[0], *weights)[0]
         return torch.gru(x, h0, weights, rnn.bias, 1, 0.0, rnn.training, False, True)[0]
     return torch.lstm(x, (h0, h0), weights, rnn.bias, 1, 0.0, rnn.training, False, True)[0]
 
@@ -414,6 +417,11 @@ class GNMTDecoder(nn.Module):
 
     @staticmethod
     def _run_layer(rnn: nn.RNNBase, x: Tensor, layer_state):
+        if isinstance(rnn, nn.GRU) and fused_gru.applies(x):  # seq2seq_fast/gru.py
+            names = ("weight_ih_l0", "weight_hh_l0") + (
+                ("bias_ih_l0", "bias_hh_l0") if rnn.bias else ()
+            )
+            return fused_gru.gru_layer(x, layer_state, *(getattr(rnn, n) for n in names))
         # nn.GRU/LSTM states are [1, B, H]; ours are [B, H].
         hx = map_state(lambda s: s.unsqueeze(0).contiguous(), layer_state)
         out, hx = rnn(x, hx)

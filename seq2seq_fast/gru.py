@@ -1,0 +1,72 @@
+"""A GRU layer whose recurrence is two C++ ops (forward over all steps, backward over all steps).
+
+PyTorch runs a CPU GRU as a dozen small ops per time step, each recorded by autograd, with the
+weight gradient formed step by step; at the sizes of a Seq2Seq model (batch 64, hidden 256) those
+per-step costs are about half of the layer's time. ``gru_layer`` computes the same function with
+nn.GRU's parameters and gate equations (csrc/gru.cpp):
+
+- the input projection x W_ih^T + b_ih for all steps is one product (autograd as usual);
+- the recurrence is one autograd node: per step one product h W_hh^T and one fused gate pass
+  forward, one product and one fused pass backward; dW_hh and db_hh once at the end.
+
+Used by the encoder and the GNMT decoder where it applies (:func:`applies`: CPU, float32/64, the
+extension loaded, no autocast, not inside torch.compile or a torch.func transform); elsewhere they call
+nn.GRU's functional as before. Results equal nn.GRU's to float rounding (tests/test_gru.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from seq2seq_fast.ops import CPU_KERNEL_ERROR, guard_double_backward, traced_or_transformed
+
+
+class _GRURecurrence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gx: Tensor, h0: Tensor, w_hh: Tensor, b_hh: Tensor | None) -> Tensor:
+        hs, saved = torch.ops.seq2seq_fast._gru_recurrence_fwd(gx, h0, w_hh, b_hh)
+        ctx.save_for_backward(h0, hs, saved, w_hh)
+        ctx.has_bias = b_hh is not None
+        return hs
+
+    @staticmethod
+    def backward(ctx, grad_hs: Tensor):
+        h0, hs, saved, w_hh = ctx.saved_tensors
+        dgx, dh0, dw, db = torch.ops.seq2seq_fast._gru_recurrence_bwd(
+            grad_hs, h0, hs, saved, w_hh, ctx.has_bias
+        )
+        return guard_double_backward((dgx, dh0, dw, db if ctx.has_bias else None))
+
+
+def applies(x: Tensor) -> bool:
+    """Whether :func:`gru_layer` serves x [B, T, F] (else use nn.GRU / torch.gru)."""
+    return (
+        CPU_KERNEL_ERROR is None
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.float64)
+        and x.dim() == 3
+        and x.shape[0] > 0
+        and x.shape[1] > 0
+        and not torch.is_autocast_enabled("cpu")  # autocast's dtypes: leave them to nn.GRU
+        and not traced_or_transformed()
+    )
+
+
+def gru_layer(
+    x: Tensor,
+    h0: Tensor,
+    weight_ih: Tensor,
+    weight_hh: Tensor,
+    bias_ih: Tensor | None = None,
+    bias_hh: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """One unidirectional GRU layer, batch first: x [B, T, F], h0 [B, H] -> (outputs [B, T, H],
+    last state [B, H]), as ``nn.GRU(F, H, batch_first=True)`` with those parameters."""
+    gx = F.linear(x, weight_ih, bias_ih)
+    dtype = gx.dtype
+    hs = _GRURecurrence.apply(
+        gx.contiguous(), h0.to(dtype).contiguous(), weight_hh.to(dtype), bias_hh
+    )
+    return hs, hs[:, -1]

@@ -1,0 +1,126 @@
+"""The GRU recurrence ops (seq2seq_fast/gru.py, csrc/gru.cpp) against nn.GRU, the truth here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from seq2seq_fast import gru as fused_gru
+from seq2seq_fast.models import GNMTDecoder, Seq2Seq, Seq2SeqConfig, sequence_loss
+from seq2seq_fast.ops import CPU_KERNEL_ERROR
+
+pytestmark = pytest.mark.skipif(CPU_KERNEL_ERROR is not None, reason="C++ extension not built")
+
+
+def _both(B, T, F, H, dtype, bias=True, seed=0):
+    """(nn.GRU outputs, last state, grads) and the same from gru_layer, for one random loss."""
+    torch.manual_seed(seed)
+    rnn = nn.GRU(F, H, batch_first=True, bias=bias).to(dtype)
+    x = torch.randn(B, T, F, dtype=dtype, requires_grad=True)
+    h0 = torch.randn(B, H, dtype=dtype, requires_grad=True)
+    w_out, w_last = torch.randn(B, T, H, dtype=dtype), torch.randn(B, H, dtype=dtype)
+    inputs = [x, h0, *rnn.parameters()]
+
+    out, last = rnn(x, h0.unsqueeze(0))
+    last = last[0]
+    expected = (out, last, torch.autograd.grad((out * w_out).sum() + (last * w_last).sum(), inputs))
+    out2, last2 = fused_gru.gru_layer(x, h0, *rnn.parameters())
+    got = (out2, last2, torch.autograd.grad((out2 * w_out).sum() + (last2 * w_last).sum(), inputs))
+    return expected, got
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("B, T, F, H", [(1, 1, 1, 1), (3, 5, 4, 6), (2, 7, 3, 17), (5, 2, 9, 40)])
+def test_equals_nn_gru_float64(B, T, F, H, bias):
+    (out, last, grads), (out2, last2, grads2) = _both(B, T, F, H, torch.float64, bias)
+    torch.testing.assert_close(out2, out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(last2, last, rtol=1e-12, atol=1e-12)
+    for g, g2 in zip(grads, grads2, strict=True):
+        torch.testing.assert_close(g2, g, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("B, T, F, H", [(4, 9, 16, 32), (64, 30, 64, 256)])
+def test_equals_nn_gru_float32(B, T, F, H):
+    # float32 sigmoid/tanh through the SIMD exp: a few ulp of the gates per step
+    (out, last, grads), (out2, last2, grads2) = _both(B, T, F, H, torch.float32)
+    torch.testing.assert_close(out2, out, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(last2, last, rtol=1e-5, atol=2e-6)
+    for g, g2 in zip(grads, grads2, strict=True):
+        torch.testing.assert_close(g2, g, rtol=1e-4, atol=1e-4)
+
+
+def test_gates_saturate_and_propagate_nonfinite_like_nn_gru():
+    torch.manual_seed(0)
+    rnn = nn.GRU(3, 4, batch_first=True)
+    x = torch.tensor([[[200.0, -200.0, 0.5], [-1e30, 1e30, 0.0], [float("nan"), 0.0, 0.0]]])
+    h0 = torch.zeros(1, 4)
+    out, _ = rnn(x, h0.unsqueeze(0))
+    out2, _ = fused_gru.gru_layer(x, h0, *rnn.parameters())
+    assert torch.isfinite(out2[:, :2]).all()
+    torch.testing.assert_close(out2[:, :2], out[:, :2], rtol=1e-5, atol=1e-6)
+    assert torch.isnan(out2[:, 2]).all() and torch.isnan(out[:, 2]).all()
+
+
+def test_applies_only_where_the_ops_serve():
+    x = torch.randn(2, 3, 4)
+    assert fused_gru.applies(x)
+    assert not fused_gru.applies(x.to(torch.bfloat16))
+    assert not fused_gru.applies(torch.randn(2, 0, 4))
+    assert not fused_gru.applies(torch.randn(0, 3, 4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not fused_gru.applies(x)
+    seen = []
+    torch.func.vmap(lambda row: seen.append(fused_gru.applies(row.unsqueeze(0))) or row)(x)
+    assert seen == [False]
+
+
+def test_second_order_gradient_raises():
+    rnn = nn.GRU(3, 4, batch_first=True)
+    x = torch.randn(2, 3, 3, requires_grad=True)
+    out, _ = fused_gru.gru_layer(x, torch.zeros(2, 4), *rnn.parameters())
+    (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="second-order"):
+        gx.sum().backward()
+
+
+def test_models_use_it_and_match_nn_gru(monkeypatch):
+    """A GRU Seq2Seq (bidirectional encoder, GNMT decoder) gives the same loss and gradients with
+    the fused recurrence as with nn.GRU's own (applies() forced False)."""
+    config = Seq2SeqConfig(src_vocab_size=13, tgt_vocab_size=11, embed_size=8, hidden_size=16,
+                           decoder="gnmt", decoder_layers=2, backend="reference")  # fmt: skip
+    torch.manual_seed(0)
+    model = Seq2Seq(config).double()
+    src = torch.randint(4, 13, (3, 6))
+    lengths = torch.tensor([6, 4, 1])
+    tgt = torch.randint(4, 11, (3, 5))
+
+    calls = []
+    real = fused_gru.gru_layer
+    monkeypatch.setattr(fused_gru, "gru_layer", lambda *a: calls.append(1) or real(*a))
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = sequence_loss(model(src, lengths, tgt)[0], tgt)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss, grads = loss_and_grads()
+    assert len(calls) == 4  # encoder: 2 directions; decoder: 2 layers
+    monkeypatch.setattr(fused_gru, "applies", lambda x: False)
+    loss_ref, grads_ref = loss_and_grads()
+    assert len(calls) == 4
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-12, atol=1e-12)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-10)
+    assert isinstance(model.decoder, GNMTDecoder)
+
+
+def test_bad_shapes_raise_clear_errors():
+    op = torch.ops.seq2seq_fast._gru_recurrence_fwd
+    with pytest.raises(RuntimeError, match=r"h0 must be \[B=2, H=4\]"):
+        op(torch.randn(2, 3, 12), torch.randn(3, 4), torch.randn(12, 4), None)
+    with pytest.raises(RuntimeError, match="last size must be 3H"):
+        op(torch.randn(2, 3, 10), torch.randn(2, 4), torch.randn(10, 4), None)
+    with pytest.raises(RuntimeError, match=r"w_hh must be \[3H=12, H=4\]"):
+        op(torch.randn(2, 3, 12), torch.randn(2, 4), torch.randn(12, 5), None)
