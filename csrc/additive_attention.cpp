@@ -836,8 +836,8 @@ std::string cpu_isa() { return float_kernels().name; }
 
 }  // namespace
 
-// exp of n floats through the SIMD table chosen for this CPU (csrc/gru.cpp's gates).
-void exp_floats(float* p, int64_t n, float scale) { float_kernels().exp_inplace(p, n, scale); }
+// The float table chosen for this CPU, for csrc/gru.cpp.
+const KernelTable<float>& cpu_float_kernels() { return float_kernels(); }
 
 }  // namespace seq2seq_fast
 

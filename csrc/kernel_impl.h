@@ -374,9 +374,55 @@ void tanh_pairs(int path, const typename S::T* a, const typename S::T* b, typena
   }
 }
 
+// GRU gates of one row (csrc/gru.cpp has the equations): saved = [r | z | n | gh_n].
+void gru_gates_fwd(const typename S::T* __restrict__ gx, const typename S::T* __restrict__ gh,
+                   const typename S::T* __restrict__ hp, typename S::T* __restrict__ h,
+                   typename S::T* __restrict__ saved, int64_t H) {
+  using T = typename S::T;
+  T* r = saved;  // r, then z: sigmoid(a) = 1 / (1 + exp(-a))
+  for (int64_t j = 0; j < 2 * H; ++j) r[j] = -(gx[j] + gh[j]);
+  exp_inplace(r, 2 * H, T(1));
+  for (int64_t j = 0; j < 2 * H; ++j) r[j] = T(1) / (T(1) + r[j]);
+  const T* z = saved + H;
+  T* n = saved + 2 * H;  // tanh(a) = 1 - 2 / (1 + exp(2a))
+  T* ghn = saved + 3 * H;
+  for (int64_t j = 0; j < H; ++j) {
+    ghn[j] = gh[2 * H + j];
+    n[j] = gx[2 * H + j] + r[j] * ghn[j];
+  }
+  exp_inplace(n, H, T(2));
+  for (int64_t j = 0; j < H; ++j) {
+    n[j] = T(1) - T(2) / (T(1) + n[j]);
+    h[j] = n[j] + z[j] * (hp[j] - n[j]);
+  }
+}
+
+void gru_gates_bwd(const typename S::T* __restrict__ saved, const typename S::T* __restrict__ hp,
+                   const typename S::T* __restrict__ go, typename S::T* __restrict__ c,
+                   typename S::T* __restrict__ dx, typename S::T* __restrict__ dg, int64_t H) {
+  using T = typename S::T;
+  const T* r = saved;
+  const T* z = saved + H;
+  const T* n = saved + 2 * H;
+  const T* ghn = saved + 3 * H;
+  for (int64_t j = 0; j < H; ++j) {
+    const T dh = go[j] + c[j];
+    const T dn = dh * (T(1) - z[j]) * (T(1) - n[j] * n[j]);
+    const T dz = dh * (hp[j] - n[j]) * z[j] * (T(1) - z[j]);
+    const T dr = dn * ghn[j] * r[j] * (T(1) - r[j]);
+    dx[j] = dr;
+    dx[H + j] = dz;
+    dx[2 * H + j] = dn;
+    dg[j] = dr;
+    dg[H + j] = dz;
+    dg[2 * H + j] = dn * r[j];
+    c[j] = dh * z[j];
+  }
+}
+
 const KernelTable<typename S::T>& table(const char* name) {
   static const KernelTable<typename S::T> t{name,   pack_rows, exp_inplace, scale_rows,
                                             weighted_rows, dots, scores, fused_grads,
-                                            tanh_pairs};
+                                            tanh_pairs, gru_gates_fwd, gru_gates_bwd};
   return t;
 }

@@ -61,6 +61,14 @@ struct KernelTable {
   // out[i] = tanh(a[i] + b[i]) as the kernels evaluate it (test hook); n a multiple of 16.
   // kProduct expects a, b already mapped to exp(2a), exp(2b).
   void (*tanh_pairs)(int path, const T* a, const T* b, T* out, int64_t n);
+  // One row of a GRU step (csrc/gru.cpp): from gx = W_ih x + b_ih and gh = W_hh h + b_hh (3H each,
+  // gates r, z, n) and h_prev = hp (H): h (H) and saved = [r | z | n | gh_n] (4H), with
+  // r = sigmoid(gx_r + gh_r), z = sigmoid(gx_z + gh_z), n = tanh(gx_n + r gh_n),
+  // h = n + z (hp - n).
+  void (*gru_gates_fwd)(const T* gx, const T* gh, const T* hp, T* h, T* saved, int64_t H);
+  // Its backward: go = dL/dh from the output, c = dL/dh from the later steps on entry and the
+  // part of dL/dhp through z on exit (the caller adds dg W_hh); dx = dL/dgx, dg = dL/dgh (3H).
+  void (*gru_gates_bwd)(const T* saved, const T* hp, const T* go, T* c, T* dx, T* dg, int64_t H);
 };
 
 // Largest |a|, |b| for the product path: exp(+-2a) stays a normal float (e^80 = 5.5e34).
