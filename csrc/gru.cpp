@@ -1,6 +1,7 @@
 // CPU kernels of the GRU recurrence (seq2seq_fast/gru.py): one op for the forward over all time
 // steps, one for the backward, so a GRU layer costs one matrix product and one fused gate pass
-// per step instead of a dozen small ops and autograd nodes.
+// per step instead of a dozen small ops and autograd nodes. Also one cell step from given gate
+// projections (_gru_cell_fwd/_bwd) for the Bahdanau decoder, which forms them itself.
 //
 // With gx = x W_ih^T + b_ih [B, T, 3H] precomputed (one product over all steps, by the caller)
 // and gh_t = h_{t-1} W_hh^T + b_hh, the gates are PyTorch's (nn.GRU, "linear before reset"):
@@ -154,6 +155,76 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gru_recurrence_bwd(const Tensor& grad
   return {dgx, carry, dw, db};
 }
 
+// One GRU cell step from its two gate projections (nn.GRUCell's math, biases included), for a
+// decoder that forms the projections itself (seq2seq_fast/models.py, the Bahdanau decoder):
+// gates_in, gates_hidden [B, 3H] (rows may be strided), h [B, H] -> (h_new [B, H], saved [B, 4H]).
+std::tuple<Tensor, Tensor> gru_cell_fwd(const Tensor& gates_in, const Tensor& gates_hidden,
+                                        const Tensor& h_in) {
+  TORCH_CHECK(h_in.dim() == 2 && h_in.size(1) > 0, "_gru_cell: h must be [B, H], got ",
+              h_in.sizes());
+  const int64_t B = h_in.size(0), H = h_in.size(1), G = 3 * H;
+  for (const Tensor* t : {&gates_in, &gates_hidden}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->size(1) == G,
+                "_gru_cell: gate projections must be [B=", B, ", 3H=", G, "], got ", t->sizes());
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == h_in.scalar_type(),
+                "_gru_cell: tensors must be on the CPU with one dtype");
+  }
+  TORCH_CHECK(h_in.device().is_cpu() &&
+                  (h_in.scalar_type() == at::kFloat || h_in.scalar_type() == at::kDouble),
+              "_gru_cell: float32 or float64 CPU tensors, got ", h_in.scalar_type());
+  const Tensor gi = gates_in.stride(1) == 1 ? gates_in : gates_in.contiguous();
+  const Tensor gh = gates_hidden.stride(1) == 1 ? gates_hidden : gates_hidden.contiguous();
+  const Tensor h = h_in.contiguous();
+  Tensor h_new = at::empty({B, H}, h.options());
+  Tensor saved = at::empty({B, 4 * H}, h.options());
+  AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "_gru_cell_fwd", [&] {
+    const auto& kt = gate_kernels<scalar_t>();
+    const scalar_t* gi_p = gi.data_ptr<scalar_t>();
+    const scalar_t* gh_p = gh.data_ptr<scalar_t>();
+    const scalar_t* h_p = h.data_ptr<scalar_t>();
+    scalar_t* out_p = h_new.data_ptr<scalar_t>();
+    scalar_t* s_p = saved.data_ptr<scalar_t>();
+    const int64_t si = gi.stride(0), sh = gh.stride(0);
+    for_rows(B, 4 * H, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        kt.gru_gates_fwd(gi_p + b * si, gh_p + b * sh, h_p + b * H, out_p + b * H,
+                         s_p + b * 4 * H, H);
+      }
+    });
+  });
+  return {h_new, saved};
+}
+
+// grad_h [B, H], saved, h -> (d gates_in [B, 3H], d gates_hidden [B, 3H], dh [B, H] through z;
+// the part through gates_hidden is the caller's product's backward).
+std::tuple<Tensor, Tensor, Tensor> gru_cell_bwd(const Tensor& grad_h_in, const Tensor& saved,
+                                                const Tensor& h_in) {
+  const Tensor grad_h = grad_h_in.contiguous(), h = h_in.contiguous();
+  const int64_t B = h.size(0), H = h.size(1), G = 3 * H;
+  TORCH_CHECK(grad_h.sizes() == h.sizes() && saved.dim() == 2 && saved.size(0) == B &&
+                  saved.size(1) == 4 * H && saved.is_contiguous(),
+              "_gru_cell_bwd: inconsistent saved tensors");
+  Tensor d_in = at::empty({B, G}, h.options());
+  Tensor d_hidden = at::empty({B, G}, h.options());
+  Tensor dh = at::zeros({B, H}, h.options());
+  AT_DISPATCH_FLOATING_TYPES(h.scalar_type(), "_gru_cell_bwd", [&] {
+    const auto& kt = gate_kernels<scalar_t>();
+    const scalar_t* s_p = saved.data_ptr<scalar_t>();
+    const scalar_t* h_p = h.data_ptr<scalar_t>();
+    const scalar_t* g_p = grad_h.data_ptr<scalar_t>();
+    scalar_t* dh_p = dh.data_ptr<scalar_t>();
+    scalar_t* di_p = d_in.data_ptr<scalar_t>();
+    scalar_t* dg_p = d_hidden.data_ptr<scalar_t>();
+    for_rows(B, 4 * H, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        kt.gru_gates_bwd(s_p + b * 4 * H, h_p + b * H, g_p + b * H, dh_p + b * H, di_p + b * G,
+                         dg_p + b * G, H);
+      }
+    });
+  });
+  return {d_in, d_hidden, dh};
+}
+
 }  // namespace
 }  // namespace seq2seq_fast
 
@@ -162,9 +233,13 @@ TORCH_LIBRARY_FRAGMENT(seq2seq_fast, m) {
   m.def(
       "_gru_recurrence_bwd(Tensor grad_hs, Tensor h0, Tensor hs, Tensor saved, Tensor w_hh, "
       "bool has_bias) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("_gru_cell_fwd(Tensor gates_in, Tensor gates_hidden, Tensor h) -> (Tensor, Tensor)");
+  m.def("_gru_cell_bwd(Tensor grad_h, Tensor saved, Tensor h) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(seq2seq_fast, CPU, m) {
   m.impl("_gru_recurrence_fwd", &seq2seq_fast::gru_recurrence_fwd);
   m.impl("_gru_recurrence_bwd", &seq2seq_fast::gru_recurrence_bwd);
+  m.impl("_gru_cell_fwd", &seq2seq_fast::gru_cell_fwd);
+  m.impl("_gru_cell_bwd", &seq2seq_fast::gru_cell_bwd);
 }

@@ -9,7 +9,10 @@ nn.GRU's parameters and gate equations (csrc/gru.cpp):
 - the recurrence is one autograd node: per step one product h W_hh^T and one fused gate pass
   forward, one product and one fused pass backward; dW_hh and db_hh once at the end.
 
-Used by the encoder and the GNMT decoder where it applies (:func:`applies`: CPU, float32/64, the
+``gru_cell`` is one step of the same gates from projections the caller formed (the Bahdanau
+decoder's, which projects the context and the query with them).
+
+Used by the encoder and both decoders where it applies (:func:`applies`: CPU, float32/64, the
 extension loaded, no autocast, not inside torch.compile or a torch.func transform); elsewhere they call
 nn.GRU's functional as before. Results equal nn.GRU's to float rounding (tests/test_gru.py).
 """
@@ -40,18 +43,45 @@ class _GRURecurrence(torch.autograd.Function):
         return guard_double_backward((dgx, dh0, dw, db if ctx.has_bias else None))
 
 
-def applies(x: Tensor) -> bool:
-    """Whether :func:`gru_layer` serves x [B, T, F] (else use nn.GRU / torch.gru)."""
+class _GRUCell(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gates_in: Tensor, gates_hidden: Tensor, h: Tensor) -> Tensor:
+        h_new, saved = torch.ops.seq2seq_fast._gru_cell_fwd(gates_in, gates_hidden, h)
+        ctx.save_for_backward(saved, h)
+        return h_new
+
+    @staticmethod
+    def backward(ctx, grad_h: Tensor):
+        saved, h = ctx.saved_tensors
+        return guard_double_backward(torch.ops.seq2seq_fast._gru_cell_bwd(grad_h, saved, h))
+
+
+def _serves(x: Tensor) -> bool:
     return (
         CPU_KERNEL_ERROR is None
         and x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.float64)
-        and x.dim() == 3
-        and x.shape[0] > 0
-        and x.shape[1] > 0
+        and x.numel() > 0
         and not torch.is_autocast_enabled("cpu")  # autocast's dtypes: leave them to nn.GRU
         and not traced_or_transformed()
     )
+
+
+def applies(x: Tensor) -> bool:
+    """Whether :func:`gru_layer` serves x [B, T, F] (else use nn.GRU / torch.gru)."""
+    return x.dim() == 3 and _serves(x)
+
+
+def cell_applies(h: Tensor) -> bool:
+    """Whether :func:`gru_cell` serves the state h [B, H] (else the cell's plain ops)."""
+    return h.dim() == 2 and _serves(h)
+
+
+def gru_cell(gates_in: Tensor, gates_hidden: Tensor, h: Tensor) -> Tensor:
+    """nn.GRUCell's update from its two gate projections, biases included: gates_in = x W_ih^T +
+    b_ih, gates_hidden = h W_hh^T + b_hh, both [B, 3H], h [B, H] -> h' [B, H]; one op forward,
+    one backward."""
+    return _GRUCell.apply(gates_in, gates_hidden, h)
 
 
 def gru_layer(

@@ -242,6 +242,8 @@ def _cell_update(cell_type: str, gates_in: Tensor, gates_hidden: Tensor, layer_s
     gates_in = W_ih x + b_ih, gates_hidden = W_hh h + b_hh, each [B, 3H] (GRU) or [B, 4H] (LSTM)."""
     # split (not slicing) so that each backward is one cat, not a zero-filled buffer per slice
     if cell_type == "gru":
+        if fused_gru.cell_applies(layer_state):  # one op each way (seq2seq_fast/gru.py)
+            return fused_gru.gru_cell(gates_in, gates_hidden, layer_state)
         hidden = layer_state.shape[-1]
         in_rz, in_n = gates_in.split([2 * hidden, hidden], dim=1)
         hidden_rz, hidden_n = gates_hidden.split([2 * hidden, hidden], dim=1)

@@ -124,3 +124,38 @@ def test_bad_shapes_raise_clear_errors():
         op(torch.randn(2, 3, 10), torch.randn(2, 4), torch.randn(10, 4), None)
     with pytest.raises(RuntimeError, match=r"w_hh must be \[3H=12, H=4\]"):
         op(torch.randn(2, 3, 12), torch.randn(2, 4), torch.randn(12, 5), None)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_cell_equals_nn_gru_cell(dtype, tol):
+    torch.manual_seed(1)
+    B, F, H, A = 5, 7, 19, 4
+    cell = nn.GRUCell(F, H).to(dtype)
+    x = torch.randn(B, F, dtype=dtype, requires_grad=True)
+    h = torch.randn(B, H, dtype=dtype, requires_grad=True)
+    w = torch.randn(B, H, dtype=dtype)
+    inputs = [x, h, *cell.parameters()]
+    expected = cell(x, h)
+    grads = torch.autograd.grad((expected * w).sum(), inputs)
+    # gates_hidden as a strided view: the first 3H columns of a [B, 3H + A] product, as the
+    # Bahdanau decoder's stacked [W_hh; W_q] gives it
+    extra = torch.zeros(A, H, dtype=dtype)
+    stacked = nn.functional.linear(h, torch.cat([cell.weight_hh, extra]),
+                                   torch.cat([cell.bias_hh, extra[:, 0]]))  # fmt: skip
+    gates_hidden = stacked[:, : 3 * H]
+    assert gates_hidden.stride() == (3 * H + A, 1)
+    got = fused_gru.gru_cell(nn.functional.linear(x, cell.weight_ih, cell.bias_ih), gates_hidden, h)
+    grads2 = torch.autograd.grad((got * w).sum(), inputs)
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    for g, g2 in zip(grads, grads2, strict=True):
+        torch.testing.assert_close(g2, g, rtol=10 * tol, atol=10 * tol)
+
+
+def test_cell_bad_shapes_raise_clear_errors():
+    op = torch.ops.seq2seq_fast._gru_cell_fwd
+    with pytest.raises(RuntimeError, match=r"gate projections must be \[B=2, 3H=12\]"):
+        op(torch.randn(2, 12), torch.randn(2, 11), torch.randn(2, 4))
+    with pytest.raises(RuntimeError, match="one dtype"):
+        op(torch.randn(2, 12), torch.randn(2, 12, dtype=torch.float64), torch.randn(2, 4))
+    assert not fused_gru.cell_applies(torch.randn(2, 3, 4))
+    assert fused_gru.cell_applies(torch.randn(2, 4))
