@@ -25,6 +25,29 @@ from torch import Tensor
 
 from seq2seq_fast.ops import CPU_KERNEL_ERROR, guard_double_backward, traced_or_transformed
 
+if CPU_KERNEL_ERROR is None:  # shapes for torch.compile / FakeTensor tracing of the ops
+
+    @torch.library.register_fake("seq2seq_fast::_gru_recurrence_fwd")
+    def _(gx, h0, w_hh, b_hh):
+        B, T, G = gx.shape
+        return gx.new_empty(B, T, G // 3), gx.new_empty(B, T, 4 * (G // 3))
+
+    @torch.library.register_fake("seq2seq_fast::_gru_recurrence_bwd")
+    def _(grad_hs, h0, hs, saved, w_hh, has_bias):
+        B, T, H = hs.shape
+        bias = hs.new_empty(3 * H) if has_bias else hs.new_empty(0)
+        return hs.new_empty(B, T, 3 * H), hs.new_empty(B, H), hs.new_empty(3 * H, H), bias
+
+    @torch.library.register_fake("seq2seq_fast::_gru_cell_fwd")
+    def _(gates_in, gates_hidden, h):
+        B, H = h.shape
+        return h.new_empty(B, H), h.new_empty(B, 4 * H)
+
+    @torch.library.register_fake("seq2seq_fast::_gru_cell_bwd")
+    def _(grad_h, saved, h):
+        B, H = h.shape
+        return h.new_empty(B, 3 * H), h.new_empty(B, 3 * H), h.new_empty(B, H)
+
 
 class _GRURecurrence(torch.autograd.Function):
     @staticmethod

@@ -159,3 +159,32 @@ def test_cell_bad_shapes_raise_clear_errors():
         op(torch.randn(2, 12), torch.randn(2, 12, dtype=torch.float64), torch.randn(2, 4))
     assert not fused_gru.cell_applies(torch.randn(2, 3, 4))
     assert fused_gru.cell_applies(torch.randn(2, 4))
+
+
+def test_ops_trace_under_torch_compile():
+    """The models take nn.GRU's ops inside torch.compile, but a user's compiled code may call
+    gru_layer / gru_cell directly: the ops have fake kernels, one graph, same results."""
+    torch.manual_seed(0)
+    rnn = nn.GRU(4, 6, batch_first=True)
+    params = list(rnn.parameters())
+    x = torch.randn(3, 5, 4, requires_grad=True)
+    h0 = torch.randn(3, 6)
+    compiled = torch.compile(lambda x, h0: fused_gru.gru_layer(x, h0, *params), fullgraph=True)
+    out, _ = compiled(x, h0)
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    expected, _ = rnn(x, h0.unsqueeze(0))
+    (expected_grad,) = torch.autograd.grad(expected.sum(), x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6)
+
+    cell = nn.GRUCell(4, 6)
+    xc, hc = torch.randn(3, 4), torch.randn(3, 6)
+
+    def step(xc, hc):
+        gates_in = nn.functional.linear(xc, cell.weight_ih, cell.bias_ih)
+        return fused_gru.gru_cell(
+            gates_in, nn.functional.linear(hc, cell.weight_hh, cell.bias_hh), hc
+        )
+
+    torch.testing.assert_close(torch.compile(step, fullgraph=True)(xc, hc), cell(xc, hc),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
