@@ -105,7 +105,7 @@ std::tuple<Tensor, Tensor> gru_recurrence_fwd(const Tensor& gx_in, const Tensor&
         for (int64_t b = begin; b < end; ++b) {
           const int64_t bt = b * T_ + t;
           kt.gru_gates_fwd(gx_p + bt * G, gh_p + b * G, hp_p + b * hp_stride, h_p + bt * H,
-                        s_p + bt * 4 * H, H);
+                           s_p + bt * 4 * H, H);
         }
       });
     }
@@ -128,6 +128,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gru_recurrence_bwd(const Tensor& grad
   Tensor dgx = at::empty({B, T_, G}, hs.options());
   Tensor dgh = at::empty({B, T_, G}, hs.options());
   Tensor carry = at::zeros({B, H}, hs.options());  // dL/dh_t from the steps after t
+  if (T_ == 0) {  // no step: nothing reaches h0 or the weights
+    return {dgx, carry, at::zeros({G, H}, hs.options()),
+            has_bias ? at::zeros({G}, hs.options()) : at::empty({0}, hs.options())};
+  }
   AT_DISPATCH_FLOATING_TYPES(hs.scalar_type(), "_gru_recurrence_bwd", [&] {
     for (int64_t t = T_ - 1; t >= 0; --t) {
       const Tensor h_prev = t == 0 ? h0 : hs.select(1, t - 1);
@@ -143,7 +147,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gru_recurrence_bwd(const Tensor& grad
         for (int64_t b = begin; b < end; ++b) {
           const int64_t bt = b * T_ + t;
           kt.gru_gates_bwd(s_p + bt * 4 * H, hp_p + b * hp_stride, dh_out + bt * H, c_p + b * H,
-                         dgx_p + bt * G, dgh_p + bt * G, H);
+                           dgx_p + bt * G, dgh_p + bt * G, H);
         }
       });
       carry.addmm_(dgh.select(1, t), w_hh);  // + dgh_t W_hh

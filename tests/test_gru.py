@@ -188,3 +188,15 @@ def test_ops_trace_under_torch_compile():
 
     torch.testing.assert_close(torch.compile(step, fullgraph=True)(xc, hc), cell(xc, hc),
                                rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+def test_ops_take_empty_sizes():
+    """Direct calls with no step or no row (the layer itself hands those to nn.GRU)."""
+    rnn = nn.GRU(3, 4, batch_first=True)
+    for B, T in ((2, 0), (0, 3)):
+        gx = torch.randn(B, T, 12, requires_grad=True)
+        h0 = torch.randn(B, 4, requires_grad=True)
+        hs = fused_gru._GRURecurrence.apply(gx, h0, rnn.weight_hh_l0, rnn.bias_hh_l0)
+        assert hs.shape == (B, T, 4)
+        hs.sum().backward()
+        assert gx.grad.shape == gx.shape and torch.equal(h0.grad, torch.zeros_like(h0))
