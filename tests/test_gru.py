@@ -200,3 +200,41 @@ def test_ops_take_empty_sizes():
         assert hs.shape == (B, T, 4)
         hs.sum().backward()
         assert gx.grad.shape == gx.shape and torch.equal(h0.grad, torch.zeros_like(h0))
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(deadline=None)
+@given(
+    B=st.integers(1, 6),
+    T=st.integers(1, 7),
+    F=st.integers(1, 9),
+    H=st.sampled_from([1, 2, 3, 5, 8, 15, 16, 17, 31, 33]),
+    bias=st.booleans(),
+    strided_x=st.booleans(),
+    scale=st.sampled_from([0.1, 1.0, 10.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_fuzz_layer_against_nn_gru(B, T, F, H, bias, strided_x, scale, seed):
+    """Differential fuzzing (hypothesis) of the layer against nn.GRU in float64: sizes around the
+    vector widths, inputs sliced from wider buffers, saturating gates (scale 10)."""
+    torch.manual_seed(seed)
+    rnn = nn.GRU(F, H, batch_first=True, bias=bias).double()
+    with torch.no_grad():
+        for p in rnn.parameters():
+            p.mul_(scale)
+    x = torch.randn(B, T, F + 3 if strided_x else F, dtype=torch.float64)[..., :F]
+    x.requires_grad_(True)
+    h0 = torch.randn(B, H, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(B, T, H, dtype=torch.float64)
+    inputs = [x, h0, *rnn.parameters()]
+    out, _ = rnn(x, h0.unsqueeze(0))
+    grads = torch.autograd.grad((out * w).sum(), inputs)
+    out2, _ = fused_gru.gru_layer(x, h0, *rnn.parameters())
+    grads2 = torch.autograd.grad((out2 * w).sum(), inputs)
+    torch.testing.assert_close(out2, out, rtol=1e-10, atol=1e-10)
+    for g, g2 in zip(grads, grads2, strict=True):
+        torch.testing.assert_close(g2, g, rtol=1e-9, atol=1e-9)
