@@ -420,9 +420,58 @@ void gru_gates_bwd(const typename S::T* __restrict__ saved, const typename S::T*
   }
 }
 
+// LSTM gates of one row (csrc/gru.cpp): gates = gi + gh = [i | f | g | o] (4H), c (H) ->
+// h, c_new (H), saved = [i | f | g | o | tanh(c_new)] (5H).
+void lstm_gates_fwd(const typename S::T* __restrict__ gi, const typename S::T* __restrict__ gh,
+                    const typename S::T* __restrict__ c, typename S::T* __restrict__ h,
+                    typename S::T* __restrict__ c_new, typename S::T* __restrict__ saved,
+                    int64_t H) {
+  using T = typename S::T;
+  T* a = saved;  // i, f, g, o: sigmoid(x) = 1 / (1 + exp(-x)), tanh(x) = 1 - 2 / (1 + exp(2x))
+  for (int64_t j = 0; j < 4 * H; ++j) a[j] = gi[j] + gh[j];
+  exp_inplace(a, 2 * H, T(-1));
+  exp_inplace(a + 2 * H, H, T(2));
+  exp_inplace(a + 3 * H, H, T(-1));
+  for (int64_t j = 0; j < 4 * H; ++j) a[j] = T(1) / (T(1) + a[j]);
+  T* tc = saved + 4 * H;
+  for (int64_t j = 0; j < H; ++j) {
+    a[2 * H + j] = T(1) - T(2) * a[2 * H + j];
+    c_new[j] = a[H + j] * c[j] + a[j] * a[2 * H + j];
+    tc[j] = c_new[j];
+  }
+  exp_inplace(tc, H, T(2));
+  for (int64_t j = 0; j < H; ++j) {
+    tc[j] = T(1) - T(2) / (T(1) + tc[j]);
+    h[j] = a[3 * H + j] * tc[j];
+  }
+}
+
+// Its backward: dh, dc (gradients of h and c_new) -> d_gates (4H, of gi and of gh alike) and
+// dc_prev (H).
+void lstm_gates_bwd(const typename S::T* __restrict__ saved, const typename S::T* __restrict__ c,
+                    const typename S::T* __restrict__ dh, const typename S::T* __restrict__ dc,
+                    typename S::T* __restrict__ d_gates, typename S::T* __restrict__ dc_prev,
+                    int64_t H) {
+  using T = typename S::T;
+  const T* i = saved;
+  const T* f = saved + H;
+  const T* g = saved + 2 * H;
+  const T* o = saved + 3 * H;
+  const T* tc = saved + 4 * H;
+  for (int64_t j = 0; j < H; ++j) {
+    const T dct = dc[j] + dh[j] * o[j] * (T(1) - tc[j] * tc[j]);
+    d_gates[j] = dct * g[j] * i[j] * (T(1) - i[j]);
+    d_gates[H + j] = dct * c[j] * f[j] * (T(1) - f[j]);
+    d_gates[2 * H + j] = dct * i[j] * (T(1) - g[j] * g[j]);
+    d_gates[3 * H + j] = dh[j] * tc[j] * o[j] * (T(1) - o[j]);
+    dc_prev[j] = dct * f[j];
+  }
+}
+
 const KernelTable<typename S::T>& table(const char* name) {
   static const KernelTable<typename S::T> t{name,   pack_rows, exp_inplace, scale_rows,
                                             weighted_rows, dots, scores, fused_grads,
-                                            tanh_pairs, gru_gates_fwd, gru_gates_bwd};
+                                            tanh_pairs, gru_gates_fwd, gru_gates_bwd,
+                                            lstm_gates_fwd, lstm_gates_bwd};
   return t;
 }

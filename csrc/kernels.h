@@ -69,6 +69,14 @@ struct KernelTable {
   // Its backward: go = dL/dh from the output, c = dL/dh from the later steps on entry and the
   // part of dL/dhp through z on exit (the caller adds dg W_hh); dx = dL/dgx, dg = dL/dgh (3H).
   void (*gru_gates_bwd)(const T* saved, const T* hp, const T* go, T* c, T* dx, T* dg, int64_t H);
+  // One row of an LSTM cell step: gates = gi + gh = [i | f | g | o] (4H, biases included), c (H)
+  // -> c_new = sigmoid(f) c + sigmoid(i) tanh(g), h = sigmoid(o) tanh(c_new), and
+  // saved = [sigmoid(i) | sigmoid(f) | tanh(g) | sigmoid(o) | tanh(c_new)] (5H).
+  void (*lstm_gates_fwd)(const T* gi, const T* gh, const T* c, T* h, T* c_new, T* saved,
+                         int64_t H);
+  // Its backward: dh, dc = dL/dh, dL/dc_new -> d_gates (4H; gi's and gh's alike), dc_prev (H).
+  void (*lstm_gates_bwd)(const T* saved, const T* c, const T* dh, const T* dc, T* d_gates,
+                         T* dc_prev, int64_t H);
 };
 
 // Largest |a|, |b| for the product path: exp(+-2a) stays a normal float (e^80 = 5.5e34).

@@ -10,7 +10,8 @@ nn.GRU's parameters and gate equations (csrc/gru.cpp):
   forward, one product and one fused pass backward; dW_hh and db_hh once at the end.
 
 ``gru_cell`` is one step of the same gates from projections the caller formed (the Bahdanau
-decoder's, which projects the context and the query with them).
+decoder's, which projects the context and the query with them); ``lstm_cell`` the same for an
+LSTM cell (nn.LSTM layers stay on PyTorch's own kernel: oneDNN on CPU).
 
 Used by the encoder and both decoders where it applies (:func:`applies`: CPU, float32/64, the
 extension loaded, no autocast, not inside torch.compile or a torch.func transform); elsewhere they call
@@ -48,6 +49,16 @@ if CPU_KERNEL_ERROR is None:  # shapes for torch.compile / FakeTensor tracing of
         B, H = h.shape
         return h.new_empty(B, 3 * H), h.new_empty(B, 3 * H), h.new_empty(B, H)
 
+    @torch.library.register_fake("seq2seq_fast::_lstm_cell_fwd")
+    def _(gates_in, gates_hidden, c):
+        B, H = c.shape
+        return c.new_empty(B, H), c.new_empty(B, H), c.new_empty(B, 5 * H)
+
+    @torch.library.register_fake("seq2seq_fast::_lstm_cell_bwd")
+    def _(grad_h, grad_c, saved, c):
+        B, H = c.shape
+        return c.new_empty(B, 4 * H), c.new_empty(B, H)
+
 
 class _GRURecurrence(torch.autograd.Function):
     @staticmethod
@@ -79,6 +90,21 @@ class _GRUCell(torch.autograd.Function):
         return guard_double_backward(torch.ops.seq2seq_fast._gru_cell_bwd(grad_h, saved, h))
 
 
+class _LSTMCell(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gates_in: Tensor, gates_hidden: Tensor, c: Tensor):
+        h, c_new, saved = torch.ops.seq2seq_fast._lstm_cell_fwd(gates_in, gates_hidden, c)
+        ctx.save_for_backward(saved, c)
+        return h, c_new
+
+    @staticmethod
+    def backward(ctx, grad_h: Tensor, grad_c: Tensor):
+        saved, c = ctx.saved_tensors
+        d_gates, dc = torch.ops.seq2seq_fast._lstm_cell_bwd(grad_h, grad_c, saved, c)
+        # gates = gates_in + gates_hidden: both get the same gradient (as AddBackward gives it)
+        return guard_double_backward((d_gates, d_gates, dc))
+
+
 def _serves(x: Tensor) -> bool:
     return (
         CPU_KERNEL_ERROR is None
@@ -96,8 +122,16 @@ def applies(x: Tensor) -> bool:
 
 
 def cell_applies(h: Tensor) -> bool:
-    """Whether :func:`gru_cell` serves the state h [B, H] (else the cell's plain ops)."""
+    """Whether :func:`gru_cell` / :func:`lstm_cell` serve the state h or c [B, H] (else the
+    cell's plain ops)."""
     return h.dim() == 2 and _serves(h)
+
+
+def lstm_cell(gates_in: Tensor, gates_hidden: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """nn.LSTMCell's update from its two gate projections, biases included: gates_in = x W_ih^T +
+    b_ih, gates_hidden = h W_hh^T + b_hh, both [B, 4H], c [B, H] -> (h', c'); one op forward,
+    one backward."""
+    return _LSTMCell.apply(gates_in, gates_hidden, c)
 
 
 def gru_cell(gates_in: Tensor, gates_hidden: Tensor, h: Tensor) -> Tensor:

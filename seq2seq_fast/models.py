@@ -251,6 +251,8 @@ def _cell_update(cell_type: str, gates_in: Tensor, gates_hidden: Tensor, layer_s
         new = torch.tanh(torch.addcmul(in_n, reset, hidden_n))
         return torch.lerp(new, layer_state, update)  # (1 - z) n + z h
     h, c = layer_state
+    if fused_gru.cell_applies(c):
+        return fused_gru.lstm_cell(gates_in, gates_hidden, c)
     i, f, g, o = (gates_in + gates_hidden).chunk(4, dim=1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
     return torch.sigmoid(o) * torch.tanh(c), c

@@ -310,6 +310,53 @@ void check_gru(const char* name, const KernelTable<T>& kt) {
   expect_close<T>(name, "gru_gates_bwd c", c.data(), cw, 4.0);
 }
 
+// The LSTM gate passes against the same equations in double precision.
+template <typename T>
+void check_lstm(const char* name, const KernelTable<T>& kt) {
+  Rng gen(11);
+  const int64_t H = 29;
+  Buf<T> gi(4 * H), gh(4 * H), c(H), dh(H), dc(H);
+  randomize(gi, gen, 2.0);
+  randomize(gh, gen, 2.0);
+  randomize(c, gen, 1.0);
+  randomize(dh, gen, 1.0);
+  randomize(dc, gen, 1.0);
+  gi[0] = T(300);
+  gi[H + 1] = T(-300);
+  gi[2 * H + 2] = T(1e30);
+  gi[3 * H + 3] = T(-1e30);
+  Buf<T> h(H), c_new(H), saved(5 * H), d_gates(4 * H), dc_prev(H);
+  kt.lstm_gates_fwd(gi.data(), gh.data(), c.data(), h.data(), c_new.data(), saved.data(), H);
+  Buf<double> hw(H), cw(H), sw(5 * H), dgw(4 * H), dcw(H);
+  for (int64_t j = 0; j < H; ++j) {
+    const double i = 1.0 / (1.0 + exp(-(double(gi[j]) + double(gh[j]))));
+    const double f = 1.0 / (1.0 + exp(-(double(gi[H + j]) + double(gh[H + j]))));
+    const double g = tanh(double(gi[2 * H + j]) + double(gh[2 * H + j]));
+    const double o = 1.0 / (1.0 + exp(-(double(gi[3 * H + j]) + double(gh[3 * H + j]))));
+    cw[j] = f * double(c[j]) + i * g;
+    const double tc = tanh(cw[j]);
+    hw[j] = o * tc;
+    sw[j] = i;
+    sw[H + j] = f;
+    sw[2 * H + j] = g;
+    sw[3 * H + j] = o;
+    sw[4 * H + j] = tc;
+    const double dct = double(dc[j]) + double(dh[j]) * o * (1.0 - tc * tc);
+    dgw[j] = dct * g * i * (1.0 - i);
+    dgw[H + j] = dct * double(c[j]) * f * (1.0 - f);
+    dgw[2 * H + j] = dct * i * (1.0 - g * g);
+    dgw[3 * H + j] = double(dh[j]) * tc * o * (1.0 - o);
+    dcw[j] = dct * f;
+  }
+  expect_close<T>(name, "lstm_gates_fwd h", h.data(), hw);
+  expect_close<T>(name, "lstm_gates_fwd c", c_new.data(), cw);
+  expect_close<T>(name, "lstm_gates_fwd saved", saved.data(), sw);
+  kt.lstm_gates_bwd(saved.data(), c.data(), dh.data(), dc.data(), d_gates.data(), dc_prev.data(),
+                    H);
+  expect_close<T>(name, "lstm_gates_bwd d_gates", d_gates.data(), dgw, 4.0);
+  expect_close<T>(name, "lstm_gates_bwd dc", dc_prev.data(), dcw, 4.0);
+}
+
 template <typename T>
 void check_table(const char* name, const KernelTable<T>& kt) {
   const int before = g_checks;
@@ -317,6 +364,7 @@ void check_table(const char* name, const KernelTable<T>& kt) {
   check_rows<T>(name, kt);
   check_pairs<T>(name, kt);
   check_gru<T>(name, kt);
+  check_lstm<T>(name, kt);
   printf("ok %s: %d checks\n", name, g_checks - before);
 }
 

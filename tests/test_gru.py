@@ -238,3 +238,62 @@ def test_fuzz_layer_against_nn_gru(B, T, F, H, bias, strided_x, scale, seed):
     torch.testing.assert_close(out2, out, rtol=1e-10, atol=1e-10)
     for g, g2 in zip(grads, grads2, strict=True):
         torch.testing.assert_close(g2, g, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_lstm_cell_equals_nn_lstm_cell(dtype, tol):
+    torch.manual_seed(2)
+    B, F, H = 4, 6, 21
+    cell = nn.LSTMCell(F, H).to(dtype)
+    x = torch.randn(B, F, dtype=dtype, requires_grad=True)
+    h = torch.randn(B, H, dtype=dtype, requires_grad=True)
+    c = torch.randn(B, H, dtype=dtype, requires_grad=True)
+    w_h, w_c = torch.randn(B, H, dtype=dtype), torch.randn(B, H, dtype=dtype)
+    inputs = [x, h, c, *cell.parameters()]
+    h1, c1 = cell(x, (h, c))
+    grads = torch.autograd.grad((h1 * w_h).sum() + (c1 * w_c).sum(), inputs)
+    gates_in = nn.functional.linear(x, cell.weight_ih, cell.bias_ih)
+    gates_hidden = nn.functional.linear(h, cell.weight_hh, cell.bias_hh)
+    h2, c2 = fused_gru.lstm_cell(gates_in, gates_hidden, c)
+    grads2 = torch.autograd.grad((h2 * w_h).sum() + (c2 * w_c).sum(), inputs)
+    torch.testing.assert_close(h2, h1, rtol=tol, atol=tol)
+    torch.testing.assert_close(c2, c1, rtol=tol, atol=tol)
+    for g, g2 in zip(grads, grads2, strict=True):
+        torch.testing.assert_close(g2, g, rtol=10 * tol, atol=10 * tol)
+    # only h used downstream: c's gradient arrives as None and counts as zero
+    gates_in = nn.functional.linear(x, cell.weight_ih, cell.bias_ih)
+    gates_hidden = nn.functional.linear(h, cell.weight_hh, cell.bias_hh)
+    (gx,) = torch.autograd.grad(fused_gru.lstm_cell(gates_in, gates_hidden, c)[0].sum(), x)
+    (gx_ref,) = torch.autograd.grad(cell(x, (h, c))[0].sum(), x)
+    torch.testing.assert_close(gx, gx_ref, rtol=10 * tol, atol=10 * tol)
+
+
+def test_bahdanau_lstm_decoder_uses_the_cell_op_and_matches_plain_ops(monkeypatch):
+    config = Seq2SeqConfig(src_vocab_size=13, tgt_vocab_size=11, embed_size=8, hidden_size=16,
+                           decoder="bahdanau", cell="lstm", decoder_layers=2,
+                           backend="reference")  # fmt: skip
+    torch.manual_seed(0)
+    model = Seq2Seq(config).double()
+    src, lengths, tgt = (
+        torch.randint(4, 13, (3, 6)),
+        torch.tensor([6, 3, 1]),
+        torch.randint(4, 11, (3, 5)),
+    )
+    calls = []
+    real = fused_gru.lstm_cell
+    monkeypatch.setattr(fused_gru, "lstm_cell", lambda *a: calls.append(1) or real(*a))
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = sequence_loss(model(src, lengths, tgt)[0], tgt)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss, grads = loss_and_grads()
+    assert len(calls) == 5 * 2  # target steps x decoder layers
+    monkeypatch.setattr(fused_gru, "cell_applies", lambda h: False)
+    loss_ref, grads_ref = loss_and_grads()
+    assert len(calls) == 10
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-12, atol=1e-12)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-10)
