@@ -21,6 +21,7 @@
 #include <torch/types.h>
 
 #include <tuple>
+#include <utility>
 
 #include "kernels.h"
 
@@ -160,25 +161,35 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gru_recurrence_bwd(const Tensor& grad
   return {dgx, carry, dw, db};
 }
 
+// A cell op's inputs: gate projections [B, gates * H] (unit stride along the row), the state
+// [B, H]; float32/64 CPU tensors of one dtype. Returns the projections with unit inner stride.
+std::pair<Tensor, Tensor> check_cell(const char* op, const Tensor& gates_in,
+                                     const Tensor& gates_hidden, const Tensor& state,
+                                     int64_t gates) {
+  TORCH_CHECK(state.dim() == 2 && state.size(1) > 0, op, ": the state must be [B, H], got ",
+              state.sizes());
+  TORCH_CHECK(state.device().is_cpu() &&
+                  (state.scalar_type() == at::kFloat || state.scalar_type() == at::kDouble),
+              op, ": float32 or float64 CPU tensors, got ", state.scalar_type());
+  const int64_t B = state.size(0), G = gates * state.size(1);
+  for (const Tensor* t : {&gates_in, &gates_hidden}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->size(1) == G, op,
+                ": gate projections must be [B=", B, ", ", gates, "H=", G, "], got ", t->sizes());
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == state.scalar_type(), op,
+                ": tensors must be on the CPU with one dtype");
+  }
+  return {gates_in.stride(1) == 1 ? gates_in : gates_in.contiguous(),
+          gates_hidden.stride(1) == 1 ? gates_hidden : gates_hidden.contiguous()};
+}
+
 // One GRU cell step from its two gate projections (nn.GRUCell's math, biases included), for a
 // decoder that forms the projections itself (seq2seq_fast/models.py, the Bahdanau decoder):
 // gates_in, gates_hidden [B, 3H] (rows may be strided), h [B, H] -> (h_new [B, H], saved [B, 4H]).
 std::tuple<Tensor, Tensor> gru_cell_fwd(const Tensor& gates_in, const Tensor& gates_hidden,
                                         const Tensor& h_in) {
-  TORCH_CHECK(h_in.dim() == 2 && h_in.size(1) > 0, "_gru_cell: h must be [B, H], got ",
-              h_in.sizes());
-  const int64_t B = h_in.size(0), H = h_in.size(1), G = 3 * H;
-  for (const Tensor* t : {&gates_in, &gates_hidden}) {
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->size(1) == G,
-                "_gru_cell: gate projections must be [B=", B, ", 3H=", G, "], got ", t->sizes());
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == h_in.scalar_type(),
-                "_gru_cell: tensors must be on the CPU with one dtype");
-  }
-  TORCH_CHECK(h_in.device().is_cpu() &&
-                  (h_in.scalar_type() == at::kFloat || h_in.scalar_type() == at::kDouble),
-              "_gru_cell: float32 or float64 CPU tensors, got ", h_in.scalar_type());
-  const Tensor gi = gates_in.stride(1) == 1 ? gates_in : gates_in.contiguous();
-  const Tensor gh = gates_hidden.stride(1) == 1 ? gates_hidden : gates_hidden.contiguous();
+  Tensor gi, gh;
+  std::tie(gi, gh) = check_cell("_gru_cell", gates_in, gates_hidden, h_in, 3);
+  const int64_t B = h_in.size(0), H = h_in.size(1);
   const Tensor h = h_in.contiguous();
   Tensor h_new = at::empty({B, H}, h.options());
   Tensor saved = at::empty({B, 4 * H}, h.options());
@@ -235,20 +246,9 @@ std::tuple<Tensor, Tensor, Tensor> gru_cell_bwd(const Tensor& grad_h_in, const T
 // saved [B, 5H]).
 std::tuple<Tensor, Tensor, Tensor> lstm_cell_fwd(const Tensor& gates_in,
                                                  const Tensor& gates_hidden, const Tensor& c_in) {
-  TORCH_CHECK(c_in.dim() == 2 && c_in.size(1) > 0, "_lstm_cell: c must be [B, H], got ",
-              c_in.sizes());
-  const int64_t B = c_in.size(0), H = c_in.size(1), G = 4 * H;
-  for (const Tensor* t : {&gates_in, &gates_hidden}) {
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->size(1) == G,
-                "_lstm_cell: gate projections must be [B=", B, ", 4H=", G, "], got ", t->sizes());
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == c_in.scalar_type(),
-                "_lstm_cell: tensors must be on the CPU with one dtype");
-  }
-  TORCH_CHECK(c_in.device().is_cpu() &&
-                  (c_in.scalar_type() == at::kFloat || c_in.scalar_type() == at::kDouble),
-              "_lstm_cell: float32 or float64 CPU tensors, got ", c_in.scalar_type());
-  const Tensor gi = gates_in.stride(1) == 1 ? gates_in : gates_in.contiguous();
-  const Tensor gh = gates_hidden.stride(1) == 1 ? gates_hidden : gates_hidden.contiguous();
+  Tensor gi, gh;
+  std::tie(gi, gh) = check_cell("_lstm_cell", gates_in, gates_hidden, c_in, 4);
+  const int64_t B = c_in.size(0), H = c_in.size(1);
   const Tensor c = c_in.contiguous();
   Tensor h = at::empty({B, H}, c.options());
   Tensor c_new = at::empty({B, H}, c.options());

@@ -13,9 +13,10 @@ nn.GRU's parameters and gate equations (csrc/gru.cpp):
 decoder's, which projects the context and the query with them); ``lstm_cell`` the same for an
 LSTM cell (nn.LSTM layers stay on PyTorch's own kernel: oneDNN on CPU).
 
-Used by the encoder and both decoders where it applies (:func:`applies`: CPU, float32/64, the
-extension loaded, no autocast, not inside torch.compile or a torch.func transform); elsewhere they call
-nn.GRU's functional as before. Results equal nn.GRU's to float rounding (tests/test_gru.py).
+Used by the encoder and both decoders where it applies (:func:`applies`, :func:`cell_applies`:
+CPU, float32/64, the extension loaded, no autocast, not inside torch.compile or a torch.func
+transform); elsewhere they call PyTorch's own ops as before. Results equal nn.GRU's, nn.GRUCell's
+and nn.LSTMCell's to float rounding (tests/test_gru.py).
 """
 
 from __future__ import annotations
