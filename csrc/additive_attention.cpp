@@ -88,15 +88,22 @@ const KernelTable<float>& float_kernels() {
   return portable_float_kernels();
 }
 
-template <typename T>
-const KernelTable<T>& kernels();
+}  // namespace
+
 template <>
-const KernelTable<float>& kernels<float>() {
+const KernelTable<float>& runtime_kernels<float>() {
   return float_kernels();
 }
 template <>
-const KernelTable<double>& kernels<double>() {
+const KernelTable<double>& runtime_kernels<double>() {
   return portable_double_kernels();
+}
+
+namespace {
+
+template <typename T>
+const KernelTable<T>& kernels() {
+  return runtime_kernels<T>();
 }
 
 template <typename T>
@@ -836,8 +843,6 @@ std::string cpu_isa() { return float_kernels().name; }
 
 }  // namespace
 
-// The float table chosen for this CPU, for csrc/gru.cpp.
-const KernelTable<float>& cpu_float_kernels() { return float_kernels(); }
 
 }  // namespace seq2seq_fast
 

@@ -85,6 +85,14 @@ constexpr double kProductLimitDouble = 150.0;
 // Rows are padded to a multiple of this many elements (the widest vector, 16 floats).
 constexpr int64_t kPadTo = 16;
 
+// The table the extension runs for T on this CPU (float: chosen at run time, SEQ2SEQ_FAST_ISA
+// overriding; double: portable). Defined in additive_attention.cpp, used by gru.cpp too.
+template <typename T>
+const KernelTable<T>& runtime_kernels();
+template <>
+const KernelTable<float>& runtime_kernels<float>();
+template <>
+const KernelTable<double>& runtime_kernels<double>();
 const KernelTable<float>& portable_float_kernels();
 const KernelTable<double>& portable_double_kernels();
 #if SEQ2SEQ_FAST_X86_SIMD

@@ -84,20 +84,17 @@ def test_second_order_gradient_raises():
         gx.sum().backward()
 
 
-def test_models_use_it_and_match_nn_gru(monkeypatch):
-    """A GRU Seq2Seq (bidirectional encoder, GNMT decoder) gives the same loss and gradients with
-    the fused recurrence as with nn.GRU's own (applies() forced False)."""
-    config = Seq2SeqConfig(src_vocab_size=13, tgt_vocab_size=11, embed_size=8, hidden_size=16,
-                           decoder="gnmt", decoder_layers=2, backend="reference")  # fmt: skip
+def _compare_model_with_and_without(monkeypatch, config, wrapped, switch, expected_calls):
+    """Loss and every gradient of a small float64 Seq2Seq with the op ``wrapped`` (counted) and
+    then with ``switch`` forced False (PyTorch's own ops): equal to float64 rounding."""
     torch.manual_seed(0)
     model = Seq2Seq(config).double()
-    src = torch.randint(4, 13, (3, 6))
+    src = torch.randint(4, config.src_vocab_size, (3, 6))
     lengths = torch.tensor([6, 4, 1])
-    tgt = torch.randint(4, 11, (3, 5))
-
+    tgt = torch.randint(4, config.tgt_vocab_size, (3, 5))
     calls = []
-    real = fused_gru.gru_layer
-    monkeypatch.setattr(fused_gru, "gru_layer", lambda *a: calls.append(1) or real(*a))
+    real = getattr(fused_gru, wrapped)
+    monkeypatch.setattr(fused_gru, wrapped, lambda *a: calls.append(1) or real(*a))
 
     def loss_and_grads():
         model.zero_grad()
@@ -106,13 +103,23 @@ def test_models_use_it_and_match_nn_gru(monkeypatch):
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
     loss, grads = loss_and_grads()
-    assert len(calls) == 4  # encoder: 2 directions; decoder: 2 layers
-    monkeypatch.setattr(fused_gru, "applies", lambda x: False)
+    assert len(calls) == expected_calls
+    monkeypatch.setattr(fused_gru, switch, lambda x: False)
     loss_ref, grads_ref = loss_and_grads()
-    assert len(calls) == 4
+    assert len(calls) == expected_calls
     torch.testing.assert_close(loss, loss_ref, rtol=1e-12, atol=1e-12)
     for g, g_ref in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-10)
+    return model
+
+
+def test_models_use_it_and_match_nn_gru(monkeypatch):
+    """A GRU Seq2Seq (bidirectional encoder, GNMT decoder) gives the same loss and gradients with
+    the fused recurrence as with nn.GRU's own (applies() forced False)."""
+    config = Seq2SeqConfig(src_vocab_size=13, tgt_vocab_size=11, embed_size=8, hidden_size=16,
+                           decoder="gnmt", decoder_layers=2, backend="reference")  # fmt: skip
+    # encoder: 2 directions; decoder: 2 layers
+    model = _compare_model_with_and_without(monkeypatch, config, "gru_layer", "applies", 4)
     assert isinstance(model.decoder, GNMTDecoder)
 
 
@@ -268,32 +275,11 @@ def test_lstm_cell_equals_nn_lstm_cell(dtype, tol):
     torch.testing.assert_close(gx, gx_ref, rtol=10 * tol, atol=10 * tol)
 
 
-def test_bahdanau_lstm_decoder_uses_the_cell_op_and_matches_plain_ops(monkeypatch):
-    config = Seq2SeqConfig(src_vocab_size=13, tgt_vocab_size=11, embed_size=8, hidden_size=16,
-                           decoder="bahdanau", cell="lstm", decoder_layers=2,
-                           backend="reference")  # fmt: skip
-    torch.manual_seed(0)
-    model = Seq2Seq(config).double()
-    src, lengths, tgt = (
-        torch.randint(4, 13, (3, 6)),
-        torch.tensor([6, 3, 1]),
-        torch.randint(4, 11, (3, 5)),
-    )
-    calls = []
-    real = fused_gru.lstm_cell
-    monkeypatch.setattr(fused_gru, "lstm_cell", lambda *a: calls.append(1) or real(*a))
-
-    def loss_and_grads():
-        model.zero_grad()
-        loss = sequence_loss(model(src, lengths, tgt)[0], tgt)
-        loss.backward()
-        return loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-    loss, grads = loss_and_grads()
-    assert len(calls) == 5 * 2  # target steps x decoder layers
-    monkeypatch.setattr(fused_gru, "cell_applies", lambda h: False)
-    loss_ref, grads_ref = loss_and_grads()
-    assert len(calls) == 10
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-12, atol=1e-12)
-    for g, g_ref in zip(grads, grads_ref, strict=True):
-        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-10)
+def test_bahdanau_decoders_use_the_cell_ops_and_match_plain_ops(monkeypatch):
+    for cell, wrapped in (("gru", "gru_cell"), ("lstm", "lstm_cell")):
+        config = Seq2SeqConfig(src_vocab_size=13, tgt_vocab_size=11, embed_size=8, hidden_size=16,
+                               decoder="bahdanau", cell=cell, decoder_layers=2,
+                               backend="reference")  # fmt: skip
+        # 5 target steps x 2 decoder layers
+        with monkeypatch.context() as patch:
+            _compare_model_with_and_without(patch, config, wrapped, "cell_applies", 10)
