@@ -34,7 +34,13 @@ if os.environ.get("SEQ2SEQ_FAST_SKIP_BUILD", "0") != "1":
     cmdclass["build_ext"] = BuildExtension
 
 setup(
-    packages=["seq2seq_fast", "seq2seq_fast._triton"],
+    packages=[
+        "seq2seq_fast",
+        "seq2seq_fast.ops",
+        "seq2seq_fast.nn",
+        "seq2seq_fast.seq2seq",
+        "seq2seq_fast._triton",
+    ],
     package_dir={"seq2seq_fast": "seq2seq_fast", "seq2seq_fast._triton": "triton_kernels"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

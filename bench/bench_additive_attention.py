@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from seq2seq_fast import bench as sb
+from bench import harness as sb
 
 DEVICE = sb.default_device()
 SHAPES = sb.shapes_for(sb.default_size(), DEVICE)

@@ -4,7 +4,7 @@ The pytest-benchmark view of ``bench/train_throughput.py`` (the Seq2Seq engineer
 batch and step (forward, loss, backward, AdamW on a full batch) come from its ``make_step``.
 Providers: fused, eager (``backend="reference"``), compile (``torch.compile`` of the whole model,
 compiled during warm-up) and zero (an attention that costs nothing: the bound any kernel can
-reach). One group per (decoder, size). Skipped with the reason when ``seq2seq_fast.models`` or the
+reach). One group per (decoder, size). Skipped with the reason when ``seq2seq_fast.seq2seq.models`` or the
 script is missing.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seq2seq_fast import bench as sb
+from bench import harness as sb
 
 DEVICE = sb.default_device()
 SIZE = sb.default_size()
@@ -25,7 +25,7 @@ def _train_throughput():
     try:
         import train_throughput  # bench/ is on sys.path: pytest inserts the conftest's folder
     except ImportError as exc:
-        pytest.skip(f"bench/train_throughput.py or seq2seq_fast.models missing: {exc}")
+        pytest.skip(f"bench/train_throughput.py or seq2seq_fast.seq2seq.models missing: {exc}")
     return train_throughput
 
 

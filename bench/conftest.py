@@ -1,7 +1,7 @@
 """pytest-benchmark files of seq2seq_fast: ``pytest bench/ --benchmark-only``.
 
 Files here are named ``bench_<thing>.py`` (the stem of the layer they measure) and collected by
-the hook below. Knobs, shared with ``python -m seq2seq_fast.bench``:
+the hook below. Knobs, shared with ``python -m bench.harness``:
 
     SEQ2SEQ_FAST_BENCH_SIZE=tiny|quick|full   shape set (default full; tiny is what CI runs)
     SEQ2SEQ_FAST_BENCH_DEVICE=cpu|cuda        default: cuda when available
@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from seq2seq_fast import bench as sb
+from bench import harness as sb
 
 
 def pytest_configure(config: pytest.Config) -> None:

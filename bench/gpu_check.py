@@ -202,7 +202,7 @@ def make_inputs(torch, shape, dtype, device, seed=0):
 
 def launcher_attention(torch, tk):
     """The Triton launchers behind the op's autograd wrapper, for CPU tensors in the dry run."""
-    from seq2seq_fast.ops import attention_function
+    from seq2seq_fast.ops.additive_attention import attention_function
 
     function = attention_function(tk.additive_attention_fwd, tk.additive_attention_bwd)
 
@@ -592,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
         props = torch.cuda.get_device_properties(0)
         report["sms"] = props.multi_processor_count
     log("== gpu_check", json.dumps(report))
-    import seq2seq_fast.ops as ops
+    import seq2seq_fast.ops.additive_attention as ops
 
     log("CUDA kernel import error:", ops.CUDA_KERNEL_ERROR, "| interpreted:", tk.is_interpreted())
 

@@ -34,7 +34,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_throughput import SIZES, Size, ZeroCostAttention  # noqa: E402
 
-from seq2seq_fast.models import Memory, Seq2Seq, Seq2SeqConfig, sequence_loss  # noqa: E402
+from seq2seq_fast.seq2seq.models import Memory, Seq2Seq, Seq2SeqConfig, sequence_loss  # noqa: E402
 
 
 def matmul_gflop(decoder: str, size: Size, vocab: int, cell: str = "gru") -> dict[str, float]:

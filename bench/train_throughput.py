@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.models import Seq2Seq, Seq2SeqConfig, compile_model, sequence_loss
-from seq2seq_fast.ops import fused_unavailable_reason
+from seq2seq_fast.ops.additive_attention import fused_unavailable_reason
+from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig, compile_model, sequence_loss
 
 PROVIDERS = ("reference", "fused", "compile", "zero")
 

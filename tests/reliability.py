@@ -12,7 +12,7 @@ import torch
 
 import seq2seq_fast
 from seq2seq_fast import additive_attention
-from seq2seq_fast.ops import attention_function
+from seq2seq_fast.ops.additive_attention import attention_function
 
 GRAD_NAMES = ("query", "keys", "values", "v", "bias")
 TANH_BOUND = 1e-6  # |fast tanh - tanh| in float32, C++ and Triton "exp" paths (their own tests)

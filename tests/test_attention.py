@@ -11,8 +11,8 @@ from torch import nn
 
 import seq2seq_fast
 from seq2seq_fast import BahdanauAttention, fuse_attention
-from seq2seq_fast.attention import FusedGNMTAttention, FusedTutorialAttention
-from seq2seq_fast.ops import fused_available
+from seq2seq_fast.nn.attention import FusedGNMTAttention, FusedTutorialAttention
+from seq2seq_fast.ops.additive_attention import fused_available
 from tests.layouts import GNMTAttention, GNMTDecoderLayer, TutorialAttention, TutorialDecoder
 
 requires_cpu_kernel = pytest.mark.skipif(
@@ -94,7 +94,7 @@ def test_backend_fused_raises_where_no_kernel_serves():
 
 
 def test_backend_auto_falls_back_with_one_warning(monkeypatch):
-    monkeypatch.setattr(seq2seq_fast.ops, "_warned", set())
+    monkeypatch.setattr(seq2seq_fast.ops.additive_attention, "_warned", set())
     module = BahdanauAttention(4, 4, 4).to(torch.bfloat16)
     query, keys = torch.randn(2, 4).bfloat16(), torch.randn(2, 3, 4).bfloat16()
     with pytest.warns(UserWarning, match="falling back to the reference"):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from seq2seq_fast import bench as sb
+from bench import harness as sb
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,7 +55,7 @@ def test_benchmark_files_run_on_tiny_shapes():
 def test_report_quick_writes_tables_and_json(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "seq2seq_fast.bench", "--quick", "--size", "tiny", "--device", "cpu",
+        [sys.executable, "-m", "bench.harness", "--quick", "--size", "tiny", "--device", "cpu",
          "--threads", "1", "--rounds", "2", "--min-sample-ms", "1", "--json", str(out)],
         cwd=ROOT,
         env=_env(),
@@ -134,7 +134,7 @@ def test_summary_quartiles():
 def test_fresh_process_rss_counts_temporaries_not_outputs():
     code = (
         "import torch\n"
-        "from seq2seq_fast import bench as sb\n"
+        "from bench import harness as sb\n"
         "def call():\n"
         "    scratch = torch.ones(2 << 20)\n"  # 8 MiB float32, freed before returning
         "    out = scratch[:16].clone()\n"

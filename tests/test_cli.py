@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from seq2seq_fast.cli import main
+from seq2seq_fast.seq2seq.cli import main
 
 TRAIN_ARGS = [
     "train", "--epochs", "1", "--steps-per-epoch", "120", "--batch-size", "32", "--lr", "1e-2",

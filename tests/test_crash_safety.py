@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-train_module = pytest.importorskip("seq2seq_fast.train")
-from seq2seq_fast.train import (  # noqa: E402
+train_module = pytest.importorskip("seq2seq_fast.seq2seq.train")
+from seq2seq_fast.seq2seq.train import (  # noqa: E402
     CheckpointError,
     TrainConfig,
     load_checkpoint,
@@ -104,7 +104,7 @@ def test_failure_inside_the_save_keeps_the_last_checkpoint(tmp_path, monkeypatch
 _KILL_SCRIPT = """
 import os, signal, sys, io, torch
 sys.path.insert(0, {root!r})
-from seq2seq_fast.train import TrainConfig, train
+from seq2seq_fast.seq2seq.train import TrainConfig, train
 real_save, calls = torch.save, [0]
 def save(obj, f, *args, **kwargs):
     calls[0] += 1
@@ -146,7 +146,7 @@ def test_readers_and_a_random_sigkill_always_see_a_whole_checkpoint(tmp_path):
     out = tmp_path / "run"
     config = TINY | {"out": str(out), "save_every": 1, "epochs": 50, "steps_per_epoch": 20}
     script = f"import sys; sys.path.insert(0, {str(ROOT)!r})\n" + (
-        f"from seq2seq_fast.train import TrainConfig, train\ntrain(TrainConfig(**{config!r}))\n"
+        f"from seq2seq_fast.seq2seq.train import TrainConfig, train\ntrain(TrainConfig(**{config!r}))\n"
     )
     snapshots: list[bytes] = []
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE)
@@ -175,7 +175,7 @@ def test_readers_and_a_random_sigkill_always_see_a_whole_checkpoint(tmp_path):
 
 
 def test_cli_resume_continues_like_an_uninterrupted_run(tmp_path, uninterrupted, capsys):
-    from seq2seq_fast.cli import main
+    from seq2seq_fast.seq2seq.cli import main
 
     part = tmp_path / "part"
     first = train(replace(tiny(part), stop_after_steps=3))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from seq2seq_fast.data import (
+from seq2seq_fast.seq2seq.data import (
     CorpusError,
     ReverseTask,
     SentencePieceVocab,
@@ -21,7 +21,7 @@ from seq2seq_fast.data import (
     split_by_source,
     vocab_from_state,
 )
-from seq2seq_fast.models import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from seq2seq_fast.seq2seq.models import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 GOOD = "Go.\tVa !\nHi.\tSalut !\tCC-BY 2.0 (France) Attribution: tatoeba.org\n"
 

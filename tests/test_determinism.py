@@ -208,7 +208,7 @@ TINY_TRAIN = dict(
 @requires_cpp
 @pytest.mark.parametrize("decoder", ["bahdanau", "gnmt"])
 def test_fixed_seed_training_on_the_fused_kernel_repeats_exactly(decoder, tmp_path):
-    train_module = pytest.importorskip("seq2seq_fast.train")
+    train_module = pytest.importorskip("seq2seq_fast.seq2seq.train")
     config = dict(TINY_TRAIN, decoder=decoder, backend="fused")
     a = train_module.train(train_module.TrainConfig(**config, out=str(tmp_path / "a")))
     b = train_module.train(train_module.TrainConfig(**config, out=str(tmp_path / "b")))

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from seq2seq_fast import gru as fused_gru
-from seq2seq_fast.models import GNMTDecoder, Seq2Seq, Seq2SeqConfig, sequence_loss
-from seq2seq_fast.ops import CPU_KERNEL_ERROR
+from seq2seq_fast.ops import recurrent as fused_gru
+from seq2seq_fast.ops.additive_attention import CPU_KERNEL_ERROR
+from seq2seq_fast.seq2seq.models import GNMTDecoder, Seq2Seq, Seq2SeqConfig, sequence_loss
 
 pytestmark = pytest.mark.skipif(CPU_KERNEL_ERROR is not None, reason="C++ extension not built")
 

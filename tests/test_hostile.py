@@ -253,7 +253,7 @@ def good_checkpoint(folder: Path) -> Path:
     """A real checkpoint from a one-step training run (cached in the scratch folder)."""
     path = folder / "good" / "model.pt"
     if not path.exists():
-        from seq2seq_fast.train import TrainConfig, train
+        from seq2seq_fast.seq2seq.train import TrainConfig, train
 
         train(TrainConfig(**TINY_TRAIN, out=str(path.parent)))
     return path
@@ -263,7 +263,7 @@ def load_bytes(make: Callable[[Path], bytes | None], *, model=False):
     """load_checkpoint (or load_model) of a file whose bytes ``make(folder)`` returns."""
 
     def call(folder):
-        from seq2seq_fast.train import load_checkpoint, load_model
+        from seq2seq_fast.seq2seq.train import load_checkpoint, load_model
 
         path = folder / "case.pt"
         data = make(folder)
@@ -345,7 +345,7 @@ def check_not_pwned(call):
 
 def corpus(data: bytes | None, name="corpus.tsv", **kwargs):
     def call(folder):
-        from seq2seq_fast.data import read_parallel_corpus
+        from seq2seq_fast.seq2seq.data import read_parallel_corpus
 
         path = folder / name
         if data is not None:
@@ -517,7 +517,7 @@ CASES: list[Case] = [
     Case("fuse: model without attention", fuse(lambda: torch.nn.Sequential(torch.nn.Linear(2, 2))), None),
     # checkpoints
     Case("ckpt: missing file", load_bytes(lambda f: None), "CheckpointError", ("not found",)),
-    Case("ckpt: a directory", lambda f: __import__("seq2seq_fast.train").train.load_checkpoint(f), "CheckpointError", ("directory",)),
+    Case("ckpt: a directory", lambda f: __import__("seq2seq_fast.seq2seq.train").train.load_checkpoint(f), "CheckpointError", ("directory",)),
     Case("ckpt: empty file", load_bytes(lambda f: b""), "CheckpointError", ("corrupt",)),
     Case("ckpt: text file", load_bytes(lambda f: b"not a checkpoint\n"), "CheckpointError", ("corrupt",)),
     Case("ckpt: random bytes", load_bytes(lambda f: os.urandom(4096)), "CheckpointError", ("corrupt",)),
@@ -774,7 +774,7 @@ def _cli_param(name):
 
 @pytest.mark.parametrize("name", [_cli_param(n) for n in CLI_CASES])
 def test_cli_hostile(name, cli_files, tmp_path, capsys, monkeypatch):
-    from seq2seq_fast.cli import main
+    from seq2seq_fast.seq2seq.cli import main
 
     argv, words, _ = CLI_CASES[name]
     argv = [a.format(**cli_files) for a in argv]

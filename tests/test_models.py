@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seq2seq_fast.models import (
+from seq2seq_fast.ops.additive_attention import fused_available
+from seq2seq_fast.seq2seq.models import (
     EOS_ID,
     PAD_ID,
     Encoder,
@@ -18,7 +19,6 @@ from seq2seq_fast.models import (
     length_penalty,
     sequence_loss,
 )
-from seq2seq_fast.ops import fused_available
 
 CONFIGS = [
     pytest.param(

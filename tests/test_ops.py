@@ -651,7 +651,7 @@ def test_torch_func_grad_works():
 def test_lengths_checked_once_per_version():
     # A decoder passes the same lengths every step: their range is read once, and again after an
     # in-place change (or against another Tk).
-    from seq2seq_fast import ops
+    from seq2seq_fast.ops import additive_attention as ops
 
     query, keys, values, v, bias = make_inputs(2, 3, 4, 8, 3, torch.float32)
     lengths = torch.tensor([4, 2])

@@ -7,8 +7,8 @@ import torch
 
 import seq2seq_fast
 from seq2seq_fast import additive_attention
-from seq2seq_fast.attention import attend
-from seq2seq_fast.stepwise import StepwiseMemory
+from seq2seq_fast.nn.attention import attend
+from seq2seq_fast.nn.stepwise import StepwiseMemory
 from tests.test_ops import key_masks, make_inputs
 
 pytestmark = pytest.mark.skipif(
@@ -193,7 +193,7 @@ def _graph_node_names(tensor):
 
 
 def test_bahdanau_decoder_trains_through_the_memory_with_the_fused_backend():
-    from seq2seq_fast.models import Seq2Seq, Seq2SeqConfig, sequence_loss
+    from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig, sequence_loss
 
     src = torch.randint(4, 12, (3, 5))
     tgt = torch.randint(4, 12, (3, 4))

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from seq2seq_fast.train import (
+from seq2seq_fast.seq2seq.train import (
     CheckpointError,
     TrainConfig,
     load_checkpoint,
@@ -120,8 +120,8 @@ def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path):
 
 
 def test_fused_backend_without_kernel_is_a_clear_error(tmp_path, monkeypatch):
-    from seq2seq_fast import ops
-    from seq2seq_fast.train import TrainError
+    from seq2seq_fast.ops import additive_attention as ops
+    from seq2seq_fast.seq2seq.train import TrainError
 
     monkeypatch.setattr(ops, "CPU_KERNEL_ERROR", "ImportError: not built (test)")
     with pytest.raises(TrainError, match="--backend fused is not available"):

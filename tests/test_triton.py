@@ -476,7 +476,7 @@ def test_import_without_interpreter_or_gpu_is_clean():
     env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""
     code = (
-        "import seq2seq_fast.ops as ops, seq2seq_fast._triton.additive_attention as tk;"
+        "import seq2seq_fast.ops.additive_attention as ops, seq2seq_fast._triton.additive_attention as tk;"
         "assert ops.CUDA_KERNEL_ERROR is None, ops.CUDA_KERNEL_ERROR;"
         "assert not tk.is_interpreted()"
     )

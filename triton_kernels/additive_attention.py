@@ -4,7 +4,7 @@
     p[b,t,:]   = softmax of e[b,t,:] over the valid keys (masked keys get exactly 0)
     ctx[b,t,:] = sum_s p[b,t,s] * values[b,s,:]
 
-Installed as ``seq2seq_fast._triton.additive_attention``; ``seq2seq_fast.ops`` registers the two
+Installed as ``seq2seq_fast._triton.additive_attention``; ``seq2seq_fast.ops.additive_attention`` registers the two
 launchers as the CUDA kernels of ``seq2seq_fast::additive_attention_fwd`` / ``_bwd``. Under
 ``TRITON_INTERPRET=1`` the same launchers run on CPU tensors through Triton's interpreter (tests).
 
@@ -1376,7 +1376,7 @@ def additive_attention_fwd(
     *,
     config: TileConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward of the op (contract in ``seq2seq_fast.ops``).
+    """Forward of the op (contract in ``seq2seq_fast.ops.additive_attention``).
 
     Args:
         query [B, Tq, H], keys [B, Tk, H], values [B, Tk, Dv], v [H], bias [H] or None: one dtype

@@ -25,7 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from seq2seq_fast.ops import CPU_KERNEL_ERROR, guard_double_backward, traced_or_transformed
+from seq2seq_fast.ops.additive_attention import (
+    CPU_KERNEL_ERROR,
+    guard_double_backward,
+    traced_or_transformed,
+)
 
 if CPU_KERNEL_ERROR is None:  # shapes for torch.compile / FakeTensor tracing of the ops
 

@@ -12,13 +12,13 @@ import math
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.ops import (
+from seq2seq_fast.nn.stepwise import StepwiseMemory
+from seq2seq_fast.ops.additive_attention import (
     check_inputs,
     fused_unavailable_reason,
     run_checked,
     warn_fallback_once,
 )
-from seq2seq_fast.stepwise import StepwiseMemory
 
 BACKENDS = ("auto", "fused", "reference")
 
@@ -43,7 +43,7 @@ def attend(
     stepwise: StepwiseMemory | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``additive_attention`` through ``backend`` ("auto", "fused" or "reference"); same contract.
-    ``stepwise``: a :class:`~seq2seq_fast.stepwise.StepwiseMemory` whose ``keys`` and ``values``
+    ``stepwise``: a :class:`~seq2seq_fast.nn.stepwise.StepwiseMemory` whose ``keys`` and ``values``
     are the ones passed (a decoder's steps; used only where the fused CPU kernel runs)."""
     checked = check_inputs(query, keys, values, v, bias, lengths, mask)
     use_reference = backend == "reference"

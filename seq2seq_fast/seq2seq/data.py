@@ -1,6 +1,6 @@
 """Tasks, vocabularies and batching: the built-in reversal task and parallel-corpus translation.
 
-Vocabularies put <pad>=0, <unk>=1, <s>=2, </s>=3 (see ``seq2seq_fast.models``) and serialise to
+Vocabularies put <pad>=0, <unk>=1, <s>=2, </s>=3 (see ``seq2seq_fast.seq2seq.models``) and serialise to
 plain dicts stored in checkpoints (a sentencepiece model travels as its serialized bytes), so a
 checkpoint is self-contained.
 """
@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from seq2seq_fast.models import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+# Token ids: every vocabulary in this package puts <pad>=0, <unk>=1, <s>=2, </s>=3.
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
 
 SPECIALS = ("<pad>", "<unk>", "<s>", "</s>")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from seq2seq_fast.models import Hypothesis, Seq2Seq, beam_search, greedy_decode
+from seq2seq_fast.seq2seq.models import Hypothesis, Seq2Seq, beam_search, greedy_decode
 
 
 def plot_attention(
@@ -67,7 +67,7 @@ def translate_text(
     device: torch.device | str = "cpu",
 ) -> tuple[Hypothesis, list[int]]:
     """Translate one sentence (normalised as the training corpus was): -> (hypothesis, source ids)."""
-    from seq2seq_fast.data import normalize_text
+    from seq2seq_fast.seq2seq.data import normalize_text
 
     ids = src_vocab.encode(normalize_text(text))
     if not ids:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from seq2seq_fast.ops import (
+from seq2seq_fast.ops.additive_attention import (
     fused_unavailable_reason,
     guard_double_backward,
     traced_or_transformed,
@@ -81,7 +81,7 @@ class StepwiseMemory:
     """Keys [B, Tk, H] and values [B, Tk, Dv] that many attention calls read, for training.
 
     Use ``memory.keys`` and ``memory.values`` (aliases that carry the gathered gradients) in place
-    of the originals, and pass ``memory`` to :func:`seq2seq_fast.attention.attend` (or
+    of the originals, and pass ``memory`` to :func:`seq2seq_fast.nn.attention.attend` (or
     ``BahdanauAttention.attend_projected(..., stepwise=memory)``) at each call. Build one per
     forward pass with :meth:`for_training`, which returns None where the fused CPU kernel does not
     apply (then call as usual).

@@ -1,6 +1,6 @@
 """Benchmarks of the fused additive attention: shared measurement code and the report command.
 
-    python -m seq2seq_fast.bench [--device cuda] [--quick] [--threads N] [--json PATH] [--rss]
+    python -m bench.harness [--device cuda] [--quick] [--threads N] [--json PATH] [--rss]
 
 One implementation of shapes, providers, timing and memory serves both this report and the
 pytest-benchmark files in ``bench/`` (``pytest bench/ --benchmark-only``).
@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seq2seq_fast.ops import additive_attention, fused_unavailable_reason
+from seq2seq_fast.ops.additive_attention import additive_attention, fused_unavailable_reason
 from seq2seq_fast.reference import additive_attention_ref
 
 PROVIDERS = ("fused", "eager", "compile")
@@ -332,7 +332,7 @@ class DecodeCase:
 def make_decode_case(
     shape: DecodeShape, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> DecodeCase:
-    from seq2seq_fast.attention import BahdanauAttention
+    from seq2seq_fast.nn.attention import BahdanauAttention
 
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -356,7 +356,7 @@ def make_decode_call(provider: str, case: DecodeCase) -> Callable[[], tuple[Tens
     ``torch.no_grad()``. The keys are projected here, outside the timed region (once per source
     batch, the same work for both providers); each timed step projects its query and attends.
     """
-    from seq2seq_fast.attention import BahdanauAttention
+    from seq2seq_fast.nn.attention import BahdanauAttention
 
     shape = case.shape
     module = BahdanauAttention(
@@ -575,8 +575,9 @@ def rss_probe_in_subprocess(spec: dict[str, Any], timeout_s: float = 900) -> int
     """``rss_peak_extra_bytes`` of one (kind, provider, mode, shape) in a fresh Python process."""
     env = dict(os.environ, **RSS_PROBE_ENV)
     proc = subprocess.run(
-        [sys.executable, "-m", "seq2seq_fast.bench", "--rss-probe", json.dumps(spec)],
+        [sys.executable, "-m", "bench.harness", "--rss-probe", json.dumps(spec)],
         env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # the repository root
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -974,7 +975,7 @@ def report_json(info: dict[str, Any], config: dict[str, Any], groups: list[Group
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m seq2seq_fast.bench",
+        prog="python -m bench.harness",
         description="Time and memory of the fused additive attention against the eager reference "
         "and torch.compile of it, side by side; prints markdown tables.",
     )

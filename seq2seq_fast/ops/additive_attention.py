@@ -398,14 +398,14 @@ def additive_attention(
 
 def run_checked(checked: tuple, return_weights: bool, use_reference: bool, stepwise=None):
     """Run inputs that ``check_inputs`` returned through the fused op or the reference; with a
-    ``stepwise`` memory (seq2seq_fast.stepwise) that owns the keys and values, through it."""
+    ``stepwise`` memory (seq2seq_fast.nn.stepwise) that owns the keys and values, through it."""
     query3, keys, values, v, bias, lengths, mask, single_step = checked
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
     degenerate = min(query3.shape) == 0 or min(keys.shape) == 0 or values.shape[2] == 0
     if use_reference or degenerate:
         # Degenerate sizes (B, Tq, Tk, H or Dv = 0) leave a kernel nothing to do; the reference is exact.
-        from seq2seq_fast.reference import additive_attention_ref
+        from seq2seq_fast.ops.reference import additive_attention_ref
 
         query = query3.squeeze(1) if single_step else query3
         return additive_attention_ref(

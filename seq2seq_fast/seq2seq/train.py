@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from seq2seq_fast.data import (
+from seq2seq_fast.seq2seq.data import (
     Batch,
     ReverseTask,
     TranslationData,
@@ -39,7 +39,7 @@ from seq2seq_fast.data import (
     make_batch,
     vocab_from_state,
 )
-from seq2seq_fast.models import (
+from seq2seq_fast.seq2seq.models import (
     Hypothesis,
     Seq2Seq,
     Seq2SeqConfig,
@@ -422,7 +422,7 @@ def train(config: TrainConfig, *, resume: str | Path | None = None) -> TrainResu
 def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
     from tqdm import tqdm
 
-    from seq2seq_fast.ops import fused_unavailable_reason
+    from seq2seq_fast.ops.additive_attention import fused_unavailable_reason
 
     started = time.perf_counter()
     ctx = setup_distributed()
@@ -434,7 +434,10 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
         saved.out = config.out if config.out is not None else str(Path(resume).parent)
         saved.stop_after_steps = config.stop_after_steps
         saved.progress = config.progress
-        saved.threads = config.threads
+        # The thread count changes the products' summation order: keep the saved one (exact
+        # resume) unless one is given.
+        if config.threads is not None:
+            saved.threads = config.threads
         config = saved
     if config.threads is not None:
         torch.set_num_threads(config.threads)
@@ -689,7 +692,7 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
                 example = src_vocab.decode(heldout[0][0])
             else:
                 example = corpus.test[0][0]
-            from seq2seq_fast.plot import plot_translation
+            from seq2seq_fast.seq2seq.plot import plot_translation
 
             plot_translation(model, src_vocab, tgt_vocab, example, heatmap_path, device=ctx.device)
         metrics = checkpoint_metrics

@@ -30,11 +30,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from seq2seq_fast import gru as fused_gru
-from seq2seq_fast.attention import BahdanauAttention
-from seq2seq_fast.stepwise import StepwiseMemory
+from seq2seq_fast.nn.attention import BahdanauAttention
+from seq2seq_fast.nn.stepwise import StepwiseMemory
+from seq2seq_fast.ops import recurrent as fused_gru
+from seq2seq_fast.seq2seq.data import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (re-exported)
 
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 CELLS = ("gru", "lstm")
 DECODERS = ("bahdanau", "gnmt")
 

@@ -1,0 +1,30 @@
+"""The op layer: the op contract (schemas, fake kernels, autograd Function, functional, input checks,
+library loading), the reference that defines the truth, and the recurrent-cell ops.
+
+    additive_attention   the fused op: ``seq2seq_fast.ops.additive_attention.additive_attention``
+                         (also ``seq2seq_fast.additive_attention``)
+    reference            ``additive_attention_ref``, plain PyTorch, the spec
+    recurrent            GRU layer / GRU cell / LSTM cell ops and the one place that decides
+                         whether they serve a tensor
+
+The submodule ``additive_attention`` keeps its name here (the functional is not re-exported under
+the same name). Imports nothing of ``seq2seq_fast`` above it (``nn``, ``seq2seq``); a test enforces it.
+"""
+
+from seq2seq_fast.ops import additive_attention, recurrent, reference
+from seq2seq_fast.ops.additive_attention import (
+    AdditiveAttentionFunction,
+    fused_available,
+    fused_unavailable_reason,
+)
+from seq2seq_fast.ops.reference import additive_attention_ref
+
+__all__ = [
+    "AdditiveAttentionFunction",
+    "additive_attention",
+    "additive_attention_ref",
+    "fused_available",
+    "fused_unavailable_reason",
+    "recurrent",
+    "reference",
+]
