@@ -13,9 +13,11 @@ nn.GRU's parameters and gate equations (csrc/gru.cpp):
 decoder's, which projects the context and the query with them); ``lstm_cell`` the same for an
 LSTM cell (nn.LSTM layers stay on PyTorch's own kernel: oneDNN on CPU).
 
-Used by the encoder and both decoders where it applies (:func:`applies`, :func:`cell_applies`:
-CPU, float32/64, the extension loaded, no autocast, not inside torch.compile or a torch.func
-transform); elsewhere they call PyTorch's own ops as before. Results equal nn.GRU's, nn.GRUCell's
+The kernel choice is made here, in one place: the models call :func:`gru_layer_or_none`,
+:func:`gru_cell_or_none` and :func:`lstm_cell_or_none`, which run the op where it serves the tensor
+(:func:`applies`, :func:`cell_applies`: CPU, float32/64, the extension loaded, no autocast, not
+inside torch.compile or a torch.func transform) and return None elsewhere, where the models call
+PyTorch's own ops as before. Results equal nn.GRU's, nn.GRUCell's
 and nn.LSTMCell's to float rounding (tests/test_gru.py).
 """
 
@@ -111,12 +113,15 @@ class _LSTMCell(torch.autograd.Function):
 
 
 def _serves(x: Tensor) -> bool:
+    """The one decision whether the fused recurrent ops serve a tensor: CPU, float32/64, not empty,
+    the extension loaded, no autocast (its dtypes: left to PyTorch's ops), and not inside
+    torch.compile's tracing or a torch.func transform."""
     return (
         CPU_KERNEL_ERROR is None
         and x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.float64)
         and x.numel() > 0
-        and not torch.is_autocast_enabled("cpu")  # autocast's dtypes: leave them to nn.GRU
+        and not torch.is_autocast_enabled("cpu")
         and not traced_or_transformed()
     )
 
@@ -130,6 +135,35 @@ def cell_applies(h: Tensor) -> bool:
     """Whether :func:`gru_cell` / :func:`lstm_cell` serve the state h or c [B, H] (else the
     cell's plain ops)."""
     return h.dim() == 2 and _serves(h)
+
+
+def gru_layer_or_none(
+    x: Tensor,
+    h0: Tensor,
+    weight_ih: Tensor,
+    weight_hh: Tensor,
+    bias_ih: Tensor | None = None,
+    bias_hh: Tensor | None = None,
+) -> tuple[Tensor, Tensor] | None:
+    """:func:`gru_layer` where the fused ops serve x [B, T, F] (:func:`applies`), else None: the
+    caller then runs PyTorch's GRU (nn.GRU / torch.gru) with the same weights."""
+    if not applies(x):
+        return None
+    return gru_layer(x, h0, weight_ih, weight_hh, bias_ih, bias_hh)
+
+
+def gru_cell_or_none(gates_in: Tensor, gates_hidden: Tensor, h: Tensor) -> Tensor | None:
+    """:func:`gru_cell` where the fused op serves the state h [B, H] (:func:`cell_applies`), else
+    None: the caller then forms the update from plain ops."""
+    return gru_cell(gates_in, gates_hidden, h) if cell_applies(h) else None
+
+
+def lstm_cell_or_none(
+    gates_in: Tensor, gates_hidden: Tensor, c: Tensor
+) -> tuple[Tensor, Tensor] | None:
+    """:func:`lstm_cell` where the fused op serves the cell state c [B, H] (:func:`cell_applies`),
+    else None: the caller then forms the update from plain ops."""
+    return lstm_cell(gates_in, gates_hidden, c) if cell_applies(c) else None
 
 
 def lstm_cell(gates_in: Tensor, gates_hidden: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:

@@ -152,8 +152,9 @@ def _rnn_direction(rnn: nn.RNNBase, layer: int, reverse: bool, x: Tensor) -> Ten
     weights = [getattr(rnn, name + suffix) for name in names]
     h0 = x.new_zeros(1, x.shape[0], rnn.hidden_size)
     if isinstance(rnn, nn.GRU):
-        if fused_gru.applies(x):  # the recurrence as two C++ ops (seq2seq_fast/gru.py)
-            return fused_gru.gru_layer(x, h0[0], *weights)[0]
+        fused = fused_gru.gru_layer_or_none(x, h0[0], *weights)  # ops/recurrent.py decides
+        if fused is not None:
+            return fused[0]
         return torch.gru(x, h0, weights, rnn.bias, 1, 0.0, rnn.training, False, True)[0]
     return torch.lstm(x, (h0, h0), weights, rnn.bias, 1, 0.0, rnn.training, False, True)[0]
 
@@ -242,8 +243,9 @@ def _cell_update(cell_type: str, gates_in: Tensor, gates_hidden: Tensor, layer_s
     gates_in = W_ih x + b_ih, gates_hidden = W_hh h + b_hh, each [B, 3H] (GRU) or [B, 4H] (LSTM)."""
     # split (not slicing) so that each backward is one cat, not a zero-filled buffer per slice
     if cell_type == "gru":
-        if fused_gru.cell_applies(layer_state):  # one op each way (seq2seq_fast/gru.py)
-            return fused_gru.gru_cell(gates_in, gates_hidden, layer_state)
+        fused = fused_gru.gru_cell_or_none(gates_in, gates_hidden, layer_state)
+        if fused is not None:  # one op each way (ops/recurrent.py decides where it serves)
+            return fused
         hidden = layer_state.shape[-1]
         in_rz, in_n = gates_in.split([2 * hidden, hidden], dim=1)
         hidden_rz, hidden_n = gates_hidden.split([2 * hidden, hidden], dim=1)
@@ -251,8 +253,9 @@ def _cell_update(cell_type: str, gates_in: Tensor, gates_hidden: Tensor, layer_s
         new = torch.tanh(torch.addcmul(in_n, reset, hidden_n))
         return torch.lerp(new, layer_state, update)  # (1 - z) n + z h
     h, c = layer_state
-    if fused_gru.cell_applies(c):
-        return fused_gru.lstm_cell(gates_in, gates_hidden, c)
+    fused = fused_gru.lstm_cell_or_none(gates_in, gates_hidden, c)
+    if fused is not None:
+        return fused
     i, f, g, o = (gates_in + gates_hidden).chunk(4, dim=1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
     return torch.sigmoid(o) * torch.tanh(c), c
@@ -421,11 +424,14 @@ class GNMTDecoder(nn.Module):
 
     @staticmethod
     def _run_layer(rnn: nn.RNNBase, x: Tensor, layer_state):
-        if isinstance(rnn, nn.GRU) and fused_gru.applies(x):  # seq2seq_fast/gru.py
+        if isinstance(rnn, nn.GRU):
             names = ("weight_ih_l0", "weight_hh_l0") + (
                 ("bias_ih_l0", "bias_hh_l0") if rnn.bias else ()
             )
-            return fused_gru.gru_layer(x, layer_state, *(getattr(rnn, n) for n in names))
+            weights = [getattr(rnn, n) for n in names]
+            fused = fused_gru.gru_layer_or_none(x, layer_state, *weights)  # ops/recurrent.py
+            if fused is not None:
+                return fused
         # nn.GRU/LSTM states are [1, B, H]; ours are [B, H].
         hx = map_state(lambda s: s.unsqueeze(0).contiguous(), layer_state)
         out, hx = rnn(x, hx)
