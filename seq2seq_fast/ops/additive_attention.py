@@ -84,6 +84,21 @@ try:  # the C++ extension registers the CPU kernels for the schemas above when i
 except ImportError as exc:  # not built, or built against another torch
     CPU_KERNEL_ERROR = f"{type(exc).__name__}: {exc}"
 
+if CPU_KERNEL_ERROR is None:  # fake kernels of the ops that the extension defines itself
+
+    @torch.library.register_fake("seq2seq_fast::_additive_attention_bwd_accumulate")
+    def _bwd_accumulate_fake(
+        grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, lse, weights,
+        grad_keys,
+    ):  # fmt: skip
+        # grad_keys is updated in place; (grad_query, grad_v, grad_bias) are new
+        return torch.empty_like(query), torch.empty_like(v), torch.empty_like(bias)
+
+    @torch.library.register_fake("seq2seq_fast::_fast_tanh")
+    def _fast_tanh_fake(x, y, path):
+        return torch.empty_like(x)
+
+
 try:
     from seq2seq_fast._triton import additive_attention as _triton_attention
 
