@@ -11,7 +11,8 @@ from torch import nn
 
 import seq2seq_fast
 from seq2seq_fast import BahdanauAttention, fuse_attention
-from seq2seq_fast.nn.attention import FusedGNMTAttention, FusedTutorialAttention
+from seq2seq_fast.nn.convert.gnmt import FusedGNMTAttention
+from seq2seq_fast.nn.convert.tutorial import FusedTutorialAttention
 from seq2seq_fast.ops.additive_attention import fused_available
 from tests.layouts import GNMTAttention, GNMTDecoderLayer, TutorialAttention, TutorialDecoder
 

@@ -1,4 +1,5 @@
-"""Drop-in additive-attention modules built on the fused op, and ``fuse_attention(model)``.
+"""The additive-attention module built on the fused op, and ``attend``, the call that every module
+and converter stand-in makes (the converter itself is :mod:`seq2seq_fast.nn.convert`).
 
 The modules only hold parameters and call the functional; the backend is picked per call:
 ``"auto"`` uses the fused kernel where one serves the tensors' device and dtype and otherwise the
@@ -23,7 +24,8 @@ from seq2seq_fast.ops.additive_attention import (
 BACKENDS = ("auto", "fused", "reference")
 
 
-def _check_backend(backend: str) -> str:
+def check_backend(backend: str) -> str:
+    """``backend`` itself if it is one of :data:`BACKENDS`, else ValueError."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return backend
@@ -93,7 +95,7 @@ class BahdanauAttention(nn.Module):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.query_size, self.key_size, self.hidden_size = query_size, key_size, hidden_size
         self.normalize = normalize
-        self.backend = _check_backend(backend)
+        self.backend = check_backend(backend)
         self.query_proj = nn.Linear(query_size, hidden_size, bias=False)
         self.key_proj = nn.Linear(key_size, hidden_size, bias=False)
         self.v = nn.Parameter(torch.empty(hidden_size))
@@ -204,162 +206,3 @@ class BahdanauAttention(nn.Module):
             lengths=lengths, mask=mask, stepwise=stepwise,
         )  # fmt: skip
         return context, weights
-
-
-# --- drop-in replacements for attention modules found in existing models ---------------------------
-
-
-class FusedTutorialAttention(nn.Module):
-    """Fused stand-in for the PyTorch seq2seq tutorial's ``BahdanauAttention`` (Wa, Ua, Va Linears).
-
-    Same parameters (the very same Parameter objects, same state_dict keys) and call convention:
-    ``forward(query [B,1,H], keys [B,S,H]) -> (context [B,1,H], weights [B,1,S])`` with
-    scores = Va(tanh(Wa(query) + Ua(keys))). Va's bias shifts every score of a row equally, so it
-    cancels in the softmax and is left out of the kernel.
-    """
-
-    def __init__(self, Wa: nn.Linear, Ua: nn.Linear, Va: nn.Linear, backend: str = "auto") -> None:  # noqa: N803
-        super().__init__()
-        self.Wa, self.Ua, self.Va = Wa, Ua, Va
-        self.backend = _check_backend(backend)
-
-    def forward(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
-        context, weights = attend(
-            self.backend, self.Wa(query), self.Ua(keys), keys, self.Va.weight[0]
-        )
-        return context, weights
-
-
-class FusedGNMTAttention(nn.Module):
-    """Fused stand-in for NVIDIA GNMT's ``BahdanauAttention`` (linear_q, linear_k, linear_att, ...).
-
-    Same parameters and state_dict keys, same ``set_mask(context_len, context)`` and
-    ``forward(query, keys)`` with query [B,H] or [B,Tq,H] (time-major [Tq,B,H] when
-    ``batch_first=False``), returning (context, weights) with context = weights @ keys. One
-    difference: a row whose keys are all masked gets zero weights here, uniform weights there.
-    """
-
-    def __init__(self, original: nn.Module, backend: str = "auto") -> None:
-        super().__init__()
-        self.linear_q, self.linear_k = original.linear_q, original.linear_k
-        self.linear_att = original.linear_att
-        self.normalize = bool(getattr(original, "normalize", original.normalize_scalar is not None))
-        self.batch_first = bool(getattr(original, "batch_first", True))
-        self.num_units = self.linear_att.shape[0]
-        if self.normalize:
-            self.normalize_scalar = original.normalize_scalar
-            self.normalize_bias = original.normalize_bias
-        else:
-            self.register_parameter("normalize_scalar", None)
-            self.register_parameter("normalize_bias", None)
-        self.mask = getattr(original, "mask", None)  # True = padding, as in GNMT
-        self.backend = _check_backend(backend)
-
-    def set_mask(self, context_len: Tensor, context: Tensor) -> None:
-        max_len = context.size(1) if self.batch_first else context.size(0)
-        indices = torch.arange(max_len, dtype=torch.int64, device=context.device)
-        self.mask = indices >= context_len.unsqueeze(1)
-
-    def forward(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
-        if not self.batch_first:
-            keys = keys.transpose(0, 1)
-            if query.dim() == 3:
-                query = query.transpose(0, 1)
-        if self.normalize:
-            v_eff = self.linear_att / self.linear_att.norm() * self.normalize_scalar
-            bias = self.normalize_bias
-        else:
-            v_eff, bias = self.linear_att, None
-        mask = None if self.mask is None else ~self.mask
-        context, weights = attend(
-            self.backend, self.linear_q(query), self.linear_k(keys), keys, v_eff, bias, mask=mask
-        )
-        if query.dim() == 3 and not self.batch_first:
-            context, weights = context.transpose(0, 1), weights.transpose(0, 1)
-        return context, weights
-
-
-def _is_linear(
-    module: object, *, bias: bool | None = None, out_features: int | None = None
-) -> bool:
-    if not isinstance(module, nn.Linear):
-        return False
-    if bias is not None and (module.bias is not None) != bias:
-        return False
-    return out_features is None or module.out_features == out_features
-
-
-def _own_parameter_names(module: nn.Module) -> set[str]:
-    return {name for name, _ in module.named_parameters(recurse=False)}
-
-
-def _fused_replacement(module: nn.Module, backend: str) -> nn.Module | None:
-    """The fused module for a recognised attention layout, or None."""
-    if isinstance(module, (BahdanauAttention, FusedTutorialAttention, FusedGNMTAttention)):
-        return None
-    children = dict(module.named_children())
-    # PyTorch seq2seq translation tutorial: Wa, Ua (H->H), Va (H->1), all Linear, nothing else.
-    if set(children) == {"Wa", "Ua", "Va"} and not _own_parameter_names(module):
-        wa, ua, va = children["Wa"], children["Ua"], children["Va"]
-        if (
-            _is_linear(wa)
-            and _is_linear(ua, out_features=wa.out_features)
-            and _is_linear(va, out_features=1)
-            and va.in_features == wa.out_features
-            and ua.in_features == va.in_features
-        ):
-            return FusedTutorialAttention(wa, ua, va, backend)
-    # NVIDIA GNMT: linear_q, linear_k (no bias), linear_att [H] (+ normalize_scalar [1], normalize_bias [H]).
-    if set(children) == {"linear_q", "linear_k"}:
-        linear_q, linear_k = children["linear_q"], children["linear_k"]
-        att = getattr(module, "linear_att", None)
-        if (
-            _is_linear(linear_q, bias=False)
-            and _is_linear(linear_k, bias=False, out_features=linear_q.out_features)
-            and isinstance(att, nn.Parameter)
-            and att.shape == (linear_q.out_features,)
-        ):
-            scalar = getattr(module, "normalize_scalar", None)
-            norm_bias = getattr(module, "normalize_bias", None)
-            own = _own_parameter_names(module)
-            if scalar is None and norm_bias is None and own == {"linear_att"}:
-                return FusedGNMTAttention(module, backend)
-            if (
-                isinstance(scalar, nn.Parameter)
-                and scalar.numel() == 1
-                and isinstance(norm_bias, nn.Parameter)
-                and norm_bias.shape == att.shape
-                and own == {"linear_att", "normalize_scalar", "normalize_bias"}
-            ):
-                return FusedGNMTAttention(module, backend)
-    return None
-
-
-def fuse_attention(model: nn.Module, *, backend: str = "auto") -> int:
-    """Replace, in place, every recognised additive-attention submodule of ``model`` by a fused one.
-
-    Recognised layouts: the PyTorch seq2seq tutorial's (``Wa``, ``Ua``, ``Va``) and NVIDIA GNMT's
-    (``linear_q``, ``linear_k``, ``linear_att`` [, ``normalize_scalar``, ``normalize_bias``]). The
-    replacements share the original Parameter objects (optimisers keep working, state_dict keys are
-    unchanged) and keep the call convention. Other modules are left alone.
-
-    Returns:
-        How many submodules were replaced.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    _check_backend(backend)
-    if _fused_replacement(model, backend) is not None:
-        raise ValueError(
-            f"model itself is a recognised attention module ({type(model).__name__}); fuse_attention "
-            "replaces submodules in place: wrap it in a parent module (e.g. nn.Sequential) first"
-        )
-    replaced = 0
-    for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            fused = _fused_replacement(child, backend)
-            if fused is not None:
-                fused.train(child.training)
-                setattr(parent, child_name, fused)
-                replaced += 1
-    return replaced

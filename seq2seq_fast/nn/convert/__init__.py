@@ -1,0 +1,146 @@
+"""``fuse_attention(model)``: swap the additive-attention submodules of an existing model for fused
+stand-ins, in place, each checked against the original before it is swapped.
+
+Every layout lives in one module of this package (matcher and stand-in together) and registers a
+:class:`~seq2seq_fast.nn.convert._base.Layout`; see ``_base.py`` for the interface. The package
+imports every such module below, so adding a layout touches one file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import pkgutil
+from collections import deque
+
+from torch import nn
+
+from seq2seq_fast.nn.attention import BahdanauAttention, check_backend
+from seq2seq_fast.nn.convert._base import (
+    ConversionReport,
+    FusedStandIn,
+    Layout,
+    Replaced,
+    Skipped,
+    check_equivalent,
+    class_name,
+    register,
+    registered_layouts,
+)
+
+__all__ = [
+    "ConversionReport",
+    "FusedStandIn",
+    "Layout",
+    "Replaced",
+    "Skipped",
+    "fuse_attention",
+    "fuse_attention_report",
+    "register",
+    "registered_layouts",
+]
+
+logger = logging.getLogger(__name__)
+
+for _info in pkgutil.iter_modules(__path__):
+    if not _info.name.startswith("_"):
+        importlib.import_module(f"{__name__}.{_info.name}")
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return any(
+        getattr(module, name, None)
+        for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                     "_backward_pre_hooks")
+    )  # fmt: skip
+
+
+def _convert_one(module: nn.Module, path: str, backend: str, check: bool, report: ConversionReport):
+    """The stand-in for ``module`` (recording it in ``report``), or None."""
+    if isinstance(module, (FusedStandIn, BahdanauAttention)):
+        return None
+    matched = [layout for layout in registered_layouts() if _matches(layout, module)]
+    if not matched:
+        return None
+    reasons = []
+    for layout in matched:
+        reason = layout.unsupported(module) if layout.unsupported is not None else None
+        if reason is None and _has_hooks(module):
+            reason = "the module has hooks registered on it, which a stand-in would not run"
+        if reason is None and check:
+            try:
+                reason = check_equivalent(module, layout, backend)
+            except Exception as exc:  # noqa: BLE001 - any failure refuses the conversion
+                reason = f"the safety check could not run ({type(exc).__name__}: {exc})"
+            if reason is not None:
+                reason = f"differs from the stand-in on a random input: {reason}"
+        if reason is None:
+            fused = layout.build(module, backend)
+            fused.train(module.training)
+            report.replaced.append(Replaced(path, layout.name, class_name(module)))
+            return fused
+        reasons.append(reason if len(matched) == 1 else f"{layout.name}: {reason}")
+    names = tuple(layout.name for layout in matched)
+    report.skipped.append(Skipped(path, names, class_name(module), "; ".join(reasons)))
+    return None
+
+
+def _matches(layout: Layout, module: nn.Module) -> bool:
+    try:
+        return bool(layout.match(module))
+    except Exception:  # noqa: BLE001 - a matcher that trips over a foreign module: no match
+        return False
+
+
+def fuse_attention_report(
+    model: nn.Module, *, backend: str = "auto", check: bool = True
+) -> ConversionReport:
+    """Replace, in place, every recognised additive-attention submodule of ``model`` by a fused
+    stand-in, and say what was replaced and what matched a layout but was left alone, and why.
+
+    Args:
+        model: any module; its submodules are searched (``model`` itself is not replaced).
+        backend: "auto", "fused" or "reference", given to every stand-in.
+        check: before each swap, run the original and the stand-in on a small random input
+            (float64 copies on the CPU; ``model`` is not touched) and refuse on any difference in
+            outputs or gradients. ``check=False`` trusts the structural match alone.
+
+    The stand-ins keep the original Parameter objects (optimisers keep working, ``state_dict``
+    keys are unchanged), the call signature and the return values. A module reached by two
+    paths is replaced by one stand-in. The report is also logged at debug level.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_backend(backend)
+    if not isinstance(check, bool):
+        raise TypeError(f"check must be a bool, got {type(check).__name__}")
+    if any(_matches(layout, model) for layout in registered_layouts()) and not isinstance(
+        model, FusedStandIn
+    ):
+        raise ValueError(
+            f"model itself is a recognised attention module ({type(model).__name__}); fuse_attention "
+            "replaces submodules in place: wrap it in a parent module (e.g. nn.Sequential) first"
+        )
+    report = ConversionReport()
+    # id(original) -> (original, its stand-in or None); the original is held so its id stays its own
+    done: dict[int, tuple[nn.Module, nn.Module | None]] = {}
+    queue = deque([(model, "")])
+    while queue:
+        parent, prefix = queue.popleft()
+        for name, child in list(parent.named_children()):
+            path = f"{prefix}{name}"
+            if id(child) not in done:
+                fused = _convert_one(child, path, backend, check, report)
+                done[id(child)] = (child, fused)
+                if fused is None:
+                    queue.append((child, f"{path}."))
+            fused = done[id(child)][1]
+            if fused is not None:
+                setattr(parent, name, fused)
+    logger.debug("%s", report)
+    return report
+
+
+def fuse_attention(model: nn.Module, *, backend: str = "auto", check: bool = True) -> int:
+    """:func:`fuse_attention_report`, returning how many submodules were replaced."""
+    return fuse_attention_report(model, backend=backend, check=check).count

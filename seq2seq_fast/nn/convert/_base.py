@@ -1,0 +1,254 @@
+"""The converter's family interface: one :class:`Layout` record per attention layout, a registry.
+
+Adding a layout touches one file: a module ``seq2seq_fast/nn/convert/<family>.py`` (its name not
+starting with ``_``) that defines the stand-in and calls :func:`register` at import time. The
+package imports every such module when it loads, so nothing else needs editing (except the tests).
+
+A :class:`Layout` has
+
+- ``name``: short and unique, e.g. ``"tutorial"``; it names the layout in reports and logs.
+- ``match(module) -> bool``: cheap structural test (child names, types, shapes, class name). It
+  must not run the module. A class-name match should also require that ``forward`` is the
+  original class's own (:func:`forward_defined_in`), so that a subclass changing it is not taken.
+- ``build(module, backend) -> nn.Module``: the stand-in. It holds the *same* Parameter objects
+  under the same attribute names (so ``state_dict`` keys and optimisers stay valid), copies any
+  extra state the original carries (masks, cached projections, flags), keeps the call signature,
+  shapes and return values, and subclasses :class:`FusedStandIn` (so it is never converted again).
+- ``example_call(module, dtype) -> (args, kwargs)``: a small random, valid call of ``module`` with
+  floating tensors of ``dtype`` on the CPU (two or three batch rows, a few keys, some padding
+  when the layout takes a mask or lengths). The safety check runs the original and the stand-in
+  on it; use the global RNG (the check seeds it inside ``torch.random.fork_rng``).
+- optional ``prepare(module, args, kwargs)``: state to set on each module before the example call
+  (e.g. GNMT's ``set_mask``); called on the original and on the stand-in alike.
+- optional ``unsupported(module) -> str | None``: why a module that matches cannot be converted
+  exactly (e.g. sigmoid normalisation, dropout on the weights in training); it is then skipped
+  with that reason.
+
+The safety check (:func:`check_equivalent`) runs a float64 CPU deep copy of the original and the
+stand-in built from a second such copy on ``example_call``'s input (same RNG state for both, so
+dropout draws agree when the stand-in draws the same way), and compares every output and the
+gradients of a random projection of the outputs with respect to every parameter and tensor input.
+Any difference refuses the conversion: a look-alike (same children, other math) is left alone.
+
+Stand-ins whose client re-projects a fixed memory at every step use
+:class:`seq2seq_fast.nn.keycache.ProjectionCache` (see its docstring).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from seq2seq_fast.ops.additive_attention import fused_available
+
+
+class FusedStandIn(nn.Module):
+    """Base class of the converter's stand-ins (the converter never converts one again).
+    ``layout`` names the :class:`Layout` that built it."""
+
+    layout: str = ""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One attention layout the converter recognises (see the module docstring)."""
+
+    name: str
+    match: Callable[[nn.Module], bool]
+    build: Callable[[nn.Module, str], nn.Module]
+    example_call: Callable[[nn.Module, torch.dtype], tuple[tuple, dict]]
+    prepare: Callable[[nn.Module, tuple, dict], None] | None = None
+    unsupported: Callable[[nn.Module], str | None] | None = None
+
+
+_REGISTRY: dict[str, Layout] = {}
+
+
+def register(layout: Layout) -> Layout:
+    """Add ``layout`` to the registry (its name must be new); returns it."""
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a Layout, got {type(layout).__name__}")
+    if layout.name in _REGISTRY and _REGISTRY[layout.name] is not layout:
+        raise ValueError(f"a layout named {layout.name!r} is already registered")
+    _REGISTRY[layout.name] = layout
+    return layout
+
+
+def registered_layouts() -> list[Layout]:
+    """The registered layouts, in registration order."""
+    return list(_REGISTRY.values())
+
+
+# --- report ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Replaced:
+    path: str  # dotted name in the model, as named_modules() gives it
+    layout: str
+    original: str  # the original module's class, module.qualname
+
+
+@dataclass(frozen=True)
+class Skipped:
+    path: str
+    layouts: tuple[str, ...]  # the layouts that matched it
+    original: str
+    reason: str
+
+
+@dataclass
+class ConversionReport:
+    """What :func:`fuse_attention_report` replaced, and what matched a layout but was left alone."""
+
+    replaced: list[Replaced] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+
+    @property
+    def count(self) -> int:
+        return len(self.replaced)
+
+    def __str__(self) -> str:
+        lines = [f"fuse_attention: {len(self.replaced)} replaced, {len(self.skipped)} skipped"]
+        lines += [f"  replaced {r.path} ({r.original}) as {r.layout!r}" for r in self.replaced]
+        lines += [
+            f"  skipped {s.path} ({s.original}; matched {', '.join(s.layouts)}): {s.reason}"
+            for s in self.skipped
+        ]
+        return "\n".join(lines)
+
+
+# --- helpers for layouts ---------------------------------------------------------------------------
+
+
+def class_name(module: object) -> str:
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def forward_defined_in(module: nn.Module, *class_names: str) -> bool:
+    """True when ``type(module).forward`` is defined by a class named one of ``class_names``
+    (the original project's class, not a subclass that overrides forward)."""
+    forward = getattr(type(module), "forward", None)
+    qualname = getattr(forward, "__qualname__", "")
+    return qualname.rsplit(".", 1)[0].split(".")[-1] in class_names
+
+
+def is_linear(module: object, *, bias: bool | None = None, out_features: int | None = None,
+              in_features: int | None = None) -> bool:  # fmt: skip
+    """An nn.Linear (exactly; a subclass may change forward) with the given properties."""
+    if type(module) is not nn.Linear:
+        return False
+    if bias is not None and (module.bias is not None) != bias:
+        return False
+    if in_features is not None and module.in_features != in_features:
+        return False
+    return out_features is None or module.out_features == out_features
+
+
+def own_parameter_names(module: nn.Module) -> set[str]:
+    return {name for name, _ in module.named_parameters(recurse=False)}
+
+
+def child_names(module: nn.Module) -> set[str]:
+    return {name for name, _ in module.named_children()}
+
+
+# --- safety check ----------------------------------------------------------------------------------
+
+CHECK_RTOL, CHECK_ATOL = 1e-7, 1e-9
+
+
+def _float64_cpu_copy(module: nn.Module) -> nn.Module:
+    return copy.deepcopy(module).to(device="cpu", dtype=torch.float64)
+
+
+def _run(module: nn.Module, layout: Layout, args: tuple, kwargs: dict, seed: int):
+    """Outputs and a scalar loss-ready list of (leaf inputs) for one example call."""
+    args, kwargs = pytree.tree_map(
+        lambda t: (
+            t.detach().clone().requires_grad_(t.is_floating_point()) if isinstance(t, Tensor) else t
+        ),
+        (args, kwargs),
+    )
+    if layout.prepare is not None:
+        layout.prepare(module, args, kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        out = module(*args, **kwargs)
+    inputs = [
+        t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor) and t.requires_grad
+    ]
+    return out, inputs
+
+
+def _gradients(module: nn.Module, out, inputs: list[Tensor], seed: int) -> dict[str, Tensor]:
+    """Gradients of a random projection of the outputs, by parameter name and input position
+    (None, an unused parameter, counts as zeros)."""
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
+    named = sorted((n, p) for n, p in module.named_parameters() if p.requires_grad)
+    named += [(f"input {i}", t) for i, t in enumerate(inputs)]
+    if not leaves or not named:
+        return {}
+    gen = torch.Generator().manual_seed(seed)
+    loss = sum((t * torch.randn(t.shape, generator=gen, dtype=t.dtype)).sum() for t in leaves)
+    grads = torch.autograd.grad(loss, [w for _, w in named], allow_unused=True)
+    return {
+        name: torch.zeros_like(w) if g is None else g
+        for (name, w), g in zip(named, grads, strict=True)
+    }
+
+
+def _first_difference(a, b, what: str) -> str | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"{what}: {sorted(a)} vs {sorted(b)}"
+        leaves_a, leaves_b, names = list(a.values()), list(b.values()), list(a)
+    else:
+        leaves_a, spec_a = pytree.tree_flatten(a)
+        leaves_b, spec_b = pytree.tree_flatten(b)
+        if spec_a != spec_b:
+            return f"{what}: structure differs ({spec_a} vs {spec_b})"
+        names = list(range(len(leaves_a)))
+    for i, x, y in zip(names, leaves_a, leaves_b, strict=True):
+        if isinstance(x, Tensor) != isinstance(y, Tensor):
+            return f"{what}[{i}]: a tensor on one side only"
+        if not isinstance(x, Tensor):
+            if x != y:
+                return f"{what}[{i}]: {x!r} != {y!r}"
+            continue
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return f"{what}[{i}]: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}"
+        if not torch.allclose(x, y, rtol=CHECK_RTOL, atol=CHECK_ATOL, equal_nan=True):
+            err = (x - y).abs().max().item()
+            return f"{what}[{i}]: values differ (max abs difference {err:.3g})"
+    return None
+
+
+def check_equivalent(module: nn.Module, layout: Layout, backend: str, seed: int = 0) -> str | None:
+    """None when ``layout``'s stand-in for ``module`` gives the same outputs and gradients as
+    ``module`` on ``layout.example_call`` (float64 CPU copies; ``module`` is not touched); else
+    why not."""
+    original = _float64_cpu_copy(module)
+    if backend != "reference" and not fused_available("cpu", torch.float64):
+        backend = "reference"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        candidate = layout.build(_float64_cpu_copy(module), backend)
+        candidate.train(module.training)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            args, kwargs = layout.example_call(original, torch.float64)
+        results = []
+        for mod in (original, candidate):
+            out, inputs = _run(mod, layout, args, kwargs, seed + 1)
+            results.append((out, _gradients(mod, out, inputs, seed + 2)))
+    return _first_difference(results[0][0], results[1][0], "output") or _first_difference(
+        results[0][1], results[1][1], "gradient"
+    )
