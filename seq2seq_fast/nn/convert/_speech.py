@@ -1,0 +1,101 @@
+"""Helpers shared by the layouts of speech and NLP toolkits (ESPnet, SpeechBrain, fairseq,
+Tacotron 2, Coqui TTS, AllenNLP, d2l): taking over an original module's parts and state, telling
+plain layers from the thin wrappers some projects put around them, and masks.
+
+Not a layout itself (the leading underscore keeps the package from importing it as one).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from seq2seq_fast.nn.convert._base import child_names, own_parameter_names
+
+# Attributes every nn.Module has; everything else in an original's __dict__ is its own state.
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+def adopt(stand_in: nn.Module, original: nn.Module) -> None:
+    """Give ``stand_in`` the original's own parameters, buffers and children (the same objects,
+    registered in the same order, so state_dict keys and their order are unchanged) and a
+    shallow copy of its plain attributes (cached projections, masks, flags, previous weights)."""
+    for name, param in original._parameters.items():
+        stand_in.register_parameter(name, param)
+    for name, buffer in original._buffers.items():
+        persistent = name not in original._non_persistent_buffers_set
+        stand_in.register_buffer(name, buffer, persistent=persistent)
+    for name, child in original._modules.items():
+        stand_in.add_module(name, child)
+    for key, value in vars(original).items():
+        if key not in _MODULE_INTERNALS:
+            setattr(stand_in, key, value)
+
+
+def linear_of(module: object) -> nn.Linear | None:
+    """The nn.Linear itself, or the one inside a pass-through wrapper whose only part is
+    ``linear_layer`` (NVIDIA's LinearNorm, Coqui's Linear); else None. Whether the wrapper really
+    passes through is the safety check's to find out."""
+    if type(module) is nn.Linear:
+        return module
+    if isinstance(module, nn.Module) and not own_parameter_names(module):
+        if child_names(module) == {"linear_layer"} and type(module.linear_layer) is nn.Linear:
+            return module.linear_layer
+    return None
+
+
+def conv1d_of(module: object) -> nn.Conv1d | None:
+    """The nn.Conv1d itself, or the one inside a wrapper whose only part is ``conv`` (NVIDIA's
+    ConvNorm); else None."""
+    if type(module) is nn.Conv1d:
+        return module
+    if isinstance(module, nn.Module) and not own_parameter_names(module):
+        if child_names(module) == {"conv"} and type(module.conv) is nn.Conv1d:
+            return module.conv
+    return None
+
+
+def is_score_layer(module: object, in_features: int) -> bool:
+    """A Linear (or wrapped one) from the attention width to one score."""
+    linear = linear_of(module)
+    return linear is not None and linear.in_features == in_features and linear.out_features == 1
+
+
+def same_padding_conv(conv: object, in_channels: int) -> bool:
+    """A stride-1, undilated, ungrouped, odd-width, zero-padded conv that keeps the length."""
+    if not isinstance(conv, (nn.Conv1d, nn.Conv2d)):
+        return False
+    width = conv.kernel_size[-1]
+    return (
+        conv.in_channels == in_channels
+        and all(s == 1 for s in conv.stride)
+        and all(d == 1 for d in conv.dilation)
+        and conv.groups == 1
+        and conv.padding_mode == "zeros"
+        and not isinstance(conv.padding, str)
+        and width % 2 == 1
+        and conv.padding[-1] == width // 2
+        and all(k == 1 for k in conv.kernel_size[:-1])
+        and all(p == 0 for p in conv.padding[:-1])
+    )
+
+
+def is_finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def scaled(weight_row: Tensor, scaling: object) -> Tensor:
+    """The score vector with a softmax temperature folded in: softmax(s * (w . h)) is the
+    softmax of (s * w) . h. ``scaling`` may be a Python number or a tensor."""
+    if isinstance(scaling, (int, float)) and not isinstance(scaling, bool) and scaling == 1:
+        return weight_row
+    return weight_row * scaling
+
+
+def valid_from_padding(padding: Tensor | None) -> Tensor | None:
+    """bool [B, T] True = may attend, from a padding mask (True / nonzero = padding)."""
+    if padding is None:
+        return None
+    return padding == 0 if padding.dtype != torch.bool else ~padding

@@ -1,0 +1,188 @@
+"""Coqui TTS's ``OriginalAttention`` (TTS/tts/layers/tacotron/attentions.py), softmax normalisation.
+
+Original parameters: ``query_layer`` (Dq -> A, no bias), ``inputs_layer`` (E -> A, no bias), ``v``
+(A -> 1, with bias), each a Coqui ``Linear`` wrapper (``.linear_layer``); with
+``location_attention`` a ``location_layer`` (``location_conv1d``: Conv1d 2 -> F, odd width, same
+padding, no bias; ``location_dense``: wrapped Linear F -> A, no bias); with ``trans_agent`` a
+``ta`` Linear (used only by forward attention). Flags: ``norm``, ``windowing``, ``forward_attn``,
+``trans_agent``, ``forward_attn_mask``, ``location_attention``; ``_mask_value`` (-inf). State
+(``init_states(inputs)`` sets it): ``attention_weights`` [B, T] and, with location attention,
+``attention_weights_cum`` [B, T] (updated in place each step). The decoder computes
+``processed_inputs = preprocess_inputs(inputs)`` (= inputs_layer(inputs)) once per utterance.
+Original math and call (batch-first)::
+
+    forward(query [B, Dq], inputs [B, T, E], processed_inputs [B, T, A], mask [B, T] (True =
+            valid) or None) -> context [B, E]
+    keys = processed_inputs [+ location_layer([attention_weights; attention_weights_cum])]
+    e = v(tanh(query_layer(query) + keys)); e[~mask] = -inf
+    alignment = softmax(e); attention_weights_cum += alignment; attention_weights = alignment
+    context = alignment @ inputs
+
+Converted only with ``norm="softmax"``, no forward attention and no windowing; the others are
+skipped with the reason (:func:`_unsupported`). ``v``'s bias cancels in the softmax. One
+difference: a row with no valid frame gives NaN there and zeros here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.convert._base import (
+    FusedStandIn,
+    Layout,
+    child_names,
+    own_parameter_names,
+    register,
+)
+from seq2seq_fast.nn.convert._speech import (
+    adopt,
+    conv1d_of,
+    is_score_layer,
+    linear_of,
+    same_padding_conv,
+)
+
+
+class FusedCoquiOriginalAttention(FusedStandIn):
+    """Fused stand-in for Coqui's OriginalAttention (softmax, optionally location-sensitive): same
+    parts (the very objects, same state_dict keys), state and methods the decoder calls
+    (``init_states``, ``preprocess_inputs``, ``init_win_idx``), same ``forward``."""
+
+    layout = "coqui_original"
+
+    def __init__(self, original: nn.Module, backend: str = "auto") -> None:
+        super().__init__()
+        adopt(self, original)
+        self.backend = check_backend(backend)
+
+    def init_win_idx(self) -> None:
+        self.win_idx = -1
+        self.win_back = 2
+        self.win_front = 6
+
+    def init_states(self, inputs: Tensor) -> None:
+        batch, length = inputs.shape[:2]
+        self.attention_weights = torch.zeros([batch, length], device=inputs.device)
+        if self.location_attention:
+            self.attention_weights_cum = torch.zeros([batch, length], device=inputs.device)
+        if self.windowing:
+            self.init_win_idx()
+
+    def preprocess_inputs(self, inputs: Tensor) -> Tensor:
+        return self.inputs_layer(inputs)
+
+    def update_location_attention(self, alignments: Tensor) -> None:
+        self.attention_weights_cum += alignments
+
+    def forward(
+        self, query: Tensor, inputs: Tensor, processed_inputs: Tensor, mask: Tensor | None
+    ) -> Tensor:
+        reason = _unsupported(self, runtime=True)
+        if reason is not None:
+            raise RuntimeError(
+                f"seq2seq_fast: this converted OriginalAttention cannot run: {reason}"
+            )
+        keys = processed_inputs
+        if self.location_attention:
+            previous = torch.cat(
+                (self.attention_weights.unsqueeze(1), self.attention_weights_cum.unsqueeze(1)),
+                dim=1,
+            )
+            keys = keys + self.location_layer(previous)
+        context, alignment = attend(
+            self.backend, self.query_layer(query), keys, inputs, linear_of(self.v).weight[0],
+            mask=mask,
+        )  # fmt: skip
+        if self.location_attention:
+            self.update_location_attention(alignment)
+        self.attention_weights = alignment
+        return context
+
+
+def _unsupported(module: nn.Module, runtime: bool = False) -> str | None:
+    if module.norm != "softmax":
+        return (
+            f"norm={module.norm!r}: sigmoid normalisation (sigmoid(e) / sum sigmoid(e)) is not a "
+            "softmax, which is what the fused kernel computes"
+        )
+    if module.forward_attn:
+        return (
+            "forward attention: the weights are re-derived from the softmax by a recursion over the "
+            "previous step's (and, at inference, clipped) before the context is formed, so the "
+            "fused kernel's context would be thrown away"
+        )
+    if module.windowing and (not runtime or not module.training):
+        return (
+            "windowing: at inference the window follows the argmax of the raw scores (and the "
+            "first step rewrites a score), which the fused kernel does not return"
+        )
+    return None
+
+
+def _match(module: nn.Module) -> bool:
+    flags = ("norm", "windowing", "forward_attn", "trans_agent", "location_attention")
+    if not all(hasattr(module, name) for name in flags) or own_parameter_names(module):
+        return False
+    if getattr(module, "_mask_value", None) != float("-inf"):
+        return False
+    expected = {"query_layer", "inputs_layer", "v"}
+    expected |= {"ta"} if module.trans_agent else set()
+    expected |= {"location_layer"} if module.location_attention else set()
+    if child_names(module) != expected:
+        return False
+    query, inputs = linear_of(module.query_layer), linear_of(module.inputs_layer)
+    if query is None or inputs is None or query.bias is not None or inputs.bias is not None:
+        return False
+    width = query.out_features
+    if inputs.out_features != width or not is_score_layer(module.v, width):
+        return False
+    if not module.location_attention:
+        return True
+    location = module.location_layer
+    if child_names(location) != {"location_conv1d", "location_dense"}:
+        return False
+    conv, dense = conv1d_of(location.location_conv1d), linear_of(location.location_dense)
+    return (
+        conv is not None
+        and conv.bias is None
+        and same_padding_conv(conv, in_channels=2)
+        and dense is not None
+        and dense.bias is None
+        and dense.in_features == conv.out_channels
+        and dense.out_features == width
+    )
+
+
+def _example_call(module: nn.Module, dtype: torch.dtype) -> tuple[tuple, dict]:
+    batch, frames = 3, 6
+    inputs = torch.randn(batch, frames, linear_of(module.inputs_layer).in_features, dtype=dtype)
+    processed = module.inputs_layer(inputs).detach()
+    query = torch.randn(batch, linear_of(module.query_layer).in_features, dtype=dtype)
+    mask = torch.arange(frames) < torch.tensor([6, 4, 2]).unsqueeze(1)
+    return (query, inputs, processed, mask), {}
+
+
+def _prepare(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Fresh states in the inputs' dtype (init_states makes them in the default dtype), with
+    some previous weights so the location term is not all zeros."""
+    inputs = args[1]
+    module.init_states(inputs)
+    gen = torch.Generator().manual_seed(7)
+    previous = torch.softmax(torch.randn(inputs.shape[:2], generator=gen, dtype=inputs.dtype), 1)
+    module.attention_weights = previous
+    if module.location_attention:
+        module.attention_weights_cum = previous * 2
+
+
+register(
+    Layout(
+        "coqui_original",
+        _match,
+        lambda module, backend: FusedCoquiOriginalAttention(module, backend),
+        _example_call,
+        prepare=_prepare,
+        unsupported=_unsupported,
+    )
+)

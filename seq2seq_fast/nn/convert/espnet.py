@@ -1,0 +1,209 @@
+"""ESPnet's ``AttAdd`` and ``AttLoc`` (espnet/nets/pytorch_backend/rnn/attentions.py).
+
+Original parameters: ``mlp_enc`` (eprojs -> att_dim, with bias), ``mlp_dec`` (dunits -> att_dim,
+no bias), ``gvec`` (att_dim -> 1, with bias); AttLoc adds ``mlp_att`` (aconv_chans -> att_dim, no
+bias) and ``loc_conv`` (Conv2d 1 -> aconv_chans, kernel (1, 2K+1), padding (0, K), no bias).
+State, cleared by ``reset()``: ``enc_h``, ``h_length``, ``pre_compute_enc_h`` (the projected
+memory, computed at the first step of an utterance, or every step with ``han_mode``) and
+``mask`` (True = padding, from the first step's lengths). Original math and call (batch-first)::
+
+    forward(enc_hs_pad [B, T, D_enc], enc_hs_len [B] (list or tensor), dec_z [B, dunits] or None,
+            att_prev [B, T] or None, scaling=2.0) -> (context [B, D_enc], weights [B, T])
+    keys = pre_compute_enc_h                          (AttAdd)
+    keys = pre_compute_enc_h + mlp_att(loc_conv(att_prev))   (AttLoc; att_prev None = uniform
+                                                      over the valid frames)
+    e = gvec(tanh(keys + mlp_dec(dec_z))); e[mask] = -inf; w = softmax(scaling * e)
+    context = sum_t w_t enc_h_t
+
+AttLoc's ``forward`` also takes ``last_attended_idx``, ``backward_window``, ``forward_window``
+(the monotonic constraint of TTS decoding, batch of one): frames outside the window are masked
+like padding here too. ``gvec``'s bias shifts every score of a row equally and cancels in the
+softmax; ``scaling`` is folded into the score vector (scaling * gvec.weight). One difference: a
+row with no valid frame gives NaN there and zeros here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.convert._base import (
+    FusedStandIn,
+    Layout,
+    child_names,
+    is_linear,
+    own_parameter_names,
+    register,
+)
+from seq2seq_fast.nn.convert._speech import adopt, same_padding_conv, scaled
+
+
+def _padding_mask(enc_hs_len, device: torch.device) -> Tensor:
+    """bool [B, max(enc_hs_len)], True at padded frames (ESPnet's make_pad_mask)."""
+    lengths = torch.as_tensor(enc_hs_len, device=device).long()
+    positions = torch.arange(int(lengths.max()), device=device)
+    return positions.unsqueeze(0) >= lengths.unsqueeze(1)
+
+
+class FusedEspnetAttAdd(FusedStandIn):
+    """Fused stand-in for ESPnet's AttAdd: same parameters (the very objects, same state_dict
+    keys), same state and ``reset()``, same ``forward``."""
+
+    layout = "espnet_att_add"
+
+    def __init__(self, original: nn.Module, backend: str = "auto") -> None:
+        super().__init__()
+        adopt(self, original)
+        self.backend = check_backend(backend)
+
+    def reset(self) -> None:
+        self.h_length = None
+        self.enc_h = None
+        self.pre_compute_enc_h = None
+        self.mask = None
+
+    def _memory(self, enc_hs_pad: Tensor) -> None:
+        if self.pre_compute_enc_h is None or self.han_mode:
+            self.enc_h = enc_hs_pad
+            self.h_length = enc_hs_pad.size(1)
+            self.pre_compute_enc_h = self.mlp_enc(enc_hs_pad)
+
+    def _query(self, enc_hs_pad: Tensor, dec_z: Tensor | None) -> Tensor:
+        batch = len(enc_hs_pad)
+        if dec_z is None:
+            dec_z = enc_hs_pad.new_zeros(batch, self.dunits)
+        return self.mlp_dec(dec_z.view(batch, self.dunits))  # [B, att_dim]
+
+    def _valid(self, enc_hs_len, device: torch.device) -> Tensor:
+        if self.mask is None:
+            self.mask = _padding_mask(enc_hs_len, device)
+        return ~self.mask
+
+    def _attend(self, query, keys, valid, scaling) -> tuple[Tensor, Tensor]:
+        v_eff = scaled(self.gvec.weight[0], scaling)
+        return attend(self.backend, query, keys, self.enc_h, v_eff, mask=valid)
+
+    def forward(
+        self, enc_hs_pad: Tensor, enc_hs_len, dec_z: Tensor | None, att_prev, scaling=2.0
+    ) -> tuple[Tensor, Tensor]:
+        self._memory(enc_hs_pad)
+        query = self._query(enc_hs_pad, dec_z)
+        valid = self._valid(enc_hs_len, enc_hs_pad.device)
+        return self._attend(query, self.pre_compute_enc_h, valid, scaling)
+
+
+class FusedEspnetAttLoc(FusedEspnetAttAdd):
+    """Fused stand-in for ESPnet's AttLoc: the step's keys are the cached projected memory plus
+    the location term mlp_att(loc_conv(att_prev)), given to the fused op as they are."""
+
+    layout = "espnet_att_loc"
+
+    def forward(
+        self,
+        enc_hs_pad: Tensor,
+        enc_hs_len,
+        dec_z: Tensor | None,
+        att_prev: Tensor | None,
+        scaling=2.0,
+        last_attended_idx: int | None = None,
+        backward_window: int = 1,
+        forward_window: int = 3,
+    ) -> tuple[Tensor, Tensor]:
+        batch = len(enc_hs_pad)
+        self._memory(enc_hs_pad)
+        query = self._query(enc_hs_pad, dec_z)
+        if att_prev is None:  # uniform over the valid frames
+            frames = (~_padding_mask(enc_hs_len, query.device)).to(query.dtype)
+            att_prev = frames / frames.new_tensor(enc_hs_len).unsqueeze(-1)
+        conv = self.loc_conv(att_prev.view(batch, 1, 1, self.h_length))  # [B, C, 1, T]
+        keys = self.pre_compute_enc_h + self.mlp_att(conv.squeeze(2).transpose(1, 2))
+        valid = self._valid(enc_hs_len, enc_hs_pad.device)
+        if last_attended_idx is not None:
+            valid = _window(valid, last_attended_idx, backward_window, forward_window)
+        return self._attend(query, keys, valid, scaling)
+
+
+def _window(valid: Tensor, last: int, backward: int, forward: int) -> Tensor:
+    """ESPnet's monotonic constraint as a mask: frames before last - backward (when > 0) and
+    from last + forward on are excluded. Batch of one, as there."""
+    if valid.size(0) != 1:
+        raise NotImplementedError("Batch attention constraining is not yet supported.")
+    start, stop = last - backward, last + forward
+    positions = torch.arange(valid.size(1), device=valid.device)
+    keep = torch.ones_like(valid)
+    if start > 0:
+        keep &= positions >= start
+    if stop < valid.size(1):
+        keep &= positions < stop
+    return valid & keep
+
+
+# --- matchers -------------------------------------------------------------------------------------
+
+_STATE = ("dunits", "eprojs", "att_dim", "han_mode", "pre_compute_enc_h", "mask", "enc_h")
+
+
+def _common(module: nn.Module, extra: set[str]) -> bool:
+    if child_names(module) != {"mlp_enc", "mlp_dec", "gvec"} | extra or own_parameter_names(module):
+        return False
+    if not all(hasattr(module, name) for name in _STATE) or not callable(
+        getattr(module, "reset", None)
+    ):
+        return False
+    att_dim = module.att_dim
+    return (
+        is_linear(module.mlp_enc, bias=True, out_features=att_dim, in_features=module.eprojs)
+        and is_linear(module.mlp_dec, bias=False, out_features=att_dim, in_features=module.dunits)
+        and is_linear(module.gvec, out_features=1, in_features=att_dim)
+    )
+
+
+def _match_add(module: nn.Module) -> bool:
+    return _common(module, set())
+
+
+def _match_loc(module: nn.Module) -> bool:
+    if not _common(module, {"mlp_att", "loc_conv"}):
+        return False
+    conv = module.loc_conv
+    return (
+        type(conv) is nn.Conv2d
+        and conv.bias is None
+        and same_padding_conv(conv, in_channels=1)
+        and is_linear(module.mlp_att, bias=False, in_features=conv.out_channels,
+                      out_features=module.att_dim)
+    )  # fmt: skip
+
+
+def _example_call(module: nn.Module, dtype: torch.dtype) -> tuple[tuple, dict]:
+    batch, frames = 3, 6
+    lengths = [6, 4, 2]
+    enc = torch.randn(batch, frames, module.eprojs, dtype=dtype)
+    dec_z = torch.randn(batch, module.dunits, dtype=dtype)
+    att_prev = torch.softmax(torch.randn(batch, frames, dtype=dtype), dim=1)
+    return (enc, lengths, dec_z, att_prev), {"scaling": 1.5}
+
+
+def _prepare(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    module.reset()  # a module converted mid-utterance carries another batch's cache
+
+
+LAYOUT_ADD = register(
+    Layout(
+        "espnet_att_add",
+        _match_add,
+        lambda module, backend: FusedEspnetAttAdd(module, backend),
+        _example_call,
+        prepare=_prepare,
+    )
+)
+LAYOUT_LOC = register(
+    Layout(
+        "espnet_att_loc",
+        _match_loc,
+        lambda module, backend: FusedEspnetAttLoc(module, backend),
+        _example_call,
+        prepare=_prepare,
+    )
+)

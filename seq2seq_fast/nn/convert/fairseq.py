@@ -1,0 +1,137 @@
+"""fairseq's ``LocationAttention`` (fairseq/modules/location_attention.py, used by its Tacotron 2)
+and ``MLPAttention`` (fairseq/models/speech_to_text/berard.py).
+
+LocationAttention. Parameters: ``proj_enc`` (E -> A, with bias), ``proj_dec`` (Dd -> A, no bias),
+``proj_attn`` (C -> A, no bias), ``conv`` (Conv1d K -> C, width 2W+1, padding W, no bias),
+``proj_out`` = Sequential(Tanh, Linear(A, 1)); ``scaling`` (2.0), ``attn_dim``, ``decoder_dim``.
+State: ``proj_enc_out`` (the projected memory, computed at the first call, dropped by
+``clear_cache()``). Math and call (batch-first)::
+
+    forward(encoder_out [B, T, E], encoder_padding_mask [B, T] (True = padding),
+            decoder_h [B, Dd] or None (zeros), attn_state [B, K, T]) -> (context [B, E], weights [B, T])
+    keys = proj_enc_out + proj_attn(conv(attn_state))
+    e = proj_out(keys + proj_dec(decoder_h)); e[mask] = -inf; w = softmax(scaling * e)
+    context = sum_t w_t encoder_out_t
+
+MLPAttention. Parameters: ``encoder_proj`` (C -> A, with bias), ``decoder_proj`` (Dd -> A, no
+bias), ``to_scores`` (A -> 1, no bias); ``context_dim``, ``attention_dim``. No state: the LSTM
+decoder calls it at every target step with the same source states, which it projects again each
+time. Math and call (time-major source)::
+
+    forward(decoder_state [B, Dd], source_hids [S, B, C], encoder_padding_mask [S, B] (True =
+            padding) or None) -> (context [B, C], weights [S, B])
+    e = to_scores(tanh(decoder_proj(decoder_state) + encoder_proj(source_hids)))
+    e[mask] = -inf (in float32, then back); weights = softmax(e over S); context = sum_s w_s h_s
+
+The MLPAttention stand-in projects a given source once and reuses the projection while the same
+tensor comes back unchanged (see :mod:`seq2seq_fast.nn.keycache`). ``proj_out``'s bias cancels
+in the softmax; ``scaling`` is folded into the score vector. One difference in both: a row with
+no valid position gives NaN there and zeros here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.convert._base import (
+    FusedStandIn,
+    Layout,
+    child_names,
+    is_linear,
+    own_parameter_names,
+    register,
+)
+from seq2seq_fast.nn.convert._speech import (
+    adopt,
+    is_finite_number,
+    same_padding_conv,
+    scaled,
+    valid_from_padding,
+)
+
+
+class FusedFairseqLocationAttention(FusedStandIn):
+    """Fused stand-in for fairseq's LocationAttention: same parts (the very objects, same
+    state_dict keys), ``proj_enc_out`` cache and ``clear_cache()``, same ``forward``; the step's
+    keys are the cached projected memory plus the location term."""
+
+    layout = "fairseq_location"
+
+    def __init__(self, original: nn.Module, backend: str = "auto") -> None:
+        super().__init__()
+        adopt(self, original)
+        self.backend = check_backend(backend)
+
+    def clear_cache(self) -> None:
+        self.proj_enc_out = None
+
+    def forward(
+        self,
+        encoder_out: Tensor,
+        encoder_padding_mask: Tensor | None,
+        decoder_h: Tensor | None,
+        attn_state: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        bsz = encoder_out.size(0)
+        if self.proj_enc_out is None:
+            self.proj_enc_out = self.proj_enc(encoder_out)
+        keys = self.proj_enc_out + self.proj_attn(self.conv(attn_state).transpose(1, 2))
+        if decoder_h is None:
+            decoder_h = encoder_out.new_zeros(bsz, self.decoder_dim)
+        v_eff = scaled(self.proj_out[1].weight[0], self.scaling)
+        context, weights = attend(
+            self.backend, self.proj_dec(decoder_h), keys, encoder_out, v_eff,
+            mask=valid_from_padding(encoder_padding_mask),
+        )  # fmt: skip
+        return context, weights
+
+
+def _match_location(module: nn.Module) -> bool:
+    parts = {"proj_enc", "proj_dec", "proj_attn", "conv", "proj_out"}
+    if child_names(module) != parts or own_parameter_names(module):
+        return False
+    if not all(hasattr(module, n) for n in ("proj_enc_out", "attn_dim", "decoder_dim")):
+        return False
+    if not is_finite_number(getattr(module, "scaling", None)):
+        return False
+    out = module.proj_out
+    if type(out) is not nn.Sequential or len(out) != 2 or type(out[0]) is not nn.Tanh:
+        return False
+    width, conv = module.attn_dim, module.conv
+    return (
+        is_linear(out[1], in_features=width, out_features=1)
+        and is_linear(module.proj_enc, bias=True, out_features=width)
+        and is_linear(module.proj_dec, bias=False, out_features=width,
+                      in_features=module.decoder_dim)
+        and type(conv) is nn.Conv1d
+        and conv.bias is None
+        and same_padding_conv(conv, in_channels=conv.in_channels)
+        and is_linear(module.proj_attn, bias=False, in_features=conv.out_channels,
+                      out_features=width)
+    )  # fmt: skip
+
+
+def _example_location(module: nn.Module, dtype: torch.dtype) -> tuple[tuple, dict]:
+    batch, frames = 3, 6
+    encoder_out = torch.randn(batch, frames, module.proj_enc.in_features, dtype=dtype)
+    padding = torch.arange(frames) >= torch.tensor([6, 4, 2]).unsqueeze(1)
+    decoder_h = torch.randn(batch, module.decoder_dim, dtype=dtype)
+    state = torch.rand(batch, module.conv.in_channels, frames, dtype=dtype)
+    return (encoder_out, padding, decoder_h, state), {}
+
+
+def _prepare_location(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    module.clear_cache()
+
+
+register(
+    Layout(
+        "fairseq_location",
+        _match_location,
+        lambda module, backend: FusedFairseqLocationAttention(module, backend),
+        _example_location,
+        prepare=_prepare_location,
+    )
+)
