@@ -244,20 +244,11 @@ def peak_mib(torch, fn, device) -> float:
     return peak / 2**20
 
 
-@contextlib.contextmanager
 def tanh_mode(mode: str | None):
-    """Set SEQ2SEQ_FAST_TANH (read by the launchers at every call) for the duration; None: as is."""
-    saved = os.environ.get("SEQ2SEQ_FAST_TANH")
-    if mode is not None:
-        os.environ["SEQ2SEQ_FAST_TANH"] = mode
-    try:
-        yield
-    finally:
-        if mode is not None:
-            if saved is None:
-                os.environ.pop("SEQ2SEQ_FAST_TANH", None)
-            else:
-                os.environ["SEQ2SEQ_FAST_TANH"] = saved
+    """The launchers' tanh path ``mode`` for the duration (tanh_override); None: as is."""
+    from seq2seq_fast._triton import tanh
+
+    return tanh.tanh_override(mode) if mode else contextlib.nullcontext()
 
 
 def bench_one(torch, triton, attention, inputs, mode, device, tanh_env=None) -> dict:
@@ -449,6 +440,8 @@ def run_sweep(args, budget, torch, triton, tk, device) -> list[dict]:
 
 def run_grad_sweep(args, budget, torch, triton, tk, device) -> list[dict]:
     """The whole backward under the grad-kernel tiles that the static cost table ranks first."""
+    from seq2seq_fast._triton import tiles as tile_mod
+
     rows = []
     shapes = DRY_SHAPES if args.dry_run else GPU_SHAPES[::2]  # (128,50,50), (32,74,75)
     for shape in shapes:
@@ -461,7 +454,7 @@ def run_grad_sweep(args, budget, torch, triton, tk, device) -> list[dict]:
                 batch, num_queries, num_keys, hidden, hidden, dtype=dtype
             )
             tiles = [(default_grad.block_q, default_grad.block_k, default_grad.block_h)]
-            for (block_q, block_k, block_h), _ in tk._GRAD_TILE_COSTS[:5]:
+            for (block_q, block_k, block_h), _ in tile_mod._GRAD_TILE_COSTS[:5]:
                 if (block_q, block_k, min(block_h, hidden)) not in tiles:
                     tiles.append((block_q, block_k, min(block_h, hidden)))
             args_bwd = (grad_context, None, *inputs, None, None, context, lse)

@@ -29,14 +29,7 @@ import triton  # noqa: E402
 from seq2seq_fast._triton import additive_attention as tk  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-FP32_POINTERS = {
-    "scores_ptr",
-    "lse_ptr",
-    "probs_ptr",
-    "ds_ptr",
-    "grad_query_ptr",
-    "grad_v_partial_ptr",
-}
+FP32_POINTERS = {"s_ptr", "lse_ptr", "p_ptr", "ds_ptr", "gq_ptr", "gv_ptr"}
 SHAPES = {"gnmt-train": (128, 50, 50, 1024), "decode-step": (1280, 1, 66, 1024)}
 SHAPES_FULL = {**SHAPES, "long-both": (32, 74, 75, 1024), "long-source": (128, 10, 128, 1024)}
 BIN_DIR = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -50,7 +43,7 @@ def signature(kernel, dtype: str, constexprs: dict) -> dict:
         elif name.endswith("_ptr"):
             if name in FP32_POINTERS:
                 sig[name] = "*fp32"
-            elif name == "lengths_ptr":
+            elif name == "len_ptr":
                 sig[name] = "*i64"
             elif name == "mask_ptr":
                 sig[name] = "*u8"
@@ -121,25 +114,25 @@ def kernel_cases(shape: tuple[int, int, int, int], dtype: str):
     ds_cfg, grad_cfg, dv_cfg = tk.backward_configs(
         batch, num_queries, num_keys, hidden, hidden, dtype=torch_dtype
     )
-    common = {"HAS_LENGTHS": True, "INT64_OFFSETS": False}
-    yield "fwd", tk._additive_attention_fwd_kernel, fwd, {
+    common = {"HAS_LENGTHS": True, "INT64": False}
+    yield "fwd", tk._fwd_kernel, fwd, {
         **common, "HAS_MASK": False, "RETURN_WEIGHTS": True, "TANH_MODE": tanh, "FAST_RCP": True,
         "USE_DOT": fwd.use_dot, "LOWP_DOT": lowp, "BLOCK_Q": fwd.block_q,
         "BLOCK_K": fwd.block_k, "BLOCK_H": fwd.block_h, "BLOCK_DV": fwd.block_dv,
         "ROWS2": fwd.rows2, "BLOCK_K2": fwd.block_k2,
     }  # fmt: skip
-    yield "bwd_ds", tk._additive_attention_bwd_ds_kernel, ds_cfg, {
+    yield "bwd_ds", tk._bwd_ds_kernel, ds_cfg, {
         **common, "HAS_MASK": False, "HAS_GRAD_WEIGHTS": True, "TANH_MODE": tanh, "FAST_RCP": True,
         "USE_DOT": ds_cfg.use_dot, "LOWP_DOT": lowp, "BLOCK_Q": ds_cfg.block_q,
         "BLOCK_K": ds_cfg.block_k, "BLOCK_H": ds_cfg.block_h, "BLOCK_DV": ds_cfg.block_dv,
         "ROWS2": ds_cfg.rows2, "BLOCK_K2": ds_cfg.block_k2,
     }  # fmt: skip
-    yield "bwd_grad", tk._additive_attention_bwd_grad_kernel, grad_cfg, {
+    yield "bwd_grad", tk._bwd_grad_kernel, grad_cfg, {
         **common, "TANH_MODE": tanh, "FAST_RCP": True, "BLOCK_Q": grad_cfg.block_q,
         "BLOCK_K": grad_cfg.block_k, "BLOCK_H": grad_cfg.block_h,
     }  # fmt: skip
-    yield "bwd_dvalues", tk._additive_attention_bwd_dvalues_kernel, dv_cfg, {
-        "INT64_OFFSETS": False, "LOWP_DOT": lowp,
+    yield "bwd_dvalues", tk._bwd_dvalues_kernel, dv_cfg, {
+        "INT64": False, "LOWP_DOT": lowp,
         "USE_DOT": min(dv_cfg.block_q, dv_cfg.block_k, dv_cfg.block_dv) >= 16,
         "BLOCK_Q": dv_cfg.block_q, "BLOCK_K": dv_cfg.block_k, "BLOCK_DV": dv_cfg.block_dv,
     }  # fmt: skip
@@ -178,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 variants = [False, True] if args.int64 else [False]
                 for int64 in variants:
-                    constexprs = {**constexprs, "INT64_OFFSETS": int64}
+                    constexprs = {**constexprs, "INT64": int64}
                     label = kernel_name + ("/i64" if int64 else "")
                     start = time.monotonic()
                     try:

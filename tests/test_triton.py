@@ -18,6 +18,7 @@ from seq2seq_fast.reference import additive_attention_ref
 
 triton = pytest.importorskip("triton")
 tk = pytest.importorskip("seq2seq_fast._triton.additive_attention")
+tiles = pytest.importorskip("seq2seq_fast._triton.tiles")
 
 pytestmark = pytest.mark.triton
 
@@ -317,16 +318,16 @@ def test_approx_tanh_error_bound():
 
 
 @pytest.mark.parametrize("mode", ["exp", "product"])
-def test_fp32_each_tanh_path(monkeypatch, mode):
-    monkeypatch.setenv(tk.TANH_ENV, mode)
-    check_fp32((2, 4, 9, 17, 3), kind="lengths", seed=35)
+def test_fp32_each_tanh_path(mode):
+    with tk.tanh_override(mode):
+        check_fp32((2, 4, 9, 17, 3), kind="lengths", seed=35)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # e^86 * e^86 = inf
-def test_product_path_falls_back_on_large_preactivations(monkeypatch):
+@tk.tanh_override("product")
+def test_product_path_falls_back_on_large_preactivations():
     # q + bias and keys past +-34 on both sides (opposite signs): the clamped product formula
     # would be wrong, so those tiles must be recomputed exactly.
-    monkeypatch.setenv(tk.TANH_ENV, "product")
     inputs = list(make_inputs(2, 3, 5, 6, 2, torch.float32, seed=37))
     inputs[0] = inputs[0] + torch.tensor([50.0, -50.0, 1.0], device=DEVICE)[None, :, None]
     inputs[1] = inputs[1] - torch.tensor([49.0, 0.0, -49.5, 0.2, 45.0], device=DEVICE)[:, None]
@@ -341,9 +342,9 @@ def test_product_path_falls_back_on_large_preactivations(monkeypatch):
 
 
 def test_pick_block_and_configs():
-    assert tk._pick_block(66, 256) == 8  # 72 padded keys, not 128
-    assert tk._pick_block(50, 16) == 8 and tk._pick_block(74, 16) == 16
-    assert tk._pick_block(1, 16) == 1 and tk._pick_block(1024, 64) == 64
+    assert tiles._pick_block(66, 256) == 8  # 72 padded keys, not 128
+    assert tiles._pick_block(50, 16) == 8 and tiles._pick_block(74, 16) == 16
+    assert tiles._pick_block(1, 16) == 1 and tiles._pick_block(1024, 64) == 64
     decode = tk.forward_config(1, 66, 1024, 1024)
     assert (decode.block_q, decode.block_k, decode.block_h) == (1, 8, 512)
     train = tk.forward_config(74, 75, 1024, 1024)
@@ -355,19 +356,39 @@ def test_pick_block_and_configs():
             assert block >= 1 and block & (block - 1) == 0
 
 
-def test_tanh_mode_knob(monkeypatch):
+def test_tanh_choice_argument_and_context():
     device = torch.device(DEVICE)
     gpu = CUDA and not tk.is_interpreted()
-    monkeypatch.setenv(tk.TANH_ENV, "exp")
-    assert tk.tanh_mode(torch.bfloat16, device) == "exp"
-    monkeypatch.setenv(tk.TANH_ENV, "auto")
-    assert tk.tanh_mode(torch.float32, device) == "product"
-    assert tk.tanh_mode(torch.bfloat16, device) == ("approx" if gpu else "product")
-    monkeypatch.setenv(tk.TANH_ENV, "approx")
-    assert tk.tanh_mode(torch.float32, device) == ("approx" if gpu else "product")
-    monkeypatch.setenv(tk.TANH_ENV, "fastest")
-    with pytest.raises(ValueError, match="SEQ2SEQ_FAST_TANH"):
-        tk.tanh_mode(torch.float32, device)
+    assert tk.resolve_tanh("auto", torch.float32, device) == "product"
+    assert tk.resolve_tanh("auto", torch.bfloat16, device) == ("approx" if gpu else "product")
+    assert tk.resolve_tanh("exp", torch.bfloat16, device) == "exp"
+    # The PTX paths need compiled kernels; the interpreter runs them as "product".
+    for mode in ("approx", "packed"):
+        assert tk.resolve_tanh(mode, torch.float32, device) == (mode if gpu else "product")
+    with tk.tanh_override("exp"):
+        assert tk.resolve_tanh("auto", torch.bfloat16, device) == "exp"
+        with tk.tanh_override("product"):  # the innermost context wins
+            assert tk.resolve_tanh("auto", torch.float32, device) == "product"
+        assert tk.resolve_tanh("auto", torch.float32, device) == "exp"
+        assert tk.resolve_tanh("product", torch.float32, device) == "product"  # argument wins
+    assert tk.resolve_tanh("auto", torch.float32, device) == "product"
+    with pytest.raises(ValueError, match="tanh must be one of"):
+        tk.resolve_tanh("fastest", torch.float32, device)
+    with pytest.raises(ValueError, match="tanh_override"):
+        with tk.tanh_override("fastest"):
+            pass
+
+
+def test_tanh_argument_reaches_the_kernels():
+    # exp and product differ in the last bits: the explicit argument must change the result,
+    # and the context manager must act on the launchers as the argument does.
+    inputs = make_inputs(2, 3, 7, 33, 4, torch.float32, seed=39)
+    by_arg = {m: tk.additive_attention_fwd(*inputs, None, None, True, tanh=m)[1]
+              for m in ("exp", "product")}  # fmt: skip
+    assert not torch.equal(by_arg["exp"], by_arg["product"])
+    with tk.tanh_override("exp"):
+        by_context = tk.additive_attention_fwd(*inputs, None, None, True)[1]
+    assert torch.equal(by_context, by_arg["exp"])
 
 
 # --- CUDA only: registration, compile, public op, fast tanh in the kernels --------------------------
@@ -427,8 +448,8 @@ def test_public_op_and_compile_fullgraph(dtype, query_rank):
 
 
 @requires_cuda
-def test_fp32_with_approx_tanh_is_close(monkeypatch):
-    monkeypatch.setenv(tk.TANH_ENV, "approx")
+@tk.tanh_override("approx")
+def test_fp32_with_approx_tanh_is_close():
     shape = (4, 20, 30, 256, 64)
     inputs = make_inputs(*shape, torch.float32, seed=29)
     grad_context = torch.randn(4, 20, 64, device=DEVICE)
