@@ -56,7 +56,11 @@ def attend(
                 raise RuntimeError(f"backend='fused' but {reason}")
             warn_fallback_once(query.device, query.dtype, reason)
             use_reference = True
-    return run_checked(checked, return_weights, use_reference, stepwise)
+    if stepwise is not None and not use_reference:
+        result = stepwise.attend_checked(checked, return_weights)
+        if result is not None:
+            return result
+    return run_checked(checked, return_weights, use_reference)
 
 
 class BahdanauAttention(nn.Module):

@@ -117,6 +117,27 @@ class StepwiseMemory:
         self._weights: list[Tensor] = []
         self._grad_contexts: list[Tensor] = []
 
+    def attend_checked(self, checked: tuple, return_weights: bool):
+        """Inputs as ``check_inputs`` returns them, through this memory -> (context, weights or
+        None) as ``additive_attention`` returns them; None where the memory does not apply (it
+        does not own the keys and values, no gradient is wanted, a size is zero)."""
+        query3, keys, values, v, bias, lengths, mask, single_step = checked
+        if not self.owns(keys, values) or not isinstance(return_weights, bool):
+            return None
+        if min(query3.shape) == 0 or min(keys.shape) == 0 or values.shape[2] == 0:
+            return None
+        if bias is None:
+            bias = query3.new_zeros(query3.shape[-1])
+        tensors = (query3, keys, values, v, bias)
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            return None
+        if fused_unavailable_reason(query3.device, query3.dtype) is not None:
+            return None
+        context, weights = self.attend(query3, v, bias, lengths, mask)
+        if single_step:
+            context, weights = context.squeeze(1), weights.squeeze(1)
+        return context, (weights if return_weights else None)
+
     def attend(self, query3, v, bias, lengths, mask) -> tuple[Tensor, Tensor]:
         """(context [B, Tq, Dv], weights [B, Tq, Tk]) of query3 [B, Tq, H] against this memory."""
         return _StepAttention.apply(query3, self.keys, self.values, v, bias, lengths, mask, self)

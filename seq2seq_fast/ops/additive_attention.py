@@ -74,7 +74,8 @@ def _bwd_fake(
 
 # --- backends --------------------------------------------------------------------------------------
 
-_CPU_DTYPES = (torch.float32, torch.float64)
+# bfloat16 on CPU: stored as such, computed in float32 inside the kernel (csrc/additive_attention.cpp).
+_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 _CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 try:  # the C++ extension registers the CPU kernels for the schemas above when it loads
@@ -130,6 +131,20 @@ def fused_unavailable_reason(device: torch.device | str, dtype: torch.dtype) -> 
 
 def fused_available(device: torch.device | str, dtype: torch.dtype) -> bool:
     return fused_unavailable_reason(device, dtype) is None
+
+
+def cpu_bf16_hardware() -> str | None:
+    """The CPU's bfloat16 matrix hardware ("amx" or "avx512_bf16"), or None without it.
+
+    The fused CPU ops take bfloat16 on any CPU (float32 inside). What bfloat16 speeds up is the
+    model's products under torch.autocast (oneDNN): on a CPU without this hardware they run
+    emulated, slower than float32, so a bf16 training mode should fall back to float32 there.
+    """
+    if torch.cpu._is_amx_tile_supported():
+        return "amx"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "avx512_bf16"
+    return None
 
 
 # --- autograd --------------------------------------------------------------------------------------
@@ -319,16 +334,31 @@ def _as_mask(mask: object, batch: int, num_keys: int, device: torch.device) -> T
     return mask.contiguous()
 
 
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The autocast dtype while autocast is on for this device (CPU or CUDA), else None."""
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
 def check_inputs(query, keys, values, v, bias=None, lengths=None, mask=None):
     """Validate the public contract; return (query3d, keys, values, v, bias, lengths, mask, single_step).
 
-    Raises TypeError for non-tensors / wrong dtypes and ValueError for shapes, devices, ranges.
+    Under torch.autocast on the query's device the floating inputs are first cast to the autocast
+    dtype (differentiable casts, as autocast casts a product's inputs: float32 parameters keep
+    float32 gradients). Raises TypeError for non-tensors / wrong dtypes and ValueError for shapes,
+    devices, ranges.
     """
     tensors = {"query": query, "keys": keys, "values": values, "v": v}
     if bias is not None:
         tensors["bias"] = bias
     for name, value in tensors.items():
         _require_float_tensor(name, value)
+    autocast = _autocast_dtype(query.device)
+    if autocast is not None:
+        tensors = {name: value.to(autocast) for name, value in tensors.items()}
+        query, keys, values, v = (tensors[n] for n in ("query", "keys", "values", "v"))
+        bias = tensors.get("bias")
     if query.dim() not in (2, 3):
         raise ValueError(f"query must be [B, Tq, H] or [B, H], got shape {_shape(query)}")
     if keys.dim() != 3:
@@ -404,16 +434,16 @@ def additive_attention(
         context [B, Tq, Dv] ([B, Dv] for a [B, H] query) and weights [B, Tq, Tk] ([B, Tk]) or None,
         in the input dtype. Rows with no valid key give zero context and weights, never NaN.
 
-    Gradients flow to query, keys, values, v and bias. Served on CPU (float32, float64) by the C++
-    kernel and on CUDA (float32, float16, bfloat16) by Triton; other inputs raise TypeError.
+    Gradients flow to query, keys, values, v and bias. Served on CPU (float32, float64, bfloat16:
+    float32 inside) by the C++ kernel and on CUDA (float32, float16, bfloat16) by Triton; other
+    inputs raise TypeError. Under torch.autocast the inputs are cast to the autocast dtype.
     """
     checked = check_inputs(query, keys, values, v, bias, lengths, mask)
     return run_checked(checked, return_weights, use_reference=False)
 
 
-def run_checked(checked: tuple, return_weights: bool, use_reference: bool, stepwise=None):
-    """Run inputs that ``check_inputs`` returned through the fused op or the reference; with a
-    ``stepwise`` memory (seq2seq_fast.nn.stepwise) that owns the keys and values, through it."""
+def run_checked(checked: tuple, return_weights: bool, use_reference: bool):
+    """Run inputs that ``check_inputs`` returned through the fused op or the reference."""
     query3, keys, values, v, bias, lengths, mask, single_step = checked
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
@@ -432,9 +462,7 @@ def run_checked(checked: tuple, return_weights: bool, use_reference: bool, stepw
     if bias is None:
         bias = query3.new_zeros(query3.shape[-1])
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query3, keys, values, v, bias))
-    if grad and stepwise is not None and stepwise.owns(keys, values):
-        context, weights = stepwise.attend(query3, v, bias, lengths, mask)
-    elif grad:
+    if grad:
         context, weights, _ = AdditiveAttentionFunction.eager_apply(
             query3, keys, values, v, bias, lengths, mask, return_weights
         )
