@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from seq2seq_fast.seq2seq.plot import translate_text
-from seq2seq_fast.seq2seq.train import load_model
+from seq2seq_fast.seq2seq.checkpoint import load_model
+from seq2seq_fast.seq2seq.decoding import translate_text
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 EXPECTED = json.loads((FIXTURES / "checkpoints-0.1.0.json").read_text())

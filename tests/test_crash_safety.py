@@ -25,13 +25,12 @@ import pytest
 import torch
 
 train_module = pytest.importorskip("seq2seq_fast.seq2seq.train")
-from seq2seq_fast.seq2seq.train import (  # noqa: E402
+from seq2seq_fast.seq2seq.checkpoint import (  # noqa: E402
     CheckpointError,
-    TrainConfig,
     load_checkpoint,
     load_model,
-    train,
 )
+from seq2seq_fast.seq2seq.train import TrainConfig, train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(

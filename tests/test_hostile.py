@@ -15,6 +15,7 @@ docs/RELIABILITY.md lists the cases and what each gives.
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import os
@@ -263,7 +264,7 @@ def load_bytes(make: Callable[[Path], bytes | None], *, model=False):
     """load_checkpoint (or load_model) of a file whose bytes ``make(folder)`` returns."""
 
     def call(folder):
-        from seq2seq_fast.seq2seq.train import load_checkpoint, load_model
+        from seq2seq_fast.seq2seq.checkpoint import load_checkpoint, load_model
 
         path = folder / "case.pt"
         data = make(folder)
@@ -517,7 +518,7 @@ CASES: list[Case] = [
     Case("fuse: model without attention", fuse(lambda: torch.nn.Sequential(torch.nn.Linear(2, 2))), None),
     # checkpoints
     Case("ckpt: missing file", load_bytes(lambda f: None), "CheckpointError", ("not found",)),
-    Case("ckpt: a directory", lambda f: __import__("seq2seq_fast.seq2seq.train").train.load_checkpoint(f), "CheckpointError", ("directory",)),
+    Case("ckpt: a directory", lambda f: importlib.import_module("seq2seq_fast.seq2seq.checkpoint").load_checkpoint(f), "CheckpointError", ("directory",)),
     Case("ckpt: empty file", load_bytes(lambda f: b""), "CheckpointError", ("corrupt",)),
     Case("ckpt: text file", load_bytes(lambda f: b"not a checkpoint\n"), "CheckpointError", ("corrupt",)),
     Case("ckpt: random bytes", load_bytes(lambda f: os.urandom(4096)), "CheckpointError", ("corrupt",)),

@@ -6,17 +6,19 @@ import pytest
 import torch
 
 from seq2seq_fast.ops.additive_attention import fused_available
+from seq2seq_fast.seq2seq.decoding import (
+    beam_search,
+    coverage_penalty,
+    greedy_decode,
+    length_penalty,
+)
 from seq2seq_fast.seq2seq.models import (
     EOS_ID,
     PAD_ID,
     Encoder,
     Seq2Seq,
     Seq2SeqConfig,
-    beam_search,
     compile_model,
-    coverage_penalty,
-    greedy_decode,
-    length_penalty,
     sequence_loss,
 )
 

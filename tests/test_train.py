@@ -11,14 +11,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from seq2seq_fast.seq2seq.train import (
+from seq2seq_fast.seq2seq.checkpoint import (
     CheckpointError,
-    TrainConfig,
     load_checkpoint,
     load_model,
     save_checkpoint,
-    train,
 )
+from seq2seq_fast.seq2seq.train import TrainConfig, train
 
 TINY = dict(
     vocab_size=6, min_len=2, max_len=5, heldout_size=100, embed_size=16, hidden_size=32,

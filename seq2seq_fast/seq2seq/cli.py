@@ -179,8 +179,8 @@ def _inputs(sentence: str | None) -> list[str]:
 
 
 def _translate(args) -> int:
-    from seq2seq_fast.seq2seq.plot import translate_text
-    from seq2seq_fast.seq2seq.train import load_model
+    from seq2seq_fast.seq2seq.checkpoint import load_model
+    from seq2seq_fast.seq2seq.decoding import translate_text
 
     model, src_vocab, tgt_vocab, _ = load_model(args.checkpoint, backend=args.backend)
     for text in _inputs(args.sentence):
@@ -193,8 +193,8 @@ def _translate(args) -> int:
 
 
 def _plot(args) -> int:
+    from seq2seq_fast.seq2seq.checkpoint import load_model
     from seq2seq_fast.seq2seq.plot import plot_translation
-    from seq2seq_fast.seq2seq.train import load_model
 
     model, src_vocab, tgt_vocab, _ = load_model(args.checkpoint, backend=args.backend)
     texts = _inputs(args.sentence)
@@ -206,8 +206,9 @@ def _plot(args) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from seq2seq_fast.seq2seq.checkpoint import CheckpointError
     from seq2seq_fast.seq2seq.data import CorpusError
-    from seq2seq_fast.seq2seq.train import CheckpointError, TrainError
+    from seq2seq_fast.seq2seq.train import TrainError
 
     parser = build_parser()
     args = parser.parse_args(argv)

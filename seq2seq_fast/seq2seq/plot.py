@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from seq2seq_fast.seq2seq.models import Hypothesis, Seq2Seq, beam_search, greedy_decode
+from seq2seq_fast.seq2seq.decoding import Hypothesis, translate_text  # noqa: F401 (re-exported)
+from seq2seq_fast.seq2seq.models import Seq2Seq
 
 
 def plot_attention(
@@ -52,36 +53,6 @@ def plot_attention(
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
     return path
-
-
-def translate_text(
-    model: Seq2Seq,
-    src_vocab,
-    tgt_vocab,
-    text: str,
-    *,
-    beam: int = 1,
-    alpha: float = 0.6,
-    beta: float = 0.0,
-    max_len_factor: float = 2.0,
-    device: torch.device | str = "cpu",
-) -> tuple[Hypothesis, list[int]]:
-    """Translate one sentence (normalised as the training corpus was): -> (hypothesis, source ids)."""
-    from seq2seq_fast.seq2seq.data import normalize_text
-
-    ids = src_vocab.encode(normalize_text(text))
-    if not ids:
-        raise ValueError("the input sentence is empty")
-    src = torch.tensor([ids], dtype=torch.long, device=device)
-    lengths = torch.tensor([len(ids)], dtype=torch.long, device=device)
-    if beam <= 1:
-        hyp = greedy_decode(model, src, lengths, max_len_factor=max_len_factor)[0]
-    else:
-        hyp = beam_search(
-            model, src, lengths, beam_size=beam, alpha=alpha, beta=beta,
-            max_len_factor=max_len_factor,
-        )[0]  # fmt: skip
-    return hyp, ids
 
 
 def plot_translation(

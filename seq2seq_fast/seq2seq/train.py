@@ -13,6 +13,12 @@ line (``seq2seq-fast train``) is a thin wrapper around it. One job:
 
 Under ``torchrun`` (WORLD_SIZE > 1) it trains with DistributedDataParallel: gloo on CPU, nccl on
 CUDA; every rank draws its own batches, rank 0 evaluates and writes the files.
+
+The parts: ``build_task`` (vocabularies, batches, held-out data), ``build_model`` and
+``build_optimizer`` (put together, with a resumed checkpoint restored, by ``build_job``),
+``run_epoch`` (``train_step`` per batch), ``evaluate``, ``save_job`` (the checkpoint) and
+``finish`` (final evaluation, heatmap, report). Checkpoint files are read and written by
+:mod:`seq2seq_fast.seq2seq.checkpoint`, decoding is :mod:`seq2seq_fast.seq2seq.decoding`.
 """
 
 from __future__ import annotations
@@ -22,7 +28,6 @@ import os
 import random
 import sys
 import time
-import zipfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -31,6 +36,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from seq2seq_fast.seq2seq.checkpoint import (  # noqa: F401 (re-exported: the names' old home)
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_VERSION,
+    CheckpointError,
+    load_checkpoint,
+    load_model,
+    save_checkpoint,
+)
 from seq2seq_fast.seq2seq.data import (
     Batch,
     ReverseTask,
@@ -39,23 +52,15 @@ from seq2seq_fast.seq2seq.data import (
     make_batch,
     vocab_from_state,
 )
+from seq2seq_fast.seq2seq.decoding import Hypothesis, decode  # noqa: F401 (re-exported)
 from seq2seq_fast.seq2seq.models import (
-    Hypothesis,
     Seq2Seq,
     Seq2SeqConfig,
-    beam_search,
     compile_model,
-    greedy_decode,
     sequence_loss,
 )
 
-CHECKPOINT_FORMAT = "seq2seq-fast checkpoint"
-CHECKPOINT_VERSION = 1
 TRAIN_BACKENDS = ("auto", "fused", "reference", "compile")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, unreadable, truncated or not written by seq2seq-fast."""
 
 
 class TrainError(RuntimeError):
@@ -156,119 +161,7 @@ class TrainResult:
     seconds: float = 0.0
 
 
-# --- checkpoints -----------------------------------------------------------------------------------
-
-
-def save_checkpoint(payload: dict[str, Any], path: Path) -> None:
-    """Write atomically: a temporary file in the same folder, fsync, then os.replace.
-
-    The folder is fsynced after the rename (so the new name survives a power loss), and temporary
-    files that killed processes left next to ``path`` are removed.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as handle:
-            torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_folder(path.parent)
-    _remove_stale_temporaries(path)
-
-
-def _fsync_folder(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # e.g. a platform without directory file descriptors
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _remove_stale_temporaries(path: Path) -> None:
-    """Delete .NAME.tmp-PID files of processes that no longer exist (killed mid-write)."""
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):
-        try:
-            pid = int(stale.name.rsplit("-", 1)[1])
-            os.kill(pid, 0)  # raises ProcessLookupError when no such process is running
-        except ProcessLookupError:
-            stale.unlink(missing_ok=True)
-        except (ValueError, PermissionError, OSError):
-            continue  # not ours, or a live process of another user
-
-
-def _member_failing_crc(path: Path) -> str | None:
-    """The first archive member whose data does not match its CRC-32, else None.
-
-    torch.load does not check the CRCs, so a flipped bit inside a stored tensor would load
-    silently. Files that are not readable zip archives are left to torch.load's own error.
-    """
-    try:
-        with zipfile.ZipFile(path) as archive:
-            return archive.testzip()
-    except Exception:  # not a zip / truncated: torch.load reports it
-        return None
-
-
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Read a checkpoint written by ``save_checkpoint``; raise CheckpointError saying what is wrong."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint not found: {path}")
-    if path.is_dir():
-        raise CheckpointError(f"checkpoint path is a directory: {path}")
-    bad_member = _member_failing_crc(path)
-    if bad_member is not None:
-        raise CheckpointError(
-            f"cannot read checkpoint {path}: corrupt ({bad_member} fails its CRC-32 check)"
-        )
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # truncated zip, random bytes, foreign pickles all end up here
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(
-            f"cannot read checkpoint {path}: corrupt, truncated or not a seq2seq-fast checkpoint "
-            f"({type(exc).__name__}: {first_line[:200]})"
-        ) from None
-    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path} is not a seq2seq-fast checkpoint (no format marker)")
-    if payload.get("version") != CHECKPOINT_VERSION:
-        raise CheckpointError(
-            f"{path}: checkpoint version {payload.get('version')!r} is not supported "
-            f"(this seq2seq-fast reads version {CHECKPOINT_VERSION})"
-        )
-    for key in ("model_config", "model", "src_vocab", "tgt_vocab"):
-        if key not in payload:
-            raise CheckpointError(f"{path}: checkpoint lacks {key!r}")
-    return payload
-
-
-def load_model(path: str | Path, *, backend: str = "auto", device: str = "cpu"):
-    """-> (model in eval mode, src_vocab, tgt_vocab, checkpoint payload)."""
-    payload = load_checkpoint(path)
-    try:
-        config = Seq2SeqConfig.from_dict(dict(payload["model_config"]))
-        config.backend = backend
-        model = Seq2Seq(config)
-        model.load_state_dict(payload["model"])
-        src_vocab = vocab_from_state(payload["src_vocab"])
-        tgt_vocab = vocab_from_state(payload["tgt_vocab"])
-    except (ValueError, TypeError, KeyError, RuntimeError) as exc:
-        raise CheckpointError(
-            f"{path}: checkpoint does not describe a usable model ({exc})"
-        ) from None
-    return model.to(device).eval(), src_vocab, tgt_vocab, payload
-
-
-# --- distributed -----------------------------------------------------------------------------------
+# --- distributed ---------------------------------------------------------------------------------
 
 
 @dataclass
@@ -307,35 +200,6 @@ def setup_distributed() -> Dist:
 # --- evaluation ------------------------------------------------------------------------------------
 
 
-def decode(
-    model: Seq2Seq,
-    sources: list[list[int]],
-    *,
-    device: torch.device,
-    beam: int = 1,
-    batch_size: int = 256,
-    max_len_factor: float = 2.0,
-    alpha: float = 0.6,
-    beta: float = 0.0,
-) -> list[Hypothesis]:
-    """Decode id sequences in length-sorted batches; results in input order."""
-    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
-    results: list[Hypothesis | None] = [None] * len(sources)
-    for start in range(0, len(order), batch_size):
-        idx = order[start : start + batch_size]
-        batch = make_batch([(sources[i] or [0], [0]) for i in idx]).to(device)
-        if beam == 1:
-            hyps = greedy_decode(model, batch.src, batch.src_lengths, max_len_factor=max_len_factor)
-        else:
-            hyps = beam_search(
-                model, batch.src, batch.src_lengths, beam_size=beam,
-                max_len_factor=max_len_factor, alpha=alpha, beta=beta,
-            )  # fmt: skip
-        for i, hyp in zip(idx, hyps, strict=True):
-            results[i] = hyp
-    return results  # type: ignore[return-value]
-
-
 def reverse_accuracy(model: Seq2Seq, pairs, device: torch.device) -> dict[str, float]:
     hyps = decode(model, [s for s, _ in pairs], device=device, max_len_factor=1.0)
     seq_ok = tok_ok = tok_total = 0
@@ -354,6 +218,15 @@ def bleu_score(
     hyps = decode(model, [src_vocab.encode(s) for s, _ in pairs], device=device, beam=beam)
     outputs = [tgt_vocab.decode(h.tokens) for h in hyps]
     return float(sacrebleu.corpus_bleu(outputs, [[t for _, t in pairs]]).score)
+
+
+def describe(metrics: dict[str, float]) -> str:
+    """One line for the log: accuracies for reverse, BLEU scores for translate."""
+    if "seq_acc" in metrics:
+        return (
+            f"held-out sequence accuracy {metrics['seq_acc']:.2%} (token {metrics['tok_acc']:.2%})"
+        )
+    return ", ".join(f"{k} {v:.2f}" for k, v in metrics.items())
 
 
 # --- the training job ------------------------------------------------------------------------------
@@ -410,97 +283,95 @@ def _log(message: str, rank: Dist) -> None:
         tqdm.write(message, file=sys.stdout)
 
 
-def train(config: TrainConfig, *, resume: str | Path | None = None) -> TrainResult:
-    """Run one training job (see module docstring). ``resume`` continues a checkpoint exactly."""
-    threads = torch.get_num_threads()
-    try:
-        return _train(config, resume)
-    finally:
-        torch.set_num_threads(threads)
+@dataclass
+class Task:
+    """What the training loop needs from a task: vocabularies, batches, held-out data."""
+
+    kind: str
+    src_vocab: Any
+    tgt_vocab: Any
+    steps_per_epoch: int
+    pad_src: int  # padded widths under torch.compile
+    pad_tgt: int
+    info: dict[str, Any]  # stored in the checkpoint
+    reverse: ReverseTask | None = None
+    heldout: list | None = None  # reverse: held-out id pairs
+    generator: torch.Generator | None = None  # reverse: draws the training batches
+    corpus: TranslationData | None = None  # translate: the encoded splits
+
+    def epoch_plan(self, config: TrainConfig, epoch: int, ctx: Dist) -> list[list[int]] | None:
+        """translate: this rank's batches (index lists) of one epoch; reverse: None."""
+        if self.corpus is None:
+            return None
+        return epoch_batches(self.corpus.train, config.batch_size, seed=config.seed, epoch=epoch,
+                             rank=ctx.rank, world_size=ctx.world_size)  # fmt: skip
+
+    def pairs(self, batch_size: int, plan: list[list[int]] | None, position: int) -> list:
+        """The id pairs of the batch at ``position`` of the epoch (reverse: drawn fresh)."""
+        if self.reverse is not None:
+            return self.reverse.sample(self.generator, batch_size)
+        return [self.corpus.train[i] for i in plan[position]]
+
+    def example(self) -> str:
+        """The held-out sentence drawn in the final heatmap."""
+        if self.reverse is not None:
+            return self.src_vocab.decode(self.heldout[0][0])
+        return self.corpus.test[0][0]
 
 
-def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
-    from tqdm import tqdm
-
-    from seq2seq_fast.ops.additive_attention import fused_unavailable_reason
-
-    started = time.perf_counter()
-    ctx = setup_distributed()
-    payload = None
-    if resume is not None:
-        payload = load_checkpoint(resume)
-        saved = TrainConfig.from_dict(dict(payload.get("train_config", {})))
-        # Everything comes from the checkpoint, except where the files go and how long to run.
-        saved.out = config.out if config.out is not None else str(Path(resume).parent)
-        saved.stop_after_steps = config.stop_after_steps
-        saved.progress = config.progress
-        # The thread count changes the products' summation order: keep the saved one (exact
-        # resume) unless one is given.
-        if config.threads is not None:
-            saved.threads = config.threads
-        config = saved
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
-    out_dir = config.out_dir
-    checkpoint_path = out_dir / "model.pt"
-
-    torch.manual_seed(config.seed)
-    random.seed(config.seed)
-
-    # --- task and vocabularies
-    data_generator = None
+def build_task(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None) -> Task:
+    """The reversal task, or the translation corpus with its vocabularies (a checkpoint's on
+    resume, else trained on the training split)."""
     if config.task == "reverse":
-        task = ReverseTask(
+        reverse = ReverseTask(
             config.vocab_size, config.min_len, config.max_len, config.seed, config.heldout_size
         )
-        src_vocab = tgt_vocab = task.vocab
-        heldout = task.heldout()
-        data_generator = torch.Generator().manual_seed(config.seed * 7919 + 17 + ctx.rank)
-        steps_per_epoch = config.steps_per_epoch
-        pad_src, pad_tgt = config.max_len, config.max_len + 1
-        task_info = {"kind": "reverse", "vocab_size": config.vocab_size,
-                     "min_len": config.min_len, "max_len": config.max_len}  # fmt: skip
-    else:
-        corpus = TranslationData.load(
-            config.data,
-            swap=config.direction == "2-1",
-            max_words=config.max_words,
-            max_pairs=config.max_pairs,
-            vocab_size=config.spm_vocab_size,
-            normalization=config.normalization,
-            valid_fraction=config.valid_fraction,
-            test_fraction=config.test_fraction,
-            seed=config.seed,
-            # On resume, the vocabularies the model was trained with.
-            vocabs=None
-            if payload is None
-            else (vocab_from_state(payload["src_vocab"]), vocab_from_state(payload["tgt_vocab"])),
-        )
-        src_vocab, tgt_vocab = corpus.src_vocab, corpus.tgt_vocab
-        _log(corpus.report.summary(), ctx)
-        _log(
-            f"split: {len(corpus.train)} train / {len(corpus.valid)} valid / {len(corpus.test)} "
-            f"test pairs; subword vocab {len(src_vocab)} source, {len(tgt_vocab)} target",
-            ctx,
-        )
-        steps_per_epoch = len(
-            epoch_batches(corpus.train, config.batch_size, seed=config.seed, epoch=0,
-                          rank=ctx.rank, world_size=ctx.world_size)
+        return Task(
+            "reverse", reverse.vocab, reverse.vocab, config.steps_per_epoch,
+            config.max_len, config.max_len + 1,
+            {"kind": "reverse", "vocab_size": config.vocab_size, "min_len": config.min_len,
+             "max_len": config.max_len},
+            reverse=reverse, heldout=reverse.heldout(),
+            generator=torch.Generator().manual_seed(config.seed * 7919 + 17 + ctx.rank),
         )  # fmt: skip
-        pad_src = max(len(s) for s, _ in corpus.train)
-        pad_tgt = max(len(t) for _, t in corpus.train) + 1
-        task_info = {"kind": "translate", "data": str(config.data), "direction": config.direction}
+    vocabs = None
+    if payload is not None:  # on resume, the vocabularies the model was trained with
+        vocabs = (vocab_from_state(payload["src_vocab"]), vocab_from_state(payload["tgt_vocab"]))
+    corpus = TranslationData.load(
+        config.data, swap=config.direction == "2-1", max_words=config.max_words,
+        max_pairs=config.max_pairs, vocab_size=config.spm_vocab_size,
+        normalization=config.normalization, valid_fraction=config.valid_fraction,
+        test_fraction=config.test_fraction, seed=config.seed, vocabs=vocabs,
+    )  # fmt: skip
+    _log(corpus.report.summary(), ctx)
+    _log(
+        f"split: {len(corpus.train)} train / {len(corpus.valid)} valid / {len(corpus.test)} "
+        f"test pairs; subword vocab {len(corpus.src_vocab)} source, {len(corpus.tgt_vocab)} target",
+        ctx,
+    )
+    task = Task(
+        "translate", corpus.src_vocab, corpus.tgt_vocab, 0,
+        max(len(s) for s, _ in corpus.train), max(len(t) for _, t in corpus.train) + 1,
+        {"kind": "translate", "data": str(config.data), "direction": config.direction},
+        corpus=corpus,
+    )  # fmt: skip
+    task.steps_per_epoch = len(task.epoch_plan(config, 0, ctx))
+    return task
 
-    # --- model, optimiser, schedule
-    use_compile = config.backend == "compile"
-    attention_backend = "auto" if use_compile else config.backend
+
+def build_model(config: TrainConfig, task: Task, ctx: Dist) -> tuple[Seq2Seq, str]:
+    """-> (the model on ctx.device, its attention backend). ``--backend compile`` runs the "auto"
+    attention inside the compiled graph."""
+    from seq2seq_fast.ops.additive_attention import fused_unavailable_reason
+
+    attention_backend = "auto" if config.backend == "compile" else config.backend
     if attention_backend == "fused":
         reason = fused_unavailable_reason(ctx.device, torch.float32)
         if reason is not None:
             raise TrainError(f"--backend fused is not available: {reason}")
     model_config = Seq2SeqConfig(
-        src_vocab_size=len(src_vocab),
-        tgt_vocab_size=len(tgt_vocab),
+        src_vocab_size=len(task.src_vocab),
+        tgt_vocab_size=len(task.tgt_vocab),
         embed_size=config.embed_size,
         hidden_size=config.hidden_size,
         attention_size=config.attention_size,
@@ -512,202 +383,315 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
         dropout=config.dropout,
         backend=attention_backend,
     )
-    model = Seq2Seq(model_config).to(ctx.device)
-    budget_s = 60 * config.time_budget_min if config.time_budget_min is not None else math.inf
+    return Seq2Seq(model_config).to(ctx.device), attention_backend
 
-    clock = {"elapsed": 0.0}  # seconds since start, the same on every rank (max over ranks)
 
-    def time_progress() -> float:
-        return clock["elapsed"] / budget_s
+class Clock:
+    """Seconds since the job started, the same on every rank (max over ranks), against the time
+    budget; updated once per step only when there is a budget."""
 
+    def __init__(self, started: float, budget_min: float | None) -> None:
+        self.started = started
+        self.budget_s = 60 * budget_min if budget_min is not None else math.inf
+        self.elapsed = 0.0
+
+    def progress(self) -> float:
+        return self.elapsed / self.budget_s
+
+    @property
+    def expired(self) -> bool:
+        return self.elapsed >= self.budget_s
+
+
+def build_optimizer(config: TrainConfig, model: nn.Module, total_steps: int, clock: Clock):
+    """-> (AdamW, LambdaLR with linear warmup and cosine decay, following the clock too when
+    there is a time budget)."""
     # fused: one kernel over all parameters (CPU and CUDA), ~4x faster than the per-tensor loop
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, weight_decay=config.weight_decay, fused=True
     )
-    total_steps = config.epochs * steps_per_epoch
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        _lr_lambda(
-            config.warmup_steps,
-            total_steps,
-            config.min_lr_ratio,
-            None if config.time_budget_min is None else time_progress,
-        ),
-    )
-    epoch, batch_in_epoch, step = 0, 0, 0
-    metrics: dict[str, float] = {}
-    if payload is not None:
-        model.load_state_dict(payload["model"])
-        optimizer.load_state_dict(payload["optimizer"])
-        scheduler.load_state_dict(payload["scheduler"])
-        epoch, batch_in_epoch, step = payload["epoch"], payload["batch_in_epoch"], payload["step"]
-        metrics = dict(payload.get("metrics", {}))
+    time_progress = None if config.time_budget_min is None else clock.progress
+    schedule = _lr_lambda(config.warmup_steps, total_steps, config.min_lr_ratio, time_progress)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+@dataclass
+class Job:
+    """One training run's objects and position (what a checkpoint stores)."""
+
+    config: TrainConfig
+    ctx: Dist
+    task: Task
+    model: Seq2Seq
+    run_model: Any  # the model as the steps call it: DDP-wrapped and/or compiled
+    attention_backend: str
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    clock: Clock
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    step: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.config.out_dir / "model.pt"
+
+    @property
+    def total_steps(self) -> int:
+        return self.config.epochs * self.task.steps_per_epoch
+
+    def restore(self, payload: dict[str, Any]) -> None:
+        """Continue a checkpoint: weights, optimiser, schedule, position, metrics, RNG states."""
+        self.model.load_state_dict(payload["model"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        self.scheduler.load_state_dict(payload["scheduler"])
+        self.epoch, self.batch_in_epoch = payload["epoch"], payload["batch_in_epoch"]
+        self.step = payload["step"]
+        self.metrics = dict(payload.get("metrics", {}))
         rng = payload["rng"]
-        _set_rng_state(rng[ctx.rank] if isinstance(rng, list) else rng, data_generator)
+        rng = rng[self.ctx.rank] if isinstance(rng, list) else rng
+        _set_rng_state(rng, self.task.generator)
 
-    run_model: Any = model
+
+def save_job(job: Job) -> None:
+    """Checkpoint the job at its position. Every rank's RNG state is gathered (so a resumed DDP
+    run continues exactly too); rank 0 writes."""
+    ctx = job.ctx
+    rng_state = _rng_state(job.task.generator)
     if ctx.enabled:
-        run_model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None
-        )
-    if use_compile:
-        run_model = compile_model(run_model)  # one graph: RNN layers and the fused op inside
-
-    def checkpoint(done_epochs: int, position: int) -> None:
-        # Every rank's RNG state, gathered so a resumed DDP run continues exactly too.
-        rng_state = _rng_state(data_generator)
-        if ctx.enabled:
-            states = [None] * ctx.world_size
-            dist.all_gather_object(states, rng_state)
-            rng_state = states
-        if ctx.is_main:
-            save_checkpoint(
-                {
-                    "format": CHECKPOINT_FORMAT,
-                    "version": CHECKPOINT_VERSION,
-                    "model_config": model_config.to_dict() | {"backend": "auto"},
-                    "train_config": asdict(config),
-                    "task": task_info,
-                    "src_vocab": src_vocab.to_state(),
-                    "tgt_vocab": tgt_vocab.to_state(),
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "rng": rng_state,
-                    "epoch": done_epochs,
-                    "batch_in_epoch": position,
-                    "step": step,
-                    "metrics": metrics,
-                    "world_size": ctx.world_size,
-                },
-                checkpoint_path,
-            )
-        if ctx.enabled:
-            dist.barrier()
-
-    def evaluate(final: bool = False) -> dict[str, float]:
-        if config.task == "reverse":
-            return reverse_accuracy(model, heldout, ctx.device)
-        if final:
-            return {"test_bleu": bleu_score(model, corpus.test, src_vocab, tgt_vocab,
-                                            ctx.device, beam=config.eval_beam)}  # fmt: skip
-        return {"valid_bleu": bleu_score(model, corpus.valid[: config.eval_size], src_vocab,
-                                         tgt_vocab, ctx.device)}  # fmt: skip
-
-    def describe(m: dict[str, float]) -> str:
-        if "seq_acc" in m:
-            return f"held-out sequence accuracy {m['seq_acc']:.2%} (token {m['tok_acc']:.2%})"
-        return ", ".join(f"{k} {v:.2f}" for k, v in m.items())
-
-    losses: list[float] = []
-    stopped_early = False
+        states = [None] * ctx.world_size
+        dist.all_gather_object(states, rng_state)
+        rng_state = states
     if ctx.is_main:
-        params = sum(p.numel() for p in model.parameters())
-        _log(
-            f"task {config.task}: {config.decoder} decoder, {config.cell} {config.hidden_size}, "
-            f"{params / 1e6:.2f}M parameters, attention backend "
-            f"{'compile+' if use_compile else ''}{attention_backend}, {ctx.world_size} process(es), "
-            f"{total_steps} steps",
-            ctx,
+        save_checkpoint(
+            {
+                "format": CHECKPOINT_FORMAT,
+                "version": CHECKPOINT_VERSION,
+                "model_config": job.model.config.to_dict() | {"backend": "auto"},
+                "train_config": asdict(job.config),
+                "task": job.task.info,
+                "src_vocab": job.task.src_vocab.to_state(),
+                "tgt_vocab": job.task.tgt_vocab.to_state(),
+                "model": job.model.state_dict(),
+                "optimizer": job.optimizer.state_dict(),
+                "scheduler": job.scheduler.state_dict(),
+                "rng": rng_state,
+                "epoch": job.epoch,
+                "batch_in_epoch": job.batch_in_epoch,
+                "step": job.step,
+                "metrics": job.metrics,
+                "world_size": ctx.world_size,
+            },
+            job.checkpoint_path,
         )
-    while epoch < config.epochs and not stopped_early:
-        if config.task == "translate":
-            epoch_plan = epoch_batches(corpus.train, config.batch_size, seed=config.seed,
-                                       epoch=epoch, rank=ctx.rank, world_size=ctx.world_size)  # fmt: skip
-        model.train()
-        bar = tqdm(
-            total=steps_per_epoch,
-            initial=batch_in_epoch,
-            desc=f"epoch {epoch + 1}/{config.epochs}",
-            disable=not (config.progress and ctx.is_main),
-            dynamic_ncols=True,
-            leave=False,
-            file=sys.stderr,
-        )
-        window_tokens, window_start = 0, time.perf_counter()
-        while batch_in_epoch < steps_per_epoch:
-            if config.task == "reverse":
-                pairs = task.sample(data_generator, config.batch_size)
-            else:
-                pairs = [corpus.train[i] for i in epoch_plan[batch_in_epoch]]
-            batch: Batch = make_batch(
-                pairs,
-                src_pad_to=pad_src if use_compile else None,
-                tgt_pad_to=pad_tgt if use_compile else None,
+    if ctx.enabled:
+        dist.barrier()
+
+
+def evaluate(job: Job, final: bool = False) -> dict[str, float]:
+    """reverse: held-out accuracies; translate: valid BLEU (``eval_size`` pairs, greedy), or with
+    ``final`` the test BLEU (beam ``eval_beam``)."""
+    config, task, device = job.config, job.task, job.ctx.device
+    if task.reverse is not None:
+        return reverse_accuracy(job.model, task.heldout, device)
+    if final:
+        return {"test_bleu": bleu_score(job.model, task.corpus.test, task.src_vocab,
+                                        task.tgt_vocab, device, beam=config.eval_beam)}  # fmt: skip
+    return {"valid_bleu": bleu_score(job.model, task.corpus.valid[: config.eval_size],
+                                     task.src_vocab, task.tgt_vocab, device)}  # fmt: skip
+
+
+def train_step(job: Job, batch: Batch) -> float:
+    """One optimiser step on ``batch``; -> its loss."""
+    config = job.config
+    logits, _ = job.run_model(batch.src, batch.src_lengths, batch.tgt_in)
+    loss = sequence_loss(logits, batch.tgt_out, config.label_smoothing)
+    job.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if config.clip_norm > 0:
+        nn.utils.clip_grad_norm_(job.model.parameters(), config.clip_norm)
+    job.optimizer.step()
+    if config.time_budget_min is not None:
+        job.clock.elapsed = _synced_elapsed(job.clock.started, job.ctx)
+    job.scheduler.step()
+    job.step += 1
+    job.batch_in_epoch += 1
+    loss_value = float(loss.detach())
+    job.losses.append(loss_value)
+    return loss_value
+
+
+def _should_stop(job: Job) -> bool:
+    """Stop (and checkpoint) now: ``stop_after_steps`` reached or the time budget spent."""
+    if job.config.stop_after_steps is not None and job.step >= job.config.stop_after_steps:
+        return True
+    if job.clock.expired:
+        _log(f"time budget of {job.config.time_budget_min} min reached at step {job.step}", job.ctx)
+        return True
+    return False
+
+
+def run_epoch(job: Job) -> bool:
+    """Train from the job's position to the end of its epoch; -> True when stopped early."""
+    from tqdm import tqdm
+
+    config, ctx, task = job.config, job.ctx, job.task
+    compiled = config.backend == "compile"
+    plan = task.epoch_plan(config, job.epoch, ctx)
+    job.model.train()
+    bar = tqdm(
+        total=task.steps_per_epoch,
+        initial=job.batch_in_epoch,
+        desc=f"epoch {job.epoch + 1}/{config.epochs}",
+        disable=not (config.progress and ctx.is_main),
+        dynamic_ncols=True,
+        leave=False,
+        file=sys.stderr,
+    )
+    window_tokens, window_start = 0, time.perf_counter()
+    try:
+        while job.batch_in_epoch < task.steps_per_epoch:
+            batch = make_batch(
+                task.pairs(config.batch_size, plan, job.batch_in_epoch),
+                src_pad_to=task.pad_src if compiled else None,
+                tgt_pad_to=task.pad_tgt if compiled else None,
             ).to(ctx.device)
-            logits, _ = run_model(batch.src, batch.src_lengths, batch.tgt_in)
-            loss = sequence_loss(logits, batch.tgt_out, config.label_smoothing)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if config.clip_norm > 0:
-                nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
-            optimizer.step()
-            if config.time_budget_min is not None:
-                clock["elapsed"] = _synced_elapsed(started, ctx)
-            scheduler.step()
-            step += 1
-            batch_in_epoch += 1
-            loss_value = float(loss.detach())
-            losses.append(loss_value)
+            loss_value = train_step(job, batch)
             window_tokens += batch.num_target_tokens * ctx.world_size
             bar.update(1)
-            if step % 10 == 0 or batch_in_epoch == steps_per_epoch:
+            if job.step % 10 == 0 or job.batch_in_epoch == task.steps_per_epoch:
                 now = time.perf_counter()
                 bar.set_postfix(
                     loss=f"{loss_value:.3f}",
                     tok_s=f"{window_tokens / max(now - window_start, 1e-9):,.0f}",
-                    lr=f"{scheduler.get_last_lr()[0]:.1e}",
+                    lr=f"{job.scheduler.get_last_lr()[0]:.1e}",
                 )
                 window_tokens, window_start = 0, now
-            if config.stop_after_steps is not None and step >= config.stop_after_steps:
-                stopped_early = True
-                break
-            if clock["elapsed"] >= budget_s:
-                stopped_early = True
-                _log(f"time budget of {config.time_budget_min} min reached at step {step}", ctx)
-                break
-            if config.save_every and step % config.save_every == 0:
-                checkpoint(epoch, batch_in_epoch)
+            if _should_stop(job):
+                return True
+            if config.save_every and job.step % config.save_every == 0:
+                save_job(job)
+        return False
+    finally:
         bar.close()
-        if batch_in_epoch >= steps_per_epoch:
-            epoch, batch_in_epoch = epoch + 1, 0
+
+
+def train(config: TrainConfig, *, resume: str | Path | None = None) -> TrainResult:
+    """Run one training job (see module docstring). ``resume`` continues a checkpoint exactly."""
+    threads = torch.get_num_threads()
+    try:
+        return _train(config, resume)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _resume_config(config: TrainConfig, resume: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
+    """-> (the checkpoint's config, with the output folder and run-length options of ``config``;
+    the checkpoint)."""
+    payload = load_checkpoint(resume)
+    saved = TrainConfig.from_dict(dict(payload.get("train_config", {})))
+    # Everything comes from the checkpoint, except where the files go and how long to run.
+    saved.out = config.out if config.out is not None else str(Path(resume).parent)
+    saved.stop_after_steps = config.stop_after_steps
+    saved.progress = config.progress
+    # The thread count changes the products' summation order: keep the saved one (exact resume)
+    # unless one is given.
+    if config.threads is not None:
+        saved.threads = config.threads
+    return saved, payload
+
+
+def build_job(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None, started: float):
+    """Seed, build the task, the model and its optimiser (in this order: the seeded RNG streams
+    depend on it), and restore ``payload`` when resuming."""
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    task = build_task(config, ctx, payload)
+    model, attention_backend = build_model(config, task, ctx)
+    clock = Clock(started, config.time_budget_min)
+    optimizer, scheduler = build_optimizer(
+        config, model, config.epochs * task.steps_per_epoch, clock
+    )
+    run_model: Any = model
+    job = Job(config, ctx, task, model, run_model, attention_backend, optimizer, scheduler, clock)
+    if payload is not None:
+        job.restore(payload)
+    if ctx.enabled:
+        job.run_model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None
+        )
+    if config.backend == "compile":
+        # one graph: RNN layers and the fused op inside
+        job.run_model = compile_model(job.run_model)
+    return job
+
+
+def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
+    started = time.perf_counter()
+    ctx = setup_distributed()
+    payload = None
+    if resume is not None:
+        config, payload = _resume_config(config, resume)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    job = build_job(config, ctx, payload, started)
+    if ctx.is_main:
+        params = sum(p.numel() for p in job.model.parameters())
+        _log(
+            f"task {config.task}: {config.decoder} decoder, {config.cell} {config.hidden_size}, "
+            f"{params / 1e6:.2f}M parameters, attention backend "
+            f"{'compile+' if config.backend == 'compile' else ''}{job.attention_backend}, "
+            f"{ctx.world_size} process(es), {job.total_steps} steps",
+            ctx,
+        )
+    stopped_early = False
+    while job.epoch < config.epochs and not stopped_early:
+        stopped_early = run_epoch(job)
+        if job.batch_in_epoch >= job.task.steps_per_epoch:
+            job.epoch, job.batch_in_epoch = job.epoch + 1, 0
             if ctx.is_main:
-                metrics = evaluate()
+                job.metrics = evaluate(job)
             _log(
-                f"epoch {epoch}/{config.epochs} step {step}: loss {losses[-1]:.4f}, "
-                f"{describe(metrics)} [{time.perf_counter() - started:.0f}s]",
+                f"epoch {job.epoch}/{config.epochs} step {job.step}: loss {job.losses[-1]:.4f}, "
+                f"{describe(job.metrics)} [{time.perf_counter() - started:.0f}s]",
                 ctx,
             )
-        checkpoint(epoch, batch_in_epoch)
+        save_job(job)
+    return finish(job, payload, stopped_early)
+
+
+def finish(job: Job, payload: dict[str, Any] | None, stopped_early: bool) -> TrainResult:
+    """Final evaluation (test BLEU for translate), the heatmap, the final metrics into the
+    checkpoint, the closing log lines."""
+    config, ctx = job.config, job.ctx
     heatmap_path = None
     if ctx.is_main:
         if config.task == "translate":
-            metrics.update(evaluate(final=True))
-        elif not metrics or stopped_early:
-            metrics = evaluate()
-        checkpoint_metrics = dict(metrics)
+            job.metrics.update(evaluate(job, final=True))
+        elif not job.metrics or stopped_early:
+            job.metrics = evaluate(job)
         if config.heatmap:
-            heatmap_path = out_dir / "attention.png"
-            if config.task == "reverse":
-                example = src_vocab.decode(heldout[0][0])
-            else:
-                example = corpus.test[0][0]
             from seq2seq_fast.seq2seq.plot import plot_translation
 
-            plot_translation(model, src_vocab, tgt_vocab, example, heatmap_path, device=ctx.device)
-        metrics = checkpoint_metrics
+            heatmap_path = config.out_dir / "attention.png"
+            plot_translation(job.model, job.task.src_vocab, job.task.tgt_vocab,
+                             job.task.example(), heatmap_path, device=ctx.device)  # fmt: skip
     if ctx.enabled:
         dist.barrier()
     # The final metrics (test BLEU) go into the checkpoint too.
-    if ctx.is_main and (metrics != (payload or {}).get("metrics")):
-        final = load_checkpoint(checkpoint_path)
-        final["metrics"] = metrics
-        save_checkpoint(final, checkpoint_path)
-    seconds = time.perf_counter() - started
+    if ctx.is_main and (job.metrics != (payload or {}).get("metrics")):
+        final = load_checkpoint(job.checkpoint_path)
+        final["metrics"] = job.metrics
+        save_checkpoint(final, job.checkpoint_path)
+    seconds = time.perf_counter() - job.clock.started
     if ctx.is_main:
-        _log(f"{describe(metrics)}", ctx)
-        _log(f"checkpoint: {checkpoint_path}", ctx)
+        _log(f"{describe(job.metrics)}", ctx)
+        _log(f"checkpoint: {job.checkpoint_path}", ctx)
         if heatmap_path is not None:
             _log(f"attention heatmap: {heatmap_path}", ctx)
-        _log(f"trained {step} steps in {seconds:.0f}s", ctx)
-    return TrainResult(checkpoint_path, heatmap_path, metrics, losses, step, epoch, seconds)
+        _log(f"trained {job.step} steps in {seconds:.0f}s", ctx)
+    return TrainResult(
+        job.checkpoint_path, heatmap_path, job.metrics, job.losses, job.step, job.epoch, seconds
+    )

@@ -1,0 +1,135 @@
+"""Checkpoint IO: atomic writes, checked reads, and loading a model for inference.
+
+A checkpoint is a ``torch.save`` zip holding plain containers and tensors (read back with
+``weights_only=True``): a format marker and version, the model config, the two vocabularies, the
+model's state_dict and, for training checkpoints, the optimiser/scheduler/RNG state and the data
+position (see :mod:`seq2seq_fast.seq2seq.train`).
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from seq2seq_fast.seq2seq.data import vocab_from_state
+from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig
+
+CHECKPOINT_FORMAT = "seq2seq-fast checkpoint"
+CHECKPOINT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, unreadable, truncated or not written by seq2seq-fast."""
+
+
+def save_checkpoint(payload: dict[str, Any], path: Path) -> None:
+    """Write atomically: a temporary file in the same folder, fsync, then os.replace.
+
+    The folder is fsynced after the rename (so the new name survives a power loss), and temporary
+    files that killed processes left next to ``path`` are removed.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as handle:
+            torch.save(payload, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_folder(path.parent)
+    _remove_stale_temporaries(path)
+
+
+def _fsync_folder(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # e.g. a platform without directory file descriptors
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Delete .NAME.tmp-PID files of processes that no longer exist (killed mid-write)."""
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        try:
+            pid = int(stale.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)  # raises ProcessLookupError when no such process is running
+        except ProcessLookupError:
+            stale.unlink(missing_ok=True)
+        except (ValueError, PermissionError, OSError):
+            continue  # not ours, or a live process of another user
+
+
+def _member_failing_crc(path: Path) -> str | None:
+    """The first archive member whose data does not match its CRC-32, else None.
+
+    torch.load does not check the CRCs, so a flipped bit inside a stored tensor would load
+    silently. Files that are not readable zip archives are left to torch.load's own error.
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip()
+    except Exception:  # not a zip / truncated: torch.load reports it
+        return None
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Read a checkpoint written by ``save_checkpoint``; raise CheckpointError saying what is wrong."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint path is a directory: {path}")
+    bad_member = _member_failing_crc(path)
+    if bad_member is not None:
+        raise CheckpointError(
+            f"cannot read checkpoint {path}: corrupt ({bad_member} fails its CRC-32 check)"
+        )
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated zip, random bytes, foreign pickles all end up here
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"cannot read checkpoint {path}: corrupt, truncated or not a seq2seq-fast checkpoint "
+            f"({type(exc).__name__}: {first_line[:200]})"
+        ) from None
+    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path} is not a seq2seq-fast checkpoint (no format marker)")
+    if payload.get("version") != CHECKPOINT_VERSION:
+        raise CheckpointError(
+            f"{path}: checkpoint version {payload.get('version')!r} is not supported "
+            f"(this seq2seq-fast reads version {CHECKPOINT_VERSION})"
+        )
+    for key in ("model_config", "model", "src_vocab", "tgt_vocab"):
+        if key not in payload:
+            raise CheckpointError(f"{path}: checkpoint lacks {key!r}")
+    return payload
+
+
+def load_model(path: str | Path, *, backend: str = "auto", device: str = "cpu"):
+    """-> (model in eval mode, src_vocab, tgt_vocab, checkpoint payload)."""
+    payload = load_checkpoint(path)
+    try:
+        config = Seq2SeqConfig.from_dict(dict(payload["model_config"]))
+        config.backend = backend
+        model = Seq2Seq(config)
+        model.load_state_dict(payload["model"])
+        src_vocab = vocab_from_state(payload["src_vocab"])
+        tgt_vocab = vocab_from_state(payload["tgt_vocab"])
+    except (ValueError, TypeError, KeyError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"{path}: checkpoint does not describe a usable model ({exc})"
+        ) from None
+    return model.to(device).eval(), src_vocab, tgt_vocab, payload
