@@ -1,0 +1,320 @@
+"""fuse_attention on the attentions of speech and NLP toolkits: each converted module against its
+plain-PyTorch re-creation (tests/layouts_speech.py) over several decoding steps with state,
+padding and masks, in float64 and float32: outputs, every parameter's and input's gradient,
+state_dict, optimiser, reset between utterances; look-alikes refused, inexact variants skipped."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from seq2seq_fast.nn.convert import FusedStandIn, fuse_attention, fuse_attention_report
+from seq2seq_fast.ops.additive_attention import fused_available
+from tests import layouts_speech as L
+
+requires_cpu_kernel = pytest.mark.skipif(
+    not fused_available("cpu", torch.float32), reason="the C++ extension is not built"
+)
+
+# --- drivers: a decoder's use of each module, two utterances with a reset between ------------------
+
+
+def _lengths(batch: int, frames: int) -> list[int]:
+    """Padding in every row but the first; every row keeps at least one frame."""
+    return [frames] + [max(1, frames - 2 - 2 * i) for i in range(batch - 1)]
+
+
+def _rand(gen: torch.Generator, dtype: torch.dtype, *shape: int) -> Tensor:
+    return torch.randn(shape, generator=gen, dtype=dtype)
+
+
+def drive_espnet(module, dtype, gen, inputs):
+    outs = []
+    for batch, frames in ((3, 7), (2, 5)):
+        module.reset()
+        enc = _rand(gen, dtype, batch, frames, module.eprojs).requires_grad_()
+        inputs.append(enc)
+        lengths, w = _lengths(batch, frames), None
+        for _ in range(3):
+            c, w = module(enc, lengths, _rand(gen, dtype, batch, module.dunits), w, scaling=1.7)
+            outs += [c, w]
+    return outs
+
+
+def drive_speechbrain(module, dtype, gen, inputs):
+    outs = []
+    for batch, frames in ((3, 7), (2, 5)):
+        module.reset()
+        enc = _rand(gen, dtype, batch, frames, module.mlp_enc.in_features).requires_grad_()
+        inputs.append(enc)
+        enc_len = torch.tensor(_lengths(batch, frames), dtype=dtype)
+        for _ in range(3):
+            out, w = module(enc, enc_len, _rand(gen, dtype, batch, module.mlp_dec.in_features))
+            outs += [out, w]
+    if hasattr(module, "prev_attn"):
+        outs.append(module.prev_attn)
+    return outs
+
+
+def drive_fairseq_location(module, dtype, gen, inputs):
+    outs = []
+    for batch, frames in ((3, 7), (2, 5)):
+        module.clear_cache()
+        enc = _rand(gen, dtype, batch, frames, module.proj_enc.in_features).requires_grad_()
+        inputs.append(enc)
+        padding = L.espnet_pad_mask(_lengths(batch, frames))
+        prev = cum = torch.zeros(batch, frames, dtype=dtype)
+        for step in range(3):
+            state = torch.stack((prev, cum), dim=1)
+            dec = None if step == 0 else _rand(gen, dtype, batch, module.decoder_dim)
+            c, prev = module(enc, padding, dec, state)
+            cum = cum + prev
+            outs += [c, prev]
+    return outs
+
+
+def drive_tacotron2(module, dtype, gen, inputs):
+    outs = []
+    for batch, frames in ((3, 7), (2, 5)):
+        memory_layer = module.memory_layer
+        width_in = getattr(memory_layer, "linear_layer", memory_layer).in_features
+        memory = _rand(gen, dtype, batch, frames, width_in).requires_grad_()
+        inputs.append(memory)
+        processed = memory_layer(memory)
+        mask = L.espnet_pad_mask(_lengths(batch, frames))
+        prev = cum = torch.zeros(batch, frames, dtype=dtype)
+        query = getattr(module.query_layer, "linear_layer", module.query_layer)
+        for _ in range(3):
+            cat = torch.cat((prev.unsqueeze(1), cum.unsqueeze(1)), dim=1)
+            hidden = _rand(gen, dtype, batch, query.in_features)
+            c, prev = module(hidden, memory, processed, cat, mask)
+            cum = cum + prev
+            outs += [c, prev]
+    return outs
+
+
+def drive_coqui(module, dtype, gen, inputs):
+    outs = []
+    for batch, frames in ((3, 7), (2, 5)):
+        inputs_width = module.inputs_layer.linear_layer.in_features
+        enc = _rand(gen, dtype, batch, frames, inputs_width).requires_grad_()
+        inputs.append(enc)
+        module.init_states(enc)
+        module.attention_weights = module.attention_weights.to(dtype)
+        if module.location_attention:
+            module.attention_weights_cum = module.attention_weights_cum.to(dtype)
+        processed = module.preprocess_inputs(enc)
+        mask = ~L.espnet_pad_mask(_lengths(batch, frames))
+        query_width = module.query_layer.linear_layer.in_features
+        for _ in range(3):
+            outs.append(module(_rand(gen, dtype, batch, query_width), enc, processed, mask))
+            outs.append(module.attention_weights)
+        if module.location_attention:
+            outs.append(module.attention_weights_cum)
+    return outs
+
+
+@dataclass(frozen=True)
+class Case:
+    make: Callable[[], nn.Module]
+    drive: Callable
+    layout: str
+
+
+CASES = {
+    "espnet_att_add": Case(lambda: L.AttAdd(10, 6, 8), drive_espnet, "espnet_att_add"),
+    "espnet_att_loc": Case(lambda: L.AttLoc(10, 6, 8, 4, 2), drive_espnet, "espnet_att_loc"),
+    "speechbrain_content": Case(
+        lambda: L.ContentBasedAttention(10, 6, 8, 5, scaling=1.3),
+        drive_speechbrain,
+        "speechbrain_content",
+    ),
+    "speechbrain_location": Case(
+        lambda: L.LocationAwareAttention(10, 6, 8, 5, 3, 2),
+        drive_speechbrain,
+        "speechbrain_location",
+    ),
+    "fairseq_location": Case(
+        lambda: L.LocationAttention(8, 10, 6, 2, 4, 3), drive_fairseq_location, "fairseq_location"
+    ),
+    "tacotron2_nvidia": Case(
+        lambda: L.NvidiaTacotron2Attention(6, 10, 8, 4, 5), drive_tacotron2, "tacotron2"
+    ),
+    "tacotron2_torchaudio": Case(
+        lambda: L.TorchaudioTacotron2Attention(6, 10, 8, 4, 5), drive_tacotron2, "tacotron2"
+    ),
+    "coqui_location": Case(
+        lambda: L.CoquiOriginalAttention(
+            6, 10, 8, True, 4, 5, False, "softmax", False, False, False
+        ),
+        drive_coqui,
+        "coqui_original",
+    ),
+    "coqui_content": Case(
+        lambda: L.CoquiOriginalAttention(
+            6, 10, 8, False, 4, 5, False, "softmax", False, True, False
+        ),
+        drive_coqui,
+        "coqui_original",
+    ),
+}
+
+
+def _run(case: Case, model: nn.Module, dtype: torch.dtype, seed: int):
+    """Outputs, and gradients (parameters by name, then inputs) of a random projection of them."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs: list[Tensor] = []
+    outs = case.drive(model["attn"], dtype, gen, inputs)
+    loss = sum((o * _rand(gen, dtype, *o.shape)).sum() for o in outs if o.requires_grad)
+    named = list(model.named_parameters()) + [(f"input {i}", t) for i, t in enumerate(inputs)]
+    grads = torch.autograd.grad(loss, [t for _, t in named], allow_unused=True)
+    grads = {
+        n: torch.zeros_like(t) if g is None else g for (n, t), g in zip(named, grads, strict=True)
+    }
+    return [o.detach() for o in outs], grads
+
+
+def _pair(case: Case, dtype: torch.dtype, seed: int = 0):
+    torch.manual_seed(seed)
+    plain = nn.ModuleDict({"attn": case.make()}).to(dtype)
+    fused = copy.deepcopy(plain)
+    report = fuse_attention_report(fused)
+    assert [r.layout for r in report.replaced] == [case.layout], str(report)
+    assert isinstance(fused["attn"], FusedStandIn)
+    return plain, fused
+
+
+@requires_cpu_kernel
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", list(CASES))
+def test_converted_matches_recreation(name, dtype):
+    case = CASES[name]
+    plain, fused = _pair(case, dtype)
+    tol = dict(atol=1e-10, rtol=1e-9) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-4)
+    outs_a, grads_a = _run(case, plain, dtype, seed=1)
+    outs_b, grads_b = _run(case, fused, dtype, seed=1)
+    assert len(outs_a) == len(outs_b)
+    for i, (a, b) in enumerate(zip(outs_a, outs_b, strict=True)):
+        torch.testing.assert_close(b, a, **tol, msg=lambda m, i=i: f"output {i}: {m}")
+    assert grads_a.keys() == grads_b.keys()
+    for key, grad in grads_a.items():
+        unused = "bias" in key or ".ta." in key  # biases that cancel; Coqui's unused ta
+        assert grad.abs().sum() > 0 or unused, key  # every gradient is exercised
+        torch.testing.assert_close(grads_b[key], grad, **tol, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@requires_cpu_kernel
+@pytest.mark.parametrize("name", list(CASES))
+def test_parameters_state_dict_and_optimiser_kept(name):
+    case = CASES[name]
+    torch.manual_seed(0)
+    plain = nn.ModuleDict({"attn": case.make()}).double()
+    fused = copy.deepcopy(plain)
+    # SGD, not Adam: Adam would scale the rounding noise in the gradient of a bias that cancels in
+    # the softmax (the original computes one, the stand-in leaves it None) up to full steps.
+    optimiser = torch.optim.SGD(fused.parameters(), lr=0.1, momentum=0.9)  # before the conversion
+    reference_optimiser = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    params_before = [id(p) for p in fused.parameters()]
+    assert fuse_attention(fused) == 1
+    assert [id(p) for p in fused.parameters()] == params_before
+    assert list(fused.state_dict()) == list(plain.state_dict())
+    for _ in range(2):  # the optimiser's steps reach the stand-in's parameters
+        for model, opt in ((plain, reference_optimiser), (fused, optimiser)):
+            opt.zero_grad()
+            outs = case.drive(model["attn"], torch.float64, torch.Generator().manual_seed(2), [])
+            sum(o.square().sum() for o in outs if o.requires_grad).backward()
+            opt.step()
+    for (key, a), b in zip(plain.state_dict().items(), fused.state_dict().values(), strict=True):
+        torch.testing.assert_close(b, a, atol=1e-9, rtol=1e-9, msg=key)
+    plain.load_state_dict(fused.state_dict())  # and back
+
+
+# --- what is left alone ------------------------------------------------------------------------------
+
+
+class SharperAttLoc(L.AttLoc):
+    """A look-alike: ESPnet's parts and state, another temperature inside."""
+
+    def forward(self, enc_hs_pad, enc_hs_len, dec_z, att_prev, scaling=2.0):
+        return super().forward(enc_hs_pad, enc_hs_len, dec_z, att_prev, scaling=2 * scaling)
+
+
+class ReluTacotron2Attention(L.TorchaudioTacotron2Attention):
+    """A look-alike: Tacotron 2's parts, relu for tanh."""
+
+    def forward(
+        self, attention_hidden_state, memory, processed_memory, attention_weights_cat, mask
+    ):
+        query = self.query_layer(attention_hidden_state.unsqueeze(1))
+        keys = processed_memory + self.location_layer(attention_weights_cat)
+        energies = self.v(torch.relu(query + keys)).squeeze(-1).masked_fill(mask, -float("inf"))
+        weights = torch.softmax(energies, dim=1)
+        return torch.bmm(weights.unsqueeze(1), memory).squeeze(1), weights
+
+
+class NoMaskContentAttention(L.ContentBasedAttention):
+    """A look-alike: SpeechBrain's parts, the padding not masked."""
+
+    def forward(self, enc_states, enc_len, dec_states):
+        self.mask = torch.ones(enc_states.shape[:2], dtype=enc_len.dtype)
+        return super().forward(enc_states, torch.full_like(enc_len, enc_states.size(1)), dec_states)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: SharperAttLoc(10, 6, 8, 4, 2),
+        lambda: ReluTacotron2Attention(6, 10, 8, 4, 5),
+        lambda: NoMaskContentAttention(10, 6, 8, 5),
+    ],
+    ids=["espnet_temperature", "tacotron2_relu", "speechbrain_unmasked"],
+)
+def test_lookalikes_are_refused(make):
+    model = nn.ModuleDict({"attn": make()})
+    before = type(model["attn"])
+    report = fuse_attention_report(model)
+    assert report.count == 0 and type(model["attn"]) is before
+    assert len(report.skipped) == 1 and "differs" in report.skipped[0].reason, str(report)
+
+
+@pytest.mark.parametrize(
+    ("flags", "reason"),
+    [
+        (dict(norm="sigmoid"), "sigmoid"),
+        (dict(forward_attn=True), "forward attention"),
+        (dict(windowing=True), "windowing"),
+    ],
+)
+def test_coqui_inexact_variants_are_skipped_with_the_reason(flags, reason):
+    settings = dict(windowing=False, norm="softmax", forward_attn=False, trans_agent=False)
+    settings.update(flags)
+    attn = L.CoquiOriginalAttention(6, 10, 8, True, 4, 5, forward_attn_mask=False, **settings)
+    model = nn.ModuleDict({"attn": attn})
+    report = fuse_attention_report(model)
+    assert report.count == 0 and model["attn"] is attn
+    assert report.skipped[0].layouts == ("coqui_original",) and reason in report.skipped[0].reason
+
+
+@requires_cpu_kernel
+def test_espnet_monotonic_constraint_masks_like_the_original():
+    torch.manual_seed(3)
+    plain = nn.ModuleDict({"attn": L.AttLoc(10, 6, 8, 4, 2)}).double()
+    fused = copy.deepcopy(plain)
+    assert fuse_attention(fused) == 1
+    enc = torch.randn(1, 9, 10, dtype=torch.float64)
+    dec = torch.randn(1, 6, dtype=torch.float64)
+    for last in (0, 2, 4, 8):
+        results = []
+        for model in (plain, fused):
+            model["attn"].reset()
+            results.append(model["attn"](enc, [9], dec, None, last_attended_idx=last))
+        torch.testing.assert_close(results[1], results[0], atol=1e-12, rtol=1e-10)
+        assert (results[1][1] == 0).any()  # the window excluded frames
+    fused["attn"].reset()
+    with pytest.raises(NotImplementedError, match="Batch"):
+        fused["attn"](torch.randn(2, 9, 10).double(), [9, 9], None, None, last_attended_idx=3)
