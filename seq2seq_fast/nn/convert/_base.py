@@ -166,7 +166,15 @@ CHECK_RTOL, CHECK_ATOL = 1e-7, 1e-9
 
 
 def _float64_cpu_copy(module: nn.Module) -> nn.Module:
-    return copy.deepcopy(module).to(device="cpu", dtype=torch.float64)
+    # A module that ran with gradients may hold graph tensors as state (d2l's attention_weights,
+    # ESPnet's cached projection), which deepcopy refuses: the copy gets them detached.
+    memo = {
+        id(value): value.detach().clone()
+        for sub in module.modules()
+        for value in vars(sub).values()
+        if isinstance(value, Tensor) and not value.is_leaf
+    }
+    return copy.deepcopy(module, memo).to(device="cpu", dtype=torch.float64)
 
 
 def _run(module: nn.Module, layout: Layout, args: tuple, kwargs: dict, seed: int):
