@@ -1,7 +1,8 @@
 """pytest-benchmark files of seq2seq_fast: ``pytest bench/ --benchmark-only``.
 
-Files here are named ``bench_<thing>.py`` (the stem of the layer they measure) and collected by
-the hook below. Knobs, shared with ``python -m bench.harness``:
+Files here are named ``bench_<thing>.py`` and collected by the hook below. Their shapes come from
+``bench/shapes.py`` and their inputs from ``bench/harness.py``, as the report's do. Knobs, shared
+with ``python -m bench.harness``:
 
     SEQ2SEQ_FAST_BENCH_SIZE=tiny|quick|full   shape set (default full; tiny is what CI runs)
     SEQ2SEQ_FAST_BENCH_DEVICE=cpu|cuda        default: cuda when available
@@ -16,11 +17,11 @@ import os
 import pytest
 import torch
 
-from bench import harness as sb
+from bench import shapes
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    threads = os.environ.get(sb.THREADS_ENV)
+    threads = os.environ.get(shapes.THREADS_ENV)
     if threads:
         torch.set_num_threads(int(threads))
 
@@ -38,7 +39,7 @@ def pytest_collect_file(file_path, parent):
 
 @pytest.fixture(scope="session")
 def bench_device() -> str:
-    return sb.default_device()
+    return shapes.default_device()
 
 
 @pytest.fixture(scope="session")

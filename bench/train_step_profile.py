@@ -1,9 +1,10 @@
 """What one Seq2Seq training step is made of: each part timed forward+backward on its own.
 
-    python bench/train_step_profile.py                      # both decoders, both sizes, 1 thread
-    python bench/train_step_profile.py --sizes small --decoders bahdanau --threads 2
+    python -m bench.train_step_profile                      # both decoders, both sizes, 1 thread
+    python -m bench.train_step_profile --sizes small --decoders bahdanau --threads 2
 
-Same model, sizes and batches as bench/train_throughput.py (fused attention, AdamW(fused=True)).
+Same model, sizes (``bench.shapes.TRAIN_SIZES``) and batches as bench/train_throughput.py (fused
+attention, AdamW(fused=True)).
 Parts, each a forward and a backward on detached inputs (so nothing is counted twice):
 
     encoder        embedding + bidirectional GRU over the source
@@ -13,7 +14,7 @@ Parts, each a forward and a backward on detached inputs (so nothing is counted t
     output+loss    the output layer over all target steps, log-softmax, cross-entropy
     optimizer      AdamW step
 
-Parts are timed round-robin, medians of ``--rounds``; "sum of parts" next to the whole step shows
+Parts are timed round-robin by ``bench.timing.time_interleaved``, medians of ``--rounds``; "sum of parts" next to the whole step shows
 what the split leaves out (autograd bookkeeping across parts, allocator). The GFLOP column counts
 the matrix products (forward + backward = 3x forward) of each part, so a part's GFLOP/s says how
 close it runs to the machine's matrix-product rate.
@@ -24,20 +25,17 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_throughput import SIZES, Size, ZeroCostAttention  # noqa: E402
+from bench.shapes import TRAIN_SIZES, TrainSize
+from bench.timing import time_interleaved
+from bench.train_throughput import ZeroCostAttention
+from seq2seq_fast.seq2seq.models import Memory, Seq2Seq, Seq2SeqConfig, sequence_loss
 
-from seq2seq_fast.seq2seq.models import Memory, Seq2Seq, Seq2SeqConfig, sequence_loss  # noqa: E402
 
-
-def matmul_gflop(decoder: str, size: Size, vocab: int, cell: str = "gru") -> dict[str, float]:
+def matmul_gflop(decoder: str, size: TrainSize, vocab: int, cell: str = "gru") -> dict[str, float]:
     """Matrix-product GFLOP of one step (forward + backward) per part, bidirectional 1-layer GRU
     or LSTM encoder, embed = attention = hidden, 1-layer decoder."""
     h = size.hidden
@@ -59,7 +57,7 @@ def _median_ms(samples: list[float]) -> float:
 
 
 def profile(
-    decoder: str, size: Size, vocab: int, rounds: int, cell: str = "gru"
+    decoder: str, size: TrainSize, vocab: int, rounds: int, cell: str = "gru"
 ) -> dict[str, float]:
     torch.manual_seed(0)
     config = Seq2SeqConfig(src_vocab_size=vocab, tgt_vocab_size=vocab, embed_size=size.hidden,
@@ -127,15 +125,8 @@ def profile(
         "output+loss": output_loss,
         "optimizer": optimizer.step,
     }
-    for run in parts.values():
-        run()
-    samples: dict[str, list[float]] = {name: [] for name in parts}
-    for _ in range(rounds):
-        for name, run in parts.items():
-            start = time.perf_counter()
-            run()
-            samples[name].append(time.perf_counter() - start)
-    return {name: _median_ms(values) for name, values in samples.items()}
+    samples = time_interleaved(parts, "cpu", rounds, warmup=1)
+    return {name: _median_ms(s.wall_s) for name, s in samples.items()}
 
 
 def main(argv=None) -> int:
@@ -154,7 +145,7 @@ def main(argv=None) -> int:
     print("| hidden, length, batch | decoder | part | ms | share of step | GFLOP | GFLOP/s |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
     for size_name in args.sizes.split(","):
-        size = SIZES[size_name]
+        size = TRAIN_SIZES[size_name]
         for decoder in args.decoders.split(","):
             times = profile(decoder, size, args.vocab, args.rounds, args.cell)
             flops = matmul_gflop(decoder, size, args.vocab, args.cell)

@@ -1,7 +1,7 @@
 """Training tokens/s of the Seq2Seq model per attention backend, side by side in one run.
 
-    python bench/train_throughput.py                       # both decoders, both sizes, all providers
-    python bench/train_throughput.py --sizes small --steps 5 --providers fused,reference,zero
+    python -m bench.train_throughput                   # both decoders, small and large, all providers
+    python -m bench.train_throughput --sizes small --steps 5 --providers fused,reference,zero
 
 Providers:
     reference   the plain PyTorch attention (builds the [B, Tq, Tk, H] tensor)
@@ -10,42 +10,29 @@ Providers:
     zero        the same model with an attention that costs nothing (context = mean of the
                 encoder states, no scores): the upper bound any attention kernel can reach
 
-One training step = forward, loss, backward, AdamW step on a full batch (every row at full length,
-tokens = batch * target length). Prints a markdown table: median tokens/s over ``--steps`` timed
-steps after ``--warmup`` untimed ones (providers timed round-robin, so changing machine load hits
-them alike), tokens per CPU-second of this process (robust to other jobs when --threads 1), the
-step time, the share of the zero-cost bound, and gnmt over bahdanau tokens/s per backend. The first
-call (compile time for ``compile``) is reported separately.
+Sizes are ``bench.shapes.TRAIN_SIZES`` (tiny, small, large). One training step = forward, loss,
+backward, AdamW step on a full batch (every row at full length, tokens = batch * target length).
+Timed with ``bench.timing.time_interleaved`` (one step per sample, providers round-robin, so a
+changing machine load hits them alike). Prints a markdown table: median tokens/s, tokens per
+CPU-second of this process (robust to other jobs when --threads 1), the step time, the share of the
+zero-cost bound, and gnmt over bahdanau tokens/s per backend. The first call (compile time for
+``compile``) is reported separately.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from bench.shapes import TRAIN_SIZES, TrainSize
+from bench.timing import time_interleaved
 from seq2seq_fast.ops.additive_attention import fused_unavailable_reason
 from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig, compile_model, sequence_loss
 
 PROVIDERS = ("reference", "fused", "compile", "zero")
-
-
-@dataclass(frozen=True)
-class Size:
-    name: str
-    hidden: int
-    length: int
-    batch: int
-
-
-SIZES = {
-    "small": Size("small", hidden=256, length=30, batch=64),
-    "large": Size("large", hidden=512, length=50, batch=64),
-}
 
 
 class _NoQueryProjection(nn.Module):
@@ -99,8 +86,18 @@ class ZeroCostAttention(nn.Module):
         return context, weights
 
 
-def make_step(provider: str, decoder: str, size: Size, vocab: int, device: str, cell: str = "gru"):
+def make_step(
+    provider: str,
+    decoder: str,
+    size: TrainSize,
+    device: str,
+    cell: str = "gru",
+    vocab: int | None = None,
+):
+    """A zero-argument training step (returns the loss) of a fresh model; ``vocab`` overrides
+    ``size.vocab`` for source and target."""
     torch.manual_seed(0)
+    vocab = size.vocab if vocab is None else vocab
     config = Seq2SeqConfig(
         src_vocab_size=vocab,
         tgt_vocab_size=vocab,
@@ -133,89 +130,47 @@ def make_step(provider: str, decoder: str, size: Size, vocab: int, device: str, 
     return step
 
 
-def measure_interleaved(steps: dict, count: int, warmup: int, device: str):
-    """Time the providers' steps round-robin (one step each per round), so a machine whose load
-    changes during the run slows them alike. -> {provider: (first-call s, median wall s,
-    median CPU s of this process)}."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    first = {}
-    for name, step in steps.items():
-        start = time.perf_counter()
-        step()
-        sync()
-        first[name] = time.perf_counter() - start
-        for _ in range(max(0, warmup - 1)):
-            step()
-    wall: dict[str, list[float]] = {name: [] for name in steps}
-    cpu: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(count):
-        for name, step in steps.items():
-            sync()
-            start, start_cpu = time.perf_counter(), time.process_time()
-            step()
-            sync()
-            wall[name].append(time.perf_counter() - start)
-            cpu[name].append(time.process_time() - start_cpu)
-    return {
-        name: (first[name], statistics.median(wall[name]), statistics.median(cpu[name]))
-        for name in steps
-    }
+Row = tuple[TrainSize, str, str, float, float, float, float]
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="small,large", help="small (256, 30), large (512, 50)")
-    parser.add_argument("--decoders", default="gnmt,bahdanau")
-    parser.add_argument("--providers", default=",".join(PROVIDERS))
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per case")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps (the first compiles)")
-    parser.add_argument("--vocab", type=int, default=1000, help="source and target vocabulary")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--cell", default="gru", choices=("gru", "lstm"), help="RNN cell type")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def measure(args: argparse.Namespace) -> list[Row]:
+    """(size, decoder, provider, tokens/s wall, tokens/CPU-s, step s, first call s) per case."""
     providers = [p for p in args.providers.split(",") if p]
-    fused_reason = fused_unavailable_reason(args.device, torch.float32)
-    if fused_reason is not None:
-        print(f"note: no fused kernel ({fused_reason}); fused/compile/zero use the reference")
-    print(
-        f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"vocab {args.vocab}, embed = hidden, {args.cell.upper()}, bidirectional 1-layer encoder, 1-layer decoder, "
-        f"median of {args.steps} steps after {args.warmup} warm-up"
-    )
     rows = []
-    results: dict[tuple[str, str, str], float] = {}
     for size_name in args.sizes.split(","):
-        size = SIZES[size_name]
+        size = TRAIN_SIZES[size_name]
         tokens = size.batch * size.length
         for decoder in args.decoders.split(","):
             steps = {
-                p: make_step(p, decoder, size, args.vocab, args.device, args.cell)
+                p: make_step(p, decoder, size, args.device, args.cell, args.vocab)
                 for p in providers
             }
-            timings = measure_interleaved(steps, args.steps, args.warmup, args.device)
+            samples = time_interleaved(steps, args.device, args.steps, warmup=args.warmup)
             for provider in providers:
-                first, wall, cpu = timings[provider]
-                results[(size_name, decoder, provider)] = tokens / wall
-                rows.append((size, decoder, provider, tokens / wall, tokens / cpu, wall, first))
+                s = samples[provider]
+                wall, cpu = statistics.median(s.wall_s), statistics.median(s.cpu_s)
+                rows.append((size, decoder, provider, tokens / wall, tokens / cpu, wall, s.first_s))
                 print(
                     f"  {size_name} {decoder:8s} {provider:9s} {tokens / wall:9.0f} tok/s "
                     f"({wall * 1e3:.0f} ms/step wall, {cpu * 1e3:.0f} ms CPU; first call "
-                    f"{first:.1f} s)",
+                    f"{s.first_s:.1f} s)",
                     flush=True,
                 )
             del steps
+    return rows
+
+
+def print_tables(rows: list[Row]) -> None:
     print()
     print(
         "| hidden, length, batch | decoder | backend | tokens/s (wall) | tokens/CPU-s | ms/step "
         "| of zero-cost bound (wall / CPU) |"
     )
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    rates = {(r[0].name, r[1], r[2]): r[3] for r in rows}
     cpu_rates = {(r[0].name, r[1], r[2]): r[4] for r in rows}
     for size, decoder, provider, rate, cpu_rate, wall, first in rows:
-        bound = results.get((size.name, decoder, "zero"))
+        bound = rates.get((size.name, decoder, "zero"))
         cpu_bound = cpu_rates.get((size.name, decoder, "zero"))
         share = f"{rate / bound:.0%} / {cpu_rate / cpu_bound:.0%}" if bound else "-"
         note = f" (compile {first:.0f} s)" if provider == "compile" else ""
@@ -224,17 +179,43 @@ def main(argv=None) -> int:
             f"{rate:,.0f} | {cpu_rate:,.0f} | {wall * 1e3:.0f} | {share} |"
         )
     print()
-    for size_name in args.sizes.split(","):
-        for provider in providers:
-            g = results.get((size_name, "gnmt", provider))
-            b = results.get((size_name, "bahdanau", provider))
-            gc = cpu_rates.get((size_name, "gnmt", provider))
-            bc = cpu_rates.get((size_name, "bahdanau", provider))
-            if g and b:
-                print(
-                    f"{size_name} {provider}: gnmt / bahdanau tokens/s = {g / b:.2f}x wall, "
-                    f"{gc / bc:.2f}x CPU"
-                )
+    for size_name, _, provider in dict.fromkeys((k[0], "", k[2]) for k in rates):
+        g, b = (
+            rates.get((size_name, "gnmt", provider)),
+            rates.get((size_name, "bahdanau", provider)),
+        )
+        gc, bc = (cpu_rates.get((size_name, d, provider)) for d in ("gnmt", "bahdanau"))
+        if g and b:
+            print(
+                f"{size_name} {provider}: gnmt / bahdanau tokens/s = {g / b:.2f}x wall, "
+                f"{gc / bc:.2f}x CPU"
+            )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="small,large", help=f"of {sorted(TRAIN_SIZES)}")
+    parser.add_argument("--decoders", default="gnmt,bahdanau")
+    parser.add_argument("--providers", default=",".join(PROVIDERS))
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per case")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps (the first compiles)")
+    parser.add_argument("--vocab", type=int, default=None, help="default: the size's (1000)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--cell", default="gru", choices=("gru", "lstm"), help="RNN cell type")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    fused_reason = fused_unavailable_reason(args.device, torch.float32)
+    if fused_reason is not None:
+        print(f"note: no fused kernel ({fused_reason}); fused/compile/zero use the reference")
+    print(
+        f"device {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"vocab {args.vocab or 'per size'}, embed = hidden, {args.cell.upper()}, bidirectional "
+        f"1-layer encoder, 1-layer decoder, median of {args.steps} steps after {args.warmup} "
+        "warm-up"
+    )
+    print_tables(measure(args))
     return 0
 
 
