@@ -333,7 +333,7 @@ def test_nonfinite_values_at_masked_positions(backend, dtype, bad, masking):
 
 @pytest.mark.parametrize("backend,dtype", ALL)
 def test_nonfinite_padding_never_reaches_an_empty_row(backend, dtype):
-    """The op contract: a row with no valid position gives zero context, weights and gradients, never
+    """Op contract: a row with no valid position gives zero context, weights and gradients, never
     NaN, whatever its padding holds; with ``lengths`` the padding of the other rows is not read
     either (forward or backward), so their results stay finite."""
     device = device_for(backend)
