@@ -133,3 +133,48 @@ def load_model(path: str | Path, *, backend: str = "auto", device: str = "cpu"):
             f"{path}: checkpoint does not describe a usable model ({exc})"
         ) from None
     return model.to(device).eval(), src_vocab, tgt_vocab, payload
+
+
+INFERENCE_KIND = "inference"
+EXPORT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def is_inference_only(payload: dict[str, Any]) -> bool:
+    """True for a file written by :func:`export_inference` (no optimiser state: not resumable)."""
+    return payload.get("kind") == INFERENCE_KIND
+
+
+def export_inference(
+    checkpoint: str | Path, output: str | Path, *, dtype: str = "float32"
+) -> tuple[int, int]:
+    """Write the weights and vocabularies of ``checkpoint`` (a training checkpoint or an export)
+    to ``output``, floating-point tensors stored as ``dtype`` ("float32", "float16", "bfloat16";
+    loading casts them back to float32). -> (size of output, size of checkpoint) in bytes."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype!r}")
+    payload = load_checkpoint(checkpoint)
+    load_model(checkpoint)  # raises CheckpointError unless the weights make a model
+    target = EXPORT_DTYPES[dtype]
+    weights = {
+        name: (t.to(target) if t.is_floating_point() else t).clone()
+        for name, t in payload["model"].items()
+    }
+    train_config = dict(payload.get("train_config") or {})
+    exported = {
+        "format": CHECKPOINT_FORMAT,
+        "version": CHECKPOINT_VERSION,
+        "kind": INFERENCE_KIND,
+        "dtype": dtype,
+        "model_config": payload["model_config"],
+        "src_vocab": payload["src_vocab"],
+        "tgt_vocab": payload["tgt_vocab"],
+        "model": weights,
+        "task": payload.get("task", {}),
+        "metrics": payload.get("metrics", {}),
+        "normalization": payload.get("normalization", train_config.get("normalization", "NFKC")),
+    }
+    output = Path(output)
+    if output.resolve() == Path(checkpoint).resolve():
+        raise ValueError(f"-o {output}: would overwrite the checkpoint it is exported from")
+    save_checkpoint(exported, output)
+    return output.stat().st_size, Path(checkpoint).stat().st_size

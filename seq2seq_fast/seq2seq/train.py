@@ -40,6 +40,7 @@ from seq2seq_fast.seq2seq.checkpoint import (  # noqa: F401 (re-exported: the na
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
     CheckpointError,
+    is_inference_only,
     load_checkpoint,
     load_model,
     save_checkpoint,
@@ -591,6 +592,11 @@ def _resume_config(config: TrainConfig, resume: str | Path) -> tuple[TrainConfig
     """-> (the checkpoint's config, with the output folder and run-length options of ``config``;
     the checkpoint)."""
     payload = load_checkpoint(resume)
+    if is_inference_only(payload):
+        raise TrainError(
+            f"{resume} is an exported inference model (weights and vocabularies, no optimiser "
+            "state): it cannot be resumed; resume from the training checkpoint instead"
+        )
     saved = TrainConfig.from_dict(dict(payload.get("train_config", {})))
     # Everything comes from the checkpoint, except where the files go and how long to run.
     saved.out = config.out if config.out is not None else str(Path(resume).parent)
