@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU check of the Triton kernels (tests, accuracy probes, benchmark table).
+# One prepared GPU check of the Triton kernels (probes, gated benchmark rows, sweep, tests, targets).
 #
 #   bench/gpu_check.sh              on a machine with a CUDA GPU (e.g. a lent H200), one call
 #   bench/gpu_check.sh --dry-run    same stages on tiny shapes, CPU, Triton interpreter
@@ -8,7 +8,8 @@
 # imported from a temporary copy of the sources in which seq2seq_fast/_triton links to
 # triton_kernels/, the view that `pip install -e .` gives (setup.py package_dir); the C++ extension
 # is not needed. Output is teed into $OUT/gpu_check.log (with gpu_check.json and the summary) when
-# OUT is set. Extra arguments go to bench/gpu_check.py (--budget-s, --skip-tests, --no-sweep).
+# OUT is set, rewritten after every row. Extra arguments go to bench/gpu_check.py (--budget-s,
+# --shapes, --max-rows, --skip-tests, --no-sweep, --inject-failure).
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"

@@ -505,27 +505,6 @@ def test_import_without_interpreter_or_gpu_is_clean():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(CUDA, reason="the dry run is the CPU stand-in for bench/gpu_check.sh")
-def test_gpu_check_dry_run(tmp_path):
-    """bench/gpu_check.sh --dry-run runs every stage of the GPU check on tiny CPU shapes."""
-    import subprocess
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.sh"
-    env = {**os.environ, "OUT": str(tmp_path)}
-    proc = subprocess.run(
-        ["bash", str(script), "--dry-run", "--skip-tests", "--no-sweep"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "SUMMARY" in proc.stdout and "forward+backward" in proc.stdout
-    assert (tmp_path / "gpu_check.json").exists() and (tmp_path / "gpu_check.log").exists()
-
-
-@pytest.mark.slow
 @pytest.mark.skipif(CUDA, reason="with a GPU the kernels are compiled (and run) for real")
 def test_kernels_compile_for_sm90():
     """The interpreter checks the arithmetic; this compiles the real kernels for Hopper (ptxas
