@@ -1,0 +1,120 @@
+"""AllenNLP's ``AdditiveAttention`` (allennlp/modules/attention/additive_attention.py).
+
+Original parameters: ``_w_matrix`` [Dv, Dv], ``_u_matrix`` [Dm, Dv], ``_v_vector`` [Dv, 1] (own
+parameters, no children); ``_normalize`` (bool). Original math and call::
+
+    forward(vector [B, Dv], matrix [B, T, Dm], matrix_mask [B, T] (True = keep) or None)
+        -> weights [B, T]   (no context: the caller forms it, e.g. util.weighted_sum)
+    s = tanh(vector @ W + matrix @ U) @ v
+    normalize: masked_softmax(s, mask) = softmax(s * mask) * mask / (sum + 1e-13)
+    not normalize: s itself
+
+The masked softmax is the softmax over the kept positions divided by (1 + 1e-13 / sum): the
+stand-in's weights equal it to 1e-13 relative; a row with nothing kept gives zeros in both. A
+decoder calls it once per step with the same ``matrix``: the stand-in projects a given matrix
+once and reuses it (:class:`~seq2seq_fast.nn.keycache.ProjectionCache`). A mask that is not
+bool (a float 0/1 mask multiplies the scores there) runs the original's math in plain PyTorch.
+``_normalize=False`` (raw similarities, no softmax) is skipped: nothing for the kernel to fuse.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.convert._base import (
+    FusedStandIn,
+    Layout,
+    child_names,
+    own_parameter_names,
+    register,
+)
+from seq2seq_fast.nn.convert._speech import adopt
+from seq2seq_fast.nn.keycache import ProjectionCache
+from seq2seq_fast.nn.stepwise import StepwiseMemory
+
+
+class FusedAllenNLPAdditiveAttention(FusedStandIn):
+    """Fused stand-in for AllenNLP's AdditiveAttention (normalised): same parameters (the very
+    objects, same state_dict keys) and ``forward(vector, matrix, matrix_mask=None)`` -> weights.
+    The fused op forms a one-column context nobody reads; its cost is O(B * T)."""
+
+    layout = "allennlp_additive"
+
+    def __init__(self, original: nn.Module, backend: str = "auto") -> None:
+        super().__init__()
+        adopt(self, original)
+        self.backend = check_backend(backend)
+        self.key_cache = ProjectionCache()
+
+    def _memory(self, matrix: Tensor) -> tuple[Tensor, Tensor, StepwiseMemory | None]:
+        keys = matrix.matmul(self._u_matrix)
+        values = keys.new_zeros(keys.shape[0], keys.shape[1], 1)
+        memory = StepwiseMemory.for_training(keys, values, self.backend)
+        if memory is None:
+            return keys, values, None
+        return memory.keys, memory.values, memory
+
+    def _plain(self, vector: Tensor, matrix: Tensor, mask: Tensor) -> Tensor:
+        """The original's math, for masks that are not bool."""
+        hidden = torch.tanh(
+            vector.matmul(self._w_matrix).unsqueeze(1) + matrix.matmul(self._u_matrix)
+        )
+        scores = hidden.matmul(self._v_vector).squeeze(2)
+        mask = mask.to(scores.dtype)
+        result = torch.softmax(scores * mask, dim=-1) * mask
+        return result / (result.sum(dim=-1, keepdim=True) + 1e-13)
+
+    def forward(self, vector: Tensor, matrix: Tensor, matrix_mask: Tensor | None = None) -> Tensor:
+        if matrix_mask is not None and matrix_mask.dtype != torch.bool:
+            return self._plain(vector, matrix, matrix_mask)
+        keys, values, memory = self.key_cache.get(
+            matrix, (self._u_matrix,), lambda: self._memory(matrix)
+        )
+        _, weights = attend(
+            self.backend, vector.matmul(self._w_matrix), keys, values, self._v_vector[:, 0],
+            mask=matrix_mask, stepwise=memory,
+        )  # fmt: skip
+        return weights
+
+
+def _match(module: nn.Module) -> bool:
+    if child_names(module) or own_parameter_names(module) != {
+        "_w_matrix",
+        "_u_matrix",
+        "_v_vector",
+    }:
+        return False
+    if not isinstance(getattr(module, "_normalize", None), bool):
+        return False
+    w, u, v = module._w_matrix, module._u_matrix, module._v_vector
+    width = w.shape[0] if w.dim() == 2 else -1
+    return (
+        w.shape == (width, width) and u.dim() == 2 and u.shape[1] == width and v.shape == (width, 1)
+    )
+
+
+def _unsupported(module: nn.Module) -> str | None:
+    if not module._normalize:
+        return "normalize=False returns the raw similarities: no softmax and context to fuse"
+    return None
+
+
+def _example_call(module: nn.Module, dtype: torch.dtype) -> tuple[tuple, dict]:
+    batch, rows = 3, 6
+    vector = torch.randn(batch, module._w_matrix.shape[0], dtype=dtype)
+    matrix = torch.randn(batch, rows, module._u_matrix.shape[0], dtype=dtype)
+    mask = torch.arange(rows) < torch.tensor([6, 4, 0]).unsqueeze(1)
+    return (vector, matrix, mask), {}
+
+
+register(
+    Layout(
+        "allennlp_additive",
+        _match,
+        lambda module, backend: FusedAllenNLPAdditiveAttention(module, backend),
+        _example_call,
+        unsupported=_unsupported,
+    )
+)
