@@ -37,6 +37,7 @@ from seq2seq_fast.nn.convert._base import (
     register,
 )
 from seq2seq_fast.nn.convert._speech import adopt, same_padding_conv, scaled
+from seq2seq_fast.nn.stepwise import StepwiseMemory
 
 
 def _padding_mask(enc_hs_len, device: torch.device) -> Tensor:
@@ -51,23 +52,34 @@ class FusedEspnetAttAdd(FusedStandIn):
     keys), same state and ``reset()``, same ``forward``."""
 
     layout = "espnet_att_add"
+    gather_steps = True  # keys and values fixed over the utterance: StepwiseMemory applies
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
         super().__init__()
         adopt(self, original)
         self.backend = check_backend(backend)
+        self._stepwise: StepwiseMemory | None = None
 
     def reset(self) -> None:
         self.h_length = None
         self.enc_h = None
         self.pre_compute_enc_h = None
         self.mask = None
+        self._stepwise = None
 
     def _memory(self, enc_hs_pad: Tensor) -> None:
         if self.pre_compute_enc_h is None or self.han_mode:
             self.enc_h = enc_hs_pad
             self.h_length = enc_hs_pad.size(1)
             self.pre_compute_enc_h = self.mlp_enc(enc_hs_pad)
+            self._stepwise = None
+            if self.gather_steps and not self.han_mode:
+                memory = StepwiseMemory.for_training(
+                    self.pre_compute_enc_h, self.enc_h, self.backend
+                )
+                if memory is not None:  # the same values, through a node that gathers gradients
+                    self.pre_compute_enc_h, self.enc_h = memory.keys, memory.values
+                    self._stepwise = memory
 
     def _query(self, enc_hs_pad: Tensor, dec_z: Tensor | None) -> Tensor:
         batch = len(enc_hs_pad)
@@ -82,7 +94,8 @@ class FusedEspnetAttAdd(FusedStandIn):
 
     def _attend(self, query, keys, valid, scaling) -> tuple[Tensor, Tensor]:
         v_eff = scaled(self.gvec.weight[0], scaling)
-        return attend(self.backend, query, keys, self.enc_h, v_eff, mask=valid)
+        stepwise = getattr(self, "_stepwise", None)
+        return attend(self.backend, query, keys, self.enc_h, v_eff, mask=valid, stepwise=stepwise)
 
     def forward(
         self, enc_hs_pad: Tensor, enc_hs_len, dec_z: Tensor | None, att_prev, scaling=2.0
@@ -98,6 +111,7 @@ class FusedEspnetAttLoc(FusedEspnetAttAdd):
     the location term mlp_att(loc_conv(att_prev)), given to the fused op as they are."""
 
     layout = "espnet_att_loc"
+    gather_steps = False  # the keys change every step
 
     def forward(
         self,

@@ -36,6 +36,7 @@ from seq2seq_fast.nn.convert._base import (
     register,
 )
 from seq2seq_fast.nn.convert._speech import adopt, is_finite_number, same_padding_conv, scaled
+from seq2seq_fast.nn.stepwise import StepwiseMemory
 
 
 def _length_mask(enc_len: Tensor, max_len: int) -> Tensor:
@@ -49,31 +50,45 @@ class FusedContentBasedAttention(FusedStandIn):
     objects, same state_dict keys), same state, ``reset()`` and ``forward``."""
 
     layout = "speechbrain_content"
+    gather_steps = True  # StepwiseMemory applies (the location-aware keys change every step)
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
         super().__init__()
         adopt(self, original)
         self.backend = check_backend(backend)
+        self._stepwise: tuple[StepwiseMemory, Tensor] | None = None
 
     def reset(self) -> None:
         self.enc_len = None
         self.precomputed_enc_h = None
         self.mask = None
+        self._stepwise = None
 
     def _first_step(self, enc_states: Tensor, enc_len: Tensor) -> bool:
         if self.precomputed_enc_h is not None:
             return False
         self.precomputed_enc_h = self.mlp_enc(enc_states)
         self.mask = _length_mask(enc_len, enc_states.size(1))
+        self._stepwise = None
+        if self.gather_steps:  # keys and values fixed over the utterance
+            memory = StepwiseMemory.for_training(self.precomputed_enc_h, enc_states, self.backend)
+            if memory is not None:  # the same values, through a node that gathers gradients
+                self.precomputed_enc_h = memory.keys
+                self._stepwise = (memory, enc_states)
         return True
 
     def _finish(
         self, dec_states: Tensor, keys: Tensor, enc_states: Tensor
     ) -> tuple[Tensor, Tensor]:
         v_eff = scaled(self.mlp_attn.weight[0], self.scaling)
+        memory = None
+        if self._stepwise is not None and self._stepwise[1] is enc_states:
+            memory = self._stepwise[0]  # the step attends to the memory's aliases
+            enc_states = memory.values
         context, weights = attend(
-            self.backend, self.mlp_dec(dec_states), keys, enc_states, v_eff, mask=self.mask != 0
-        )
+            self.backend, self.mlp_dec(dec_states), keys, enc_states, v_eff,
+            mask=self.mask != 0, stepwise=memory,
+        )  # fmt: skip
         return self.mlp_out(context), weights
 
     def forward(
@@ -88,6 +103,7 @@ class FusedLocationAwareAttention(FusedContentBasedAttention):
     projected memory plus mlp_loc(conv_loc(prev_attn)), given to the fused op as they are."""
 
     layout = "speechbrain_location"
+    gather_steps = False
 
     def reset(self) -> None:
         super().reset()
