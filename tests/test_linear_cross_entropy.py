@@ -130,7 +130,7 @@ def test_float32_matches_unfused_float32():
 
 
 def test_default_chunk_rows():
-    assert default_chunk_rows(8000) * 8000 <= 1 << 21
+    assert default_chunk_rows(8000) * 8000 <= 1 << 23
     assert default_chunk_rows(10**9) == 32
 
 
@@ -162,3 +162,34 @@ def test_bad_label_smoothing(eps):
 def test_bad_chunk_rows():
     with pytest.raises(ValueError, match="chunk_rows"):
         linear_cross_entropy(*_inputs((2, 3), 4, 5), chunk_rows=0)
+
+
+@pytest.mark.parametrize("decoder", ["bahdanau", "gnmt"])
+@pytest.mark.parametrize("output_layer", ["concat", "attentional"])
+def test_model_loss_through_forward_matches_logits_and_sequence_loss(decoder, output_layer):
+    from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig, sequence_loss
+
+    torch.manual_seed(0)
+    config = Seq2SeqConfig(src_vocab_size=13, tgt_vocab_size=17, embed_size=8, hidden_size=12,
+                           decoder=decoder, output_layer=output_layer, backend="reference")  # fmt: skip
+    model = Seq2Seq(config).double()
+    src = torch.randint(4, 13, (3, 5))
+    lengths = torch.tensor([5, 3, 4])
+    tgt_in = torch.randint(4, 17, (3, 6))
+    tgt_out = torch.randint(4, 17, (3, 6))
+    tgt_out[1, 4:] = PAD
+    params = [p for p in model.parameters()]
+    expected = sequence_loss(model(src, lengths, tgt_in)[0], tgt_out, 0.1)
+    expected_grads = torch.autograd.grad(expected, params, allow_unused=True)
+    loss, weights = model(src, lengths, tgt_in, tgt_out, label_smoothing=0.1)
+    got_grads = torch.autograd.grad(loss, params, allow_unused=True)
+    assert weights.shape == (3, 6, 5)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    for g, e in zip(got_grads, expected_grads, strict=True):
+        if e is None:
+            assert g is None or torch.count_nonzero(g) == 0
+        else:
+            torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+    if output_layer == "attentional":  # the vocabulary projection reads the hidden width
+        assert model.decoder.output.in_features == 12
+        assert model.decoder.attentional.weight.shape[0] == 12
