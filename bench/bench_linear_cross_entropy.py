@@ -4,7 +4,8 @@
     python -m bench.bench_linear_cross_entropy --features 256,768 --vocab 8000 --threads 2
 
 Forward + backward of one batch's output layer and label-smoothed loss (B x T rows, a share of
-them padding), timed round-robin in one process (medians), with each variant's peak of extra
+them padding; B and T of bench.shapes.TRAIN_SIZES["small"]), timed side by side in one process
+(bench.timing.time_interleaved, medians), with each variant's peak of extra
 memory (the logits and their gradient) estimated from the tensors it must hold.
 """
 
@@ -12,12 +13,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from bench import shapes, timing
 from seq2seq_fast.ops.linear_cross_entropy import default_chunk_rows, linear_cross_entropy
+
+SIZE = shapes.TRAIN_SIZES["small"]  # batch and target length of the training benchmarks
+
+
+def _fresh_grads(run, *leaves):
+    def call() -> None:
+        for leaf in leaves:
+            leaf.grad = None
+        run()
+
+    return call
 
 
 def _variants(x, weight, bias, target, eps):
@@ -53,8 +65,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--features", default="256,768", help="output layer input widths")
     parser.add_argument("--vocab", type=int, default=8000)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--length", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=SIZE.batch)
+    parser.add_argument("--length", type=int, default=SIZE.length)
     parser.add_argument("--pad-fraction", type=float, default=0.3)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
@@ -78,19 +90,12 @@ def main(argv=None) -> int:
         variants = _variants(x, weight, bias, target, 0.1)
         if not args.bf16:
             variants = {k: v for k, v in variants.items() if "bf16" not in k}
-        samples = {name: [] for name in variants}
-        for run in variants.values():
-            run()
-        for _ in range(args.rounds):
-            for name, run in variants.items():
-                x.grad = weight.grad = bias.grad = None
-                start = time.perf_counter()
-                run()
-                samples[name].append(time.perf_counter() - start)
-        base = statistics.median(samples["F.linear + F.cross_entropy"])
+        calls = {name: _fresh_grads(run, x, weight, bias) for name, run in variants.items()}
+        samples = timing.time_interleaved(calls, "cpu", args.rounds)
+        base = statistics.median(samples["F.linear + F.cross_entropy"].wall_s)
         valid = int((target != 0).sum())
-        for name, values in samples.items():
-            ms = statistics.median(values)
+        for name, sample in samples.items():
+            ms = statistics.median(sample.wall_s)
             held = (
                 2 * rows * args.vocab * 4
                 if name.startswith("F.") or name.startswith("unfused")
