@@ -454,10 +454,10 @@ def stage_sweep(check: Check, record: dict, torch, tk) -> None:
     for shape in selected_shapes(check):
         for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
             inputs = make_inputs(torch, shape, dtype, check.device)
-            ranked = tiles.rank_forward(shape.batch, shape.q_len, shape.k_len, shape.hidden,
+            picks = tiles.sweep_forward(shape.batch, shape.q_len, shape.k_len, shape.hidden,
                                         shape.value_dim, dtype=dtype, sms=_sms(check))  # fmt: skip
             calls = {}
-            for cfg, cost in ranked[:4]:
+            for cfg, cost in picks:
                 label = f"{cfg.block_q}x{cfg.block_k}x{cfg.block_h} w{cfg.num_warps}"
                 calls[label] = (cfg, cost)
             for label, (cfg, cost) in calls.items():

@@ -341,19 +341,87 @@ def test_product_path_falls_back_on_large_preactivations():
         assert_close64(grad, ref_grad, 2e-5, f"grad {name}")
 
 
-def test_pick_block_and_configs():
-    assert tiles._pick_block(66, 256) == 8  # 72 padded keys, not 128
-    assert tiles._pick_block(50, 16) == 8 and tiles._pick_block(74, 16) == 16
-    assert tiles._pick_block(1, 16) == 1 and tiles._pick_block(1024, 64) == 64
-    decode = tk.forward_config(1, 66, 1024, 1024)
-    assert (decode.block_q, decode.block_k, decode.block_h) == (1, 8, 512)
-    train = tk.forward_config(74, 75, 1024, 1024)
-    assert (train.block_q, train.block_k) == (16, 16) and train.use_dot
-    gnmt = tk.forward_config(50, 50, 1024, 1024)
-    assert (gnmt.block_q, gnmt.block_k) == (8, 8) and gnmt.use_dot and gnmt.rows2 == 16
-    for cfg in tk.backward_configs(32, 74, 75, 1024, 1024):
-        for block in (cfg.block_q, cfg.block_k, cfg.block_h, cfg.block_dv):
+BENCH_SHAPES = {  # bench/shapes.py's full shapes (B, Tq, Tk, H, Dv)
+    "small-train": (32, 30, 30, 256, 512),
+    "gnmt-train": (128, 50, 50, 1024, 1024),
+    "decode-step": (1280, 1, 66, 1024, 1024),
+    "long-source": (128, 10, 128, 1024, 1024),
+    "long-both": (32, 74, 75, 1024, 1024),
+}
+
+
+def _waste(n, block):
+    return (-(-n // block) * block) / n
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name", BENCH_SHAPES)
+def test_cost_model_ranks_benchmark_shapes(name, dtype):
+    batch, num_queries, num_keys, hidden, value_dim = BENCH_SHAPES[name]
+    ranked = tiles.rank_forward(batch, num_queries, num_keys, hidden, value_dim, dtype=dtype)
+    costs = [cost for _, cost in ranked]
+    assert costs == sorted(costs) and len(ranked) >= 4
+    best = ranked[0][0]
+    assert best == tk.forward_config(num_queries, num_keys, hidden, value_dim, dtype=dtype,
+                                     batch=batch)  # fmt: skip
+    # Minimum-programs rule: every benchmark shape can give all 132 SMs a program, so it must.
+    for cfg, _ in ranked:
+        assert batch * -(-num_queries // cfg.block_q) >= tiles.H200_SMS, cfg
+        assert cfg.block_q * cfg.block_k * cfg.block_h <= tiles.DEFAULT_TILE
+        for block in (cfg.block_q, cfg.block_k, cfg.block_h, cfg.block_dv, cfg.block_k2):
             assert block >= 1 and block & (block - 1) == 0
+    # Padding is paid in tanh: the old (8, 8) tile wasted 25% of Tq = Tk = 50; at most 15% now.
+    assert _waste(num_queries, best.block_q) * _waste(num_keys, best.block_k) <= 1.15
+    if num_queries == 1:  # the decoding step: no padded query rows, a GEMV for the values
+        assert best.block_q == 1 and not best.use_dot and best.rows2 == 1
+    else:
+        assert best.use_dot and best.rows2 == 16 and best.block_k2 >= 16
+    grad = tiles.rank_grad(batch, num_queries, num_keys, hidden, dtype=dtype)
+    assert [c for _, c in grad] == sorted(c for _, c in grad)
+    assert batch * -(-hidden // grad[0][0].block_h) >= tiles.H200_SMS
+
+
+def test_cost_model_terms():
+    # Padding, waves and MUFU ops each move the cost the way the model says.
+    assert tiles.tanh_cost("packed", 8, 8, 2) < tiles.tanh_cost("approx", 8, 8, 2)
+    assert tiles.tanh_cost("approx", 8, 8, 2) < tiles.tanh_cost("product", 8, 8, 4)
+    # The product path's exponentials are amortised over the other operand's rows.
+    assert tiles.tanh_cost("product", 1, 8, 4) > tiles.tanh_cost("product", 8, 8, 4)
+    assert tiles._wave_factor(160, 132) > tiles._wave_factor(264, 132) == 1.0
+    # Few rows and a batch of 4: only block_q = 1 gives 132 programs, so only it is kept.
+    ranked = tiles.rank_forward(4, 64, 64, 512, 512, dtype=torch.bfloat16)
+    assert {cfg.block_q for cfg, _ in ranked} == {1}
+    # With no candidate reaching the SM count, all are kept.
+    ranked = tiles.rank_forward(1, 4, 64, 512, 512, dtype=torch.bfloat16)
+    assert {cfg.block_q for cfg, _ in ranked} == {1, 2, 4}
+
+
+def test_sweep_candidates_vary_block_q():
+    for batch, num_queries, num_keys, hidden, value_dim in BENCH_SHAPES.values():
+        if num_queries == 1:
+            continue
+        picks = tiles.sweep_forward(batch, num_queries, num_keys, hidden, value_dim,
+                                    dtype=torch.bfloat16)  # fmt: skip
+        assert len({cfg.block_q for cfg, _ in picks}) >= 2
+        assert picks[0][0] == tiles.rank_forward(batch, num_queries, num_keys, hidden, value_dim,
+                                                 dtype=torch.bfloat16)[0][0]  # fmt: skip
+
+
+def test_every_scratch_and_gradient_element_is_written(monkeypatch):
+    """No zero fills: with every fresh buffer poisoned with NaN, the results must still match
+    (rows of length 0, keys past the length, masked keys, tails of every tile loop)."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
+    fwd = tk.TileConfig(block_q=2, block_k=4, block_h=4, block_dv=2, block_k2=4)
+    bwd = (fwd, tk.TileConfig(2, 2, 4, 1), tk.TileConfig(2, 4, 1, 2))
+    for kind, seed in (("lengths", 43), ("mask", 45)):
+        check_fp32((3, 5, 11, 9, 3), kind=kind, seed=seed, fwd_config=fwd, bwd_configs=bwd)
+    check_fp32((3, 1, 9, 8, 4), kind="lengths", seed=47)  # default tiles, the decoding step
 
 
 def test_tanh_choice_argument_and_context():

@@ -350,7 +350,7 @@ def _bwd_dp_pass(g_rows, gw_rows, x_batch, p_rows, ds_rows, r_in, Tk, key_end, D
             vals = tl.load(x_batch + idx_k[:, None] * sx_s + idx_d[None, :] * sx_d,
                            mask=k_in & d_in[None, :], other=0.0)  # fmt: skip
             dp = _matmul_acc(dp, grad_out.to(tl.float32), tl.trans(vals), USE_DOT, LOWP_DOT)
-        in_tile = r_in & (offs_k[None, :] < Tk)
+        in_tile = r_in & (offs_k[None, :] < key_end)  # the scratch past key_end is never written
         if HAS_GRAD_WEIGHTS:
             dp += tl.load(gw_rows + idx_k[None, :] * sgw_s, mask=in_tile, other=0.0).to(tl.float32)
         p = tl.load(p_rows + idx_k[None, :] * ss_s, mask=in_tile, other=0.0)
@@ -366,7 +366,7 @@ def _bwd_ds_finish(p_rows, ds_rows, delta, r_in, Tk, key_end, ss_s, INT64: tl.co
     for k0 in range(0, key_end, BLOCK_K2):
         offs_k = k0 + tl.arange(0, BLOCK_K2)
         offsets = _index(offs_k, INT64)[None, :] * ss_s
-        in_tile = r_in & (offs_k[None, :] < Tk)
+        in_tile = r_in & (offs_k[None, :] < key_end)
         p = tl.load(p_rows + offsets, mask=in_tile, other=0.0)
         dp = tl.load(ds_rows + offsets, mask=in_tile, other=0.0)
         tl.store(ds_rows + offsets, p * (dp - delta[:, None]), mask=in_tile)
@@ -420,15 +420,16 @@ def _bwd_ds_kernel(
 
 
 @triton.jit
-def _grad_key_tile(q_batch, ds_batch, gq_batch, k, v, bias, h_in, offs_k, idx_k, Tq, Tk,
-                   sq_t, ss_t, ss_s, sgq_t, TANH_MODE: tl.constexpr, FAST_RCP: tl.constexpr,
+def _grad_key_tile(q_batch, ds_batch, gq_batch, k, v, bias, h_in, offs_k, idx_k, Tq, key_end,
+                   accumulate, sq_t, ss_t, ss_s, sgq_t, TANH_MODE: tl.constexpr, FAST_RCP: tl.constexpr,
                    INT64: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
                    BLOCK_H: tl.constexpr):  # fmt: skip
     """One key tile x H chunk against every query: adds sum_s g v to grad query (in memory) and
     returns (sum_t g, sum_t ds u), g = ds (1 - u^2), u = tanh(q + k + bias).
 
     q_batch / gq_batch: [1, BLOCK_H] pointers to query / fp32 grad query [b, 0, h chunk];
-    k: the [BLOCK_K, BLOCK_H] float32 keys of this tile.
+    k: the [BLOCK_K, BLOCK_H] float32 keys of this tile; accumulate: false on the first key tile,
+    whose grad query rows are written, not added to (no zero fill). ds is read below key_end.
     """
     grad_k_acc = tl.zeros((BLOCK_K, BLOCK_H), dtype=tl.float32)
     grad_v_acc = tl.zeros((BLOCK_K, BLOCK_H), dtype=tl.float32)
@@ -438,7 +439,7 @@ def _grad_key_tile(q_batch, ds_batch, gq_batch, k, v, bias, h_in, offs_k, idx_k,
         q_in = offs_q[:, None] < Tq
         q = tl.load(q_batch + idx_q[:, None] * sq_t, mask=q_in & h_in[None, :], other=0.0)
         ds = tl.load(ds_batch + idx_q[:, None] * ss_t + idx_k[None, :] * ss_s,
-                     mask=q_in & (offs_k[None, :] < Tk), other=0.0)[:, :, None]  # fmt: skip
+                     mask=q_in & (offs_k[None, :] < key_end), other=0.0)[:, :, None]  # fmt: skip
         a = q.to(tl.float32) + bias[None, :]
         if TANH_MODE == 2:
             r = pair_factors(a, k, FAST_RCP)  # u = 1 - 2r, 1 - u^2 = 4 r (1 - r)
@@ -452,7 +453,7 @@ def _grad_key_tile(q_batch, ds_batch, gq_batch, k, v, bias, h_in, offs_k, idx_k,
         grad_v_acc += tl.sum(w, axis=0)
         gq_ptrs = gq_batch + idx_q[:, None] * sgq_t
         gq_mask = q_in & h_in[None, :]
-        grad_q = tl.load(gq_ptrs, mask=gq_mask, other=0.0)
+        grad_q = tl.load(gq_ptrs, mask=gq_mask & accumulate, other=0.0)
         tl.store(gq_ptrs, grad_q + tl.sum(g, axis=1) * v[None, :], mask=gq_mask)
     return grad_k_acc, grad_v_acc
 
@@ -511,13 +512,13 @@ def _bwd_grad_kernel(
             exact = pair_clamp_may_matter(max_abs_q, tl.max(tl.abs(k)))
         if exact:
             grad_k_acc, grad_v_part = _grad_key_tile(
-                q_batch, ds_batch, gq_batch, k, v, bias, h_in, offs_k, idx_k, Tq, Tk,
-                sq_t, ss_t, ss_s, sgq_t, 0, FAST_RCP, INT64, BLOCK_Q, BLOCK_K, BLOCK_H,
+                q_batch, ds_batch, gq_batch, k, v, bias, h_in, offs_k, idx_k, Tq, key_end,
+                k0 > 0, sq_t, ss_t, ss_s, sgq_t, 0, FAST_RCP, INT64, BLOCK_Q, BLOCK_K, BLOCK_H,
             )  # fmt: skip
         else:
             grad_k_acc, grad_v_part = _grad_key_tile(
-                q_batch, ds_batch, gq_batch, k, v, bias, h_in, offs_k, idx_k, Tq, Tk,
-                sq_t, ss_t, ss_s, sgq_t, TANH_MODE, FAST_RCP, INT64, BLOCK_Q, BLOCK_K, BLOCK_H,
+                q_batch, ds_batch, gq_batch, k, v, bias, h_in, offs_k, idx_k, Tq, key_end,
+                k0 > 0, sq_t, ss_t, ss_s, sgq_t, TANH_MODE, FAST_RCP, INT64, BLOCK_Q, BLOCK_K, BLOCK_H,
             )  # fmt: skip
         grad_v_acc += grad_v_part
         tl.store(gk_batch + idx_k[:, None] * sgk_s, (grad_k_acc * v[None, :]).to(gk_ptr.dtype.element_ty),
@@ -525,14 +526,34 @@ def _bwd_grad_kernel(
         # This program re-reads its grad-query rows in the next key tile.
         tl.debug_barrier()
     tl.store(gv_ptr + pid_b * sgv_b + idx_h, tl.sum(grad_v_acc, axis=0), mask=h_in)
+    _zero_unvisited(gq_batch, gk_batch, h_in, Tq, Tk, key_end, sgq_t, sgk_s, INT64, BLOCK_Q,
+                    BLOCK_K, BLOCK_H)  # fmt: skip
+
+
+@triton.jit
+def _zero_unvisited(gq_batch, gk_batch, h_in, Tq, Tk, key_end, sgq_t, sgk_s, INT64: tl.constexpr,
+                    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+    """Zeros where the key loop wrote nothing: grad keys past the last visited key tile, and the
+    grad query rows of a batch row without keys (instead of zero-filling the buffers per call)."""
+    for k0 in range(tl.cdiv(key_end, BLOCK_K) * BLOCK_K, Tk, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        tl.store(gk_batch + _index(offs_k, INT64)[:, None] * sgk_s,
+                 tl.zeros((BLOCK_K, BLOCK_H), dtype=gk_batch.dtype.element_ty),
+                 mask=(offs_k[:, None] < Tk) & h_in[None, :])  # fmt: skip
+    if key_end == 0:
+        for q0 in range(0, Tq, BLOCK_Q):
+            offs_q = q0 + tl.arange(0, BLOCK_Q)
+            tl.store(gq_batch + _index(offs_q, INT64)[:, None] * sgq_t,
+                     tl.zeros((BLOCK_Q, BLOCK_H), dtype=tl.float32),
+                     mask=(offs_q[:, None] < Tq) & h_in[None, :])  # fmt: skip
 
 
 @triton.jit
 def _bwd_dvalues_kernel(
-    p_ptr, g_ptr, gx_ptr,  # fp32 probs scratch, grad context; output grad values
+    p_ptr, g_ptr, len_ptr, gx_ptr,  # fp32 probs scratch, grad context, lengths; grad values
     Tq, Tk, Dv, n_kt, n_dt,
-    ss_b, ss_t, ss_s, sg_b, sg_t, sg_d, sgx_b, sgx_s, sgx_d,
-    USE_DOT: tl.constexpr, LOWP_DOT: tl.constexpr, INT64: tl.constexpr,
+    ss_b, ss_t, ss_s, sg_b, sg_t, sg_d, s_len, sgx_b, sgx_s, sgx_d,
+    HAS_LENGTHS: tl.constexpr, USE_DOT: tl.constexpr, LOWP_DOT: tl.constexpr, INT64: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -543,6 +564,7 @@ def _bwd_dvalues_kernel(
     idx_k = _index(offs_k, INT64)
     idx_d = _index(offs_d, INT64)
     k_in = offs_k < Tk
+    live = offs_k < _key_end(len_ptr, pid_b, s_len, Tk, HAS_LENGTHS)  # probs past it: unwritten
     d_in = offs_d < Dv
     p_batch = p_ptr + pid_b * ss_b + idx_k[None, :] * ss_s
     g_batch = g_ptr + pid_b * sg_b + idx_d[None, :] * sg_d
@@ -552,7 +574,7 @@ def _bwd_dvalues_kernel(
         offs_q = q0 + tl.arange(0, BLOCK_Q)
         idx_q = _index(offs_q, INT64)
         q_in = offs_q[:, None] < Tq
-        p = tl.load(p_batch + idx_q[:, None] * ss_t, mask=q_in & k_in[None, :], other=0.0)
+        p = tl.load(p_batch + idx_q[:, None] * ss_t, mask=q_in & live[None, :], other=0.0)
         grad_out = tl.load(g_batch + idx_q[:, None] * sg_t, mask=q_in & d_in[None, :], other=0.0)
         if USE_DOT:
             if LOWP_DOT:
@@ -621,6 +643,10 @@ def _common_constexprs(dtype: torch.dtype, device: torch.device, tanh: str, int6
     }
 
 
+def _mode_name(consts: dict) -> str:
+    return {code: name for name, code in TANH_CODES.items()}[consts["TANH_MODE"]]
+
+
 def _tile_constexprs(cfg: TileConfig) -> dict:
     return {
         "USE_DOT": cfg.use_dot, "BLOCK_Q": cfg.block_q, "BLOCK_K": cfg.block_k,
@@ -642,11 +668,13 @@ def _fwd_impl(query, keys, values, v, bias, lengths, mask, return_weights, confi
     if batch * num_queries == 0:
         return context, weights, lse
 
-    cfg = config or forward_config(num_queries, num_keys, hidden, value_dim, dtype=dtype)
+    consts = _common_constexprs(dtype, device, tanh, False)
+    cfg = config or forward_config(num_queries, num_keys, hidden, value_dim, dtype=dtype,
+                                   batch=batch, mode=_mode_name(consts))  # fmt: skip
     scores = torch.empty((batch, num_queries, num_keys), dtype=torch.float32, device=device)
     len_t, s_len, mask_t, sm_b, sm_s = _optional_args(lengths, mask, lse)
     weights_t = weights if return_weights else scores
-    int64 = needs_int64_offsets(query, keys, values, context, weights_t, scores, mask)
+    consts["INT64"] = needs_int64_offsets(query, keys, values, context, weights_t, scores, mask)
     n_qt = triton.cdiv(num_queries, cfg.block_q)
     _fwd_kernel[(batch * n_qt,)](
         query, keys, values, v, bias, len_t, mask_t, context, weights_t, scores, lse,
@@ -654,8 +682,7 @@ def _fwd_impl(query, keys, values, v, bias, lengths, mask, return_weights, confi
         *query.stride(), *keys.stride(), *values.stride(), v.stride(0), bias.stride(0), s_len,
         sm_b, sm_s, *context.stride(), *weights_t.stride(), *scores.stride(), *lse.stride(),
         HAS_LENGTHS=lengths is not None, HAS_MASK=mask is not None,
-        RETURN_WEIGHTS=bool(return_weights),
-        **_common_constexprs(dtype, device, tanh, int64), **_tile_constexprs(cfg),
+        RETURN_WEIGHTS=bool(return_weights), **consts, **_tile_constexprs(cfg),
     )  # fmt: skip
     return context, weights, lse
 
@@ -694,15 +721,16 @@ def _launch_bwd_grad(query, keys, v, bias, lengths, ds, grad_query_f32, grad_key
     )  # fmt: skip
 
 
-def _launch_bwd_dvalues(probs, grad_context, grad_values, cfg, consts):
+def _launch_bwd_dvalues(probs, grad_context, lengths, grad_values, cfg, consts):
     batch, num_queries, num_keys = probs.shape
     value_dim = grad_values.shape[2]
+    len_t, s_len, _, _, _ = _optional_args(lengths, None, probs)
     n_kt = triton.cdiv(num_keys, cfg.block_k)
     n_dt = triton.cdiv(value_dim, cfg.block_dv)
     _bwd_dvalues_kernel[(batch * n_kt * n_dt,)](
-        probs, grad_context, grad_values, num_queries, num_keys, value_dim, n_kt, n_dt,
-        *probs.stride(), *grad_context.stride(), *grad_values.stride(),
-        USE_DOT=min(cfg.block_q, cfg.block_k, cfg.block_dv) >= 16, LOWP_DOT=consts["LOWP_DOT"],
+        probs, grad_context, len_t, grad_values, num_queries, num_keys, value_dim, n_kt, n_dt,
+        *probs.stride(), *grad_context.stride(), s_len, *grad_values.stride(),
+        HAS_LENGTHS=lengths is not None, USE_DOT=min(cfg.block_q, cfg.block_k, cfg.block_dv) >= 16, LOWP_DOT=consts["LOWP_DOT"],
         INT64=consts["INT64"], BLOCK_Q=cfg.block_q, BLOCK_K=cfg.block_k, BLOCK_DV=cfg.block_dv,
         num_warps=cfg.num_warps, enable_fp_fusion=True,
     )  # fmt: skip
@@ -717,30 +745,31 @@ def _bwd_impl(grad_context, grad_weights, query, keys, values, v, bias, lengths,
         bias = query.new_zeros(hidden)
     grads = tuple(torch.empty_like(t) for t in (query, keys, values, v, bias))
     grad_query, grad_keys, grad_values, grad_v, grad_bias = grads
-    grad_keys.zero_()
     if batch * num_queries * num_keys == 0:  # no (query, key) pair: every gradient is zero
         for grad in grads:
             grad.zero_()
         return grads
 
+    consts = _common_constexprs(dtype, device, tanh, False)
     ds_cfg, grad_cfg, dvalues_cfg = configs or backward_configs(
-        batch, num_queries, num_keys, hidden, value_dim, dtype=dtype
+        batch, num_queries, num_keys, hidden, value_dim, dtype=dtype, mode=_mode_name(consts)
     )
-    # Keys past a row's length are never visited: their p and ds must read as 0.
-    probs = torch.zeros((batch, num_queries, num_keys), dtype=torch.float32, device=device)
-    ds = torch.zeros_like(probs)
+    # No zero fills: the kernels read the scratch below each row's length only, and write every
+    # element of the gradients (zeros where no key is visited).
+    probs = torch.empty((batch, num_queries, num_keys), dtype=torch.float32, device=device)
+    ds = torch.empty_like(probs)
     int64 = needs_int64_offsets(query, keys, values, grad_context, grad_weights, grad_keys,
                                 grad_values, probs, mask)  # fmt: skip
-    consts = _common_constexprs(dtype, device, tanh, int64)
+    consts["INT64"] = int64
     _launch_bwd_ds(grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, lse,
                    probs, ds, ds_cfg, consts)  # fmt: skip
-    grad_query_f32 = torch.zeros((batch, num_queries, hidden), dtype=torch.float32, device=device)
-    grad_v_partial = torch.zeros((batch, hidden), dtype=torch.float32, device=device)
+    grad_query_f32 = torch.empty((batch, num_queries, hidden), dtype=torch.float32, device=device)
+    grad_v_partial = torch.empty((batch, hidden), dtype=torch.float32, device=device)
     if hidden > 0:
         _launch_bwd_grad(query, keys, v, bias, lengths, ds, grad_query_f32, grad_keys,
                          grad_v_partial, grad_cfg, consts)  # fmt: skip
     if value_dim > 0:
-        _launch_bwd_dvalues(probs, grad_context, grad_values, dvalues_cfg, consts)
+        _launch_bwd_dvalues(probs, grad_context, lengths, grad_values, dvalues_cfg, consts)
     # Fixed-order reductions in torch: deterministic, no float atomics.
     grad_query.copy_(grad_query_f32)
     grad_v.copy_(grad_v_partial.sum(dim=0))

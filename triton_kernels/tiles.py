@@ -1,20 +1,68 @@
-"""Tile sizes of the Triton kernels: which block shapes each launch uses, and why.
+"""Tile sizes of the Triton kernels, chosen by a cost model rather than by rules of thumb.
 
-The score kernels' cost is tanh evaluations, so padding (a tile past the end of Tq, Tk or H) is
-paid in tanh; the value products run on tl.dot tiles whose padding costs tensor-core work only.
+The score kernels (forward, backward ds, backward grad) are bound by tanh: by the special-function
+unit (MUFU, 16 lanes/clock/SM on Hopper), by instruction issue (128 lanes/clock/SM), or by L2
+traffic of the tiles each program re-reads. The model scores a tile (block_q, block_k, block_h,
+warps) by the time it predicts, relative to a perfect kernel (1.0 = every SM busy on useful tanh
+at the MUFU rate):
+
+    cost = padding waste x wave inefficiency x per-tanh cost
+
+    padding waste      padded Tq x padded Tk x padded H over Tq x Tk x H: padded lanes cost tanh
+    wave inefficiency  ceil(programs / SMs) x SMs / programs: the busiest SM's share of programs
+                       (programs resident on one SM share its MUFU) over the average
+    per-tanh cost      max(MUFU ops per tanh, issued instructions per tanh / 8, L2 bytes per tanh
+                       x tanh rate / L2 bandwidth), in units of one MUFU op
+
+MUFU ops per tanh are counted from the kernels (see tanh.py: approx 1, packed 1/2, exp 2, product
+1 + 1/block_q + 1/block_k: the two exponentials amortised over the other operand's rows).
+Instructions per tanh = a base per path + LOAD_INSTR x (1/block_q + 1/block_k) for the operand
+tiles loaded per tanh, fitted to the inner-loop SASS of the sm_90 build (bench/triton_aot_report.py,
+triton 3.9: forward bf16/approx at (8,8,64) 5.25 instr/tanh, fp32/product 10.4). L2 bytes per tanh
+are the keys each query tile re-reads: element size / block_q (the query tile stays in L1).
+
+A minimum-programs rule comes first: when some candidate gives every SM a program, those that
+leave SMs idle are dropped. The decoding step (Tq = 1) gets block_q = 1 and a one-row GEMV for the
+values (no 16-row tl.dot padding). The value products (phase 2) run on their own, larger tiles.
+``rank_forward`` / ``rank_grad`` list every candidate with its cost (the GPU check sweeps the
+best few); rerun the SASS report and the sweep after changing a kernel.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DEFAULT_TILE", "TileConfig", "backward_configs", "forward_config", "grad_tile"]
+__all__ = [
+    "DEFAULT_TILE",
+    "H200_SMS",
+    "TileConfig",
+    "backward_configs",
+    "forward_config",
+    "grad_tile",
+    "rank_forward",
+    "rank_grad",
+    "sweep_forward",
+    "tanh_cost",
+]
 
-# Elements of the [BLOCK_Q, BLOCK_K, BLOCK_H] tanh tile a program holds at once (4 warps: 32 a thread).
-DEFAULT_TILE = 4096
+DEFAULT_TILE = 4096  # elements of the [BLOCK_Q, BLOCK_K, BLOCK_H] tanh tile at 4 warps (32/thread)
 DEFAULT_NUM_WARPS = 4
+H200_SMS = 132
+MUFU_PER_CLOCK, ISSUE_PER_CLOCK = 16, 128  # lanes per clock per SM (Hopper)
+TANH_RATE = 4.2e12  # MUFU ops per second, H200 (132 SMs x 16 x ~1.98 GHz)
+L2_BANDWIDTH = 6.0e12  # bytes/s, Hopper L2 read (a lead, not a reading here)
+BASE_INSTR = {"approx": 4.25, "packed": 3.0, "product": 9.4, "exp": 19.0}
+LOAD_INSTR = 4.0  # instructions per operand element loaded, converted and broadcast
+# Per key tile and thread: the reduction over h, masking, online softmax, score store (estimate).
+KEY_TILE_INSTR = 64.0
+THREADS = 32 * DEFAULT_NUM_WARPS
+# Backward grad kernel: extra per-tanh work (ds, (1 - u^2), grad query / keys / v sums) and the
+# grad-query read-modify-write per (query tile, key tile), fitted to the same SASS (9.2-17 instr).
+GRAD_BASE_INSTR = {"approx": 7.5, "packed": 6.0, "product": 8.5, "exp": 22.0}
+GRAD_LOAD_INSTR = 12.0
 
 
 @dataclass(frozen=True)
@@ -23,8 +71,10 @@ class TileConfig:
 
     Score kernels (forward, backward ds): block_q x block_k x block_h is the tanh tile; the
     softmax-weighted products (context, dO . values) use their own tile of rows2 x block_k2 keys x
-    block_dv, with rows2 >= 16 so that tl.dot applies (rows past block_q are masked).
-    Grad-values kernel: block_k keys x block_dv values per program, block_q queries per step.
+    block_dv: a tl.dot with rows2 = max(16, block_q) rows (rows past block_q are masked), or at
+    block_q = 1 a one-row GEMV (rows2 = 1, broadcast multiply-sum).
+    Grad kernel: block_q x block_k x block_h. Grad-values kernel: block_k keys x block_dv values
+    per program, block_q queries per step.
     """
 
     block_q: int
@@ -36,8 +86,8 @@ class TileConfig:
 
     @property
     def use_dot(self) -> bool:
-        # tl.dot needs every dimension >= 16; smaller tiles use a broadcast multiply-sum.
-        return min(self.block_k2, self.block_dv) >= 16
+        # tl.dot needs every dimension >= 16; one query row is a GEMV, not a padded 16-row dot.
+        return self.block_q > 1 and min(self.block_k2, self.block_dv) >= 16
 
     @property
     def rows2(self) -> int:
@@ -48,108 +98,147 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _pick_block(n: int, cap: int, max_waste: float = 0.125) -> int:
-    """Largest power of two <= cap whose padding of n wastes at most max_waste of the work.
-
-    Padding is paid in tanh evaluations, the kernel's bottleneck, so a smaller tile that fits n
-    beats a large half-empty one (e.g. Tk=66 -> 8, not 128; Tq=50 -> 8; Tq=1 -> 1).
-    """
-    n = max(1, int(n))
-    block = min(_pow2_at_least(n), max(1, int(cap)))
-    # Below 4 the padding of a tiny size costs nothing worth the extra loop trips.
-    floor = min(block, 4)
-    while block > floor:
-        padded = -(-n // block) * block
-        if (padded - n) <= max_waste * padded:
-            return block
-        block //= 2
-    return floor
-
-
-def forward_config(
-    num_queries: int,
-    num_keys: int,
-    hidden: int,
-    value_dim: int,
-    tile: int = DEFAULT_TILE,
-    dtype: torch.dtype | None = None,
-) -> TileConfig:
-    """Tiles for the forward and the backward-ds kernels (one program per batch x query tile).
-
-    BLOCK_Q <= 16 rows share each loaded key tile; BLOCK_K fills what the query rows leave of
-    ~256 (query x key) pairs, so the one-query decoding step spreads its lanes over keys and H
-    (Tq=1, Tk=66, H=1024 -> [1, 8, 512]) instead of idling 15 of 16 query rows.
-    """
-    block_q = _pick_block(num_queries, 16)
-    block_k = _pick_block(num_keys, max(16, 256 // block_q))
-    block_h = _pick_block(hidden, max(16, tile // (block_q * block_k)))
-    # The products with values run on tl.dot tiles (padding costs tensor-core work only): wider
-    # for float16 / bfloat16 (tensor cores), narrower for float32, whose exact FMA dot would
-    # otherwise spill registers (bench/triton_aot_report.py).
-    low_precision = dtype in (torch.float16, torch.bfloat16)
-    block_k2 = 32 if low_precision else 16
-    block_dv = max(16, min(64 if low_precision else 32, _pow2_at_least(value_dim)))
-    return TileConfig(block_q, block_k, block_h, block_dv, block_k2=block_k2)
-
-
-# Grad-kernel tiles (BLOCK_Q, BLOCK_K, BLOCK_H) of 4096 elements (4 warps) and their cost in
-# issued instructions per tanh in the innermost loop, read off the sm_90 SASS that
-# bench/triton_aot_report.py prints (triton 3.9, bf16; float32 costs 1.2-1.3x, same order). A
-# static proxy, not a timing: it favours wide key tiles because the replicated loads of ds and q
-# and the grad-query update are paid once per query tile. Rerun the report (and time them on a
-# GPU) after changing the kernel.
-_GRAD_TILE_COSTS = (
-    ((4, 32, 32), 9.2),
-    ((1, 8, 512), 10.3),
-    ((8, 16, 32), 10.4),
-    ((4, 64, 16), 10.4),
-    ((8, 32, 16), 10.6),
-    ((1, 16, 256), 10.6),
-    ((2, 8, 256), 11.2),
-    ((16, 16, 16), 13.0),
-    ((4, 8, 128), 14.3),
-    ((8, 8, 64), 16.9),
-)
-
-
 def _padding(n: int, block: int) -> float:
     n = max(1, int(n))
     return (-(-n // block) * block) / n
 
 
-def grad_tile(batch: int, num_queries: int, num_keys: int, hidden: int, min_programs: int = 512):
-    """(BLOCK_Q, BLOCK_K, BLOCK_H) of the grad kernel: least instructions per useful tanh.
+def _wave_factor(programs: int, sms: int) -> float:
+    """Busiest SM's programs over the average: 1.0 when programs spread evenly."""
+    programs = max(1, programs)
+    return math.ceil(programs / sms) * sms / programs
 
-    Cost = instructions per tanh of the tile (_GRAD_TILE_COSTS) x the padding it adds to Tq and
-    Tk (padded rows cost tanh too) x how far its batch x H-chunk grid falls short of
-    ``min_programs`` (a GPU with idle SMs). Tq=Tk=50 -> (4, 32, 32); Tq=74, Tk=75 -> (8, 16, 32);
-    the decoding step (Tq=1, Tk=66, B=1280) -> (1, 8, 512).
+
+def tanh_cost(mode: str, block_q: int, block_k: int, element_bytes: int, grad: bool = False,
+              hidden: int = 1024) -> float:  # fmt: skip
+    """Time per useful tanh of a tile, in MUFU ops (see the module doc)."""
+    amortised = 1.0 / block_q + 1.0 / block_k
+    mufu = {"approx": 1.0, "packed": 0.5, "exp": 2.0, "product": 1.0 + amortised}[mode]
+    base, load = (GRAD_BASE_INSTR, GRAD_LOAD_INSTR) if grad else (BASE_INSTR, LOAD_INSTR)
+    instr = base[mode] + load * amortised
+    if not grad:  # the per-key-tile work, spread over the tile's tanh per thread
+        instr += KEY_TILE_INSTR * THREADS / (block_q * block_k * _pow2_at_least(hidden))
+    issue = instr * MUFU_PER_CLOCK / ISSUE_PER_CLOCK
+    l2 = element_bytes / block_q * TANH_RATE / L2_BANDWIDTH
+    return max(mufu, issue, l2)
+
+
+def _default_mode(dtype: torch.dtype | None) -> str:
+    return "approx" if dtype in (torch.float16, torch.bfloat16) else "product"
+
+
+def _element_bytes(dtype: torch.dtype | None) -> int:
+    return 2 if dtype in (torch.float16, torch.bfloat16) else 4
+
+
+def _candidates(num_queries: int, num_keys: int, hidden: int, tile: int, max_q: int = 16,
+                max_h: int = 512):  # fmt: skip
+    """(block_q, block_k, block_h) with at most ``tile`` elements, block_k >= 4 (vector score
+    stores), min(16, H) <= block_h <= max_h (some H loop left to overlap loads with tanh)."""
+    cap_q = min(max_q, _pow2_at_least(num_queries))
+    cap_k = max(4, min(128, _pow2_at_least(num_keys)))
+    cap_h = min(max_h, _pow2_at_least(hidden))
+    block_q = 1
+    while block_q <= cap_q:
+        block_k = 4
+        while block_k <= cap_k and block_q * block_k * min(16, cap_h) <= tile:
+            yield block_q, block_k, min(cap_h, tile // (block_q * block_k))
+            block_k *= 2
+        block_q *= 2
+
+
+def _rank(costs: list[tuple[TileConfig, float, int]], sms: int) -> list[tuple[TileConfig, float]]:
+    """Minimum-programs rule, then cost (ties: larger block_h, fewer programs)."""
+    if any(programs >= sms for _, _, programs in costs):
+        costs = [entry for entry in costs if entry[2] >= sms]
+    costs = [(cfg, round(cost, 6), programs) for cfg, cost, programs in costs]
+    costs.sort(key=lambda e: (e[1], -e[0].block_h, e[2]))
+    return [(cfg, cost) for cfg, cost, _ in costs]
+
+
+def rank_forward(batch: int, num_queries: int, num_keys: int, hidden: int, value_dim: int,
+                 dtype: torch.dtype | None = None, sms: int = H200_SMS, mode: str | None = None,
+                 tile: int = DEFAULT_TILE) -> list[tuple[TileConfig, float]]:  # fmt: skip
+    """Every forward / backward-ds tile candidate with its predicted cost, best first."""
+    mode = mode or _default_mode(dtype)
+    size = _element_bytes(dtype)
+    k2, dv = _phase2_tiles(value_dim, dtype, num_queries)
+    costs = []
+    for block_q, block_k, block_h in _candidates(num_queries, num_keys, hidden, tile):
+        programs = batch * -(-max(1, num_queries) // block_q)
+        cost = (_padding(num_queries, block_q) * _padding(num_keys, block_k)
+                * _padding(hidden, block_h) * _wave_factor(programs, sms)
+                * tanh_cost(mode, block_q, block_k, size, hidden=hidden))  # fmt: skip
+        costs.append((TileConfig(block_q, block_k, block_h, dv, block_k2=k2), cost, programs))
+    return _rank(costs, sms)
+
+
+def sweep_forward(batch: int, num_queries: int, num_keys: int, hidden: int, value_dim: int,
+                  dtype: torch.dtype | None = None, sms: int = H200_SMS,
+                  count: int = 4) -> list[tuple[TileConfig, float]]:  # fmt: skip
+    """What a tile sweep should time: the best candidate of each block_q (up to ``count``), the
+    model's choice first, so a GPU run checks the model where it is least sure."""
+    best: dict[int, tuple[TileConfig, float]] = {}
+    for cfg, cost in rank_forward(batch, num_queries, num_keys, hidden, value_dim, dtype, sms):
+        best.setdefault(cfg.block_q, (cfg, cost))
+    return sorted(best.values(), key=lambda entry: entry[1])[:count]
+
+
+def _phase2_tiles(value_dim: int, dtype: torch.dtype | None, num_queries: int) -> tuple[int, int]:
+    """(block_k2, block_dv) of the value products: tensor-core tiles for float16 / bfloat16, exact
+    FMA tiles for float32 (a 32 x 64 float32 dot spills at sm_90), a 1-row GEMV at Tq = 1."""
+    dv_cap = _pow2_at_least(max(16, value_dim))
+    if num_queries <= 1:
+        return 16, min(256, dv_cap)
+    if dtype in (torch.float16, torch.bfloat16):
+        return 64, min(128, dv_cap)
+    return 16, min(32, dv_cap)
+
+
+def forward_config(num_queries: int, num_keys: int, hidden: int, value_dim: int,
+                   tile: int = DEFAULT_TILE, dtype: torch.dtype | None = None,
+                   batch: int = 4 * H200_SMS, sms: int = H200_SMS,
+                   mode: str | None = None) -> TileConfig:  # fmt: skip
+    """Tiles for the forward and the backward-ds kernels: the cheapest of :func:`rank_forward`.
+
+    ``batch`` matters only through the wave and minimum-programs terms (the launcher passes it);
+    ``mode``: the tanh path (default: the dtype's).
     """
-
-    def cost(item):
-        (block_q, block_k, block_h), per_tanh = item
-        programs = batch * -(-hidden // min(block_h, _pow2_at_least(hidden)))
-        shortfall = max(1.0, min_programs / max(1, programs))
-        padding = _padding(num_queries, block_q) * _padding(num_keys, block_k)
-        return per_tanh * padding * shortfall
-
-    (block_q, block_k, block_h), _ = min(_GRAD_TILE_COSTS, key=cost)
-    return block_q, block_k, min(block_h, _pow2_at_least(hidden))
+    ranked = rank_forward(batch, num_queries, num_keys, hidden, value_dim, dtype, sms, mode, tile)
+    return ranked[0][0]
 
 
-def backward_configs(
-    batch: int,
-    num_queries: int,
-    num_keys: int,
-    hidden: int,
-    value_dim: int,
-    tile: int = DEFAULT_TILE,
-    min_programs: int = 512,
-    dtype: torch.dtype | None = None,
-) -> tuple[TileConfig, TileConfig, TileConfig]:
+def rank_grad(batch: int, num_queries: int, num_keys: int, hidden: int,
+              dtype: torch.dtype | None = None, sms: int = H200_SMS,
+              mode: str | None = None) -> list[tuple[TileConfig, float]]:  # fmt: skip
+    """Grad-kernel tiles (one program per batch x H chunk) with their predicted cost, best first."""
+    mode = mode or _default_mode(dtype)
+    size = _element_bytes(dtype)
+    costs = []
+    for block_q, block_k, block_h in _candidates(num_queries, num_keys, hidden, DEFAULT_TILE, 8):
+        programs = batch * -(-max(1, hidden) // block_h)
+        cost = (_padding(num_queries, block_q) * _padding(num_keys, block_k)
+                * _padding(hidden, block_h) * _wave_factor(programs, sms)
+                * tanh_cost(mode, block_q, block_k, size, grad=True))  # fmt: skip
+        costs.append((TileConfig(block_q, block_k, block_h, 1), cost, programs))
+    return _rank(costs, sms)
+
+
+def grad_tile(batch: int, num_queries: int, num_keys: int, hidden: int,
+              dtype: torch.dtype | None = None, sms: int = H200_SMS,
+              mode: str | None = None) -> tuple[int, int, int]:  # fmt: skip
+    """(BLOCK_Q, BLOCK_K, BLOCK_H) of the grad kernel: the cheapest of :func:`rank_grad`."""
+    cfg = rank_grad(batch, num_queries, num_keys, hidden, dtype, sms, mode)[0][0]
+    return cfg.block_q, cfg.block_k, cfg.block_h
+
+
+def backward_configs(batch: int, num_queries: int, num_keys: int, hidden: int, value_dim: int,
+                     tile: int = DEFAULT_TILE, dtype: torch.dtype | None = None,
+                     sms: int = H200_SMS, mode: str | None = None,
+                     ) -> tuple[TileConfig, TileConfig, TileConfig]:  # fmt: skip
     """Tiles for the ds kernel, the grad kernel (batch x H chunk) and the grad-values kernel."""
-    ds_cfg = forward_config(num_queries, num_keys, hidden, value_dim, tile, dtype)
-    grad_cfg = TileConfig(*grad_tile(batch, num_queries, num_keys, hidden, min_programs), 1)
+    ds_cfg = forward_config(num_queries, num_keys, hidden, value_dim, tile, dtype, batch, sms, mode)
+    grad_cfg = TileConfig(*grad_tile(batch, num_queries, num_keys, hidden, dtype, sms, mode), 1)
     # grad values = p^T dO on tl.dot tiles (padding costs tensor-core work only).
     dvalues_cfg = TileConfig(
         max(16, min(32, _pow2_at_least(num_queries))),
