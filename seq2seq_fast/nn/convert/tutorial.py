@@ -26,12 +26,20 @@ from seq2seq_fast.nn.convert._base import (
     own_parameter_names,
     register,
 )
+from seq2seq_fast.nn.keycache import ProjectionCache
+from seq2seq_fast.nn.stepwise import StepwiseMemory
 
 
 class FusedTutorialAttention(FusedStandIn):
     """Fused stand-in for the tutorial's attention: the same ``Wa``, ``Ua``, ``Va`` Linears (the
-    very Parameter objects, same state_dict keys) and the same call. A query that is not
-    [B, 1, Dq] (the tutorial's only shape) runs the original's math in plain PyTorch."""
+    very Parameter objects, same state_dict keys) and the same call.
+
+    ``Ua(keys)`` is computed once per keys tensor and reused by the following steps
+    (:class:`~seq2seq_fast.nn.keycache.ProjectionCache`); when training on the CPU kernel, the
+    steps' gradients for the keys and the projected keys are gathered once per sequence
+    (:class:`~seq2seq_fast.nn.stepwise.StepwiseMemory`). A query that is not [B, 1, Dq] (the
+    tutorial's only shape) runs the original's math in plain PyTorch.
+    """
 
     layout = "tutorial"
 
@@ -39,17 +47,31 @@ class FusedTutorialAttention(FusedStandIn):
         super().__init__()
         self.Wa, self.Ua, self.Va = Wa, Ua, Va
         self.backend = check_backend(backend)
+        self.key_cache = ProjectionCache()
 
     def _plain(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
         scores = self.Va(torch.tanh(self.Wa(query) + self.Ua(keys))).squeeze(2).unsqueeze(1)
         weights = F.softmax(scores, dim=-1)
         return torch.bmm(weights, keys), weights
 
+    def _memory(self, keys: Tensor) -> tuple[Tensor, Tensor, StepwiseMemory | None, Tensor]:
+        """(projected keys, values, stepwise memory or None, Ua(keys)) for one keys tensor; the
+        first two are the memory's aliases when there is one."""
+        projected = self.Ua(keys)
+        memory = StepwiseMemory.for_training(projected, keys, self.backend)
+        if memory is None:
+            return projected, keys, None, projected
+        return memory.keys, memory.values, memory, projected
+
     def forward(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
         if query.dim() != 3 or keys.dim() != 3 or query.shape[1] != 1:
             return self._plain(query, keys)
+        ua = self.Ua
+        projected, values, memory, _ = self.key_cache.get(
+            keys, (ua.weight, ua.bias), lambda: self._memory(keys), watch=lambda entry: entry[3:]
+        )
         context, weights = attend(
-            self.backend, self.Wa(query), self.Ua(keys), keys, self.Va.weight[0]
+            self.backend, self.Wa(query), projected, values, self.Va.weight[0], stepwise=memory
         )
         return context, weights
 

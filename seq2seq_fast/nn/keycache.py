@@ -1,0 +1,173 @@
+"""A stand-in's cache of its fixed memory's projection, reused across a decoder's steps.
+
+Many decoders call their attention once per target step with the same encoder outputs, and the
+attention projects them again every time (the PyTorch tutorial's ``Ua(keys)``): per step a
+[B*S, D] x [D, H] product forward and two backward, the larger part of the attention's cost.
+:class:`ProjectionCache` computes it once and hands the same result to the later steps, when all
+of these are unchanged since it was computed:
+
+- the keys: the same tensor object (held by a weak reference) at the same version (``_version``,
+  which every in-place operation bumps) and ``requires_grad``;
+- each projection parameter: the same object, version, storage and ``requires_grad``;
+- the grad mode, inference mode and autocast state of the calling thread.
+
+Training: the steps share the one projection in the graph, so one backward after all the steps
+gives the gradients of the original (summed over the steps in another order). A backward that
+runs through the projection (between steps, with or without ``retain_graph``) drops the entry:
+the next step projects again, as the original does, so a later backward never meets a freed
+graph. With a :class:`~seq2seq_fast.nn.stepwise.StepwiseMemory` in the cached value (built by the
+``compute`` function, see ``FusedTutorialAttention``), the values' and keys' gradients of all the
+steps are gathered once per sequence.
+
+The one limit: a change that bypasses the version counters (``tensor.data.add_(...)``, or
+assigning through ``.data`` to the keys in place) is not seen; call :meth:`clear` after one.
+
+Bypassed (``compute`` runs every call): under torch.compile / torch.jit tracing or scripting and
+inside torch.func transforms, whose graphs must not capture Python-side state. Beam search that
+reorders or expands the memory passes a new tensor: a miss, so it projects again (correct, and
+the cache then serves the following steps over that tensor).
+
+Memory: each calling thread holds at most one entry (the last keys it projected), at most
+:data:`MAX_THREADS` threads. The entry goes when its keys die (inference), when a backward runs
+through it (training), when other keys come, or with :meth:`clear`. While a graph that saved the
+keys is held (a forward with gradients and no backward yet), the keys stay alive through it.
+
+Deep copies and pickles of a module start with an empty cache.
+
+Usage in a stand-in (a family in :mod:`seq2seq_fast.nn.convert` may use it the same way)::
+
+    self._key_cache = ProjectionCache()
+    ...
+    projected = self._key_cache.get(keys, (lin.weight, lin.bias), lambda: lin(keys))
+
+A ``compute`` may also return more than the projection (a tuple with a StepwiseMemory built on
+it); then pass ``watch=`` the function that picks the projection itself from the value.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from seq2seq_fast.ops.additive_attention import traced_or_transformed
+
+T = TypeVar("T")
+MAX_THREADS = 8
+
+
+def cache_bypassed() -> bool:
+    """True where a cache must not be used: torch.compile, torch.jit, torch.func."""
+    return traced_or_transformed() or torch.jit.is_tracing() or torch.jit.is_scripting()
+
+
+def _param_state(param: Tensor | None) -> tuple:
+    if param is None:
+        return (None,)
+    return (param, param._version, param.data_ptr(), param.requires_grad)
+
+
+class _Entry:
+    __slots__ = ("keys_ref", "state", "value", "token")
+
+    def __init__(self, keys_ref, state, value, token) -> None:
+        self.keys_ref, self.state, self.value, self.token = keys_ref, state, value, token
+
+
+class ProjectionCache:
+    """One cached projection per calling thread (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[int, _Entry] = {}
+        self.hits = 0  # counters for tests and benchmarks
+        self.misses = 0
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+    def clear(self) -> None:
+        """Drop every entry (e.g. after changing keys or weights through ``.data``)."""
+        with self._lock:
+            self._entries.clear()
+
+    def get(
+        self,
+        keys: Tensor,
+        params: Sequence[Tensor | None],
+        compute: Callable[[], T],
+        watch: Callable[[T], Sequence[Tensor]] | None = None,
+    ) -> T:
+        """``compute()``, or the value it returned for these ``keys`` and ``params`` before when
+        nothing listed in the module docstring has changed since. ``watch(value)``: the tensors
+        of the value whose gradient a backward computes when it runs through the cached graph
+        (default: every tensor in the value); the entry is dropped when one gets its gradient."""
+        if cache_bypassed() or not isinstance(keys, Tensor):
+            return compute()
+        state = (
+            keys._version,
+            keys.requires_grad,
+            torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(),
+            torch.is_autocast_enabled(keys.device.type),
+            *(_param_state(p) for p in params),
+        )
+        thread = threading.get_ident()
+        entry = self._entries.get(thread)
+        if entry is not None and entry.keys_ref() is keys and _same(entry.state, state):
+            self.hits += 1
+            return entry.value
+        self.misses += 1
+        value = compute()
+        watched = pytree.tree_leaves(value) if watch is None else watch(value)
+        self._store(thread, keys, state, value, watched)
+        return value
+
+    def _store(self, thread: int, keys: Tensor, state: tuple, value: Any, watched) -> None:
+        token = object()
+        this = weakref.ref(self)
+
+        def drop(_=None) -> None:
+            cache = this()
+            if cache is not None:
+                cache._drop(token)
+
+        try:
+            keys_ref = weakref.ref(keys, drop)
+        except TypeError:  # not weak-referenceable: nothing cached
+            return
+        for tensor in watched:
+            if isinstance(tensor, Tensor) and tensor.grad_fn is not None:
+                tensor.register_hook(lambda grad: drop())  # a backward reached it
+        with self._lock:
+            self._entries.pop(thread, None)
+            while len(self._entries) >= MAX_THREADS:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[thread] = _Entry(keys_ref, state, value, token)
+
+    def _drop(self, token: object) -> None:
+        with self._lock:
+            for thread, entry in list(self._entries.items()):
+                if entry.token is token:
+                    del self._entries[thread]
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Element-wise equality where tensors compare by identity."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, tuple):
+            if not (len(x) == len(y) and x[0] is y[0] and x[1:] == y[1:]):
+                return False
+        elif x != y:
+            return False
+    return True
