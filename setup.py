@@ -22,7 +22,9 @@ if os.environ.get("SEQ2SEQ_FAST_SKIP_BUILD", "0") != "1":
     # with target attributes and chosen at run time (see csrc/).
     cxx_flags = ["-O0", "-g"] if debug else ["-O3", "-fno-math-errno"]
     cxx_flags += ["-fopenmp", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    # the ops and their runtime (csrc/*.cpp), the kernel tables per instruction set (csrc/kernels/)
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    sources += sorted(glob.glob(os.path.join("csrc", "kernels", "*.cpp")))
     ext_modules.append(
         CppExtension(
             "seq2seq_fast._C",

@@ -1,8 +1,8 @@
-// CPU kernels of the GRU recurrence (seq2seq_fast/gru.py): one op for the forward over all time
-// steps, one for the backward, so a GRU layer costs one matrix product and one fused gate pass
-// per step instead of a dozen small ops and autograd nodes. Also one GRU or LSTM cell step from
-// given gate projections (_gru_cell_*, _lstm_cell_*) for the Bahdanau decoder, which forms them
-// itself.
+// CPU kernels of the GRU recurrence (seq2seq_fast/ops/recurrent.py): one op for the forward over
+// all time steps, one for the backward, so a GRU layer costs one matrix product and one fused gate
+// pass per step instead of a dozen small ops and autograd nodes. Also one GRU cell step from given
+// gate projections (_gru_cell_*) for the Bahdanau decoder, which forms them itself (the LSTM cell's
+// twin is csrc/lstm.cpp).
 //
 // With gx = x W_ih^T + b_ih [B, T, 3H] precomputed (one product over all steps, by the caller)
 // and gh_t = h_{t-1} W_hh^T + b_hh, the gates are PyTorch's (nn.GRU, "linear before reset"):
@@ -12,36 +12,45 @@
 // backwards with one product per step (dh_{t-1} += dgh_t W_hh) and forms dW_hh = sum_t dgh_t^T
 // h_{t-1} and db_hh as one product / one sum over all steps at the end.
 //
-// The gate passes are kernel-table functions (csrc/kernels.h, compiled per instruction set and
+// The gate passes are kernel-table functions (csrc/kernels/kernels.h, compiled per instruction set and
 // chosen at run time like the attention's): sigmoid(a) = 1 / (1 + exp(-a)) and
 // tanh(a) = 1 - 2 / (1 + exp(2a)) with the tables' exp; inf and NaN propagate as in torch (exp
 // saturates, 1 / (1 + inf) = 0).
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
 #include <tuple>
 #include <utility>
 
-#include "kernels.h"
+#include "recurrent.h"
+#include "runtime.h"
 
 namespace seq2seq_fast {
 
-namespace {
-
 using at::Tensor;
 
-// Rows [begin, end) of one step's gate pass; small steps run on the calling thread (a parallel
-// region costs more than the pass). Measured at B=64, T=30, H=256 on 2 threads: forward 5.2 -> 4.2
-// ms, backward 8.2 -> 7.3 ms with the rows split; no difference at B=16.
-template <typename F>
-void for_rows(int64_t rows, int64_t row_work, const F& f) {
-  if (rows * row_work < 16384) {
-    f(0, rows);
-  } else {
-    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / row_work), f);
+// A cell op's inputs: gate projections [B, gates * H] (unit stride along the row), the state
+// [B, H]; float32/64 CPU tensors of one dtype. Returns the projections with unit inner stride.
+std::pair<Tensor, Tensor> check_cell(const char* op, const Tensor& gates_in,
+                                     const Tensor& gates_hidden, const Tensor& state,
+                                     int64_t gates) {
+  TORCH_CHECK(state.dim() == 2 && state.size(1) > 0, op, ": the state must be [B, H], got ",
+              state.sizes());
+  TORCH_CHECK(state.device().is_cpu() &&
+                  (state.scalar_type() == at::kFloat || state.scalar_type() == at::kDouble),
+              op, ": float32 or float64 CPU tensors, got ", state.scalar_type());
+  const int64_t B = state.size(0), G = gates * state.size(1);
+  for (const Tensor* t : {&gates_in, &gates_hidden}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->size(1) == G, op,
+                ": gate projections must be [B=", B, ", ", gates, "H=", G, "], got ", t->sizes());
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == state.scalar_type(), op,
+                ": tensors must be on the CPU with one dtype");
   }
+  return {gates_in.stride(1) == 1 ? gates_in : gates_in.contiguous(),
+          gates_hidden.stride(1) == 1 ? gates_hidden : gates_hidden.contiguous()};
 }
+
+namespace {
 
 void check_gru(const Tensor& gx, const Tensor& h0, const Tensor& w_hh,
                const c10::optional<Tensor>& b_hh) {
@@ -148,29 +157,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gru_recurrence_bwd(const Tensor& grad
   return {dgx, carry, dw, db};
 }
 
-// A cell op's inputs: gate projections [B, gates * H] (unit stride along the row), the state
-// [B, H]; float32/64 CPU tensors of one dtype. Returns the projections with unit inner stride.
-std::pair<Tensor, Tensor> check_cell(const char* op, const Tensor& gates_in,
-                                     const Tensor& gates_hidden, const Tensor& state,
-                                     int64_t gates) {
-  TORCH_CHECK(state.dim() == 2 && state.size(1) > 0, op, ": the state must be [B, H], got ",
-              state.sizes());
-  TORCH_CHECK(state.device().is_cpu() &&
-                  (state.scalar_type() == at::kFloat || state.scalar_type() == at::kDouble),
-              op, ": float32 or float64 CPU tensors, got ", state.scalar_type());
-  const int64_t B = state.size(0), G = gates * state.size(1);
-  for (const Tensor* t : {&gates_in, &gates_hidden}) {
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->size(1) == G, op,
-                ": gate projections must be [B=", B, ", ", gates, "H=", G, "], got ", t->sizes());
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == state.scalar_type(), op,
-                ": tensors must be on the CPU with one dtype");
-  }
-  return {gates_in.stride(1) == 1 ? gates_in : gates_in.contiguous(),
-          gates_hidden.stride(1) == 1 ? gates_hidden : gates_hidden.contiguous()};
-}
-
 // One GRU cell step from its two gate projections (nn.GRUCell's math, biases included), for a
-// decoder that forms the projections itself (seq2seq_fast/models.py, the Bahdanau decoder):
+// decoder that forms the projections itself (the Bahdanau decoder):
 // gates_in, gates_hidden [B, 3H] (rows may be strided), h [B, H] -> (h_new [B, H], saved [B, 4H]).
 std::tuple<Tensor, Tensor> gru_cell_fwd(const Tensor& gates_in, const Tensor& gates_hidden,
                                         const Tensor& h_in) {
@@ -228,67 +216,6 @@ std::tuple<Tensor, Tensor, Tensor> gru_cell_bwd(const Tensor& grad_h_in, const T
   return {d_in, d_hidden, dh};
 }
 
-// One LSTM cell step from its two gate projections (nn.LSTMCell's math, biases included):
-// gates_in, gates_hidden [B, 4H] (rows may be strided), c [B, H] -> (h, c_new [B, H],
-// saved [B, 5H]).
-std::tuple<Tensor, Tensor, Tensor> lstm_cell_fwd(const Tensor& gates_in,
-                                                 const Tensor& gates_hidden, const Tensor& c_in) {
-  Tensor gi, gh;
-  std::tie(gi, gh) = check_cell("_lstm_cell", gates_in, gates_hidden, c_in, 4);
-  const int64_t B = c_in.size(0), H = c_in.size(1);
-  const Tensor c = c_in.contiguous();
-  Tensor h = at::empty({B, H}, c.options());
-  Tensor c_new = at::empty({B, H}, c.options());
-  Tensor saved = at::empty({B, 5 * H}, c.options());
-  AT_DISPATCH_FLOATING_TYPES(c.scalar_type(), "_lstm_cell_fwd", [&] {
-    const auto& kt = runtime_kernels<scalar_t>();
-    const scalar_t* gi_p = gi.data_ptr<scalar_t>();
-    const scalar_t* gh_p = gh.data_ptr<scalar_t>();
-    const scalar_t* c_p = c.data_ptr<scalar_t>();
-    scalar_t* h_p = h.data_ptr<scalar_t>();
-    scalar_t* cn_p = c_new.data_ptr<scalar_t>();
-    scalar_t* s_p = saved.data_ptr<scalar_t>();
-    const int64_t si = gi.stride(0), sh = gh.stride(0);
-    for_rows(B, 5 * H, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        kt.lstm_gates_fwd(gi_p + b * si, gh_p + b * sh, c_p + b * H, h_p + b * H, cn_p + b * H,
-                          s_p + b * 5 * H, H);
-      }
-    });
-  });
-  return {h, c_new, saved};
-}
-
-// grad_h, grad_c [B, H], saved, c -> (d gates [B, 4H] (of gates_in and gates_hidden alike),
-// dc [B, H]).
-std::tuple<Tensor, Tensor> lstm_cell_bwd(const Tensor& grad_h_in, const Tensor& grad_c_in,
-                                         const Tensor& saved, const Tensor& c_in) {
-  const Tensor grad_h = grad_h_in.contiguous(), grad_c = grad_c_in.contiguous();
-  const Tensor c = c_in.contiguous();
-  const int64_t B = c.size(0), H = c.size(1);
-  TORCH_CHECK(grad_h.sizes() == c.sizes() && grad_c.sizes() == c.sizes() && saved.dim() == 2 &&
-                  saved.size(0) == B && saved.size(1) == 5 * H && saved.is_contiguous(),
-              "_lstm_cell_bwd: inconsistent saved tensors");
-  Tensor d_gates = at::empty({B, 4 * H}, c.options());
-  Tensor dc = at::empty({B, H}, c.options());
-  AT_DISPATCH_FLOATING_TYPES(c.scalar_type(), "_lstm_cell_bwd", [&] {
-    const auto& kt = runtime_kernels<scalar_t>();
-    const scalar_t* s_p = saved.data_ptr<scalar_t>();
-    const scalar_t* c_p = c.data_ptr<scalar_t>();
-    const scalar_t* gh_p = grad_h.data_ptr<scalar_t>();
-    const scalar_t* gc_p = grad_c.data_ptr<scalar_t>();
-    scalar_t* d_p = d_gates.data_ptr<scalar_t>();
-    scalar_t* dc_p = dc.data_ptr<scalar_t>();
-    for_rows(B, 5 * H, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        kt.lstm_gates_bwd(s_p + b * 5 * H, c_p + b * H, gh_p + b * H, gc_p + b * H,
-                          d_p + b * 4 * H, dc_p + b * H, H);
-      }
-    });
-  });
-  return {d_gates, dc};
-}
-
 }  // namespace
 }  // namespace seq2seq_fast
 
@@ -299,10 +226,6 @@ TORCH_LIBRARY_FRAGMENT(seq2seq_fast, m) {
       "bool has_bias) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("_gru_cell_fwd(Tensor gates_in, Tensor gates_hidden, Tensor h) -> (Tensor, Tensor)");
   m.def("_gru_cell_bwd(Tensor grad_h, Tensor saved, Tensor h) -> (Tensor, Tensor, Tensor)");
-  m.def(
-      "_lstm_cell_fwd(Tensor gates_in, Tensor gates_hidden, Tensor c) -> (Tensor, Tensor, "
-      "Tensor)");
-  m.def("_lstm_cell_bwd(Tensor grad_h, Tensor grad_c, Tensor saved, Tensor c) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(seq2seq_fast, CPU, m) {
@@ -310,6 +233,4 @@ TORCH_LIBRARY_IMPL(seq2seq_fast, CPU, m) {
   m.impl("_gru_recurrence_bwd", &seq2seq_fast::gru_recurrence_bwd);
   m.impl("_gru_cell_fwd", &seq2seq_fast::gru_cell_fwd);
   m.impl("_gru_cell_bwd", &seq2seq_fast::gru_cell_bwd);
-  m.impl("_lstm_cell_fwd", &seq2seq_fast::lstm_cell_fwd);
-  m.impl("_lstm_cell_bwd", &seq2seq_fast::lstm_cell_bwd);
 }

@@ -1,4 +1,4 @@
-// Torch-free check of the CPU kernel tables (csrc/kernels.h) against plain double-precision loops.
+// Torch-free check of the CPU kernel tables (csrc/kernels/kernels.h) against plain double loops.
 //
 // Built and run by tests/test_portability.py: natively (every table this CPU supports) and, cross-
 // compiled for aarch64 with Zig, under qemu-aarch64 (the portable tables: what an aarch64 build of
@@ -14,7 +14,7 @@
 
 #include <limits>  // header only
 
-#include "kernels.h"
+#include "kernels/kernels.h"
 
 using namespace seq2seq_fast;
 

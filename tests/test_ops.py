@@ -445,19 +445,6 @@ def test_each_isa_matches_reference(isa, monkeypatch):
         assert_matches_reference(inputs, lengths, mask)
 
 
-@pytest.mark.parametrize("kind", ["lengths", "mask"])
-def test_blas_value_products_match(kind, monkeypatch):
-    """SEQ2SEQ_FAST_CTX=bmm (context, dp, dvalues by batched matmuls) agrees with the default."""
-    inputs = make_inputs(9, 12, 10, 24, 20, torch.float64)
-    lengths, mask = key_masks(kind, 9, 10)
-    default = assert_matches_reference(inputs, lengths, mask)
-    monkeypatch.setenv("SEQ2SEQ_FAST_CTX", "bmm")
-    blas = assert_matches_reference(inputs, lengths, mask)
-    torch.testing.assert_close(blas[0], default[0], atol=1e-12, rtol=1e-12)
-    for got, want in zip(blas[2], default[2], strict=True):
-        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
-
-
 def _float32_grid():
     """Dense float32 grid: every 2^-12 up to 16, then log-spaced magnitudes, both signs, specials."""
     fine = torch.arange(0, 16 * 4096 + 1, dtype=torch.float64) / 4096

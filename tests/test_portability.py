@@ -1,14 +1,14 @@
 """The CPU kernels away from this machine's build: aarch64, and each table against plain loops.
 
-- Every file in csrc/ compiles for aarch64-linux-gnu with Zig's bundled clang against the
+- Every file in csrc/ (the ops and their runtime) and csrc/kernels/ (the kernel tables) compiles for aarch64-linux-gnu with Zig's bundled clang against the
   installed torch headers, warnings as errors for our own sources (the build of the extension).
-- tests/kernel_harness.cpp checks every function of the kernel tables (csrc/kernels.h: packing,
+- tests/kernel_harness.cpp checks every function of the kernel tables (csrc/kernels/kernels.h: packing,
   exp, scores and the backward's pass on both tanh paths, the value-side products) against plain
   double-precision loops, without torch: built here with the host compiler for every table this CPU
   runs (portable, AVX2, AVX-512), and cross-built for aarch64 (musl, static) and run under
   qemu-aarch64, where the portable tables are what the extension uses.
 
-The full extension (the torch-facing driver, csrc/additive_attention.cpp) is tested on aarch64 only
+The full extension (the torch-facing ops, csrc/*.cpp) is tested on aarch64 only
 as far as compiling: running it there needs an aarch64 Python and torch. Its portable path runs
 here under SEQ2SEQ_FAST_ISA=portable (tests/test_ops.py).
 """
@@ -24,8 +24,8 @@ import sysconfig
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SOURCES = sorted((ROOT / "csrc").glob("*.cpp"))
-SOURCES_KERNELS = [p for p in SOURCES if p.name.startswith("kernels_")]
+SOURCES_KERNELS = sorted((ROOT / "csrc" / "kernels").glob("*.cpp"))
+SOURCES = sorted((ROOT / "csrc").glob("*.cpp")) + SOURCES_KERNELS
 
 ziglang = pytest.importorskip("ziglang", reason="ziglang (the cross compiler) is not installed")
 
@@ -105,7 +105,7 @@ def test_portable_kernels_run_on_aarch64(tmp_path):
     objects = []
     # Compiled as objects with Zig's clang, linked as C: the harness and the kernels use no C++
     # library code, so only musl is built for the target (not libc++ too).
-    for source in (HARNESS, ROOT / "csrc" / "kernels_portable.cpp"):
+    for source in (HARNESS, ROOT / "csrc" / "kernels" / "portable.cpp"):
         obj = tmp_path / (source.stem + ".o")
         cmd = [*zig, "c++", *target, "-std=c++17", "-O2", "-fno-math-errno", "-fno-exceptions",
                "-fno-threadsafe-statics", "-Wall", "-Wextra", "-Werror",

@@ -1,9 +1,11 @@
 // Plain-pointer compute kernels of the CPU additive attention, one table per instruction set.
 //
-// The kernels know nothing about torch: additive_attention.cpp allocates, packs rows per work item
-// and calls through a table chosen at run time (AVX-512, AVX2+FMA or portable C++). Each table is
-// compiled in its own translation unit with its own target options, so a binary built on one
-// x86-64 runs on any other and the portable one builds on aarch64.
+// The kernels know nothing about torch: the ops (csrc/additive_attention.cpp, gru.cpp, lstm.cpp)
+// allocate, pack rows per work item and call through a table chosen at run time by
+// csrc/runtime.cpp (AVX-512, AVX2+FMA or portable C++). Each table is compiled in its own
+// translation unit here (portable.cpp, avx2.cpp, avx512.cpp; bodies in kernel_impl.h) with its own
+// target options, so a binary built on one x86-64 runs on any other and the portable one builds
+// on aarch64.
 //
 // Two ways to evaluate tanh(a + b) for the score e = sum_h v_h tanh(a_h + b_h):
 //   kProduct:  rows are packed as A = exp(2a), B = exp(2b), so tanh(a + b) = 1 - 2 r with
@@ -85,14 +87,7 @@ constexpr double kProductLimitDouble = 150.0;
 // Rows are padded to a multiple of this many elements (the widest vector, 16 floats).
 constexpr int64_t kPadTo = 16;
 
-// The table the extension runs for T on this CPU (float: chosen at run time, SEQ2SEQ_FAST_ISA
-// overriding; double: portable). Defined in additive_attention.cpp, used by gru.cpp too.
-template <typename T>
-const KernelTable<T>& runtime_kernels();
-template <>
-const KernelTable<float>& runtime_kernels<float>();
-template <>
-const KernelTable<double>& runtime_kernels<double>();
+// The tables, one per instruction set and type (runtime.h picks one at run time).
 const KernelTable<float>& portable_float_kernels();
 const KernelTable<double>& portable_double_kernels();
 #if SEQ2SEQ_FAST_X86_SIMD

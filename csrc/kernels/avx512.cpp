@@ -1,5 +1,5 @@
 // AVX-512 (F + DQ) float kernels. Compiled with a target pragma after every system header, and
-// only called after the CPU reported AVX-512 at run time (additive_attention.cpp).
+// only called after the CPU reported AVX-512 at run time (csrc/runtime.cpp).
 #include <cmath>
 #include <cstdint>
 

@@ -1,5 +1,5 @@
 // Kernel bodies shared by every instruction set. Included (inside a per-ISA namespace, after that
-// ISA's SIMD wrapper `S` is defined) by kernels_portable.cpp, kernels_avx2.cpp, kernels_avx512.cpp.
+// ISA's SIMD wrapper `S` is defined) by portable.cpp, avx2.cpp, avx512.cpp.
 // No #include here: system headers are included by the translation unit before its target pragma,
 // so no inline library function is ever compiled with wider instructions than the default.
 //
@@ -420,7 +420,7 @@ void gru_gates_bwd(const typename S::T* __restrict__ saved, const typename S::T*
   }
 }
 
-// LSTM gates of one row (csrc/gru.cpp): gates = gi + gh = [i | f | g | o] (4H), c (H) ->
+// LSTM gates of one row (csrc/lstm.cpp): gates = gi + gh = [i | f | g | o] (4H), c (H) ->
 // h, c_new (H), saved = [i | f | g | o | tanh(c_new)] (5H).
 void lstm_gates_fwd(const typename S::T* __restrict__ gi, const typename S::T* __restrict__ gh,
                     const typename S::T* __restrict__ c, typename S::T* __restrict__ h,

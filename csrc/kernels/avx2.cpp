@@ -1,4 +1,4 @@
-// AVX2 + FMA float kernels (x86-64 without AVX-512). Same structure as kernels_avx512.cpp.
+// AVX2 + FMA float kernels (x86-64 without AVX-512). Same structure as avx512.cpp.
 #include <cmath>
 #include <cstdint>
 
