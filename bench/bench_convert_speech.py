@@ -10,7 +10,8 @@ step is forward, backward and an SGD update. The attentions are the re-creations
 ``tests/layouts_speech.py`` (same math, parameters and call as the toolkits').
 
 Providers: ``original`` (the toolkit's layout), ``fused`` (after ``fuse_attention``), ``zero``
-(context = the memory's mean, no attention work: the bound any attention can reach).
+(context = the memory's mean, taken once per sequence, no attention work: the bound any
+attention can reach; for the location-aware layouts it also drops their location convolution).
 
     python -m bench.bench_convert_speech --threads 1 2 --rounds 7      # table, side by side
     pytest bench/bench_convert_speech.py --benchmark-only              # pytest-benchmark view
@@ -246,14 +247,15 @@ class Decoder(nn.Module):
     def forward(self, memory: Tensor, lengths: Tensor, tokens: Tensor) -> Tensor:
         batch = memory.shape[0]
         zero = isinstance(self.attn, _ZeroCost)
-        ctx = None if zero else self.family.start(self.attn, memory, lengths)
+        # zero: the memory's mean, taken once per sequence (the strictest bound)
+        ctx = memory.mean(dim=1) if zero else self.family.start(self.attn, memory, lengths)
         hidden = cell = memory.new_zeros(batch, self.size.width)
         context = memory.new_zeros(batch, self.size.width)
         logits = []
         for t in range(tokens.shape[1]):
             step_in = torch.cat((self.embed(tokens[:, t]), context), dim=1)
             hidden, cell = self.cell(step_in, (hidden, cell))
-            context = memory.mean(dim=1) if zero else self.family.step(self.attn, ctx, hidden)
+            context = ctx if zero else self.family.step(self.attn, ctx, hidden)
             logits.append(self.out(torch.cat((hidden, context), dim=1)))
         return torch.stack(logits, dim=1)
 

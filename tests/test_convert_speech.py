@@ -53,7 +53,9 @@ def drive_speechbrain(module, dtype, gen, inputs):
         enc = _rand(gen, dtype, batch, frames, module.mlp_enc.in_features).requires_grad_()
         inputs.append(enc)
         enc_len = torch.tensor(_lengths(batch, frames), dtype=dtype)
-        for _ in range(3):
+        for step in range(3):
+            if step == 2 and hasattr(module, "prev_attn"):  # a beam searcher's permute_mem
+                module.prev_attn = module.prev_attn.index_select(0, torch.arange(batch).flip(0))
             out, w = module(enc, enc_len, _rand(gen, dtype, batch, module.mlp_dec.in_features))
             outs += [out, w]
     if hasattr(module, "prev_attn"):
