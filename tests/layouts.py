@@ -2,6 +2,16 @@
 
 TutorialAttention follows the PyTorch seq2seq translation tutorial's layout and call convention;
 GNMTAttention follows NVIDIA's PyTorch GNMT attention (batch_first or time-major, set_mask).
+The NLP families below, each written from its project's published math and call convention:
+
+- ``ConcatAttention``: bentrevett/pytorch-seq2seq notebooks 3 and 4 (``Attention``: time-major
+  encoder outputs, decoder state [B, Dq], optional mask with 0 = padding filled with -1e10,
+  returns the weights [B, S]); ``batch_first=True`` gives the batch-first copies.
+- ``ChatbotAttn``: the PyTorch chatbot tutorial's ``Attn`` ("dot", "general", "concat").
+- ``GlobalAttention``: OpenNMT-py's (attn_type "dot", "general", "mlp"; softmax; coverage),
+  batch-major returns with ``src_len``, or (``old_release=True``) time-major returns with
+  ``memory_lengths``.
+- ``BahdanauAttention``: JoeyNMT's (key/query/energy layers, compute_proj_keys, mask [B, 1, S]).
 """
 
 from __future__ import annotations
@@ -113,3 +123,132 @@ class GNMTDecoderLayer(nn.Module):
         output, _ = self.rnn(inputs)
         attn_context, weights = self.attn(output, context)
         return output + attn_context, weights
+
+
+# --- NLP families ----------------------------------------------------------------------------------
+
+
+class ConcatAttention(nn.Module):
+    def __init__(self, enc_hid_dim, dec_hid_dim, batch_first=False, vector_score=False):
+        super().__init__()
+        self.batch_first = batch_first
+        self.attn = nn.Linear(enc_hid_dim * 2 + dec_hid_dim, dec_hid_dim)
+        if vector_score:
+            self.v = nn.Parameter(torch.rand(dec_hid_dim))
+        else:
+            self.v = nn.Linear(dec_hid_dim, 1, bias=False)
+
+    def forward(self, hidden, encoder_outputs, mask=None):
+        if not self.batch_first:
+            encoder_outputs = encoder_outputs.permute(1, 0, 2)
+        src_len = encoder_outputs.shape[1]
+        hidden = hidden.unsqueeze(1).repeat(1, src_len, 1)
+        energy = torch.tanh(self.attn(torch.cat((hidden, encoder_outputs), dim=2)))
+        if isinstance(self.v, nn.Parameter):
+            attention = (energy * self.v).sum(dim=2)
+        else:
+            attention = self.v(energy).squeeze(2)
+        if mask is not None:
+            attention = attention.masked_fill(mask == 0, -1e10)
+        return F.softmax(attention, dim=1)
+
+
+class ChatbotAttn(nn.Module):
+    def __init__(self, method, hidden_size):
+        super().__init__()
+        self.method = method
+        self.hidden_size = hidden_size
+        if method == "general":
+            self.attn = nn.Linear(hidden_size, hidden_size)
+        elif method == "concat":
+            self.attn = nn.Linear(hidden_size * 2, hidden_size)
+            self.v = nn.Parameter(torch.empty(hidden_size).uniform_(-0.1, 0.1))
+
+    def forward(self, hidden, encoder_outputs):  # hidden [1, B, H], encoder_outputs [S, B, H]
+        if self.method == "dot":
+            energies = torch.sum(hidden * encoder_outputs, dim=2)
+        elif self.method == "general":
+            energies = torch.sum(hidden * self.attn(encoder_outputs), dim=2)
+        else:
+            expanded = hidden.expand(encoder_outputs.size(0), -1, -1)
+            energy = self.attn(torch.cat((expanded, encoder_outputs), 2)).tanh()
+            energies = torch.sum(self.v * energy, dim=2)
+        return F.softmax(energies.t(), dim=1).unsqueeze(1)
+
+
+class GlobalAttention(nn.Module):
+    def __init__(self, dim, coverage=False, attn_type="dot", attn_func="softmax",
+                 old_release=False):  # fmt: skip
+        super().__init__()
+        self.dim, self.attn_type, self.attn_func = dim, attn_type, attn_func
+        self.old_release = old_release
+        if attn_type == "general":
+            self.linear_in = nn.Linear(dim, dim, bias=False)
+        elif attn_type == "mlp":
+            self.linear_context = nn.Linear(dim, dim, bias=False)
+            self.linear_query = nn.Linear(dim, dim, bias=True)
+            self.v = nn.Linear(dim, 1, bias=False)
+        self.linear_out = nn.Linear(dim * 2, dim, bias=attn_type == "mlp")
+        if coverage:
+            self.linear_cover = nn.Linear(1, dim, bias=False)
+
+    def score(self, h_t, h_s):
+        if self.attn_type != "mlp":
+            if self.attn_type == "general":
+                h_t = self.linear_in(h_t)
+            return torch.bmm(h_t, h_s.transpose(1, 2))
+        wq = self.linear_query(h_t).unsqueeze(2)  # [B, Tt, 1, dim]
+        uh = self.linear_context(h_s).unsqueeze(1)  # [B, 1, S, dim]
+        return self.v(torch.tanh(wq + uh)).squeeze(3)
+
+    def forward(self, source, memory_bank, src_len=None, coverage=None):
+        one_step = source.dim() == 2
+        if one_step:
+            source = source.unsqueeze(1)
+        if coverage is not None:
+            cover = self.linear_cover(coverage.unsqueeze(2))
+            memory_bank = torch.tanh(memory_bank + cover)
+        align = self.score(source, memory_bank)
+        if src_len is not None:
+            positions = torch.arange(align.size(-1), device=align.device)
+            valid = (positions.unsqueeze(0) < src_len.unsqueeze(1)).unsqueeze(1)
+            align = align.masked_fill(~valid, -float("inf"))
+        if self.attn_func != "softmax":
+            raise NotImplementedError("sparsemax is not re-created here")
+        align_vectors = F.softmax(align, -1)
+        c = torch.bmm(align_vectors, memory_bank)
+        attn_h = self.linear_out(torch.cat([c, source], 2))
+        if self.attn_type in ("general", "dot"):
+            attn_h = torch.tanh(attn_h)
+        if one_step:
+            return attn_h.squeeze(1), align_vectors.squeeze(1)
+        if self.old_release:
+            return attn_h.transpose(0, 1).contiguous(), align_vectors.transpose(0, 1).contiguous()
+        return attn_h, align_vectors
+
+
+class BahdanauAttention(nn.Module):
+    """JoeyNMT's."""
+
+    def __init__(self, hidden_size=1, key_size=1, query_size=1):
+        super().__init__()
+        self.key_layer = nn.Linear(key_size, hidden_size, bias=False)
+        self.query_layer = nn.Linear(query_size, hidden_size, bias=False)
+        self.energy_layer = nn.Linear(hidden_size, 1, bias=False)
+        self.proj_keys = None
+        self.proj_query = None
+
+    def forward(self, query, mask, values):
+        assert mask is not None and self.proj_keys is not None
+        self.compute_proj_query(query)
+        scores = self.energy_layer(torch.tanh(self.proj_query + self.proj_keys))
+        scores = scores.squeeze(2).unsqueeze(1)
+        scores = torch.where(mask > 0, scores, scores.new_full([1], -float("inf")))
+        alphas = F.softmax(scores, dim=-1)
+        return alphas @ values, alphas
+
+    def compute_proj_keys(self, keys):
+        self.proj_keys = self.key_layer(keys)
+
+    def compute_proj_query(self, query):
+        self.proj_query = self.query_layer(query)

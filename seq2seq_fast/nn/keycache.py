@@ -66,9 +66,10 @@ def cache_bypassed() -> bool:
     return traced_or_transformed() or torch.jit.is_tracing() or torch.jit.is_scripting()
 
 
-def _param_state(param: Tensor | None) -> tuple:
-    if param is None:
-        return (None,)
+def _param_state(param: object) -> tuple:
+    """A tensor by identity, version, storage and requires_grad; anything else by value."""
+    if not isinstance(param, Tensor):
+        return (None, param)
     return (param, param._version, param.data_ptr(), param.requires_grad)
 
 
@@ -102,12 +103,14 @@ class ProjectionCache:
     def get(
         self,
         keys: Tensor,
-        params: Sequence[Tensor | None],
+        params: Sequence[object],
         compute: Callable[[], T],
         watch: Callable[[T], Sequence[Tensor]] | None = None,
     ) -> T:
         """``compute()``, or the value it returned for these ``keys`` and ``params`` before when
-        nothing listed in the module docstring has changed since. ``watch(value)``: the tensors
+        nothing listed in the module docstring has changed since. ``params``: the projection's
+        parameters (None for a missing bias) and any plain values the projection depends on
+        (compared by equality). ``watch(value)``: the tensors
         of the value whose gradient a backward computes when it runs through the cached graph
         (default: every tensor in the value); the entry is dropped when one gets its gradient."""
         if cache_bypassed() or not isinstance(keys, Tensor):
