@@ -52,7 +52,10 @@ def test_translate_sentence_greedy_and_beam(checkpoint, capsys):
 def test_translate_reads_stdin(checkpoint, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("a b\n\nc d e\n"))
     assert main(["translate", "--checkpoint", str(checkpoint)]) == 0
-    assert capsys.readouterr().out.splitlines() == ["b a", "e d c"]
+    out, err = capsys.readouterr()
+    # One output line per input line: the empty line stays (empty), with a warning.
+    assert out.splitlines() == ["b a", "", "e d c"]
+    assert "warning: line 2: empty" in err
 
 
 def test_plot_attention_writes_png(checkpoint, tmp_path, capsys):

@@ -1,9 +1,11 @@
-"""The ``seq2seq-fast`` command: ``train``, ``translate``, ``plot-attention``.
+"""The ``seq2seq-fast`` command: ``train``, ``translate``, ``plot-attention``, ``export``.
 
     seq2seq-fast train                                   # the reversal main job
     seq2seq-fast train --task translate --data fra-eng.zip
     seq2seq-fast translate --checkpoint runs/reverse/model.pt "a b c d"     [--beam 5]
+    seq2seq-fast translate --checkpoint model.pt --input test.en --output test.fr --beam 5
     seq2seq-fast plot-attention --checkpoint runs/reverse/model.pt "a b c d" -o attention.png
+    seq2seq-fast export --checkpoint model.pt -o model.infer.pt --dtype float16
 
 Errors the user can fix (missing or corrupt checkpoint, bad corpus, bad options) print one
 ``error: ...`` line and exit with status 2, without a traceback.
@@ -32,6 +34,7 @@ TASK_DEFAULTS = {
         "warmup_steps": 200,
         "label_smoothing": 0.1,
         "decoder": "gnmt",
+        "output_layer": "attentional",
     },
 }
 
@@ -88,6 +91,8 @@ def _add_train(sub) -> None:
     g.add_argument("--decoder-layers", type=int)
     g.add_argument("--bidirectional", type=_bool, metavar="BOOL")
     g.add_argument("--dropout", type=float)
+    g.add_argument("--output-layer", choices=["concat", "attentional"],
+                   help="softmax input: [s; c] itself, or tanh(W [s; c]) of hidden width")  # fmt: skip
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int)
     g.add_argument("--steps-per-epoch", type=int, help="reverse task: batches per epoch")
@@ -98,6 +103,9 @@ def _add_train(sub) -> None:
     g.add_argument("--min-lr-ratio", type=float)
     g.add_argument("--clip-norm", type=float)
     g.add_argument("--label-smoothing", type=float)
+    g.add_argument("--precision", choices=["fp32", "bf16"],
+                   help="bf16: autocast with fp32 master weights (fp32 where the CPU lacks "
+                   "AVX512-BF16/AMX)")  # fmt: skip
     g.add_argument("--time-budget-min", type=float, help="stop training after this many minutes")
     g = p.add_argument_group("reverse task")
     g.add_argument("--vocab-size", type=int, help="number of symbols (default 32)")
@@ -107,7 +115,7 @@ def _add_train(sub) -> None:
     g = p.add_argument_group("translate task")
     g.add_argument("--direction", choices=["1-2", "2-1"],
                    help="1-2: column 1 -> column 2 (default); 2-1: the other way")  # fmt: skip
-    g.add_argument("--max-words", type=int, help="drop pairs with a longer side (default 12)")
+    g.add_argument("--max-words", type=int, help="drop pairs with a longer side (default: all)")
     g.add_argument("--max-pairs", type=int, help="use a fixed-seed random subset of the pairs")
     g.add_argument("--spm-vocab-size", type=int, help="sentencepiece vocabulary per side")
     g.add_argument("--normalization", choices=["NFKC", "NFC"])
@@ -123,8 +131,19 @@ def _add_train(sub) -> None:
     g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
 def _add_decode_options(p) -> None:
-    p.add_argument("--checkpoint", required=True, help="model.pt written by seq2seq-fast train")
+    p.add_argument("--checkpoint", required=True,
+                   help="model.pt written by seq2seq-fast train, or an exported model")  # fmt: skip
     p.add_argument("sentence", nargs="?", help="input sentence (default: read lines from stdin)")
     p.add_argument("--beam", type=_beam, default=1, help="beam size (1 = greedy)")
     p.add_argument("--alpha", type=float, default=0.6, help="length normalisation exponent")
@@ -132,6 +151,43 @@ def _add_decode_options(p) -> None:
     p.add_argument("--max-len-factor", type=_positive_factor, default=2.0,
                    help="at most ceil(factor * source length) + 1 output tokens")  # fmt: skip
     p.add_argument("--backend", choices=["auto", "fused", "reference"], default="auto")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's)")
+
+
+def _add_translate(sub) -> None:
+    p = sub.add_parser(
+        "translate",
+        help="translate sentences with a trained checkpoint",
+        description="Translate one sentence, or a file (--input, or stdin) line by line: exactly "
+        "one output line per input line (an empty or over-long line gives an empty line and a "
+        "warning on stderr), sentences decoded in length-sorted batches.",
+    )
+    _add_decode_options(p)
+    add = p.add_argument
+    add("-i", "--input", help="file of sentences, one a line, UTF-8 (default: stdin)")
+    add("-o", "--output", help="write translations here (default: stdout)")
+    add("--n-best", type=_positive_int,
+        help="write the N best hypotheses per line as text<TAB>score (N lines per input)")  # fmt: skip
+    add("--batch-size", type=_positive_int, default=64, help="sentences per batch (default 64)")
+    add("--max-tokens", type=_positive_int,
+        help="also at most this many source tokens (padding included) per batch")  # fmt: skip
+    add("--max-source-tokens", type=_positive_int, default=256,
+        help="longer lines are skipped with a warning (default 256 subword tokens)")  # fmt: skip
+    add("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def _add_export(sub) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write an inference-only model file (weights and vocabularies)",
+        description="Write the weights and vocabularies of a checkpoint, without optimiser state, "
+        "for translate and plot-attention (it cannot be resumed).",
+    )
+    p.add_argument("--checkpoint", required=True, help="model.pt written by seq2seq-fast train")
+    p.add_argument("-o", "--output", required=True, help="file to write, e.g. model.infer.pt")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                   help="storage type of the floating-point weights (computation stays float32)")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,13 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_train(sub)
-    p = sub.add_parser("translate", help="translate sentences with a trained checkpoint")
-    _add_decode_options(p)
+    _add_translate(sub)
     p = sub.add_parser("plot-attention", help="draw the attention heatmap of one sentence")
     _add_decode_options(p)
     p.add_argument(
         "-o", "--output", default="attention.png", help="image file (default %(default)s)"
     )
+    _add_export(sub)
     return parser
 
 
@@ -172,36 +228,119 @@ def _train(args) -> int:
     return 0
 
 
-def _inputs(sentence: str | None) -> list[str]:
-    if sentence is not None:
-        return [sentence]
-    return [line.rstrip("\n") for line in sys.stdin if line.strip()]
+def _translator(args, **kwargs):
+    """Load the checkpoint once, on the device and thread count asked for."""
+    import torch
+
+    from seq2seq_fast.seq2seq.translate import Translator
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available here")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    return Translator.load(
+        args.checkpoint, backend=args.backend, device=args.device, beam=args.beam,
+        alpha=args.alpha, beta=args.beta, max_len_factor=args.max_len_factor, **kwargs,
+    )  # fmt: skip
+
+
+def _warn(args, message: str) -> None:
+    print(f"seq2seq-fast {args.command}: warning: {message}", file=sys.stderr)
+
+
+def _output_lines(result, n_best: int | None) -> list[str]:
+    """The lines written for one input: the best text, or n_best lines of text<TAB>score."""
+    if n_best is None:
+        return [result.text]
+    lines = [
+        f"{text}\t{hyp.score:.6f}"
+        for text, hyp in zip(result.texts, result.hypotheses, strict=True)
+    ]
+    return lines + [""] * (n_best - len(lines))
 
 
 def _translate(args) -> int:
-    from seq2seq_fast.seq2seq.checkpoint import load_model
-    from seq2seq_fast.seq2seq.decoding import translate_text
+    from seq2seq_fast.seq2seq.translate import read_lines
 
-    model, src_vocab, tgt_vocab, _ = load_model(args.checkpoint, backend=args.backend)
-    for text in _inputs(args.sentence):
-        hyp, _ = translate_text(
-            model, src_vocab, tgt_vocab, text, beam=args.beam, alpha=args.alpha,
-            beta=args.beta, max_len_factor=args.max_len_factor,
-        )  # fmt: skip
-        print(tgt_vocab.decode(hyp.tokens), flush=True)
+    if args.sentence is not None and args.input is not None:
+        raise ValueError("give either a sentence or --input FILE, not both")
+    if args.n_best is not None and args.n_best > args.beam:
+        raise ValueError(f"--n-best {args.n_best} needs --beam >= {args.n_best}, got {args.beam}")
+    translator = _translator(
+        args, n_best=args.n_best or 1, batch_size=args.batch_size, max_tokens=args.max_tokens,
+        max_source_tokens=args.max_source_tokens,
+    )  # fmt: skip
+    if args.sentence is not None:
+        result = translator.translate([args.sentence])[0]
+        if not result.source_ids:
+            raise ValueError("the input sentence is empty")
+        if result.warning:
+            _warn(args, result.warning.replace("line 1: ", ""))
+        print("\n".join(_output_lines(result, args.n_best)), flush=True)
+        return 0
+    if args.input is None and sys.stdin.isatty():  # typed: translate each line as it comes
+        for line in sys.stdin:
+            result = translator.translate([line.rstrip("\n")])[0]
+            print("\n".join(_output_lines(result, args.n_best)), flush=True)
+        return 0
+    return _translate_lines(args, translator, read_lines(args.input))
+
+
+def _translate_lines(args, translator, texts: list[str]) -> int:
+    """Translate a file's lines in batches and write exactly one result per line, in order."""
+    import time
+
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    with tqdm(total=len(texts), unit="sent", file=sys.stderr, dynamic_ncols=True, leave=False,
+              disable=not (args.progress and args.input is not None)) as bar:  # fmt: skip
+        results = translator.translate(texts, progress=bar.update)
+    lines = [line for result in results for line in _output_lines(result, args.n_best)]
+    text = "".join(line + "\n" for line in lines)
+    if args.output is None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        with open(args.output, "w", encoding="utf-8", newline="\n") as handle:
+            handle.write(text)
+    for result in results:
+        if result.warning:
+            _warn(args, result.warning)
+    seconds = time.perf_counter() - started
+    tokens = sum(result.tokens for result in results)
+    print(f"{len(texts)} sentences, {tokens} tokens in {seconds:.2f} s "
+          f"({tokens / max(seconds, 1e-9):,.0f} tokens/s)", file=sys.stderr)  # fmt: skip
     return 0
 
 
 def _plot(args) -> int:
-    from seq2seq_fast.seq2seq.checkpoint import load_model
-    from seq2seq_fast.seq2seq.plot import plot_translation
+    from seq2seq_fast.seq2seq.plot import plot_result
 
-    model, src_vocab, tgt_vocab, _ = load_model(args.checkpoint, backend=args.backend)
-    texts = _inputs(args.sentence)
-    if not texts:
-        raise ValueError("no input sentence given (as an argument or on stdin)")
-    path = plot_translation(model, src_vocab, tgt_vocab, texts[0], args.output, beam=args.beam)
+    translator = _translator(args)
+    if args.sentence is not None:
+        text = args.sentence
+    else:
+        texts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+        if not texts:
+            raise ValueError("no input sentence given (as an argument or on stdin)")
+        text = texts[0]
+    result = translator.translate([text])[0]
+    if not result.source_ids:
+        raise ValueError("the input sentence is empty")
+    if result.warning:
+        raise ValueError(result.warning.replace("line 1: ", "the input sentence: "))
+    path = plot_result(result, translator.src_vocab, translator.tgt_vocab, text, args.output)
     print(f"attention heatmap: {path}")
+    return 0
+
+
+def _export(args) -> int:
+    from seq2seq_fast.seq2seq.checkpoint import export_inference
+
+    size, source_size = export_inference(args.checkpoint, args.output, dtype=args.dtype)
+    print(f"wrote {args.output}: {size / 1e6:.1f} MB ({args.dtype} weights and vocabularies; "
+          f"the checkpoint is {source_size / 1e6:.1f} MB)")  # fmt: skip
     return 0
 
 
@@ -215,7 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    handlers = {"train": _train, "translate": _translate, "plot-attention": _plot}
+    handlers = {"train": _train, "translate": _translate, "plot-attention": _plot,
+                "export": _export}  # fmt: skip
     try:
         return handlers[args.command](args)
     except (CheckpointError, CorpusError, TrainError, ValueError, OSError) as exc:

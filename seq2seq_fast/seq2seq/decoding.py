@@ -1,28 +1,37 @@
 """Decoding with a trained :class:`~seq2seq_fast.seq2seq.models.Seq2Seq`: batched greedy decoding and
-beam search (GNMT scoring), both returning the attention matrices, and batched translation of id
+beam search (GNMT scoring), both returning the attention matrices, and batched decoding of id
 sequences and of text.
 
-    greedy_decode, beam_search   src [B, S], src_lengths [B] -> B hypotheses
-    decode                       id sequences in length-sorted batches, results in input order
-    translate_text               one sentence of text (normalised as the corpus was)
+    greedy_decode          src [B, S], src_lengths [B] -> B hypotheses
+    beam_search            the same with a beam; ``beam_search_nbest`` gives the n best per row
+    decode                 id sequences in length-sorted batches, results in input order
+    translate_text         one sentence of text (normalised as the corpus was)
+
+Both searches run every sentence of the batch at once (B rows, or B x beam rows) and drop a
+sentence's rows from the batch as soon as it is finished, so the batch shrinks as it goes. Rows
+never interact: padding is masked in the encoder (packed sequences or per-row reversal) and in the
+attention (source lengths), so a sentence decodes to the same tokens, and the same scores up to
+float rounding, in any batch (tests/test_translate.py checks it against one sentence at a time).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from seq2seq_fast.seq2seq.data import BOS_ID, EOS_ID, PAD_ID, make_batch, normalize_text
-from seq2seq_fast.seq2seq.models import Seq2Seq, map_state
+from seq2seq_fast.seq2seq.models import Memory, Seq2Seq, map_state
 
 
 @dataclass
 class Hypothesis:
     """One decoded sequence: ``tokens`` without <s>/</s>; ``attention`` [len(tokens) (+1 for </s>
-    when it was produced), src_length] float32 on CPU; ``score`` the (normalised) log-probability."""
+    when it was produced), src_length] float32 on CPU; ``score`` the log-probability (greedy) or
+    the GNMT-normalised log-probability (beam search)."""
 
     tokens: list[int]
     attention: Tensor
@@ -37,6 +46,33 @@ def max_output_lengths(src_lengths: Tensor, max_len_factor: float, max_len: int 
     return limit.clamp(min=1)
 
 
+def _step_log_probs(model: Seq2Seq, y: Tensor, state, memory: Memory, at_limit: Tensor):
+    """One decoder step: -> (log-probabilities float64 [R, V] with <pad> excluded and only </s>
+    allowed on rows ``at_limit`` [R] bool, attention weights float32 [R, S], new state)."""
+    logits, weights, state = model.decoder.step(y, state, memory)
+    logp = logits.double().log_softmax(-1)
+    logp[:, PAD_ID] = -math.inf
+    if bool(at_limit.any()):
+        only_eos = torch.full_like(logp[0], -math.inf)
+        only_eos[EOS_ID] = 0.0
+        logp[at_limit] = only_eos
+    return logp, weights.float(), state
+
+
+class _Rows:
+    """The rows still decoding: their batch indices, memory, state and length limits."""
+
+    def __init__(self, index: Tensor, memory: Memory, state, limits: Tensor) -> None:
+        self.index, self.memory, self.state, self.limits = index, memory, state, limits
+
+    def keep(self, rows: Tensor) -> None:
+        """Keep only ``rows`` (int64 positions among the current rows), in that order."""
+        self.index = self.index.index_select(0, rows)
+        self.memory = self.memory.index_select(rows)
+        self.state = map_state(lambda s: s.index_select(0, rows), self.state)
+        self.limits = self.limits.index_select(0, rows)
+
+
 @torch.no_grad()
 def greedy_decode(
     model: Seq2Seq,
@@ -46,45 +82,49 @@ def greedy_decode(
     max_len_factor: float = 2.0,
     max_len: int | None = None,
 ) -> list[Hypothesis]:
-    """Batched greedy decoding: src [B, S], src_lengths [B] -> B hypotheses with attention."""
+    """Batched greedy decoding: src [B, S] int64, src_lengths [B] -> B hypotheses with attention.
+
+    A row leaves the batch when it produces </s> (at the latest at its length limit).
+    """
     was_training = model.training
     model.eval()
     try:
         memory, state = model.encode(src, src_lengths)
-        batch = src.shape[0]
+        batch, device = src.shape[0], src.device
         limits = max_output_lengths(memory.lengths, max_len_factor, max_len)
-        y = torch.full((batch,), BOS_ID, dtype=torch.long, device=src.device)
-        finished = torch.zeros(batch, dtype=torch.bool, device=src.device)
-        out_tokens, out_weights, scores = [], [], torch.zeros(batch, dtype=torch.float64)
-        for t in range(int(limits.max())):
-            logits, weights, state = model.decoder.step(y, state, memory)
-            logp = logits.double().log_softmax(-1)
-            logp[:, PAD_ID] = -math.inf
-            at_limit = limits.to(src.device) <= t + 1
-            logp[at_limit] = torch.where(
-                torch.arange(logp.shape[1], device=src.device) == EOS_ID, 0.0, -math.inf
-            ).double()
+        steps = int(limits.max())
+        tokens = torch.full((batch, steps), PAD_ID, dtype=torch.long, device=device)
+        weights = torch.zeros(batch, steps, src.shape[1], device=device)
+        scores = torch.zeros(batch, dtype=torch.float64, device=device)
+        rows = _Rows(torch.arange(batch, device=device), memory, state, limits)
+        y = torch.full((batch,), BOS_ID, dtype=torch.long, device=device)
+        for t in range(steps):
+            logp, step_weights, rows.state = _step_log_probs(
+                model, y, rows.state, rows.memory, rows.limits <= t + 1
+            )
             y = logp.argmax(-1)
-            y = torch.where(finished, torch.full_like(y, PAD_ID), y)
-            scores += torch.where(
-                finished, 0.0, logp.gather(1, y.clamp(min=0)[:, None])[:, 0]
-            ).cpu()
-            out_tokens.append(y)
-            out_weights.append(weights.float())
-            finished |= y == EOS_ID
-            if bool(finished.all()):
+            tokens[rows.index, t] = y
+            weights[rows.index, t] = step_weights
+            scores[rows.index] += logp.gather(1, y[:, None])[:, 0]
+            going = (y != EOS_ID).nonzero()[:, 0]
+            if going.numel() == 0:
                 break
-        tokens = torch.stack(out_tokens, 1).cpu()
-        weights = torch.stack(out_weights, 1).cpu()
+            if going.numel() < y.numel():
+                rows.keep(going)
+                y = y.index_select(0, going)
     finally:
         model.train(was_training)
+    return _greedy_results(tokens.cpu(), weights.cpu(), scores.cpu(), src_lengths.cpu())
+
+
+def _greedy_results(tokens: Tensor, weights: Tensor, scores: Tensor, src_lengths: Tensor):
     results = []
-    for b in range(batch):
+    for b in range(tokens.shape[0]):
         row = tokens[b].tolist()
         n = row.index(EOS_ID) if EOS_ID in row else len(row)
-        rows = n + 1 if n < len(row) else n
+        steps = n + 1 if n < len(row) else n
         src_len = int(src_lengths[b])
-        results.append(Hypothesis(row[:n], weights[b, :rows, :src_len].clone(), float(scores[b])))
+        results.append(Hypothesis(row[:n], weights[b, :steps, :src_len].clone(), float(scores[b])))
     return results
 
 
@@ -115,111 +155,137 @@ def beam_search(
     """Batched beam search with GNMT scoring: log p / lp(len) + cp, over B*K rows at once.
 
     A hypothesis ending in </s> is scored (log p / ((5+len)/6)^alpha + beta * sum log min(cov, 1))
-    and set aside; a row stops when it holds ``beam_size`` finished hypotheses or hits its length
-    limit (ceil(max_len_factor * src_len) + 1 steps). With beam_size=1 this is greedy decoding.
+    and set aside; a sentence stops (and leaves the batch) when it holds ``beam_size`` finished
+    hypotheses or hits its length limit (ceil(max_len_factor * src_len) + 1 steps). With
+    beam_size=1 this is greedy decoding. -> the best hypothesis per row of src [B, S].
     """
-    if beam_size < 1:
-        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    nbest = beam_search_nbest(
+        model, src, src_lengths, beam_size=beam_size, n_best=1, alpha=alpha, beta=beta,
+        max_len_factor=max_len_factor, max_len=max_len,
+    )  # fmt: skip
+    return [hyps[0] for hyps in nbest]
+
+
+@torch.no_grad()
+def beam_search_nbest(
+    model: Seq2Seq,
+    src: Tensor,
+    src_lengths: Tensor,
+    *,
+    beam_size: int = 5,
+    n_best: int = 1,
+    alpha: float = 0.6,
+    beta: float = 0.0,
+    max_len_factor: float = 2.0,
+    max_len: int | None = None,
+) -> list[list[Hypothesis]]:
+    """:func:`beam_search` keeping the ``n_best`` (<= beam_size) best finished hypotheses of each
+    row, best first: -> B lists of up to n_best hypotheses."""
+    if not isinstance(beam_size, int) or beam_size < 1:
+        raise ValueError(f"beam_size must be an int >= 1, got {beam_size!r}")
+    if not isinstance(n_best, int) or not 1 <= n_best <= beam_size:
+        raise ValueError(f"n_best must be an int in [1, beam_size={beam_size}], got {n_best!r}")
     was_training = model.training
     model.eval()
     try:
-        return _beam_search(
-            model, src, src_lengths, beam_size, alpha, beta, max_len_factor, max_len
-        )
+        limits = max_output_lengths(src_lengths, max_len_factor, max_len)
+        search = _BeamSearch(model, src, src_lengths, limits, beam_size, alpha, beta)
+        search.run()
     finally:
         model.train(was_training)
+    return search.results(n_best)
 
 
-def _beam_search(model, src, src_lengths, beam, alpha, beta, max_len_factor, max_len):
-    device = src.device
-    batch, src_max = src.shape
-    memory, state = model.encode(src, src_lengths)
-    limits = max_output_lengths(memory.lengths, max_len_factor, max_len).tolist()
-    expand = torch.arange(batch, device=device).repeat_interleave(beam)
-    memory = memory.index_select(expand)
-    state = map_state(lambda s: s.index_select(0, expand), state)
-    valid = (
-        torch.arange(src_max, device=device)[None, :] < memory.lengths[:, None]
-    ).float()  # [B*K, S]
+class _BeamSearch:
+    """The state of one batched beam search: K rows per sentence still searching, their scores,
+    tokens and attention so far, and each sentence's finished hypotheses."""
 
-    scores = torch.full((batch, beam), -math.inf, device=device, dtype=torch.float64)
-    scores[:, 0] = 0.0
-    y = torch.full((batch * beam,), BOS_ID, dtype=torch.long, device=device)
-    history = torch.empty((batch * beam, 0), dtype=torch.long, device=device)
-    attn_history = torch.empty((batch * beam, 0, src_max), device=device)
-    finished: list[list[tuple[float, list[int], Tensor, float]]] = [[] for _ in range(batch)]
-    done = [False] * batch
-    vocab_ids = None
-    for t in range(max(limits)):
-        logits, weights, state = model.decoder.step(y, state, memory)
-        logp = logits.double().log_softmax(-1)
-        vocab = logp.shape[-1]
-        if vocab_ids is None:
-            vocab_ids = torch.arange(vocab, device=device)
-        logp[:, PAD_ID] = -math.inf
-        at_limit = torch.tensor([limits[b] <= t + 1 for b in range(batch)], device=device)
-        at_limit = at_limit.repeat_interleave(beam)
-        logp[at_limit] = torch.where(vocab_ids == EOS_ID, 0.0, -math.inf).double()
-        candidates = (scores.reshape(-1, 1) + logp).reshape(batch, beam * vocab)
-        top_scores, top_ids = candidates.topk(min(2 * beam, beam * vocab), dim=-1)
-        origin = top_ids // vocab  # beam index within the row
-        token = top_ids % vocab
-        is_eos = token == EOS_ID
-        weights = weights.float()
-        attn_now = torch.cat([attn_history, weights[:, None, :]], dim=1)
+    def __init__(self, model: Seq2Seq, src: Tensor, src_lengths: Tensor, limits: Tensor, beam,
+                 alpha, beta):  # fmt: skip
+        self.model, self.beam, self.alpha, self.beta = model, beam, alpha, beta
+        self.src_lengths = src_lengths.cpu()
+        self.limits = limits.tolist()  # output steps per sentence
+        self.device = device = src.device
+        batch, src_max = src.shape
+        memory, state = model.encode(src, src_lengths)
+        expand = torch.arange(batch, device=device).repeat_interleave(beam)
+        self.rows = _Rows(  # index: the sentence of each row
+            expand,
+            memory.index_select(expand),
+            map_state(lambda s: s.index_select(0, expand), state),
+            limits.to(device).index_select(0, expand),
+        )
+        self.scores = torch.full((batch, beam), -math.inf, device=device, dtype=torch.float64)
+        self.scores[:, 0] = 0.0
+        self.y = torch.full((batch * beam,), BOS_ID, dtype=torch.long, device=device)
+        self.history = torch.empty((batch * beam, 0), dtype=torch.long, device=device)
+        self.attn_history = torch.empty((batch * beam, 0, src_max), device=device)
+        self.finished: list[list[tuple[float, list[int], Tensor]]] = [[] for _ in range(batch)]
 
-        # Set aside hypotheses that end here (only among the top `beam` candidates).
-        eos_hits = (is_eos[:, :beam] & torch.isfinite(top_scores[:, :beam])).nonzero().tolist()
-        for b, rank in eos_hits:
-            if done[b]:
-                continue
-            row = b * beam + int(origin[b, rank])
-            length = t + 1
-            raw = float(top_scores[b, rank])
-            score = raw / float(length_penalty(length, alpha))
-            if beta > 0:
-                coverage = (attn_now[row].sum(0) * valid[row])[: int(memory.lengths[row])]
-                score += float(coverage_penalty(coverage, beta))
-            finished[b].append((score, history[row].tolist(), attn_now[row].cpu(), raw))
-        for b in range(batch):
-            if not done[b] and (len(finished[b]) >= beam or limits[b] <= t + 1):
-                done[b] = True
-        if all(done):
-            break
+    def run(self) -> None:
+        """Search until every sentence is done."""
+        for t in range(max(self.limits)):
+            sentences = self.rows.index[:: self.beam].tolist()
+            logp, weights, self.rows.state = _step_log_probs(
+                self.model, self.y, self.rows.state, self.rows.memory, self.rows.limits <= t + 1
+            )
+            vocab = logp.shape[-1]
+            candidates = (self.scores.reshape(-1, 1) + logp).reshape(len(sentences), -1)
+            top_scores, top_ids = candidates.topk(min(2 * self.beam, candidates.shape[1]), dim=-1)
+            origin, token = top_ids // vocab, top_ids % vocab
+            is_eos = token == EOS_ID
+            attn_now = torch.cat([self.attn_history, weights[:, None, :]], dim=1)
+            self._set_aside(t, sentences, top_scores, origin, is_eos, attn_now)
+            done = [
+                len(self.finished[s]) >= self.beam or self.limits[s] <= t + 1 for s in sentences
+            ]
+            if all(done):
+                break
+            self._advance(done, top_scores, origin, token, is_eos, attn_now)
 
-        # Keep the best `beam` continuations that do not end here.
+    def _set_aside(self, t, sentences, top_scores, origin, is_eos, attn_now) -> None:
+        """Score and keep the hypotheses ending in </s> among each sentence's top K candidates."""
+        beam = self.beam
+        hits = (is_eos[:, :beam] & torch.isfinite(top_scores[:, :beam])).nonzero().tolist()
+        for local, rank in hits:
+            row = local * beam + int(origin[local, rank])
+            score = float(top_scores[local, rank]) / float(length_penalty(t + 1, self.alpha))
+            if self.beta > 0:
+                length = int(self.rows.memory.lengths[row])
+                coverage = attn_now[row, :, :length].sum(0)
+                score += float(coverage_penalty(coverage, self.beta))
+            self.finished[sentences[local]].append(
+                (score, self.history[row].tolist(), attn_now[row].cpu())
+            )
+
+    def _advance(self, done, top_scores, origin, token, is_eos, attn_now) -> None:
+        """Keep the best K continuations that do not end here, for the sentences not done; drop
+        the rows of the sentences that are."""
+        beam = self.beam
         order = torch.sort(is_eos.to(torch.int8), dim=1, stable=True).indices[:, :beam]
         keep_scores = top_scores.gather(1, order)
         keep_origin = origin.gather(1, order)
-        keep_token = token.gather(1, order)
-        done_rows = torch.tensor(done, device=device)
-        keep_scores[done_rows] = -math.inf
-        rows = (torch.arange(batch, device=device)[:, None] * beam + keep_origin).reshape(-1)
-        state = map_state(lambda s, rows=rows: s.index_select(0, rows), state)
-        y = keep_token.reshape(-1)
-        history = torch.cat([history.index_select(0, rows), y[:, None]], dim=1)
-        attn_history = attn_now.index_select(0, rows)
-        scores = keep_scores
+        going = torch.tensor([not d for d in done], device=self.device).nonzero()[:, 0]
+        local = torch.arange(len(done), device=self.device)[:, None]
+        rows = (local * beam + keep_origin).index_select(0, going).reshape(-1)
+        self.rows.keep(rows)
+        self.scores = keep_scores.index_select(0, going)
+        self.y = token.gather(1, order).index_select(0, going).reshape(-1)
+        self.history = torch.cat([self.history.index_select(0, rows), self.y[:, None]], dim=1)
+        self.attn_history = attn_now.index_select(0, rows)
 
-    results = []
-    for b in range(batch):
-        src_len = int(src_lengths[b])
-        if finished[b]:
-            score, tokens, attn, _ = max(finished[b], key=lambda h: h[0])
-            results.append(Hypothesis(tokens, attn[:, :src_len].clone(), score))
-        else:  # cannot happen with length limits; kept for safety
-            row = b * beam
-            results.append(
-                Hypothesis(
-                    history[row].tolist(), attn_history[row, :, :src_len].cpu(), float(scores[b, 0])
-                )
-            )
-    return results
+    def results(self, n_best: int) -> list[list[Hypothesis]]:
+        out = []
+        for b, finished in enumerate(self.finished):
+            src_len = int(self.src_lengths[b])
+            ranked = sorted(finished, key=lambda h: -h[0])[:n_best]  # stable: first found first
+            out.append([Hypothesis(t, a[:, :src_len].clone(), s) for s, t, a in ranked])
+        return out
 
 
 def decode(
     model: Seq2Seq,
-    sources: list[list[int]],
+    sources: Sequence[Sequence[int]],
     *,
     device: torch.device | str = "cpu",
     beam: int = 1,

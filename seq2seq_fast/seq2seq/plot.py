@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from seq2seq_fast.seq2seq.decoding import Hypothesis, translate_text  # noqa: F401 (re-exported)
+from seq2seq_fast.seq2seq.decoding import translate_text  # noqa: F401 (re-exported)
 from seq2seq_fast.seq2seq.models import Seq2Seq
+from seq2seq_fast.seq2seq.translate import DecodeOptions, Translation, Translator
 
 
 def plot_attention(
@@ -55,6 +56,19 @@ def plot_attention(
     return path
 
 
+def plot_result(result: Translation, src_vocab, tgt_vocab, text: str, path: str | Path) -> Path:
+    """Save the alignment heatmap of a translated sentence (its best hypothesis), source and
+    output tokens on the axes, ``text`` and the translation as the title."""
+    hyp = result.hypotheses[0]
+    target = tgt_vocab.pieces(hyp.tokens)
+    if hyp.attention.shape[0] > len(target):
+        target.append("</s>")
+    return plot_attention(
+        hyp.attention, src_vocab.pieces(result.source_ids), target, path,
+        title=f"{text}  ->  {result.text}",
+    )  # fmt: skip
+
+
 def plot_translation(
     model: Seq2Seq,
     src_vocab,
@@ -66,11 +80,10 @@ def plot_translation(
     device: torch.device | str = "cpu",
 ) -> Path:
     """Translate ``text`` and save the alignment heatmap with source/output tokens on the axes."""
-    hyp, ids = translate_text(model, src_vocab, tgt_vocab, text, beam=beam, device=device)
-    target = tgt_vocab.pieces(hyp.tokens)
-    if hyp.attention.shape[0] > len(target):
-        target.append("</s>")
-    output = tgt_vocab.decode(hyp.tokens)
-    return plot_attention(
-        hyp.attention, src_vocab.pieces(ids), target, path, title=f"{text}  ->  {output}"
+    translator = Translator(
+        model, src_vocab, tgt_vocab, options=DecodeOptions(beam=beam), device=device
     )
+    result = translator.translate([text])[0]
+    if result.warning is not None:
+        raise ValueError(f"cannot plot {text!r}: {result.warning.replace('line 1: ', '')}")
+    return plot_result(result, src_vocab, tgt_vocab, text, path)

@@ -1,0 +1,232 @@
+"""Batched translation of text with a trained checkpoint: the :class:`Translator` API.
+
+    translator = Translator.load("runs/translate/model.pt", beam=5)
+    for result in translator.translate(["I am hungry.", "", "Where is the station?"]):
+        print(result.text)          # one result per input, in input order ("" for the empty one)
+
+Sentences are encoded, sorted by length and decoded in batches (``batch_size`` sentences, or at
+most ``max_tokens`` padded source tokens); greedy decoding and beam search run over the whole
+batch (B or B x beam rows) and finished sentences leave it. Batching changes no result: a
+sentence gets the same tokens (and scores up to float rounding) as when translated alone.
+An empty input, or one longer than ``max_source_tokens`` subword tokens, gives an empty result
+with a warning naming its line instead of an error, so outputs stay aligned with inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from seq2seq_fast.seq2seq.data import make_batch, normalize_text
+from seq2seq_fast.seq2seq.decoding import Hypothesis, beam_search_nbest, greedy_decode
+from seq2seq_fast.seq2seq.models import Seq2Seq
+
+
+@dataclass
+class Translation:
+    """The result for one input line: ``hypotheses`` best first (up to n_best; empty when the
+    line was skipped, then ``warning`` says why), ``texts`` their decoded strings, ``source_ids``
+    the encoded input."""
+
+    source_ids: list[int]
+    hypotheses: list[Hypothesis] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    warning: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The best translation ("" when the line was skipped)."""
+        return self.texts[0] if self.texts else ""
+
+    @property
+    def tokens(self) -> int:
+        """Output tokens of the best hypothesis."""
+        return len(self.hypotheses[0].tokens) if self.hypotheses else 0
+
+
+@dataclass
+class DecodeOptions:
+    """How to search: beam 1 = greedy; ``n_best`` <= beam; ``alpha``/``beta`` GNMT's length and
+    coverage penalties (beam only); at most ceil(max_len_factor * source length) + 1 steps."""
+
+    beam: int = 1
+    n_best: int = 1
+    alpha: float = 0.6
+    beta: float = 0.0
+    max_len_factor: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam, int) or self.beam < 1:
+            raise ValueError(f"beam must be an int >= 1, got {self.beam!r}")
+        if not isinstance(self.n_best, int) or not 1 <= self.n_best <= self.beam:
+            raise ValueError(
+                f"n_best must be between 1 and the beam size ({self.beam}), got {self.n_best!r}"
+            )
+        if not self.max_len_factor > 0:
+            raise ValueError(f"max_len_factor must be > 0, got {self.max_len_factor!r}")
+
+
+class Translator:
+    """A model and its vocabularies, loaded once, translating lists of strings in batches.
+
+    ``batch_size``: sentences per batch; ``max_tokens``: or at most this many source tokens per
+    batch, padding included (whichever is reached first); ``max_source_tokens``: longer inputs
+    are skipped with a warning. ``normalization``: the Unicode form the corpus was read with.
+    """
+
+    def __init__(
+        self,
+        model: Seq2Seq,
+        src_vocab,
+        tgt_vocab,
+        *,
+        options: DecodeOptions | None = None,
+        batch_size: int = 64,
+        max_tokens: int | None = None,
+        max_source_tokens: int = 256,
+        normalization: str = "NFKC",
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (("batch_size", batch_size), ("max_source_tokens", max_source_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"max_tokens must be an int >= 1 or None, got {max_tokens!r}")
+        self.model = model  # the searches run it in eval mode
+        self.src_vocab, self.tgt_vocab = src_vocab, tgt_vocab
+        self.options = options or DecodeOptions()
+        self.batch_size, self.max_tokens = batch_size, max_tokens
+        self.max_source_tokens = max_source_tokens
+        self.normalization = normalization
+        self.device = torch.device(device)
+
+    @classmethod
+    def load(
+        cls, path: str | Path, *, backend: str = "auto", device: str = "cpu", **kwargs
+    ) -> Translator:
+        """Load a checkpoint (training or exported) once; ``kwargs`` as for the constructor, and
+        ``beam``, ``n_best``, ``alpha``, ``beta``, ``max_len_factor`` for :class:`DecodeOptions`."""
+        from seq2seq_fast.seq2seq.checkpoint import load_model
+
+        option_names = DecodeOptions.__dataclass_fields__
+        options = DecodeOptions(**{k: kwargs.pop(k) for k in list(kwargs) if k in option_names})
+        model, src_vocab, tgt_vocab, payload = load_model(path, backend=backend, device=device)
+        normalization = payload.get("normalization") or dict(payload.get("train_config") or {}).get(
+            "normalization", "NFKC"
+        )
+        return cls(model, src_vocab, tgt_vocab, options=options, device=device,
+                   normalization=normalization, **kwargs)  # fmt: skip
+
+    def encode(self, texts: Sequence[str]) -> list[Translation]:
+        """Encode every input; empty and over-long ones get their warning (line = position + 1)."""
+        results = []
+        for line, text in enumerate(texts, start=1):
+            ids = self.src_vocab.encode(normalize_text(text, self.normalization))
+            result = Translation(ids)
+            if not ids:
+                result.warning = f"line {line}: empty input, empty output"
+            elif len(ids) > self.max_source_tokens:
+                result.warning = (
+                    f"line {line}: {len(ids)} source tokens, over the limit of "
+                    f"{self.max_source_tokens} (max_source_tokens): empty output"
+                )
+            results.append(result)
+        return results
+
+    def batches(self, results: Sequence[Translation]) -> list[list[int]]:
+        """Index lists of the inputs to decode (warnings skipped), sorted by source length, each
+        within ``batch_size`` sentences and ``max_tokens`` padded source tokens."""
+        order = sorted(
+            (i for i, r in enumerate(results) if r.warning is None),
+            key=lambda i: len(results[i].source_ids),
+        )
+        batches: list[list[int]] = []
+        for i in order:
+            width = len(results[i].source_ids)  # the longest so far: sorted ascending
+            current = batches[-1] if batches else None
+            if (
+                current is None
+                or len(current) >= self.batch_size
+                or (self.max_tokens is not None and (len(current) + 1) * width > self.max_tokens)
+            ):
+                batches.append([i])
+            else:
+                current.append(i)
+        return batches
+
+    def translate(
+        self, texts: Sequence[str], *, progress: Callable[[int], None] | None = None
+    ) -> list[Translation]:
+        """Translate ``texts``: -> one :class:`Translation` per input, in input order.
+        ``progress`` is called with the number of sentences of each finished batch."""
+        results = self.encode(texts)
+        skipped = sum(r.warning is not None for r in results)
+        if progress is not None and skipped:
+            progress(skipped)
+        for batch in self.batches(results):
+            for i, hyps in zip(batch, self._decode([results[i].source_ids for i in batch]),
+                               strict=True):  # fmt: skip
+                results[i].hypotheses = hyps
+                results[i].texts = [self.tgt_vocab.decode(h.tokens) for h in hyps]
+            if progress is not None:
+                progress(len(batch))
+        return results
+
+    def _decode(self, sources: list[list[int]]) -> list[list[Hypothesis]]:
+        batch = make_batch([(s, [0]) for s in sources])
+        src = batch.src.to(self.device)
+        lengths = batch.src_lengths.to(self.device)
+        o = self.options
+        if o.beam == 1:
+            hyps = greedy_decode(self.model, src, lengths, max_len_factor=o.max_len_factor)
+            return [[h] for h in hyps]
+        return beam_search_nbest(
+            self.model, src, lengths, beam_size=o.beam, n_best=o.n_best, alpha=o.alpha,
+            beta=o.beta, max_len_factor=o.max_len_factor,
+        )  # fmt: skip
+
+
+class InputError(ValueError):
+    """Input text that cannot be read (not UTF-8); the message names the line."""
+
+
+def split_lines(data: bytes | str, name: str = "<stdin>") -> list[str]:
+    """The lines of ``data`` as ``wc -l`` counts them (a last line without a newline included),
+    each line's trailing carriage return dropped (CRLF files), a UTF-8 byte-order mark skipped.
+    Bytes must be UTF-8: :class:`InputError` names the first line that is not."""
+    if isinstance(data, str):
+        data = data.encode("utf-8", "surrogateescape")
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    raw = data.split(b"\n")
+    if raw and raw[-1] == b"":
+        raw.pop()
+    lines = []
+    for number, line in enumerate(raw, start=1):
+        try:
+            lines.append(line.removesuffix(b"\r").decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise InputError(
+                f"{name}: line {number} is not valid UTF-8 ({exc.reason} at byte {exc.start} of "
+                f"the line); convert the file to UTF-8, e.g. with iconv"
+            ) from None
+    return lines
+
+
+def read_lines(path: str | Path | None) -> list[str]:
+    """All lines of the file at ``path``, or of stdin when None (see :func:`split_lines`)."""
+    import sys
+
+    if path is None:
+        stream = sys.stdin
+        return split_lines(stream.buffer.read() if hasattr(stream, "buffer") else stream.read())
+    try:
+        data = Path(path).read_bytes()
+    except IsADirectoryError:
+        raise InputError(f"--input {path}: is a directory, not a file") from None
+    except OSError as exc:
+        raise InputError(f"--input {path}: cannot read it ({exc.strerror or exc})") from None
+    return split_lines(data, str(path))
