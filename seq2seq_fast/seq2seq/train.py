@@ -62,6 +62,7 @@ from seq2seq_fast.seq2seq.models import (
 )
 
 TRAIN_BACKENDS = ("auto", "fused", "reference", "compile")
+PRECISIONS = ("fp32", "bf16")
 
 
 class TrainError(RuntimeError):
@@ -87,6 +88,7 @@ class TrainConfig:
     decoder_layers: int = 1
     bidirectional: bool = True
     dropout: float = 0.0
+    output_layer: str = "concat"  # "attentional": tanh(W_a [s; c]) of hidden width, then softmax
     # optimisation
     epochs: int = 3
     steps_per_epoch: int = 200  # reverse only; translate runs over the training split
@@ -97,6 +99,9 @@ class TrainConfig:
     min_lr_ratio: float = 0.02
     clip_norm: float = 1.0
     label_smoothing: float = 0.0
+    # bf16: the forward under torch.autocast (bf16 products, fp32 master weights and optimiser);
+    # falls back to fp32, saying why, where the hardware has no native bf16 products.
+    precision: str = "fp32"
     # reverse task
     vocab_size: int = 32
     min_len: int = 8
@@ -104,7 +109,7 @@ class TrainConfig:
     heldout_size: int = 1000
     # translate task
     direction: str = "1-2"  # "1-2": column 1 -> column 2; "2-1": the other way
-    max_words: int = 12
+    max_words: int | None = None  # None: keep every pair (the drop is reported when set)
     max_pairs: int | None = None
     spm_vocab_size: int = 4000
     normalization: str = "NFKC"
@@ -131,6 +136,12 @@ class TrainConfig:
             raise TrainError("--task translate needs --data PATH (a .txt/.tsv file or a .zip)")
         if self.backend not in TRAIN_BACKENDS:
             raise TrainError(f"backend must be one of {TRAIN_BACKENDS}, got {self.backend!r}")
+        if self.precision not in PRECISIONS:
+            raise TrainError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.output_layer not in ("concat", "attentional"):
+            raise TrainError(
+                f"output_layer must be 'concat' or 'attentional', got {self.output_layer!r}"
+            )
         if self.direction not in ("1-2", "2-1"):
             raise TrainError(f"direction must be '1-2' or '2-1', got {self.direction!r}")
         for name in ("epochs", "steps_per_epoch", "batch_size", "heldout_size"):
@@ -345,6 +356,10 @@ def build_task(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None) -
         test_fraction=config.test_fraction, seed=config.seed, vocabs=vocabs,
     )  # fmt: skip
     _log(corpus.report.summary(), ctx)
+    if corpus.report.too_long:
+        share = corpus.report.too_long / max(1, corpus.report.too_long + corpus.report.pairs)
+        _log(f"--max-words {config.max_words} dropped {corpus.report.too_long} pairs "
+             f"({share:.0%} of the usable ones)", ctx)  # fmt: skip
     _log(
         f"split: {len(corpus.train)} train / {len(corpus.valid)} valid / {len(corpus.test)} "
         f"test pairs; subword vocab {len(corpus.src_vocab)} source, {len(corpus.tgt_vocab)} target",
@@ -383,8 +398,36 @@ def build_model(config: TrainConfig, task: Task, ctx: Dist) -> tuple[Seq2Seq, st
         decoder=config.decoder,
         dropout=config.dropout,
         backend=attention_backend,
+        output_layer=config.output_layer,
     )
     return Seq2Seq(model_config).to(ctx.device), attention_backend
+
+
+def bf16_unavailable_reason(device: torch.device) -> str | None:
+    """None when ``device`` runs bf16 matrix products natively (CUDA with bf16, or a CPU with
+    AVX512-BF16 or AMX through oneDNN), else why not."""
+    if device.type == "cuda":
+        return None if torch.cuda.is_bf16_supported() else "this GPU has no bf16 support"
+    if device.type != "cpu":
+        return f"bf16 training is not set up for {device.type} devices"
+    native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if native is not None and native():
+        return None
+    return (
+        f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has neither AVX512-BF16 nor AMX: "
+        "bf16 products would be emulated, slower than fp32"
+    )
+
+
+def autocast_dtype(config: TrainConfig, ctx: Dist) -> torch.dtype | None:
+    """The autocast dtype the steps run under (None = fp32), after the hardware check."""
+    if config.precision == "fp32":
+        return None
+    reason = bf16_unavailable_reason(ctx.device)
+    if reason is not None:
+        _log(f"--precision bf16: {reason}; training in fp32", ctx)
+        return None
+    return torch.bfloat16
 
 
 class Clock:
@@ -429,6 +472,7 @@ class Job:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     clock: Clock
+    autocast: torch.dtype | None = None  # bf16 under --precision bf16 where the hardware has it
     epoch: int = 0
     batch_in_epoch: int = 0
     step: int = 0
@@ -507,8 +551,14 @@ def evaluate(job: Job, final: bool = False) -> dict[str, float]:
 def train_step(job: Job, batch: Batch) -> float:
     """One optimiser step on ``batch``; -> its loss."""
     config = job.config
-    logits, _ = job.run_model(batch.src, batch.src_lengths, batch.tgt_in)
-    loss = sequence_loss(logits, batch.tgt_out, config.label_smoothing)
+    with torch.autocast(job.ctx.device.type, dtype=job.autocast or torch.bfloat16,
+                        enabled=job.autocast is not None):  # fmt: skip
+        if config.backend == "compile":  # the loss outside the compiled graph, as before
+            logits, _ = job.run_model(batch.src, batch.src_lengths, batch.tgt_in)
+            loss = sequence_loss(logits.float(), batch.tgt_out, config.label_smoothing)
+        else:  # output layer + loss by chunks of rows (ops/linear_cross_entropy.py)
+            loss, _ = job.run_model(batch.src, batch.src_lengths, batch.tgt_in, batch.tgt_out,
+                                    label_smoothing=config.label_smoothing)  # fmt: skip
     job.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if config.clip_norm > 0:
@@ -622,6 +672,7 @@ def build_job(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None, st
     )
     run_model: Any = model
     job = Job(config, ctx, task, model, run_model, attention_backend, optimizer, scheduler, clock)
+    job.autocast = autocast_dtype(config, ctx)
     if payload is not None:
         job.restore(payload)
     if ctx.enabled:
@@ -649,7 +700,8 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
             f"task {config.task}: {config.decoder} decoder, {config.cell} {config.hidden_size}, "
             f"{params / 1e6:.2f}M parameters, attention backend "
             f"{'compile+' if config.backend == 'compile' else ''}{job.attention_backend}, "
-            f"{ctx.world_size} process(es), {job.total_steps} steps",
+            f"{ctx.world_size} process(es), {job.total_steps} steps"
+            f"{', autocast bf16' if job.autocast is not None else ''}",
             ctx,
         )
     stopped_early = False

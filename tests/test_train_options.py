@@ -1,0 +1,55 @@
+"""Training options of issue 17: --precision bf16 (and its fallback), --output-layer attentional."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from seq2seq_fast.seq2seq import train as train_module
+from seq2seq_fast.seq2seq.checkpoint import load_model
+from seq2seq_fast.seq2seq.train import TrainConfig, TrainError, train
+
+TINY = dict(
+    vocab_size=6, min_len=2, max_len=5, heldout_size=50, embed_size=16, hidden_size=32,
+    batch_size=32, lr=1e-2, warmup_steps=10, backend="reference", progress=False, heatmap=False,
+    threads=1, epochs=1, steps_per_epoch=30,
+)  # fmt: skip
+
+
+def test_bf16_without_hardware_support_says_so_and_trains_in_fp32(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train_module, "bf16_unavailable_reason", lambda device: "no bf16 here")
+    result = train(TrainConfig(**TINY, out=str(tmp_path), precision="bf16"))
+    out = capsys.readouterr().out
+    assert "--precision bf16: no bf16 here; training in fp32" in out
+    assert "autocast bf16" not in out
+    assert all(torch.isfinite(torch.tensor(result.losses)))
+
+
+def test_bf16_autocast_trains_with_fp32_master_weights(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train_module, "bf16_unavailable_reason", lambda device: None)
+    result = train(TrainConfig(**TINY, out=str(tmp_path), precision="bf16"))
+    assert "autocast bf16" in capsys.readouterr().out
+    losses = torch.tensor(result.losses)
+    assert torch.isfinite(losses).all() and losses[-5:].mean() < losses[:5].mean()
+    model, *_ = load_model(result.checkpoint)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_attentional_output_layer_learns_and_reloads(tmp_path):
+    result = train(TrainConfig(**TINY, out=str(tmp_path), output_layer="attentional"))
+    losses = torch.tensor(result.losses)
+    assert losses[-5:].mean() < losses[:5].mean()
+    model, *_ = load_model(result.checkpoint)
+    assert model.config.output_layer == "attentional"
+    assert model.decoder.output.in_features == TINY["hidden_size"]
+
+
+def test_bf16_reason_on_this_machine_is_none_or_names_the_missing_instructions():
+    reason = train_module.bf16_unavailable_reason(torch.device("cpu"))
+    assert reason is None or ("AVX512-BF16" in reason and "AMX" in reason)
+
+
+@pytest.mark.parametrize(("field", "value"), [("precision", "fp16"), ("output_layer", "wide")])
+def test_bad_options_are_named(field, value):
+    with pytest.raises(TrainError, match=field):
+        TrainConfig(**{field: value})
