@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from seq2seq_fast.seq2seq import train as train_module
-from seq2seq_fast.seq2seq.checkpoint import load_model
+from seq2seq_fast.seq2seq.checkpoint import load_checkpoint, load_model
 from seq2seq_fast.seq2seq.train import TrainConfig, TrainError, train
 
 TINY = dict(
@@ -53,3 +53,23 @@ def test_bf16_reason_on_this_machine_is_none_or_names_the_missing_instructions()
 def test_bad_options_are_named(field, value):
     with pytest.raises(TrainError, match=field):
         TrainConfig(**{field: value})
+
+
+def test_interval_evaluation_keeps_best_and_stops_early(tmp_path, capsys):
+    # lr 0: the model never changes, so the second evaluation cannot beat the first
+    config = TrainConfig(**TINY | {"epochs": 3, "lr": 0.0}, out=str(tmp_path), eval_every=5,
+                         patience=1)  # fmt: skip
+    result = train(config)
+    assert result.step == 10
+    assert "early stop at step 10" in capsys.readouterr().out
+    best = load_checkpoint(tmp_path / "best.pt")
+    assert best["step"] == 5 and best["best"]["score"] == best["metrics"]["seq_acc"]
+    assert load_checkpoint(result.checkpoint)["best"]["evals_since"] == 1
+
+
+def test_best_checkpoint_follows_improvement(tmp_path):
+    result = train(TrainConfig(**TINY | {"epochs": 2}, out=str(tmp_path), eval_every=10))
+    final = load_checkpoint(result.checkpoint)
+    best = load_checkpoint(tmp_path / "best.pt")
+    assert best["best"]["score"] == final["best"]["score"] == best["metrics"]["seq_acc"]
+    assert best["step"] <= result.step

@@ -123,6 +123,10 @@ def _add_train(sub) -> None:
     g.add_argument("--test-fraction", type=float)
     g.add_argument("--eval-size", type=int, help="valid pairs scored after each epoch")
     g.add_argument("--eval-beam", type=int, help="beam size for the final test BLEU")
+    g.add_argument("--eval-every", type=int,
+                   help="also evaluate every N steps; a new best score writes best.pt")  # fmt: skip
+    g.add_argument("--patience", type=int,
+                   help="stop after N evaluations without a new best (default: never)")  # fmt: skip
     g = p.add_argument_group("bookkeeping")
     g.add_argument("--save-every", type=int, help="also checkpoint every N steps")
     g.add_argument("--stop-after-steps", type=int, help=argparse.SUPPRESS)

@@ -117,6 +117,10 @@ class TrainConfig:
     test_fraction: float = 0.03
     eval_size: int = 500  # valid pairs scored with BLEU after each epoch
     eval_beam: int = 1  # beam for the final test BLEU
+    # Also evaluate every N steps (0: at epoch ends only). Each evaluation that beats the best so
+    # far (valid BLEU; reverse: held-out sequence accuracy) writes best.pt beside model.pt.
+    eval_every: int = 0
+    patience: int = 0  # stop after this many evaluations without a new best (0: never)
     # Stop training (then evaluate) after this many minutes; the learning-rate decay then follows
     # the clock too. Such a run depends on the machine's speed: not reproducible, resume not exact.
     time_budget_min: float | None = None
@@ -478,6 +482,8 @@ class Job:
     step: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
+    best_score: float | None = None  # the best evaluation so far (what best.pt holds)
+    evals_since_best: int = 0
 
     @property
     def checkpoint_path(self) -> Path:
@@ -495,14 +501,17 @@ class Job:
         self.epoch, self.batch_in_epoch = payload["epoch"], payload["batch_in_epoch"]
         self.step = payload["step"]
         self.metrics = dict(payload.get("metrics", {}))
+        best = payload.get("best", {})  # absent in older checkpoints
+        self.best_score = best.get("score")
+        self.evals_since_best = best.get("evals_since", 0)
         rng = payload["rng"]
         rng = rng[self.ctx.rank] if isinstance(rng, list) else rng
         _set_rng_state(rng, self.task.generator)
 
 
-def save_job(job: Job) -> None:
-    """Checkpoint the job at its position. Every rank's RNG state is gathered (so a resumed DDP
-    run continues exactly too); rank 0 writes."""
+def save_job(job: Job, path: Path | None = None) -> None:
+    """Checkpoint the job at its position (to ``path``, default model.pt). Every rank's RNG state
+    is gathered (so a resumed DDP run continues exactly too); rank 0 writes."""
     ctx = job.ctx
     rng_state = _rng_state(job.task.generator)
     if ctx.enabled:
@@ -528,8 +537,9 @@ def save_job(job: Job) -> None:
                 "step": job.step,
                 "metrics": job.metrics,
                 "world_size": ctx.world_size,
+                "best": {"score": job.best_score, "evals_since": job.evals_since_best},
             },
-            job.checkpoint_path,
+            path or job.checkpoint_path,
         )
     if ctx.enabled:
         dist.barrier()
@@ -622,11 +632,51 @@ def run_epoch(job: Job) -> bool:
                 window_tokens, window_start = 0, now
             if _should_stop(job):
                 return True
+            at_epoch_end = job.batch_in_epoch == task.steps_per_epoch
+            if config.eval_every and job.step % config.eval_every == 0 and not at_epoch_end:
+                if _evaluate_now(job):
+                    return True
             if config.save_every and job.step % config.save_every == 0:
                 save_job(job)
         return False
     finally:
         bar.close()
+
+
+def _score(metrics: dict[str, float]) -> float | None:
+    return metrics.get("valid_bleu", metrics.get("seq_acc"))
+
+
+def track_best(job: Job) -> bool:
+    """After an evaluation: write best.pt when it beats the best so far; -> True when
+    ``patience`` evaluations in a row brought nothing better (early stop). Rank 0's metrics
+    decide, for every rank."""
+    score = _score(job.metrics) if job.ctx.is_main else None
+    if job.ctx.enabled:
+        box = [score]
+        dist.broadcast_object_list(box, src=0)
+        score = box[0]
+    if score is None:
+        return False
+    if job.best_score is None or score > job.best_score:
+        job.best_score, job.evals_since_best = score, 0
+        save_job(job, job.checkpoint_path.with_name("best.pt"))
+        return False
+    job.evals_since_best += 1
+    if job.config.patience and job.evals_since_best >= job.config.patience:
+        _log(f"early stop at step {job.step}: {job.evals_since_best} evaluations without a "
+             f"better score than {job.best_score:.4g} (best.pt)", job.ctx)  # fmt: skip
+        return True
+    return False
+
+
+def _evaluate_now(job: Job) -> bool:
+    """The interval evaluation inside an epoch; -> True to stop early."""
+    if job.ctx.is_main:
+        job.metrics = evaluate(job)
+    _log(f"step {job.step}: {describe(job.metrics)}", job.ctx)
+    job.model.train()
+    return track_best(job)
 
 
 def train(config: TrainConfig, *, resume: str | Path | None = None) -> TrainResult:
@@ -716,6 +766,7 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
                 f"{describe(job.metrics)} [{time.perf_counter() - started:.0f}s]",
                 ctx,
             )
+            stopped_early = track_best(job) or stopped_early
         save_job(job)
     return finish(job, payload, stopped_early)
 
