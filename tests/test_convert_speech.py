@@ -247,9 +247,12 @@ def _pair(case: Case, dtype: torch.dtype, seed: int = 0):
     torch.manual_seed(seed)
     plain = nn.ModuleDict({"attn": case.make()}).to(dtype)
     fused = copy.deepcopy(plain)
+    params_before = [id(p) for p in fused.parameters()]
     report = fuse_attention_report(fused)
     assert [r.layout for r in report.replaced] == [case.layout], str(report)
     assert isinstance(fused["attn"], FusedStandIn)
+    assert [id(p) for p in fused.parameters()] == params_before  # the very Parameter objects
+    assert list(fused.state_dict()) == list(plain.state_dict())
     return plain, fused
 
 
@@ -275,7 +278,10 @@ def test_converted_matches_recreation(name, dtype):
 
 
 @requires_cpu_kernel
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(
+    "name", ["espnet_att_add", "speechbrain_location", "fairseq_mlp", "tacotron2_nvidia",
+             "coqui_location", "d2l_dropout"],
+)  # fmt: skip
 def test_parameters_state_dict_and_optimiser_kept(name):
     case = CASES[name]
     torch.manual_seed(0)
