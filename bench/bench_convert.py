@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -34,28 +33,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bench import shapes, timing
+from bench.shapes import CONVERT_SIZES as SIZES
+from bench.shapes import ConvertSize as Size
 from seq2seq_fast.nn.convert import fuse_attention_report
 from tests import layouts as L  # the re-creations live with the tests (run from the root)
 
 PROVIDERS = ("original", "fused", "zero")
-
-
-@dataclass(frozen=True)
-class Size:
-    name: str
-    batch: int
-    source: int  # S
-    target: int  # decoder steps
-    hidden: int
-    src_vocab: int = 4345  # the tutorial's French and English vocabularies
-    tgt_vocab: int = 2803
-
-
-SIZES = {
-    "tiny": Size("tiny", batch=2, source=5, target=3, hidden=8, src_vocab=11, tgt_vocab=13),
-    "small": Size("small", batch=64, source=50, target=20, hidden=256),
-    "large": Size("large", batch=64, source=50, target=20, hidden=512),
-}
 
 
 def _lengths(size: Size) -> Tensor:

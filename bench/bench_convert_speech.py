@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -33,29 +32,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bench import shapes, timing
+from bench.shapes import SPEECH_SIZES as SIZES
+from bench.shapes import SpeechSize as Size
 from seq2seq_fast.nn.convert import fuse_attention_report
 from tests import layouts_speech as L  # the re-creations live with the tests (run from the root)
 
 PROVIDERS = ("original", "fused", "zero")
-
-
-@dataclass(frozen=True)
-class Size:
-    name: str
-    batch: int
-    frames: int  # T, memory length
-    width: int  # E = decoder state = attention width
-    steps: int  # target steps
-    vocab: int = 64
-    conv_channels: int = 16
-    conv_half_width: int = 7  # location conv of width 2 * 7 + 1
-
-
-SIZES = {
-    "tiny": Size("tiny", batch=2, frames=5, width=8, steps=2, vocab=10, conv_channels=2,
-                 conv_half_width=1),
-    "small": Size("small", batch=32, frames=100, width=256, steps=20),
-}  # fmt: skip
 
 
 def _lengths(size: Size) -> Tensor:

@@ -131,6 +131,48 @@ TRAIN_SIZES = {
 }
 
 
+@dataclass(frozen=True)
+class ConvertSize:
+    """A training step of a small NLP model around a converted layout (bench/bench_convert.py):
+    batch, source length S, decoder steps, hidden size, vocabularies."""
+
+    name: str
+    batch: int
+    source: int  # S
+    target: int  # decoder steps
+    hidden: int
+    src_vocab: int = 4345  # the PyTorch tutorial's French and English vocabularies
+    tgt_vocab: int = 2803
+
+
+@dataclass(frozen=True)
+class SpeechSize:
+    """A training step of a small speech-style decoder around a converted layout
+    (bench/bench_convert_speech.py): batch, memory length T, width E, target steps."""
+
+    name: str
+    batch: int
+    frames: int  # T, memory length
+    width: int  # E = decoder state = attention width
+    steps: int  # target steps
+    vocab: int = 64
+    conv_channels: int = 16
+    conv_half_width: int = 7  # location conv of width 2 * 7 + 1
+
+
+CONVERT_SIZES = {
+    "tiny": ConvertSize("tiny", batch=2, source=5, target=3, hidden=8, src_vocab=11, tgt_vocab=13),
+    "small": ConvertSize("small", batch=64, source=50, target=20, hidden=256),
+    "large": ConvertSize("large", batch=64, source=50, target=20, hidden=512),
+}
+
+SPEECH_SIZES = {
+    "tiny": SpeechSize("tiny", batch=2, frames=5, width=8, steps=2, vocab=10, conv_channels=2,
+                       conv_half_width=1),
+    "small": SpeechSize("small", batch=32, frames=100, width=256, steps=20),
+}  # fmt: skip
+
+
 def _is_cuda(device: str) -> bool:
     return str(device).split(":")[0] == "cuda"
 

@@ -206,10 +206,17 @@ def test_cpu_shapes_cut_only_the_batch_and_sizes_nest():
 
 def test_shapes_are_defined_only_in_bench_shapes():
     # The report, the pytest-benchmark files, the training benchmarks and the GPU check take their
-    # shapes from bench/shapes.py: no other file under bench/ constructs one.
+    # shapes and sizes from bench/shapes.py: no other file under bench/ defines or constructs one.
     import ast
 
-    constructors = {"Shape", "DecodeShape", "TrainSize"}
+    from bench import shapes as shapes_module
+
+    constructors = {
+        name
+        for name, obj in vars(shapes_module).items()
+        if isinstance(obj, type) and obj.__module__ == shapes_module.__name__
+    }
+    assert {"Shape", "DecodeShape", "TrainSize"} <= constructors
     offenders = []
     for path in sorted((ROOT / "bench").glob("*.py")):
         if path.name == "shapes.py":
@@ -218,5 +225,7 @@ def test_shapes_are_defined_only_in_bench_shapes():
             if isinstance(node, ast.Call):
                 name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
                 if name in constructors:
-                    offenders.append(f"{path.name}:{node.lineno}")
+                    offenders.append(f"{path.name}:{node.lineno} constructs {name}")
+            elif isinstance(node, ast.ClassDef) and node.name.endswith(("Shape", "Size")):
+                offenders.append(f"{path.name}:{node.lineno} defines {node.name}")
     assert not offenders, offenders
