@@ -395,6 +395,8 @@ class RunConfig:
     seed: int
     memory: bool
     rss: bool
+    # "wall", or "cpu": this process's CPU time per call (robust to co-runners at 1 thread)
+    clock: str = "wall"
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -423,7 +425,7 @@ def run_group(
         if name in skipped:
             results.append(ProviderResult(name, skipped=skipped[name]))
             continue
-        times = samples[name].wall_s
+        times = samples[name].cpu_s if cfg.clock == "cpu" else samples[name].wall_s
         summary = Summary.of(times)
         results.append(
             ProviderResult(
@@ -521,6 +523,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="CPU: also measure peak extra RSS of each provider in a fresh process (slower)",
     )
     add("--rss-probe", metavar="SPEC", help=argparse.SUPPRESS)
+    add(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="time by wall clock, or by this process's CPU time (with --threads 1 on a machine "
+        "busy with other jobs; with more threads it also counts their spin-waiting)",
+    )
     add("--seed", type=int, default=0)
     add("--json", metavar="PATH", help="also write the results as JSON")
     return parser.parse_args(argv)
@@ -555,6 +564,7 @@ def _run_config(args: argparse.Namespace) -> RunConfig:
         seed=args.seed,
         memory=not args.no_memory,
         rss=args.rss and torch.device(args.device).type == "cpu" and not args.no_memory,
+        clock=args.clock,
     )
 
 

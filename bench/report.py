@@ -328,7 +328,8 @@ def format_report(info: dict[str, Any], config: dict[str, Any], groups: list[Gro
         "",
         format_machine(info),
         f"- dtype {config['dtype']}; {config['rounds']} interleaved rounds per group, samples of "
-        f"≥ {config['min_sample_s'] * 1e3:.0f} ms; size {config['size']}",
+        f"≥ {config['min_sample_s'] * 1e3:.0f} ms; size {config['size']}; "
+        f"clock: {config.get('clock', 'wall')}",
         "",
         "Speedups are medians of per-round ratios (time of the other provider / time of fused), "
         "with their IQR. G tanh/s counts N = B·Tq·Tk·H per forward and 3N per forward+backward "

@@ -229,3 +229,13 @@ def test_shapes_are_defined_only_in_bench_shapes():
             elif isinstance(node, ast.ClassDef) and node.name.endswith(("Shape", "Size")):
                 offenders.append(f"{path.name}:{node.lineno} defines {node.name}")
     assert not offenders, offenders
+
+
+def test_time_interleaved_cpu_clock_excludes_waiting():
+    # The cpu clock counts this process's CPU time: a call that sleeps costs wall time, not CPU.
+    import time
+
+    samples = timing.time_interleaved({"sleep": lambda: time.sleep(0.01)}, "cpu", rounds=2)
+    s = samples["sleep"]
+    assert min(s.wall_s) >= 0.009
+    assert max(s.cpu_s) < 0.5 * min(s.wall_s)
