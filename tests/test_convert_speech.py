@@ -460,3 +460,27 @@ def test_converted_location_attention_compiles_as_one_graph():
     expected, got = results[0][0] + list(results[0][1]), results[1][0] + list(results[1][1])
     for a, b in zip(expected, got, strict=True):
         torch.testing.assert_close(b, a, atol=2e-5, rtol=2e-4)
+
+
+@requires_cpu_kernel
+def test_location_attention_backward_between_steps():
+    """A backward after each step (retain_graph, as a truncated loop would need for the shared
+    processed memory): the values' gradients gathered per backward, equal to the original's."""
+    case = CASES["tacotron2_nvidia"]
+    plain, fused = _pair(case, torch.float64)
+    grads = []
+    for model in (plain, fused):
+        gen = torch.Generator().manual_seed(8)
+        attn = model["attn"]
+        memory = _rand(gen, torch.float64, 3, 7, 10).requires_grad_()
+        processed = attn.memory_layer(memory)
+        prev = cum = torch.zeros(3, 7, dtype=torch.float64)
+        for _ in range(3):
+            hidden = _rand(gen, torch.float64, 3, 6)
+            context, prev = attn(hidden, memory, processed, torch.stack((prev, cum), 1), None)
+            (context * _rand(gen, torch.float64, 3, 10)).sum().backward(retain_graph=True)
+            prev = prev.detach()
+            cum = cum + prev
+        grads.append([memory.grad] + [p.grad for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-9)

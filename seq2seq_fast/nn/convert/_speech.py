@@ -12,7 +12,9 @@ import math
 import torch
 from torch import Tensor, nn
 
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import child_names, own_parameter_names
+from seq2seq_fast.ops.additive_attention import traced_or_transformed
 
 # Attributes every nn.Module has; everything else in an original's __dict__ is its own state.
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
@@ -99,3 +101,118 @@ def valid_from_padding(padding: Tensor | None) -> Tensor | None:
     if padding is None:
         return None
     return padding == 0 if padding.dtype != torch.bool else ~padding
+
+
+# --- values read by many steps, their gradient gathered once ---------------------------------------
+
+
+class _ValuesNode(torch.autograd.Function):
+    """values -> an alias; the backward returns what the steps gathered (after all of them)."""
+
+    @staticmethod
+    def forward(ctx, values: Tensor, gatherer: GatheredValues) -> Tensor:
+        ctx.gatherer = gatherer
+        ctx.set_materialize_grads(False)
+        return values.view_as(values)
+
+    @staticmethod
+    def backward(ctx, grad_values: Tensor | None):
+        gathered = ctx.gatherer._collect()
+        if gathered is None:
+            return grad_values, None
+        return (gathered if grad_values is None else gathered + grad_values), None
+
+
+class _GatheredContext(torch.autograd.Function):
+    """context [B, Dv] = weights [B, T] @ values [B, T, Dv]; the values' gradient of this step is
+    left to the gatherer (one product for all the steps), the weights' is returned."""
+
+    @staticmethod
+    def forward(ctx, weights: Tensor, values: Tensor, gatherer: GatheredValues) -> Tensor:
+        ctx.save_for_backward(weights, values)
+        ctx.gatherer = gatherer
+        return torch.bmm(weights.unsqueeze(1), values).squeeze(1)
+
+    @staticmethod
+    def backward(ctx, grad_context: Tensor):
+        weights, values = ctx.saved_tensors
+        ctx.gatherer._record(weights, grad_context)
+        grad_weights = torch.bmm(values, grad_context.unsqueeze(2)).squeeze(2)
+        return grad_weights, None, None
+
+
+class GatheredValues:
+    """Values [B, T, Dv] that every decoder step reads through weights @ values, for training:
+    each step's backward returns only the weights' gradient and keeps (weights, grad_context),
+    O(B * (T + Dv)); the values' gradient of all the steps is one batched product when the
+    backward reaches the values, instead of a [B, T, Dv] outer product written and summed per
+    step. For layouts whose keys change every step (location-aware attention), so that
+    :class:`~seq2seq_fast.nn.stepwise.StepwiseMemory` (fixed keys and values) does not apply.
+
+    Use :meth:`for_training` (None where it does not apply), then ``context(weights)`` per step.
+    A backward that reaches the values spends it (:attr:`spent`): make a new one for the next
+    forward pass. Each backward's records are kept apart by its graph task.
+    """
+
+    def __init__(self, values: Tensor) -> None:
+        self.source = values
+        self.values = _ValuesNode.apply(values, self)
+        # the fused op's values argument: one column nobody reads, no gradient
+        self.placeholder = values.detach().new_zeros(values.shape[0], values.shape[1], 1)
+        self.spent = False
+        self._task: int | None = None
+        self._weights: list[Tensor] = []
+        self._grads: list[Tensor] = []
+
+    @classmethod
+    def for_training(cls, values: Tensor) -> GatheredValues | None:
+        if not (torch.is_grad_enabled() and values.requires_grad) or traced_or_transformed():
+            return None
+        if values.dim() != 3 or min(values.shape) == 0:
+            return None
+        return cls(values)
+
+    def context(self, weights: Tensor) -> Tensor:
+        """[B, T] weights -> [B, Dv] context over these values."""
+        return _GatheredContext.apply(weights, self.values, self)
+
+    def _record(self, weights: Tensor, grad_context: Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self._task:  # a new backward pass: nothing of an earlier one counts
+            self._task, self._weights, self._grads = task, [], []
+        self._weights.append(weights)
+        self._grads.append(grad_context)
+
+    def _collect(self) -> Tensor | None:
+        self.spent = True
+        if self._task != torch._C._current_graph_task_id() or not self._weights:
+            self._task, self._weights, self._grads = None, [], []
+            return None
+        weights = torch.stack(self._weights, dim=1)  # [B, S, T]
+        grads = torch.stack(self._grads, dim=1)  # [B, S, Dv]
+        self._task, self._weights, self._grads = None, [], []
+        return torch.bmm(weights.transpose(1, 2), grads)
+
+
+def attend_gathered(
+    owner: nn.Module,
+    backend: str,
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """``attend(backend, query [B, A], keys [B, T, A], values [B, T, Dv], v, mask=mask)`` for a
+    decoder step whose keys change every step but whose values do not: when training, the
+    context is formed over ``owner``'s :class:`GatheredValues` for these values (made on the first
+    step that sees them, kept in ``owner._gathered``) and the fused op forms only the weights.
+    Returns (context [B, Dv], weights [B, T])."""
+    gathered = getattr(owner, "_gathered", None)
+    if gathered is None or gathered.source is not values or gathered.spent:
+        gathered = GatheredValues.for_training(values)
+        owner._gathered = gathered
+    if gathered is None or query.dim() != 2:
+        return attend(backend, query, keys, values, v, mask=mask)
+    _, weights = attend(backend, query, keys, gathered.placeholder, v, mask=mask)
+    return gathered.context(weights), weights

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import check_backend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -38,6 +38,7 @@ from seq2seq_fast.nn.convert._base import (
 )
 from seq2seq_fast.nn.convert._speech import (
     adopt,
+    attend_gathered,
     conv1d_of,
     is_score_layer,
     linear_of,
@@ -91,10 +92,10 @@ class FusedCoquiOriginalAttention(FusedStandIn):
                 dim=1,
             )
             keys = keys + self.location_layer(previous)
-        context, alignment = attend(
-            self.backend, self.query_layer(query), keys, inputs, linear_of(self.v).weight[0],
-            mask=mask,
-        )  # fmt: skip
+        v = linear_of(self.v).weight[0]
+        context, alignment = attend_gathered(
+            self, self.backend, self.query_layer(query), keys, inputs, v, mask
+        )
         if self.location_attention:
             self.update_location_attention(alignment)
         self.attention_weights = alignment

@@ -36,7 +36,7 @@ from seq2seq_fast.nn.convert._base import (
     own_parameter_names,
     register,
 )
-from seq2seq_fast.nn.convert._speech import adopt, same_padding_conv, scaled
+from seq2seq_fast.nn.convert._speech import adopt, attend_gathered, same_padding_conv, scaled
 from seq2seq_fast.nn.stepwise import StepwiseMemory
 
 
@@ -94,6 +94,8 @@ class FusedEspnetAttAdd(FusedStandIn):
 
     def _attend(self, query, keys, valid, scaling) -> tuple[Tensor, Tensor]:
         v_eff = scaled(self.gvec.weight[0], scaling)
+        if not self.gather_steps:  # AttLoc: fixed values, new keys every step
+            return attend_gathered(self, self.backend, query, keys, self.enc_h, v_eff, valid)
         stepwise = getattr(self, "_stepwise", None)
         return attend(self.backend, query, keys, self.enc_h, v_eff, mask=valid, stepwise=stepwise)
 

@@ -45,6 +45,7 @@ from seq2seq_fast.nn.convert._base import (
 )
 from seq2seq_fast.nn.convert._speech import (
     adopt,
+    attend_gathered,
     is_finite_number,
     same_padding_conv,
     scaled,
@@ -83,11 +84,10 @@ class FusedFairseqLocationAttention(FusedStandIn):
         if decoder_h is None:
             decoder_h = encoder_out.new_zeros(bsz, self.decoder_dim)
         v_eff = scaled(self.proj_out[1].weight[0], self.scaling)
-        context, weights = attend(
-            self.backend, self.proj_dec(decoder_h), keys, encoder_out, v_eff,
-            mask=valid_from_padding(encoder_padding_mask),
+        return attend_gathered(
+            self, self.backend, self.proj_dec(decoder_h), keys, encoder_out, v_eff,
+            valid_from_padding(encoder_padding_mask),
         )  # fmt: skip
-        return context, weights
 
 
 def _match_location(module: nn.Module) -> bool:

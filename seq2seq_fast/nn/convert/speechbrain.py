@@ -35,7 +35,13 @@ from seq2seq_fast.nn.convert._base import (
     own_parameter_names,
     register,
 )
-from seq2seq_fast.nn.convert._speech import adopt, is_finite_number, same_padding_conv, scaled
+from seq2seq_fast.nn.convert._speech import (
+    adopt,
+    attend_gathered,
+    is_finite_number,
+    same_padding_conv,
+    scaled,
+)
 from seq2seq_fast.nn.stepwise import StepwiseMemory
 
 
@@ -81,13 +87,18 @@ class FusedContentBasedAttention(FusedStandIn):
         self, dec_states: Tensor, keys: Tensor, enc_states: Tensor
     ) -> tuple[Tensor, Tensor]:
         v_eff = scaled(self.mlp_attn.weight[0], self.scaling)
+        query = self.mlp_dec(dec_states)
+        if not self.gather_steps:  # location-aware: fixed values, new keys every step
+            context, weights = attend_gathered(
+                self, self.backend, query, keys, enc_states, v_eff, self.mask != 0
+            )
+            return self.mlp_out(context), weights
         memory = None
         if self._stepwise is not None and self._stepwise[1] is enc_states:
             memory = self._stepwise[0]  # the step attends to the memory's aliases
             enc_states = memory.values
         context, weights = attend(
-            self.backend, self.mlp_dec(dec_states), keys, enc_states, v_eff,
-            mask=self.mask != 0, stepwise=memory,
+            self.backend, query, keys, enc_states, v_eff, mask=self.mask != 0, stepwise=memory,
         )  # fmt: skip
         return self.mlp_out(context), weights
 

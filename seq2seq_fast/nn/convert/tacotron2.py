@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import check_backend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -36,6 +36,7 @@ from seq2seq_fast.nn.convert._base import (
 )
 from seq2seq_fast.nn.convert._speech import (
     adopt,
+    attend_gathered,
     conv1d_of,
     is_score_layer,
     linear_of,
@@ -66,11 +67,8 @@ class FusedTacotron2Attention(FusedStandIn):
     ) -> tuple[Tensor, Tensor]:
         query = self.query_layer(attention_hidden_state)  # [B, A]
         keys = processed_memory + self.location_layer(attention_weights_cat)
-        context, weights = attend(
-            self.backend, query, keys, memory, linear_of(self.v).weight[0],
-            mask=valid_from_padding(mask),
-        )  # fmt: skip
-        return context, weights
+        v = linear_of(self.v).weight[0]
+        return attend_gathered(self, self.backend, query, keys, memory, v, valid_from_padding(mask))
 
 
 def _match(module: nn.Module) -> bool:
