@@ -6,6 +6,7 @@ state_dict, optimiser, reset between utterances; look-alikes refused, inexact va
 from __future__ import annotations
 
 import copy
+import io
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -484,3 +485,16 @@ def test_location_attention_backward_between_steps():
         grads.append([memory.grad] + [p.grad for p in model.parameters()])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-9)
+
+
+@requires_cpu_kernel
+def test_converted_stateless_layout_copies_and_saves_after_a_step():
+    """Tacotron 2's attention keeps no state; its stand-in's per-sequence helper must not stop a
+    deep copy (e.g. an EMA model) or torch.save of the model after a forward with gradients."""
+    _, fused = _pair(CASES["tacotron2_torchaudio"], torch.float32)
+    outs = drive_tacotron2(fused["attn"], torch.float32, torch.Generator().manual_seed(9), [])
+    copied = copy.deepcopy(fused)
+    buffer = io.BytesIO()
+    torch.save(fused, buffer)
+    assert list(copied.state_dict()) == list(fused.state_dict())
+    sum(o.sum() for o in outs).backward()  # the original graph still works

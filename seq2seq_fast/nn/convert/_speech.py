@@ -141,6 +141,10 @@ class _GatheredContext(torch.autograd.Function):
         return grad_weights, None, None
 
 
+def _nothing() -> None:
+    return None
+
+
 class GatheredValues:
     """Values [B, T, Dv] that every decoder step reads through weights @ values, for training:
     each step's backward returns only the weights' gradient and keeps (weights, grad_context),
@@ -163,6 +167,12 @@ class GatheredValues:
         self._task: int | None = None
         self._weights: list[Tensor] = []
         self._grads: list[Tensor] = []
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None  # a copy of the module starts without one (its graph is this forward's)
+
+    def __reduce__(self):
+        return (_nothing, ())  # likewise when the module is pickled (torch.save(model))
 
     @classmethod
     def for_training(cls, values: Tensor) -> GatheredValues | None:

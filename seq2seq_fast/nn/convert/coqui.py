@@ -65,6 +65,7 @@ class FusedCoquiOriginalAttention(FusedStandIn):
 
     def init_states(self, inputs: Tensor) -> None:
         batch, length = inputs.shape[:2]
+        self._gathered = None
         self.attention_weights = torch.zeros([batch, length], device=inputs.device)
         if self.location_attention:
             self.attention_weights_cum = torch.zeros([batch, length], device=inputs.device)

@@ -66,6 +66,7 @@ class FusedEspnetAttAdd(FusedStandIn):
         self.pre_compute_enc_h = None
         self.mask = None
         self._stepwise = None
+        self._gathered = None
 
     def _memory(self, enc_hs_pad: Tensor) -> None:
         if self.pre_compute_enc_h is None or self.han_mode:

@@ -69,6 +69,7 @@ class FusedFairseqLocationAttention(FusedStandIn):
 
     def clear_cache(self) -> None:
         self.proj_enc_out = None
+        self._gathered = None
 
     def forward(
         self,

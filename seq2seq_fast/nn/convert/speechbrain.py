@@ -69,6 +69,7 @@ class FusedContentBasedAttention(FusedStandIn):
         self.precomputed_enc_h = None
         self.mask = None
         self._stepwise = None
+        self._gathered = None
 
     def _first_step(self, enc_states: Tensor, enc_len: Tensor) -> bool:
         if self.precomputed_enc_h is not None:
