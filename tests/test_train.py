@@ -17,7 +17,7 @@ from seq2seq_fast.seq2seq.checkpoint import (
     load_model,
     save_checkpoint,
 )
-from seq2seq_fast.seq2seq.train import TrainConfig, train
+from seq2seq_fast.seq2seq.train import TrainConfig, TrainError, train
 
 TINY = dict(
     vocab_size=6, min_len=2, max_len=5, heldout_size=100, embed_size=16, hidden_size=32,
@@ -185,6 +185,27 @@ def test_translate_task_end_to_end(tmp_path):
     assert 0.0 <= result.metrics["test_bleu"] <= 100.0 and "valid_bleu" in result.metrics
     assert result.heatmap is not None and result.heatmap.stat().st_size > 1000
     assert load_checkpoint(result.checkpoint)["metrics"]["test_bleu"] == result.metrics["test_bleu"]
+
+
+def test_translate_official_splits_used_as_given(tmp_path, capsys):
+    lines = _toy_corpus(tmp_path / "toy.tsv").read_text().splitlines()
+    files = {name: tmp_path / f"{name}.tsv" for name in ("train", "valid", "test")}
+    files["train"].write_text("\n".join(lines[:150]) + "\n")  # one malformed line among them
+    files["valid"].write_text("\n".join(lines[150:175]) + "\n")
+    # A word of the test split only: the vocabularies are trained on the training split.
+    files["test"].write_text("\n".join(lines[175:]) + "\nzebra zebra\tzebre zebre\n")
+    config = tiny_config(tmp_path / "run", task="translate", data=str(files["train"]),
+                         valid_data=str(files["valid"]), test_data=str(files["test"]), epochs=1,
+                         spm_vocab_size=40, eval_size=1000)  # fmt: skip
+    result = train(config)
+    out = capsys.readouterr().out
+    assert "official splits: 149 train / 25 valid / 27 test pairs" in out
+    assert "BLEU: sacreBLEU nrefs:1|" in out and "tok:13a" in out
+    assert 0.0 <= result.metrics["test_bleu"] <= 100.0 and "valid_bleu" in result.metrics
+    src_vocab = load_model(result.checkpoint)[1]
+    assert not any("z" in piece for piece in src_vocab.pieces(range(len(src_vocab))))
+    with pytest.raises(TrainError, match="--valid-data"):
+        TrainConfig(task="translate", data=str(files["train"]), test_data=str(files["test"]))
 
 
 def test_python_dash_m_entry_point():

@@ -121,6 +121,11 @@ def _add_train(sub) -> None:
     g.add_argument("--normalization", choices=["NFKC", "NFC"])
     g.add_argument("--valid-fraction", type=float)
     g.add_argument("--test-fraction", type=float)
+    g.add_argument("--valid-data", metavar="PATH",
+                   help="official validation split: used as given, and --data is then the "
+                   "training split (not split again)")  # fmt: skip
+    g.add_argument("--test-data", metavar="PATH",
+                   help="official test split (with --valid-data): the final test BLEU")  # fmt: skip
     g.add_argument("--eval-size", type=int, help="valid pairs scored after each epoch")
     g.add_argument("--eval-beam", type=int, help="beam size for the final test BLEU")
     g.add_argument("--eval-every", type=int,

@@ -384,15 +384,29 @@ class TranslationData:
         test_fraction: float = 0.03,
         seed: int = 0,
         vocabs: tuple[SentencePieceVocab, SentencePieceVocab] | None = None,
+        valid_path: str | Path | None = None,
+        test_path: str | Path | None = None,
     ) -> TranslationData:
         """Read, filter, split; train the two subword vocabularies on the training split (or use
-        ``vocabs``, e.g. a checkpoint's, when resuming) and encode the training pairs."""
+        ``vocabs``, e.g. a checkpoint's, when resuming) and encode the training pairs.
+
+        With ``valid_path`` (and optionally ``test_path``) the corpora are official splits, used
+        as given: ``path`` is all training data (``max_words``/``max_pairs`` apply to it only),
+        the valid and test files are read whole and not split; no test file: no test set."""
+        if test_path is not None and valid_path is None:
+            raise CorpusError("a test file needs a validation file too (--valid-data)")
         pairs, report = read_parallel_corpus(
             path, normalization=normalization, max_words=max_words, swap=swap
         )
         if max_pairs is not None and len(pairs) > max_pairs:
             pairs = random.Random(seed).sample(pairs, max_pairs)
-        train, valid, test = split_by_source(pairs, valid_fraction, test_fraction, seed)
+        if valid_path is None:
+            train, valid, test = split_by_source(pairs, valid_fraction, test_fraction, seed)
+        else:
+            train, test = pairs, []
+            valid = read_parallel_corpus(valid_path, normalization=normalization, swap=swap)[0]
+            if test_path is not None:
+                test = read_parallel_corpus(test_path, normalization=normalization, swap=swap)[0]
         if vocabs is not None:
             src_vocab, tgt_vocab = vocabs
         else:

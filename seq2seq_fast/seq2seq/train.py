@@ -115,6 +115,9 @@ class TrainConfig:
     normalization: str = "NFKC"
     valid_fraction: float = 0.02
     test_fraction: float = 0.03
+    # Official splits, used as given (then ``data`` is the training split, not split again).
+    valid_data: str | None = None
+    test_data: str | None = None  # needs valid_data; none: no test BLEU
     eval_size: int = 500  # valid pairs scored with BLEU after each epoch
     eval_beam: int = 1  # beam for the final test BLEU
     # Also evaluate every N steps (0: at epoch ends only). Each evaluation that beats the best so
@@ -138,6 +141,10 @@ class TrainConfig:
             raise TrainError(f"task must be 'reverse' or 'translate', got {self.task!r}")
         if self.task == "translate" and not self.data:
             raise TrainError("--task translate needs --data PATH (a .txt/.tsv file or a .zip)")
+        if self.test_data and not self.valid_data:
+            raise TrainError("--test-data needs --valid-data (official splits come together)")
+        if self.valid_data and self.task != "translate":
+            raise TrainError("--valid-data and --test-data are for --task translate")
         if self.backend not in TRAIN_BACKENDS:
             raise TrainError(f"backend must be one of {TRAIN_BACKENDS}, got {self.backend!r}")
         if self.precision not in PRECISIONS:
@@ -233,7 +240,16 @@ def bleu_score(
 
     hyps = decode(model, [src_vocab.encode(s) for s, _ in pairs], device=device, beam=beam)
     outputs = [tgt_vocab.decode(h.tokens) for h in hyps]
-    return float(sacrebleu.corpus_bleu(outputs, [[t for _, t in pairs]]).score)
+    return float(sacrebleu.BLEU().corpus_score(outputs, [[t for _, t in pairs]]).score)
+
+
+def bleu_signature() -> str:
+    """sacreBLEU's signature of the BLEU that :func:`bleu_score` computes (one reference)."""
+    import sacrebleu
+
+    metric = sacrebleu.BLEU()
+    metric.corpus_score(["a"], [["a"]])  # the signature counts the references of the last call
+    return str(metric.get_signature())
 
 
 def describe(metrics: dict[str, float]) -> str:
@@ -332,7 +348,7 @@ class Task:
         """The held-out sentence drawn in the final heatmap."""
         if self.reverse is not None:
             return self.src_vocab.decode(self.heldout[0][0])
-        return self.corpus.test[0][0]
+        return (self.corpus.test or self.corpus.valid)[0][0]
 
 
 def build_task(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None) -> Task:
@@ -358,6 +374,7 @@ def build_task(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None) -
         max_pairs=config.max_pairs, vocab_size=config.spm_vocab_size,
         normalization=config.normalization, valid_fraction=config.valid_fraction,
         test_fraction=config.test_fraction, seed=config.seed, vocabs=vocabs,
+        valid_path=config.valid_data, test_path=config.test_data,
     )  # fmt: skip
     _log(corpus.report.summary(), ctx)
     if corpus.report.too_long:
@@ -365,14 +382,16 @@ def build_task(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None) -
         _log(f"--max-words {config.max_words} dropped {corpus.report.too_long} pairs "
              f"({share:.0%} of the usable ones)", ctx)  # fmt: skip
     _log(
-        f"split: {len(corpus.train)} train / {len(corpus.valid)} valid / {len(corpus.test)} "
-        f"test pairs; subword vocab {len(corpus.src_vocab)} source, {len(corpus.tgt_vocab)} target",
+        f"{'official splits' if config.valid_data else 'split'}: {len(corpus.train)} train / "
+        f"{len(corpus.valid)} valid / {len(corpus.test)} test pairs; subword vocab "
+        f"{len(corpus.src_vocab)} source, {len(corpus.tgt_vocab)} target",
         ctx,
     )
     task = Task(
         "translate", corpus.src_vocab, corpus.tgt_vocab, 0,
         max(len(s) for s, _ in corpus.train), max(len(t) for _, t in corpus.train) + 1,
-        {"kind": "translate", "data": str(config.data), "direction": config.direction},
+        {"kind": "translate", "data": str(config.data), "direction": config.direction,
+         "valid_data": config.valid_data, "test_data": config.test_data},
         corpus=corpus,
     )  # fmt: skip
     task.steps_per_epoch = len(task.epoch_plan(config, 0, ctx))
@@ -552,6 +571,8 @@ def evaluate(job: Job, final: bool = False) -> dict[str, float]:
     if task.reverse is not None:
         return reverse_accuracy(job.model, task.heldout, device)
     if final:
+        if not task.corpus.test:  # official splits without a test file
+            return {}
         return {"test_bleu": bleu_score(job.model, task.corpus.test, task.src_vocab,
                                         task.tgt_vocab, device, beam=config.eval_beam)}  # fmt: skip
     return {"valid_bleu": bleu_score(job.model, task.corpus.valid[: config.eval_size],
@@ -797,6 +818,8 @@ def finish(job: Job, payload: dict[str, Any] | None, stopped_early: bool) -> Tra
     seconds = time.perf_counter() - job.clock.started
     if ctx.is_main:
         _log(f"{describe(job.metrics)}", ctx)
+        if config.task == "translate":
+            _log(f"BLEU: sacreBLEU {bleu_signature()}", ctx)
         _log(f"checkpoint: {job.checkpoint_path}", ctx)
         if heatmap_path is not None:
             _log(f"attention heatmap: {heatmap_path}", ctx)
