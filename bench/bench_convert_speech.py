@@ -272,7 +272,7 @@ def make_step(family: str, provider: str, size: Size) -> Callable[[], float]:
     return step
 
 
-# --- pytest-benchmark ------------------------------------------------------------------------------
+# --- pytest-benchmark -----------------------------------------------------------------------------
 
 
 def _bench_size() -> Size:
@@ -293,7 +293,7 @@ def test_convert_speech_step(benchmark, family, provider):
     assert loss == loss  # not NaN
 
 
-# --- side-by-side table ----------------------------------------------------------------------------
+# --- side-by-side table ---------------------------------------------------------------------------
 
 
 def table(families: list[str], size: Size, threads: int, rounds: int, min_sample_s: float) -> str:

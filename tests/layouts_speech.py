@@ -6,14 +6,16 @@ and parameter names (so state_dicts match) and the same state, masks and return 
 - ``AttAdd``, ``AttLoc``: ESPnet (espnet/nets/pytorch_backend/rnn/attentions.py). Batch-first,
   ``forward(enc_hs_pad, enc_hs_len, dec_z, att_prev, scaling=2.0)`` -> (context [B, D_enc],
   weights [B, T]); the projected memory and the padding mask are cached until ``reset()``.
-- ``ContentBasedAttention``, ``LocationAwareAttention``: SpeechBrain (speechbrain/nnet/attention.py).
+- ``ContentBasedAttention``, ``LocationAwareAttention``: SpeechBrain
+  (speechbrain/nnet/attention.py).
   ``forward(enc_states, enc_len, dec_states)`` -> (mlp_out(context) [B, out], weights [B, T]); the
   location-aware one keeps the previous weights (detached) in ``prev_attn``.
 - ``MLPAttention``: fairseq's speech-to-text Berard model (time-major source, re-projected at
   every call); ``LocationAttention``: fairseq/modules/location_attention.py (batch-first, cache
   cleared by ``clear_cache()``).
 - ``NvidiaTacotron2Attention``: NVIDIA tacotron2 and DeepLearningExamples' Tacotron2 (Linear and
-  Conv1d wrapped in ``LinearNorm.linear_layer`` / ``ConvNorm.conv``); ``TorchaudioTacotron2Attention``:
+  Conv1d wrapped in ``LinearNorm.linear_layer`` / ``ConvNorm.conv``);
+  ``TorchaudioTacotron2Attention``:
   torchaudio's ``_Attention`` (plain Linear / Conv1d). Same math: the client passes the processed
   memory, the weights' location features come from [previous, cumulative] weights.
 - ``AllenNLPAdditiveAttention``: allennlp.modules.attention.AdditiveAttention (returns weights
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# --- ESPnet ----------------------------------------------------------------------------------------
+# --- ESPnet ---------------------------------------------------------------------------------------
 
 
 def espnet_pad_mask(lengths) -> Tensor:
@@ -131,7 +133,7 @@ class AttLoc(AttAdd):
         return c, w
 
 
-# --- SpeechBrain -----------------------------------------------------------------------------------
+# --- SpeechBrain ----------------------------------------------------------------------------------
 
 
 def speechbrain_length_mask(length: Tensor, max_len: int) -> Tensor:
@@ -207,7 +209,7 @@ class LocationAwareAttention(nn.Module):
         return self.mlp_out(context), attn
 
 
-# --- fairseq ---------------------------------------------------------------------------------------
+# --- fairseq --------------------------------------------------------------------------------------
 
 
 class MLPAttention(nn.Module):
@@ -280,7 +282,7 @@ class LocationAttention(nn.Module):
         return (encoder_out * w.unsqueeze(2)).sum(dim=1), w
 
 
-# --- Tacotron 2 (NVIDIA, DeepLearningExamples, torchaudio) -----------------------------------------
+# --- Tacotron 2 (NVIDIA, DeepLearningExamples, torchaudio) ----------------------------------------
 
 
 class LinearNorm(nn.Module):
@@ -354,7 +356,7 @@ class TorchaudioTacotron2Attention(_Tacotron2Attention):
     wrapped = False
 
 
-# --- AllenNLP and d2l ------------------------------------------------------------------------------
+# --- AllenNLP and d2l -----------------------------------------------------------------------------
 
 
 class AllenNLPAdditiveAttention(nn.Module):
@@ -422,7 +424,7 @@ class D2LAdditiveAttentionSized(D2LAdditiveAttention):
         self.dropout = nn.Dropout(dropout)
 
 
-# --- Coqui TTS -------------------------------------------------------------------------------------
+# --- Coqui TTS ------------------------------------------------------------------------------------
 
 
 class CoquiLinear(nn.Module):

@@ -22,7 +22,7 @@ requires_cpu_kernel = pytest.mark.skipif(
     not fused_available("cpu", torch.float32), reason="the C++ extension is not built"
 )
 
-# --- drivers: a decoder's use of each module, two utterances with a reset between ------------------
+# --- drivers: a decoder's use of each module, two utterances with a reset between -----------------
 
 
 def _lengths(batch: int, frames: int) -> list[int]:
@@ -309,7 +309,7 @@ def test_parameters_state_dict_and_optimiser_kept(name):
     plain.load_state_dict(fused.state_dict())  # and back
 
 
-# --- what is left alone ------------------------------------------------------------------------------
+# --- what is left alone ---------------------------------------------------------------------------
 
 
 class SharperAttLoc(L.AttLoc):

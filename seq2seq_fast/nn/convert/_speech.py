@@ -103,7 +103,7 @@ def valid_from_padding(padding: Tensor | None) -> Tensor | None:
     return padding == 0 if padding.dtype != torch.bool else ~padding
 
 
-# --- values read by many steps, their gradient gathered once ---------------------------------------
+# --- values read by many steps, their gradient gathered once --------------------------------------
 
 
 class _ValuesNode(torch.autograd.Function):

@@ -19,8 +19,10 @@ Original math and call (batch-first)::
     context = alignment @ inputs
 
 Converted only with ``norm="softmax"``, no forward attention and no windowing; the others are
-skipped with the reason (:func:`_unsupported`). ``v``'s bias cancels in the softmax. One
-difference: a row with no valid frame gives NaN there and zeros here.
+skipped with the reason (:func:`_unsupported`). ``v``'s bias cancels in the softmax. One difference:
+a row with no valid frame gives NaN there and zeros here. When training, the step's context is
+formed over the values through :class:`~seq2seq_fast.nn.convert._speech.GatheredValues` (their
+gradient gathered once per sequence; the keys change every step, so StepwiseMemory does not apply).
 """
 
 from __future__ import annotations
@@ -111,7 +113,8 @@ def _unsupported(module: nn.Module, runtime: bool = False) -> str | None:
         )
     if module.forward_attn:
         return (
-            "forward attention: the weights are re-derived from the softmax by a recursion over the "
+            "forward attention: the weights are re-derived from the softmax by a recursion over "
+            "the "
             "previous step's (and, at inference, clipped) before the context is formed, so the "
             "fused kernel's context would be thrown away"
         )

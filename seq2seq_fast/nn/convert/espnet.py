@@ -15,11 +15,14 @@ memory, computed at the first step of an utterance, or every step with ``han_mod
     e = gvec(tanh(keys + mlp_dec(dec_z))); e[mask] = -inf; w = softmax(scaling * e)
     context = sum_t w_t enc_h_t
 
-AttLoc's ``forward`` also takes ``last_attended_idx``, ``backward_window``, ``forward_window``
-(the monotonic constraint of TTS decoding, batch of one): frames outside the window are masked
-like padding here too. ``gvec``'s bias shifts every score of a row equally and cancels in the
-softmax; ``scaling`` is folded into the score vector (scaling * gvec.weight). One difference: a
-row with no valid frame gives NaN there and zeros here.
+AttLoc's ``forward`` also takes ``last_attended_idx``, ``backward_window``, ``forward_window`` (the
+monotonic constraint of TTS decoding, batch of one): frames outside the window are masked like
+padding here too. ``gvec``'s bias shifts every score of a row equally and cancels in the softmax;
+``scaling`` is folded into the score vector (scaling * gvec.weight). One difference: a row with no
+valid frame gives NaN there and zeros here. AttAdd's training steps go through a StepwiseMemory
+built with the cached projection (keys and values fixed over the utterance); AttLoc's step's context
+is formed over the values through :class:`~seq2seq_fast.nn.convert._speech.GatheredValues` (their
+gradient gathered once per sequence; the keys change every step, so StepwiseMemory does not apply).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ State: ``proj_enc_out`` (the projected memory, computed at the first call, dropp
 ``clear_cache()``). Math and call (batch-first)::
 
     forward(encoder_out [B, T, E], encoder_padding_mask [B, T] (True = padding),
-            decoder_h [B, Dd] or None (zeros), attn_state [B, K, T]) -> (context [B, E], weights [B, T])
+            decoder_h [B, Dd] or None (zeros), attn_state [B, K, T])
+        -> (context [B, E], weights [B, T])
     keys = proj_enc_out + proj_attn(conv(attn_state))
     e = proj_out(keys + proj_dec(decoder_h)); e[mask] = -inf; w = softmax(scaling * e)
     context = sum_t w_t encoder_out_t
@@ -25,7 +26,9 @@ time. Math and call (time-major source)::
 
 The MLPAttention stand-in projects a given source once and reuses the projection while the same
 tensor comes back unchanged (see :mod:`seq2seq_fast.nn.keycache`). ``proj_out``'s bias cancels
-in the softmax; ``scaling`` is folded into the score vector. One difference in both: a row with
+in the softmax; ``scaling`` is folded into the score vector. LocationAttention's training steps
+form their context over :class:`~seq2seq_fast.nn.convert._speech.GatheredValues` (the values'
+gradient gathered once per sequence). One difference in both: a row with
 no valid position gives NaN there and zeros here.
 """
 

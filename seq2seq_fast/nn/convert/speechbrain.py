@@ -1,4 +1,5 @@
-"""SpeechBrain's ``ContentBasedAttention`` and ``LocationAwareAttention`` (speechbrain/nnet/attention.py).
+"""SpeechBrain's ``ContentBasedAttention`` and ``LocationAwareAttention``
+(speechbrain/nnet/attention.py).
 
 Original parameters: ``mlp_enc`` (enc_dim -> attn_dim), ``mlp_dec`` (dec_dim -> attn_dim), both
 with bias; ``mlp_attn`` (attn_dim -> 1, no bias); ``mlp_out`` (enc_dim -> output_dim); a
@@ -18,7 +19,10 @@ beam searcher reorders it in place of the module). Original math and call (batch
     context = weights @ enc_states
 
 ``scaling`` is folded into the score vector. One difference: a row with no valid frame gives NaN
-there and zeros here.
+there and zeros here. The content-based training steps go through a StepwiseMemory built with
+the cached projection; the location-aware one's step's context is formed over the values through
+:class:`~seq2seq_fast.nn.convert._speech.GatheredValues` (their gradient gathered once per
+sequence; the keys change every step, so StepwiseMemory does not apply).
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ from seq2seq_fast.nn.stepwise import StepwiseMemory
 
 
 def _length_mask(enc_len: Tensor, max_len: int) -> Tensor:
-    """[B, max_len], 1 where position < enc_len, in enc_len's dtype (SpeechBrain's length_to_mask)."""
+    """[B, max_len]: 1 where position < enc_len, in enc_len's dtype (SpeechBrain's
+    length_to_mask)."""
     positions = torch.arange(max_len, device=enc_len.device, dtype=enc_len.dtype)
     return (positions.unsqueeze(0) < enc_len.unsqueeze(1)).to(enc_len.dtype)
 

@@ -18,7 +18,10 @@ Original math and call (batch-first)::
     e = v(tanh(query_layer(attention_hidden_state) + keys)); e[mask] = score_mask_value
     weights = softmax(e); context = weights @ memory
 
-One difference: a row with no valid frame gives NaN there and zeros here.
+One difference: a row with no valid frame gives NaN there and zeros here. When training, the step's
+context is formed over the values through :class:`~seq2seq_fast.nn.convert._speech.GatheredValues`
+(their gradient gathered once per sequence; the keys change every step, so StepwiseMemory does not
+apply).
 """
 
 from __future__ import annotations
