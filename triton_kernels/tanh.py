@@ -11,10 +11,11 @@
                At BLOCK_Q = 1 (the decoding step) the key exponentials cost one MUFU op per tanh.
     "approx"   PTX tanh.approx.f32: one MUFU op per tanh, CUDA only. Maximum relative error
                2^-10.987 (~4.9e-4) per the PTX ISA; bench/gpu_check.py measures it.
-    "packed"   PTX tanh.approx.bf16x2: one MUFU op per two tanh (sm_90+), the argument rounded to
-               bfloat16 first and the result a bfloat16 (relative error ~2^-8, the rounding of a
-               bfloat16 input). Opt-in for bfloat16 until a GPU run has measured its speed and
-               error (bench/gpu_check.py times it as the "bf16+packed" row).
+    "packed"   PTX tanh.approx.bf16x2 (sm_90+), the argument rounded to bfloat16 first and the
+               result a bfloat16 (relative error ~2^-8). sm_90 runs it as two MUFU.TANH.BF16 ops,
+               one per half (bench/compile_check.py reads the SASS): no fewer MUFU ops than
+               "approx", ~6% fewer instructions in the forward's tanh loop. Opt-in until a GPU
+               run has measured it (bench/gpu_check.py probes its error).
     "exp"      tanh|x| = (1 - t) / (1 + t), t = exp(-2|x|), sign restored, and the odd Taylor
                series to x^7 for |x| < 0.125 where 1 - t cancels. Absolute error <= ~1e-7.
                Two MUFU ops and ~17 FP32 ops per tanh: the exact fallback of "product".
@@ -37,6 +38,7 @@ import triton.language as tl
 
 __all__ = [
     "TANH_CODES",
+    "auto_tanh",
     "TANH_MODES",
     "is_interpreted",
     "resolve_tanh",
@@ -191,12 +193,17 @@ def resolve_tanh(mode: str, dtype: torch.dtype, device: torch.device | str) -> s
     _check_mode(mode, "tanh")
     if mode == "auto":
         mode = _OVERRIDE.get() or "auto"
-    on_gpu = torch.device(device).type == "cuda" and not is_interpreted()
     if mode == "auto":
-        mode = "approx" if dtype in (torch.float16, torch.bfloat16) and on_gpu else "product"
+        on_gpu = torch.device(device).type == "cuda" and not is_interpreted()
+        mode = auto_tanh(dtype, on_gpu)
     if mode in ("approx", "packed") and is_interpreted():
         mode = "product"
     return mode
+
+
+def auto_tanh(dtype: torch.dtype, on_gpu: bool = True) -> str:
+    """The default path: "approx" for float16 / bfloat16 on a GPU, else "product"."""
+    return "approx" if on_gpu and dtype in (torch.float16, torch.bfloat16) else "product"
 
 
 def tanh_probe(x: torch.Tensor, mode: str) -> torch.Tensor:

@@ -14,12 +14,16 @@ at the MUFU rate):
     per-tanh cost      max(MUFU ops per tanh, issued instructions per tanh / 8, L2 bytes per tanh
                        x tanh rate / L2 bandwidth), in units of one MUFU op
 
-MUFU ops per tanh are counted from the kernels (see tanh.py: approx 1, packed 1/2, exp 2, product
-1 + 1/block_q + 1/block_k: the two exponentials amortised over the other operand's rows).
-Instructions per tanh = a base per path + LOAD_INSTR x (1/block_q + 1/block_k) for the operand
-tiles loaded per tanh, fitted to the inner-loop SASS of the sm_90 build (bench/triton_aot_report.py,
-triton 3.9: forward bf16/approx at (8,8,64) 5.25 instr/tanh, fp32/product 10.4). L2 bytes per tanh
-are the keys each query tile re-reads: element size / block_q (the query tile stays in L1).
+MUFU ops per tanh are counted from the kernels' SASS (bench/compile_check.py): approx 1, packed 1
+(sm_90 splits tanh.approx.bf16x2 into two MUFU.TANH.BF16), exp 2, product 1 + 1/block_q +
+1/block_k (the two exponentials amortised over the other operand's rows). Instructions per tanh =
+a base per path + a load term x (1/block_q + 1/block_k) for the operand tiles loaded per tanh,
+fitted to the forward's tanh loop in the sm_90 SASS that bench/compile_check.py reads (triton
+3.9, real specialisation; bf16/approx: 5.2 instr per tanh at (4,8,128), 5.8 at (4,4,256), 5.6
+at (2,16,128), 7.8 at (1,8,512); fp32/product: 6.8 at (8,8,64), 7.3 at (4,32,32), 6.4 at
+(8,16,32), 20 at (1,8,512); packed 7.4 at (4,4,256)). So approx is MUFU-bound at every tile
+(< 8 instructions per MUFU op) and product close to balanced. L2 bytes per tanh are the keys
+each query tile re-reads: element size / block_q (the query tile stays in L1).
 
 A minimum-programs rule comes first: when some candidate gives every SM a program, those that
 leave SMs idle are dropped. The decoding step (Tq = 1) gets block_q = 1 and a one-row GEMV for the
@@ -54,8 +58,9 @@ H200_SMS = 132
 MUFU_PER_CLOCK, ISSUE_PER_CLOCK = 16, 128  # lanes per clock per SM (Hopper)
 TANH_RATE = 4.2e12  # MUFU ops per second, H200 (132 SMs x 16 x ~1.98 GHz)
 L2_BANDWIDTH = 6.0e12  # bytes/s, Hopper L2 read (a lead, not a reading here)
-BASE_INSTR = {"approx": 4.25, "packed": 3.0, "product": 9.4, "exp": 19.0}
-LOAD_INSTR = 4.0  # instructions per operand element loaded, converted and broadcast
+BASE_INSTR = {"approx": 3.9, "packed": 5.6, "product": 3.1, "exp": 19.0}
+# Instructions per operand element loaded, converted, broadcast (and exponentiated: product).
+LOAD_INSTR = {"approx": 3.5, "packed": 3.5, "product": 15.0, "exp": 8.0}
 # Per key tile and thread: the reduction over h, masking, online softmax, score store (estimate).
 KEY_TILE_INSTR = 64.0
 THREADS = 32 * DEFAULT_NUM_WARPS
@@ -113,9 +118,9 @@ def tanh_cost(mode: str, block_q: int, block_k: int, element_bytes: int, grad: b
               hidden: int = 1024) -> float:  # fmt: skip
     """Time per useful tanh of a tile, in MUFU ops (see the module doc)."""
     amortised = 1.0 / block_q + 1.0 / block_k
-    mufu = {"approx": 1.0, "packed": 0.5, "exp": 2.0, "product": 1.0 + amortised}[mode]
+    mufu = {"approx": 1.0, "packed": 1.0, "exp": 2.0, "product": 1.0 + amortised}[mode]
     base, load = (GRAD_BASE_INSTR, GRAD_LOAD_INSTR) if grad else (BASE_INSTR, LOAD_INSTR)
-    instr = base[mode] + load * amortised
+    instr = base[mode] + (load[mode] if isinstance(load, dict) else load) * amortised
     if not grad:  # the per-key-tile work, spread over the tile's tanh per thread
         instr += KEY_TILE_INSTR * THREADS / (block_q * block_k * _pow2_at_least(hidden))
     issue = instr * MUFU_PER_CLOCK / ISSUE_PER_CLOCK
@@ -190,8 +195,8 @@ def _phase2_tiles(value_dim: int, dtype: torch.dtype | None, num_queries: int) -
     dv_cap = _pow2_at_least(max(16, value_dim))
     if num_queries <= 1:
         return 16, min(256, dv_cap)
-    if dtype in (torch.float16, torch.bfloat16):
-        return 64, min(128, dv_cap)
+    if dtype in (torch.float16, torch.bfloat16):  # 16 x 64 x 128 took 192 registers (triton 3.6)
+        return 64, min(64, dv_cap)
     return 16, min(32, dv_cap)
 
 
