@@ -96,8 +96,9 @@ def test_backend_fused_raises_where_no_kernel_serves():
 
 def test_backend_auto_falls_back_with_one_warning(monkeypatch):
     monkeypatch.setattr(seq2seq_fast.ops.additive_attention, "_warned", set())
-    module = BahdanauAttention(4, 4, 4).to(torch.bfloat16)
-    query, keys = torch.randn(2, 4).bfloat16(), torch.randn(2, 3, 4).bfloat16()
+    # float16 on the CPU: no fused kernel serves it (bfloat16 is served there)
+    module = BahdanauAttention(4, 4, 4).to(torch.float16)
+    query, keys = torch.randn(2, 4).half(), torch.randn(2, 3, 4).half()
     with pytest.warns(UserWarning, match="falling back to the reference"):
         context, _ = module(query, keys)
     with warnings.catch_warnings():

@@ -30,11 +30,16 @@ from seq2seq_fast.nn.convert._base import (
     own_parameter_names,
     register,
 )
+from seq2seq_fast.nn.keycache import ProjectionCache
+from seq2seq_fast.nn.stepwise import StepwiseMemory
 
 
 class FusedGNMTAttention(FusedStandIn):
     """Fused stand-in for NVIDIA GNMT's attention: same parameters and state_dict keys, same
-    ``set_mask(context_len, context)``, ``mask`` attribute and ``forward(query, keys)``."""
+    ``set_mask(context_len, context)``, ``mask`` attribute and ``forward(query, keys)``.
+    ``linear_k(keys)`` is computed once per keys tensor (decoding step by step calls it with the
+    same context every step), and a step-by-step training client gets the steps' gradients
+    gathered once per sequence."""
 
     layout = "gnmt"
 
@@ -49,6 +54,7 @@ class FusedGNMTAttention(FusedStandIn):
         self.normalize_bias = original.normalize_bias
         self.mask = getattr(original, "mask", None)
         self.backend = check_backend(backend)
+        self.key_cache = ProjectionCache()
 
     @property
     def mask(self) -> Tensor | None:
@@ -70,19 +76,34 @@ class FusedGNMTAttention(FusedStandIn):
         indices = torch.arange(max_len, dtype=torch.int64, device=context.device)
         self.mask = indices >= context_len.unsqueeze(1)
 
+    def _memory(self, keys: Tensor):
+        """(projected keys, values, stepwise memory or None, projection) for batch-first keys."""
+        projected = self.linear_k(keys)
+        memory = StepwiseMemory.for_training(projected, keys, self.backend)
+        if memory is None:  # values: the call's own keys (the cache holds them weakly)
+            return projected, None, None, projected
+        return memory.keys, memory.values, memory, projected
+
     def forward(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+        given = keys
         if not self.batch_first:
             keys = keys.transpose(0, 1)
             if query.dim() == 3:
                 query = query.transpose(0, 1)
+        batch_keys = keys
+        projected, values, memory, _ = self.key_cache.get(
+            given, (self.linear_k.weight, self.batch_first), lambda: self._memory(batch_keys),
+            watch=lambda entry: entry[3:],
+        )  # fmt: skip
         if self.normalize:
             v_eff = self.linear_att / self.linear_att.norm() * self.normalize_scalar
             bias = self.normalize_bias
         else:
             v_eff, bias = self.linear_att, None
+        values = keys if values is None else values
         context, weights = attend(
-            self.backend, self.linear_q(query), self.linear_k(keys), keys, v_eff, bias,
-            mask=self._valid,
+            self.backend, self.linear_q(query), projected, values, v_eff, bias,
+            mask=self._valid, stepwise=memory,
         )  # fmt: skip
         if self._empty_rows is not None:
             context, weights = _uniform_rows(self._empty_rows, context, weights, keys)

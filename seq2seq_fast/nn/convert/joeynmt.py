@@ -64,8 +64,8 @@ class FusedJoeyBahdanauAttention(FusedStandIn):
 
     def _memory(self, proj_keys: Tensor, values: Tensor):
         memory = StepwiseMemory.for_training(proj_keys, values, self.backend)
-        if memory is None:
-            return proj_keys, values, None
+        if memory is None:  # the call's own tensors (the cache holds values weakly)
+            return None, None, None
         return memory.keys, memory.values, memory
 
     def forward(self, query: Tensor, mask: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
@@ -81,8 +81,13 @@ class FusedJoeyBahdanauAttention(FusedStandIn):
         self.compute_proj_query(query)
         proj_keys = self.proj_keys
         keys, values_in, memory = self.memory_cache.get(
-            values, (proj_keys,), lambda: self._memory(proj_keys, values), watch=lambda e: ()
+            values,
+            (proj_keys,),
+            lambda: self._memory(proj_keys, values),
+            watch=lambda e: (proj_keys,),
         )
+        if memory is None:
+            keys, values_in = proj_keys, values
         context, alphas = attend(
             self.backend, self.proj_query, keys, values_in, self.energy_layer.weight[0],
             mask=(mask > 0).squeeze(1), stepwise=memory,

@@ -56,8 +56,8 @@ class FusedGlobalAttention(FusedStandIn):
     def _memory(self, memory_bank: Tensor):
         projected = self.linear_context(memory_bank)
         memory = StepwiseMemory.for_training(projected, memory_bank, self.backend)
-        if memory is None:
-            return projected, memory_bank, None, projected
+        if memory is None:  # values: the call's own memory_bank (held weakly by the cache)
+            return projected, None, None, projected
         return memory.keys, memory.values, memory, projected
 
     def forward(
@@ -83,6 +83,7 @@ class FusedGlobalAttention(FusedStandIn):
             lambda: self._memory(memory_bank),
             watch=lambda entry: entry[3:],
         )
+        values = memory_bank if values is None else values
         context, align = attend(
             self.backend, self.linear_query(source3), keys, values, self.v.weight[0],
             lengths=lengths, stepwise=memory,

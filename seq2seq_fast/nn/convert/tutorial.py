@@ -56,11 +56,11 @@ class FusedTutorialAttention(FusedStandIn):
 
     def _memory(self, keys: Tensor) -> tuple[Tensor, Tensor, StepwiseMemory | None, Tensor]:
         """(projected keys, values, stepwise memory or None, Ua(keys)) for one keys tensor; the
-        first two are the memory's aliases when there is one."""
+        first two are the memory's aliases when there is one, else values is None."""
         projected = self.Ua(keys)
         memory = StepwiseMemory.for_training(projected, keys, self.backend)
-        if memory is None:
-            return projected, keys, None, projected
+        if memory is None:  # values: the call's own keys (the cache holds them weakly)
+            return projected, None, None, projected
         return memory.keys, memory.values, memory, projected
 
     def forward(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
@@ -70,6 +70,7 @@ class FusedTutorialAttention(FusedStandIn):
         projected, values, memory, _ = self.key_cache.get(
             keys, (ua.weight, ua.bias), lambda: self._memory(keys), watch=lambda entry: entry[3:]
         )
+        values = keys if values is None else values
         context, weights = attend(
             self.backend, self.Wa(query), projected, values, self.Va.weight[0], stepwise=memory
         )
