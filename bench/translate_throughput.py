@@ -93,17 +93,19 @@ def measure(args: argparse.Namespace, source: Path, folder: Path) -> dict:
     return {"runs": times, "startup_s": startup}
 
 
-def check_exact(args: argparse.Namespace, source: Path, folder: Path) -> dict[str, int]:
-    """Per beam: lines where one-sentence-at-a-time differs from the batched output."""
-    differing = {}
+def check_exact(args: argparse.Namespace, source: Path, folder: Path) -> dict[str, dict]:
+    """Per beam: one sentence at a time (``--batch-size 1``, the first thread count and
+    backend): its run and the number of lines that differ from the batched output."""
+    out = {}
     for beam in args.beams:
-        config = dict(beam=beam, threads=args.threads[-1], backend=args.backends[0])
+        config = dict(beam=beam, threads=args.threads[0], backend=args.backends[0])
         batched = folder / f"out-{beam}-{config['threads']}-{config['backend']}.txt"
         alone = folder / f"alone-{beam}.txt"
-        run_command(args, source, alone, batch_size=1, **config)
+        run = run_command(args, source, alone, batch_size=1, **config)
         a, b = alone.read_text().split("\n"), batched.read_text().split("\n")
-        differing[f"beam {beam}"] = sum(x != y for x, y in zip(a, b, strict=True))
-    return differing
+        run["differing_lines"] = sum(x != y for x, y in zip(a, b, strict=True))
+        out[f"{key(config)}, batch size 1"] = run
+    return out
 
 
 def ratios(runs: dict[str, list[dict]], args: argparse.Namespace) -> dict[str, float]:
@@ -175,7 +177,7 @@ def main(argv=None) -> None:
         words = [len(line.split()) for line in source.read_text(encoding="utf-8").splitlines()]
         result = measure(args, source, folder)
         if args.check_exact:
-            result["differing_lines_alone_vs_batched"] = check_exact(args, source, folder)
+            result["one_at_a_time"] = check_exact(args, source, folder)
     info["load_average_at_end"] = load_average()
     info["other_processes_busy_cores"] = meter.stop()
     result["ratios"] = ratios(result["runs"], args)
@@ -187,9 +189,9 @@ def main(argv=None) -> None:
     print(table(result))
     for name, value in result["ratios"].items():
         print(f"- {name}: {value}x")
-    if "differing_lines_alone_vs_batched" in result:
-        print(f"- lines differing, one at a time vs batched: "
-              f"{result['differing_lines_alone_vs_batched']}")  # fmt: skip
+    for name, run in result.get("one_at_a_time", {}).items():
+        print(f"- {name}: {run['seconds']:.2f} s; lines differing from the batched output: "
+              f"{run['differing_lines']}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, **result}, indent=1))
 
