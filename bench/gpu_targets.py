@@ -235,8 +235,20 @@ def summary_lines(report: dict) -> list[str]:
     ]  # fmt: skip
     if problems:
         lines += ["problems:", *problems]
+    if report.get("sweep"):
+        lines += ["", "sweep (ms per call; cost = the tile model's prediction, lower is better):"]
+        lines += ["  " + sweep_line(entry) for entry in report["sweep"]]
     lines += target_lines(report)
     return lines
+
+
+def sweep_line(entry: dict) -> str:
+    cost = entry.get("cost")
+    result = entry.get("ms")
+    shown = f"{result:9.3f} ms" if isinstance(result, (int, float)) else str(
+        (entry.get("result") or {}).get("status", "-"))[:80]  # fmt: skip
+    return (f"{entry['shape']:16s} {entry['dtype']:5s} {entry['what']:15s} {entry['label']:16s}"
+            f" cost {'-' if cost is None else format(cost, '.3f'):>6s} {shown}")  # fmt: skip
 
 
 def _probe_lines(probes: dict, bandwidth: dict) -> list[str]:
