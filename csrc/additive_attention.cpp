@@ -35,6 +35,7 @@
 #include <memory>
 #include <vector>
 
+#include "bf16.h"
 #include "runtime.h"
 
 namespace seq2seq_fast {
@@ -79,8 +80,8 @@ Sizes check_inputs(const char* op, const Tensor& query, const Tensor& keys, cons
   TORCH_CHECK(bias.dim() == 1 && bias.size(0) == n.H, op, ": bias must be [H=", n.H, "], got ",
               bias.sizes());
   const auto dtype = query.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, op,
-              ": CPU kernel supports float32 and float64, got ", dtype);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16, op,
+              ": CPU kernel supports float32, float64 and bfloat16, got ", dtype);
   for (const Tensor* t : {&query, &keys, &values, &v, &bias}) {
     TORCH_CHECK(t->scalar_type() == dtype, op, ": all inputs must share query's dtype ", dtype,
                 ", got ", t->scalar_type());
@@ -321,6 +322,7 @@ std::tuple<Tensor, Tensor, Tensor> additive_attention_fwd(
     const Tensor& bias, const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
     bool return_weights) {
   const char* op = "seq2seq_fast::additive_attention_fwd";
+  const NoAutocast no_autocast;
   const Sizes n = check_inputs(op, query, keys, values, v, bias, lengths, mask);
   const KeyValidity kv = key_validity(op, lengths, mask, n.Tk);
   if (n.B == 0 || n.Tq == 0) {  // no rows: nothing to compute (and no work to plan)
@@ -328,6 +330,12 @@ std::tuple<Tensor, Tensor, Tensor> additive_attention_fwd(
     return {at::zeros({n.B, n.Tq, n.Dv}, opts),
             return_weights ? at::zeros({n.B, n.Tq, n.Tk}, opts) : at::empty({0}, opts),
             at::empty({n.B, n.Tq}, opts.dtype(at::kFloat))};
+  }
+  if (is_bf16(query)) {  // float32 inside (bf16.h)
+    auto [context, weights, lse] = forward_impl<float>(as_float(query), as_float(keys),
+                                                       as_float(values), as_float(v),
+                                                       as_float(bias), kv, n, return_weights);
+    return {to_bf16(context), to_bf16(weights), lse};
   }
   if (query.scalar_type() == at::kDouble) {
     return forward_impl<double>(query, keys, values, v, bias, kv, n, return_weights);
@@ -552,6 +560,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   return {dq, dk, dvalues, dv, dbias};
 }
 
+// The backward of bfloat16 inputs: float32 inside (bf16.h). A bfloat16 dkeys_acc is accumulated
+// in a float32 copy and rounded back once; a float32 one (exact sums over a decoder's steps) is
+// accumulated in place.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_bf16(
+    const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query,
+    const Tensor& keys, const Tensor& values, const Tensor& v, const Tensor& bias,
+    const KeyValidity& kv, const Sizes& n, const Tensor& saved_weights, const Tensor& dkeys_acc,
+    bool want_dvalues) {
+  const Tensor acc = as_float(dkeys_acc);
+  auto [dq, dk, dvalues, dv, dbias] = backward_impl<float>(
+      as_float(grad_context), as_float(grad_weights), as_float(query), as_float(keys),
+      as_float(values), as_float(v), as_float(bias), kv, n, as_float(saved_weights), acc,
+      want_dvalues);
+  if (is_bf16(dkeys_acc)) dkeys_acc.copy_(acc);
+  return {to_bf16(dq), dkeys_acc.defined() ? dkeys_acc : to_bf16(dk), to_bf16(dvalues),
+          to_bf16(dv), to_bf16(dbias)};
+}
+
 // The backward's argument checks and dispatch; dkeys_acc / want_dvalues as in backward_impl.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> checked_backward(
     const char* op, const Tensor& grad_context, const std::optional<Tensor>& grad_weights,
@@ -559,6 +585,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> checked_backward(
     const Tensor& bias, const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
     const Tensor& lse, const std::optional<Tensor>& weights, const Tensor& dkeys_acc,
     bool want_dvalues) {
+  const NoAutocast no_autocast;
   const Sizes n = check_inputs(op, query, keys, values, v, bias, lengths, mask);
   TORCH_CHECK(grad_context.dim() == 3 && grad_context.size(0) == n.B &&
                   grad_context.size(1) == n.Tq && grad_context.size(2) == n.Dv,
@@ -588,8 +615,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> checked_backward(
     saved_p = *weights;
   }
   if (dkeys_acc.defined()) {
-    TORCH_CHECK(dkeys_acc.sizes() == keys.sizes() && dkeys_acc.scalar_type() == keys.scalar_type() &&
-                    dkeys_acc.device().is_cpu() && dkeys_acc.is_contiguous(),
+    // bfloat16 keys: grad_keys may be float32 (exact sums over many calls)
+    const bool dtype_ok = dkeys_acc.scalar_type() == keys.scalar_type() ||
+                          (is_bf16(keys) && dkeys_acc.scalar_type() == at::kFloat);
+    TORCH_CHECK(dkeys_acc.sizes() == keys.sizes() && dtype_ok && dkeys_acc.device().is_cpu() &&
+                    dkeys_acc.is_contiguous(),
                 op, ": grad_keys must be a contiguous CPU tensor of keys' shape ", keys.sizes(),
                 " and dtype ", keys.scalar_type(), ", got ", dkeys_acc.sizes(), " ",
                 dkeys_acc.scalar_type(), (dkeys_acc.is_contiguous() ? "" : " (not contiguous)"));
@@ -599,6 +629,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> checked_backward(
     return {at::zeros_like(query), dkeys_acc.defined() ? dkeys_acc : at::zeros_like(keys),
             want_dvalues ? at::zeros_like(values) : Tensor(), at::zeros_like(v),
             at::zeros_like(bias)};
+  }
+  if (is_bf16(query)) {
+    return backward_bf16(grad_context, grad_weights, query, keys, values, v, bias, kv, n, saved_p,
+                         dkeys_acc, want_dvalues);
   }
   if (query.scalar_type() == at::kDouble) {
     return backward_impl<double>(grad_context, grad_weights, query, keys, values, v, bias, kv, n,

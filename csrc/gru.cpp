@@ -22,6 +22,7 @@
 #include <tuple>
 #include <utility>
 
+#include "bf16.h"
 #include "recurrent.h"
 #include "runtime.h"
 
@@ -36,9 +37,10 @@ std::pair<Tensor, Tensor> check_cell(const char* op, const Tensor& gates_in,
                                      int64_t gates) {
   TORCH_CHECK(state.dim() == 2 && state.size(1) > 0, op, ": the state must be [B, H], got ",
               state.sizes());
+  const auto dtype = state.scalar_type();
   TORCH_CHECK(state.device().is_cpu() &&
-                  (state.scalar_type() == at::kFloat || state.scalar_type() == at::kDouble),
-              op, ": float32 or float64 CPU tensors, got ", state.scalar_type());
+                  (dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16),
+              op, ": float32, float64 or bfloat16 CPU tensors, got ", dtype);
   const int64_t B = state.size(0), G = gates * state.size(1);
   for (const Tensor* t : {&gates_in, &gates_hidden}) {
     TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->size(1) == G, op,
@@ -70,14 +72,21 @@ void check_gru(const Tensor& gx, const Tensor& h0, const Tensor& w_hh,
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == gx.scalar_type(),
                 "_gru_recurrence: tensors must be on the CPU with one dtype");
   }
-  TORCH_CHECK(gx.scalar_type() == at::kFloat || gx.scalar_type() == at::kDouble,
-              "_gru_recurrence: float32 or float64, got ", gx.scalar_type());
+  const auto dtype = gx.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16,
+              "_gru_recurrence: float32, float64 or bfloat16, got ", dtype);
 }
 
 std::tuple<Tensor, Tensor> gru_recurrence_fwd(const Tensor& gx_in, const Tensor& h0_in,
                                               const Tensor& w_hh,
                                               const c10::optional<Tensor>& b_hh) {
+  const NoAutocast no_autocast;
   check_gru(gx_in, h0_in, w_hh, b_hh);
+  if (is_bf16(gx_in)) {  // float32 inside (bf16.h); saved stays float32
+    auto [hs, saved] =
+        gru_recurrence_fwd(as_float(gx_in), as_float(h0_in), as_float(w_hh), as_float(b_hh));
+    return {to_bf16(hs), saved};
+  }
   const Tensor gx = gx_in.contiguous(), h0 = h0_in.contiguous();
   const int64_t B = gx.size(0), T_ = gx.size(1), G = gx.size(2), H = G / 3;
   Tensor hs = at::empty({B, T_, H}, gx.options());
@@ -118,6 +127,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> gru_recurrence_bwd(const Tensor& grad
                                                               const Tensor& hs,
                                                               const Tensor& saved,
                                                               const Tensor& w_hh, bool has_bias) {
+  const NoAutocast no_autocast;
+  if (is_bf16(hs)) {  // float32 inside (bf16.h); saved is float32 already
+    auto [dgx, dh0, dw, db] = gru_recurrence_bwd(as_float(grad_hs_in), as_float(h0_in),
+                                                 as_float(hs), saved, as_float(w_hh), has_bias);
+    return {to_bf16(dgx), to_bf16(dh0), to_bf16(dw), to_bf16(db)};
+  }
   const Tensor grad_hs = grad_hs_in.contiguous(), h0 = h0_in.contiguous();
   const int64_t B = hs.size(0), T_ = hs.size(1), H = hs.size(2), G = 3 * H;
   TORCH_CHECK(grad_hs.sizes() == hs.sizes() && saved.size(2) == 4 * H && hs.is_contiguous() &&
@@ -164,6 +179,10 @@ std::tuple<Tensor, Tensor> gru_cell_fwd(const Tensor& gates_in, const Tensor& ga
                                         const Tensor& h_in) {
   Tensor gi, gh;
   std::tie(gi, gh) = check_cell("_gru_cell", gates_in, gates_hidden, h_in, 3);
+  if (is_bf16(h_in)) {  // float32 inside (bf16.h); saved stays float32
+    auto [h_new, saved] = gru_cell_fwd(as_float(gi), as_float(gh), as_float(h_in));
+    return {to_bf16(h_new), saved};
+  }
   const int64_t B = h_in.size(0), H = h_in.size(1);
   const Tensor h = h_in.contiguous();
   Tensor h_new = at::empty({B, H}, h.options());
@@ -190,6 +209,10 @@ std::tuple<Tensor, Tensor> gru_cell_fwd(const Tensor& gates_in, const Tensor& ga
 // the part through gates_hidden is the caller's product's backward).
 std::tuple<Tensor, Tensor, Tensor> gru_cell_bwd(const Tensor& grad_h_in, const Tensor& saved,
                                                 const Tensor& h_in) {
+  if (is_bf16(h_in)) {  // float32 inside (bf16.h)
+    auto [d_in, d_hidden, dh] = gru_cell_bwd(as_float(grad_h_in), saved, as_float(h_in));
+    return {to_bf16(d_in), to_bf16(d_hidden), to_bf16(dh)};
+  }
   const Tensor grad_h = grad_h_in.contiguous(), h = h_in.contiguous();
   const int64_t B = h.size(0), H = h.size(1), G = 3 * H;
   TORCH_CHECK(grad_h.sizes() == h.sizes() && saved.dim() == 2 && saved.size(0) == B &&

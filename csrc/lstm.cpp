@@ -6,6 +6,7 @@
 
 #include <tuple>
 
+#include "bf16.h"
 #include "recurrent.h"
 #include "runtime.h"
 
@@ -21,6 +22,10 @@ std::tuple<Tensor, Tensor, Tensor> lstm_cell_fwd(const Tensor& gates_in,
                                                  const Tensor& gates_hidden, const Tensor& c_in) {
   Tensor gi, gh;
   std::tie(gi, gh) = check_cell("_lstm_cell", gates_in, gates_hidden, c_in, 4);
+  if (is_bf16(c_in)) {  // float32 inside (bf16.h); saved stays float32
+    auto [h, c_new, saved] = lstm_cell_fwd(as_float(gi), as_float(gh), as_float(c_in));
+    return {to_bf16(h), to_bf16(c_new), saved};
+  }
   const int64_t B = c_in.size(0), H = c_in.size(1);
   const Tensor c = c_in.contiguous();
   Tensor h = at::empty({B, H}, c.options());
@@ -49,6 +54,11 @@ std::tuple<Tensor, Tensor, Tensor> lstm_cell_fwd(const Tensor& gates_in,
 // dc [B, H]).
 std::tuple<Tensor, Tensor> lstm_cell_bwd(const Tensor& grad_h_in, const Tensor& grad_c_in,
                                          const Tensor& saved, const Tensor& c_in) {
+  if (is_bf16(c_in)) {  // float32 inside (bf16.h)
+    auto [d_gates, dc] =
+        lstm_cell_bwd(as_float(grad_h_in), as_float(grad_c_in), saved, as_float(c_in));
+    return {to_bf16(d_gates), to_bf16(dc)};
+  }
   const Tensor grad_h = grad_h_in.contiguous(), grad_c = grad_c_in.contiguous();
   const Tensor c = c_in.contiguous();
   const int64_t B = c.size(0), H = c.size(1);

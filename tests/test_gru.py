@@ -65,10 +65,11 @@ def test_gates_saturate_and_propagate_nonfinite_like_nn_gru():
 def test_applies_only_where_the_ops_serve():
     x = torch.randn(2, 3, 4)
     assert fused_gru.applies(x)
-    assert not fused_gru.applies(x.to(torch.bfloat16))
+    assert fused_gru.applies(x.to(torch.bfloat16))  # float32 inside (tests/test_bf16.py)
+    assert not fused_gru.applies(x.to(torch.float16))
     assert not fused_gru.applies(torch.randn(2, 0, 4))
     assert not fused_gru.applies(torch.randn(0, 3, 4))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.float16):  # bfloat16 autocast: tests/test_bf16.py
         assert not fused_gru.applies(x)
     seen = []
     torch.func.vmap(lambda row: seen.append(fused_gru.applies(row.unsqueeze(0))) or row)(x)

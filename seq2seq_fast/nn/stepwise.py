@@ -148,7 +148,9 @@ class StepwiseMemory:
         if task != self._task:  # a new backward pass: nothing of an earlier one counts
             self._reset(task)
         if self._grad_keys is None:
-            self._grad_keys = torch.zeros(keys.shape, dtype=keys.dtype, device=keys.device)
+            # bfloat16 keys: dkeys summed over the steps in float32 (the op accepts it)
+            acc = torch.float32 if keys.dtype == torch.bfloat16 else keys.dtype
+            self._grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
         grads = torch.ops.seq2seq_fast._additive_attention_bwd_accumulate(
             grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, lse, weights,
             self._grad_keys,

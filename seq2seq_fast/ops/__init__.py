@@ -14,6 +14,7 @@ the same name). Imports nothing of ``seq2seq_fast`` above it (``nn``, ``seq2seq`
 from seq2seq_fast.ops import additive_attention, recurrent, reference
 from seq2seq_fast.ops.additive_attention import (
     AdditiveAttentionFunction,
+    cpu_bf16_hardware,
     fused_available,
     fused_unavailable_reason,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "AdditiveAttentionFunction",
     "additive_attention",
     "additive_attention_ref",
+    "cpu_bf16_hardware",
     "fused_available",
     "fused_unavailable_reason",
     "recurrent",

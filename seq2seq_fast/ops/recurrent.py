@@ -33,12 +33,20 @@ from seq2seq_fast.ops.additive_attention import (
     traced_or_transformed,
 )
 
+
+def _saved_dtype(x: Tensor) -> torch.dtype:
+    """The dtype of the tensors an op keeps for its backward: float32 for bfloat16 inputs (the
+    ops compute in float32 and keep what they computed), else the input's."""
+    return torch.float32 if x.dtype == torch.bfloat16 else x.dtype
+
+
 if CPU_KERNEL_ERROR is None:  # shapes for torch.compile / FakeTensor tracing of the ops
 
     @torch.library.register_fake("seq2seq_fast::_gru_recurrence_fwd")
     def _(gx, h0, w_hh, b_hh):
         B, T, G = gx.shape
-        return gx.new_empty(B, T, G // 3), gx.new_empty(B, T, 4 * (G // 3))
+        saved = gx.new_empty(B, T, 4 * (G // 3), dtype=_saved_dtype(gx))
+        return gx.new_empty(B, T, G // 3), saved
 
     @torch.library.register_fake("seq2seq_fast::_gru_recurrence_bwd")
     def _(grad_hs, h0, hs, saved, w_hh, has_bias):
@@ -49,7 +57,7 @@ if CPU_KERNEL_ERROR is None:  # shapes for torch.compile / FakeTensor tracing of
     @torch.library.register_fake("seq2seq_fast::_gru_cell_fwd")
     def _(gates_in, gates_hidden, h):
         B, H = h.shape
-        return h.new_empty(B, H), h.new_empty(B, 4 * H)
+        return h.new_empty(B, H), h.new_empty(B, 4 * H, dtype=_saved_dtype(h))
 
     @torch.library.register_fake("seq2seq_fast::_gru_cell_bwd")
     def _(grad_h, saved, h):
@@ -59,7 +67,7 @@ if CPU_KERNEL_ERROR is None:  # shapes for torch.compile / FakeTensor tracing of
     @torch.library.register_fake("seq2seq_fast::_lstm_cell_fwd")
     def _(gates_in, gates_hidden, c):
         B, H = c.shape
-        return c.new_empty(B, H), c.new_empty(B, H), c.new_empty(B, 5 * H)
+        return c.new_empty(B, H), c.new_empty(B, H), c.new_empty(B, 5 * H, dtype=_saved_dtype(c))
 
     @torch.library.register_fake("seq2seq_fast::_lstm_cell_bwd")
     def _(grad_h, grad_c, saved, c):
@@ -112,18 +120,35 @@ class _LSTMCell(torch.autograd.Function):
         return guard_double_backward((d_gates, d_gates, dc))
 
 
+# bfloat16: stored as such, computed in float32 inside the ops (csrc/gru.cpp, lstm.cpp).
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _autocast_dtype() -> torch.dtype | None:
+    """The CPU autocast dtype while autocast is on, else None."""
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+
+
 def _serves(x: Tensor) -> bool:
-    """The one decision whether the fused recurrent ops serve a tensor: CPU, float32/64, not empty,
-    the extension loaded, no autocast (its dtypes: left to PyTorch's ops), and not inside
-    torch.compile's tracing or a torch.func transform."""
+    """The one decision whether the fused recurrent ops serve a tensor: CPU, float32/64 or
+    bfloat16, not empty, the extension loaded, no autocast or autocast to bfloat16 (another
+    autocast dtype is left to PyTorch's ops), and not inside torch.compile's tracing or a
+    torch.func transform."""
     return (
         CPU_KERNEL_ERROR is None
         and x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.float64)
+        and x.dtype in _DTYPES
         and x.numel() > 0
-        and not torch.is_autocast_enabled("cpu")
+        and _autocast_dtype() in (None, torch.bfloat16)
         and not traced_or_transformed()
     )
+
+
+def _common_dtype(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Under CPU autocast: every tensor in the autocast dtype (a differentiable cast, as autocast
+    casts a product's inputs; a no-op for tensors already in it); else as given."""
+    dtype = _autocast_dtype()
+    return tensors if dtype is None else tuple(t.to(dtype) for t in tensors)
 
 
 def applies(x: Tensor) -> bool:
@@ -169,15 +194,17 @@ def lstm_cell_or_none(
 def lstm_cell(gates_in: Tensor, gates_hidden: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
     """nn.LSTMCell's update from its two gate projections, biases included: gates_in = x W_ih^T +
     b_ih, gates_hidden = h W_hh^T + b_hh, both [B, 4H], c [B, H] -> (h', c'); one op forward,
-    one backward."""
-    return _LSTMCell.apply(gates_in, gates_hidden, c)
+    one backward. float32/64 or bfloat16 (float32 inside); under CPU autocast the inputs are cast
+    to its dtype."""
+    return _LSTMCell.apply(*_common_dtype(gates_in, gates_hidden, c))
 
 
 def gru_cell(gates_in: Tensor, gates_hidden: Tensor, h: Tensor) -> Tensor:
     """nn.GRUCell's update from its two gate projections, biases included: gates_in = x W_ih^T +
     b_ih, gates_hidden = h W_hh^T + b_hh, both [B, 3H], h [B, H] -> h' [B, H]; one op forward,
-    one backward."""
-    return _GRUCell.apply(gates_in, gates_hidden, h)
+    one backward. float32/64 or bfloat16 (float32 inside); under CPU autocast the inputs are cast
+    to its dtype."""
+    return _GRUCell.apply(*_common_dtype(gates_in, gates_hidden, h))
 
 
 def gru_layer(
@@ -189,10 +216,13 @@ def gru_layer(
     bias_hh: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One unidirectional GRU layer, batch first: x [B, T, F], h0 [B, H] -> (outputs [B, T, H],
-    last state [B, H]), as ``nn.GRU(F, H, batch_first=True)`` with those parameters."""
+    last state [B, H]), as ``nn.GRU(F, H, batch_first=True)`` with those parameters.
+
+    float32/64 or bfloat16; under CPU autocast (bfloat16) the input product runs in bfloat16 and
+    the recurrence takes the weights cast to it (as autocast casts a product's inputs). bfloat16
+    is storage only: gates, state and gradient sums are float32 inside the ops."""
     gx = F.linear(x, weight_ih, bias_ih)
     dtype = gx.dtype
-    hs = _GRURecurrence.apply(
-        gx.contiguous(), h0.to(dtype).contiguous(), weight_hh.to(dtype), bias_hh
-    )
+    b_hh = None if bias_hh is None else bias_hh.to(dtype)
+    hs = _GRURecurrence.apply(gx.contiguous(), h0.to(dtype).contiguous(), weight_hh.to(dtype), b_hh)
     return hs, hs[:, -1]
