@@ -198,26 +198,26 @@ FAMILIES = {
         lambda dtype: _concat_inputs(dtype, masked=False), _concat_step,
         lambda m, x: x["hidden"], _concat_reorder,
     ),
-    "concat-batch-first": Family(
-        lambda: layouts.ConcatAttention(4, 5, batch_first=True), "concat-batch-first",
+    "concat_batch_first": Family(
+        lambda: layouts.ConcatAttention(4, 5, batch_first=True), "concat_batch_first",
         lambda dtype: _concat_inputs(dtype, time_major=False), _concat_step,
         lambda m, x: x["hidden"], _concat_reorder,
     ),
-    "chatbot-concat": Family(
-        lambda: layouts.ChatbotAttn("concat", 5), "chatbot-concat",
+    "chatbot_concat": Family(
+        lambda: layouts.ChatbotAttn("concat", 5), "chatbot_concat",
         lambda dtype: _concat_inputs(dtype, enc=5, dec=5, masked=False) | {
             "memory": torch.randn(S, B, 5, dtype=dtype).requires_grad_(),
             "mix": _mix(dtype, 5, 5),
         },
         _chatbot_step, lambda m, x: x["hidden"], _concat_reorder,
     ),
-    "opennmt-mlp": Family(
-        lambda: layouts.GlobalAttention(6, attn_type="mlp"), "opennmt-mlp", _onmt_inputs,
+    "opennmt_mlp": Family(
+        lambda: layouts.GlobalAttention(6, attn_type="mlp"), "opennmt_mlp", _onmt_inputs,
         _onmt_step, lambda m, x: x["source"], _onmt_reorder,
     ),
-    "opennmt-mlp-time-major": Family(
+    "opennmt_mlp_time_major": Family(
         lambda: layouts.GlobalAttention(6, attn_type="mlp", old_release=True),
-        "opennmt-mlp-time-major", _onmt_inputs, _onmt_step, lambda m, x: x["source"],
+        "opennmt_mlp_time_major", _onmt_inputs, _onmt_step, lambda m, x: x["source"],
         _onmt_reorder,
     ),
     "joeynmt": Family(
@@ -312,7 +312,7 @@ def test_state_dict_optimiser_and_beam_reordering(name):
     _compare(family, plain, fused, torch.float64, reorder_at=2)  # after the step, reordered
 
 
-@pytest.mark.parametrize("name", ["concat", "opennmt-mlp", "joeynmt"])
+@pytest.mark.parametrize("name", ["concat", "opennmt_mlp", "joeynmt"])
 def test_no_grad_decoding_matches(name):
     family, plain, fused = _pair(name, torch.float32)
     torch.manual_seed(2)
@@ -325,7 +325,7 @@ def test_no_grad_decoding_matches(name):
 
 
 def test_opennmt_whole_sequence_and_coverage():
-    family, plain, fused = _pair("opennmt-mlp", torch.float64)
+    family, plain, fused = _pair("opennmt_mlp", torch.float64)
     torch.manual_seed(3)
     source, memory = torch.randn(B, 5, 6, dtype=torch.float64), torch.randn(B, S, 6).double()
     for a, b in zip(plain["attn"](source, memory, LENGTHS), fused["attn"](source, memory, LENGTHS),

@@ -15,9 +15,9 @@ Call conventions, one registered layout each (the safety check keeps the one the
 
 - ``concat``: bentrevett: ``forward(hidden [B, Dq], encoder_outputs [S, B, Dk], mask [B, S]
   = None) -> weights [B, S]`` (time-major memory);
-- ``concat-batch-first``: the copies with ``encoder_outputs [B, S, Dk]`` (``hidden`` may be
+- ``concat_batch_first``: the copies with ``encoder_outputs [B, S, Dk]`` (``hidden`` may be
   [1, B, Dq] there, squeezed);
-- ``chatbot-concat``: the chatbot tutorial's ``Attn``: ``forward(hidden [1, B, H],
+- ``chatbot_concat``: the chatbot tutorial's ``Attn``: ``forward(hidden [1, B, H],
   encoder_outputs [S, B, H]) -> weights [B, 1, S]``, score vector ``v`` a Parameter, attribute
   ``method == "concat"``.
 
@@ -59,7 +59,7 @@ class FusedConcatAttention(FusedStandIn):
             if not key.startswith("_") and key != "training":
                 setattr(self, key, value)
         self.time_major = time_major
-        self.returns_3d = layout == "chatbot-concat"
+        self.returns_3d = layout == "chatbot_concat"
         self.backend = check_backend(backend)
         self.key_cache = ProjectionCache()
 
@@ -176,17 +176,17 @@ CONCAT = register(
 )
 CONCAT_BATCH_FIRST = register(
     Layout(
-        "concat-batch-first",
+        "concat_batch_first",
         _match_bentrevett,
-        _builder(False, "concat-batch-first"),
+        _builder(False, "concat_batch_first"),
         lambda m, dtype: _example(m, dtype, time_major=False, chatbot=False),
     )
 )
 CHATBOT = register(
     Layout(
-        "chatbot-concat",
+        "chatbot_concat",
         _match_chatbot,
-        _builder(True, "chatbot-concat"),
+        _builder(True, "chatbot_concat"),
         lambda m, dtype: _example(m, dtype, time_major=True, chatbot=True),
     )
 )

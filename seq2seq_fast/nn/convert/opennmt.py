@@ -12,7 +12,7 @@ Original math and call::
     scores[position >= src_len] = -inf; align = softmax(scores); c = align @ memory_bank
     attn_h = linear_out([c; source])
     returns (attn_h, align): batch-major [B, Tt, .] (time-major [Tt, B, .] in older releases,
-    the ``opennmt-mlp-time-major`` layout), squeezed to [B, .] for a [B, dim] source.
+    the ``opennmt_mlp_time_major`` layout), squeezed to [B, .] for a [B, dim] source.
 
 The input-feeding decoder calls it once per target step over the same memory_bank: the stand-in
 projects it once per memory_bank tensor and gathers the steps' gradients once per sequence.
@@ -44,7 +44,7 @@ class FusedGlobalAttention(FusedStandIn):
 
     def __init__(self, original: nn.Module, backend: str, *, time_major_output: bool) -> None:
         super().__init__()
-        self.layout = "opennmt-mlp-time-major" if time_major_output else "opennmt-mlp"
+        self.layout = "opennmt_mlp_time_major" if time_major_output else "opennmt_mlp"
         for name, child in original.named_children():
             self.add_module(name, child)
         for key in ("dim", "attn_type", "attn_func"):
@@ -139,10 +139,10 @@ def _builder(time_major_output: bool):
 
 
 OPENNMT = register(
-    Layout("opennmt-mlp", _match, _builder(False), _example_call, unsupported=_unsupported)
+    Layout("opennmt_mlp", _match, _builder(False), _example_call, unsupported=_unsupported)
 )
 OPENNMT_TIME_MAJOR = register(
     Layout(
-        "opennmt-mlp-time-major", _match, _builder(True), _example_call, unsupported=_unsupported
+        "opennmt_mlp_time_major", _match, _builder(True), _example_call, unsupported=_unsupported
     )
 )
