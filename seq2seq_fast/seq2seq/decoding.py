@@ -268,7 +268,15 @@ class _BeamSearch:
         going = torch.tensor([not d for d in done], device=self.device).nonzero()[:, 0]
         local = torch.arange(len(done), device=self.device)[:, None]
         rows = (local * beam + keep_origin).index_select(0, going).reshape(-1)
-        self.rows.keep(rows)
+        # The state follows the kept hypotheses; the memory, lengths and limits are the same for
+        # the K rows of a sentence, so they change only when sentences leave.
+        self.rows.state = map_state(lambda s: s.index_select(0, rows), self.rows.state)
+        if going.numel() < len(done):
+            sentence_rows = going[:, None] * beam + torch.arange(beam, device=self.device)
+            sentence_rows = sentence_rows.reshape(-1)
+            self.rows.index = self.rows.index.index_select(0, sentence_rows)
+            self.rows.memory = self.rows.memory.index_select(sentence_rows)
+            self.rows.limits = self.rows.limits.index_select(0, sentence_rows)
         self.scores = keep_scores.index_select(0, going)
         self.y = token.gather(1, order).index_select(0, going).reshape(-1)
         self.history = torch.cat([self.history.index_select(0, rows), self.y[:, None]], dim=1)
