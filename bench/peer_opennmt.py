@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +48,12 @@ ONMT_IMPORT_DEPS = ["configargparse", "pyonmttok<2,>=1.37", "spacy", "pyahocoras
 # (per encoder direction and decoder), embeddings). OpenNMT-py's decoder has its full hidden size.
 PAIRS = [
     ("onmt 256 (bi 128+128, dec 256) / ours 128 (bi 128+128, dec 128)", 256, 128, 256),
+    (
+        "onmt 256 (bi 128+128, dec 256) / ours 256 (bi 256+256, dec 256): both defaults",
+        256,
+        256,
+        256,
+    ),
     ("onmt 512 (bi 256+256, dec 512) / ours 256 (bi 256+256, dec 256)", 512, 256, 256),
 ]
 
@@ -160,15 +167,39 @@ def build_onmt_vocab(python: Path, config: Path, threads: int) -> None:
 _REPORT = re.compile(r"Step\s+(\d+).*?(\d+)/\s*(\d+) tok/s")
 
 
-def onmt_speed(python: Path, config: Path, threads: int) -> tuple[float, str]:
-    """-> (median target tokens/s over the report lines after the first, the log's tail)."""
+def onmt_speed(
+    python: Path, config: Path, threads: int, alongside=None
+) -> tuple[float, str, object]:
+    """-> (median target tokens/s over the report lines after the first, the log, what
+    ``alongside()`` returned). ``alongside`` (concurrent mode) runs in this process once
+    OpenNMT-py has printed its first report, so that both tools train at the same time, under
+    the same load from the rest of the machine."""
     cmd = [str(python), "-m", "onmt.bin.train", "-config", str(config)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(threads))
-    log = proc.stdout + proc.stderr
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(threads))  # fmt: skip
+    lines: list[str] = []
+    first_report = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if _REPORT.search(line):
+                first_report.set()
+        first_report.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    result = None
+    if alongside is not None:
+        first_report.wait()
+        result = alongside()
+    proc.wait()
+    reader.join()
+    log = "".join(lines)
     rates = [int(m.group(3)) for m in _REPORT.finditer(log)]
     if proc.returncode != 0 or len(rates) < 2:
         raise SystemExit(f"OpenNMT-py training failed (rc {proc.returncode}):\n{log[-3000:]}")
-    return statistics.median(rates[1:]), log
+    return statistics.median(rates[1:]), log, result
 
 
 def ours_speed(files: dict, hidden: int, embed: int, args, precision: str) -> tuple[float, int]:
@@ -206,6 +237,7 @@ def ours_speed(files: dict, hidden: int, embed: int, args, precision: str) -> tu
 
 def phase_speed(args, python: Path, files: dict) -> None:
     print(f"\n## target tokens/s, {args.steps} steps of {args.batch_size} sentences, "
+          f"{'both tools at once, ' if args.concurrent else 'one tool after the other, '}"
           f"{args.threads} threads, ours: {args.decoder} decoder, {args.output_layer} output "
           f"layer, {args.precision}\n")  # fmt: skip
     print("| sizes | round | OpenNMT-py tok/s | seq2seq-fast tok/s | ratio | params onmt / ours |")
@@ -214,13 +246,24 @@ def phase_speed(args, python: Path, files: dict) -> None:
         if args.sizes and not any(s in name for s in args.sizes.split(",")):
             continue
         out = Path(args.work) / f"speed_{onmt_hidden}"
-        config = onmt_config(args, files, onmt_hidden, embed, args.steps, out)
+        # concurrent: OpenNMT-py runs longer than ours (its reports after ours ends run alone)
+        onmt_steps = args.steps * (2 if args.concurrent else 1)
+        config = onmt_config(args, files, onmt_hidden, embed, onmt_steps, out)
         if not Path(f"{args.work}/vocab.src").exists():
             build_onmt_vocab(python, config, args.threads)
         for r in range(args.rounds):
-            onmt_rate, log = onmt_speed(python, config, args.threads)
+
+            def ours(hidden: int = our_hidden, embed: int = embed) -> tuple[float, int]:
+                return ours_speed(files, hidden, embed, args, args.precision)
+
+            if args.concurrent:
+                onmt_rate, log, (ours_rate, ours_params) = onmt_speed(
+                    python, config, args.threads, ours
+                )
+            else:
+                onmt_rate, log, _ = onmt_speed(python, config, args.threads)
+                ours_rate, ours_params = ours()
             onmt_params = re.search(r"\* number of parameters: (\d+)", log)
-            ours_rate, ours_params = ours_speed(files, our_hidden, embed, args, args.precision)
             print(f"| {name} | {r + 1} | {onmt_rate:,.0f} | {ours_rate:,.0f} | "
                   f"{ours_rate / onmt_rate:.2f}x | "
                   f"{onmt_params.group(1) if onmt_params else '?'} / {ours_params} |",
@@ -310,6 +353,11 @@ def main(argv=None) -> int:
     add("--output-layer", default="attentional", choices=["concat", "attentional"])
     add("--precision", default="fp32", choices=["fp32", "bf16"])
     add("--minutes", type=float, default=8.0)
+    add(
+        "--concurrent",
+        action="store_true",
+        help="speed: train both tools at the same time (same load from a shared machine)",
+    )
     args = parser.parse_args(argv)
     python = setup_venv(Path(args.venv or Path(args.work) / "venv"))
     print(f"OpenNMT-py {ONMT_VERSION} in {python.parent.parent}; load average "
