@@ -142,6 +142,14 @@ void check_rows(const char* name, const KernelTable<T>& kt) {
   for (size_t i = 0; i < e.size(); ++i) ewant[i] = exp(0.5 * double(e[i]));
   kt.exp_inplace(e.data(), int64_t(e.size()), T(0.5));
   expect_close<T>(name, "exp_inplace", e.data(), ewant);
+  // Far below the range (a softmax's -inf or masked score): exactly 0, and NaN stays NaN.
+  Buf<T> low(2 * kPadTo, -std::numeric_limits<T>::infinity());
+  for (size_t i = 0; i < low.size(); i += 3) low[i] = T(sizeof(T) == 4 ? -200 : -1000);
+  low[5] = std::numeric_limits<T>::quiet_NaN();
+  kt.exp_inplace(low.data(), int64_t(low.size()), T(1));
+  Buf<double> lwant(low.size(), 0.0);
+  lwant[5] = std::numeric_limits<double>::quiet_NaN();
+  expect_close<T>(name, "exp_inplace far below", low.data(), lwant, 0.0);
 
   Buf<T> scale(Hp), packed(rows * Hp), scaled(rows * H);
   randomize(scale, gen, 1.0);

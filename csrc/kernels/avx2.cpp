@@ -59,7 +59,13 @@ struct S {
     q = fma(q, x2, set1(1.0f));
     return mul(mul(x, p), rcp(q));
   }
+  // exp(x) for x below -87 (where 2^n would leave the normal floats) is 0, -inf included: a
+  // masked or -inf score gets weight exactly 0 (the true value is below 1.7e-38 anyway).
   static inline V exp(V x) {
+    const V under = _mm256_cmp_ps(x, set1(-87.0f), _CMP_LT_OQ);  // false for NaN
+    return _mm256_andnot_ps(under, exp_clamped(x));
+  }
+  static inline V exp_clamped(V x) {
     x = clamp(x, -87.0f, 88.3f);  // keeps 2^n a normal float built from its exponent bits
     const V n = _mm256_round_ps(mul(x, set1(float(S2S_LOG2E))),
                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

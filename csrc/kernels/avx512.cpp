@@ -57,7 +57,12 @@ struct S {
     q = fma(q, x2, set1(1.0f));
     return mul(mul(x, p), rcp(q));
   }
+  // exp(x) below -104 (under half the smallest denormal) is 0, -inf included.
   static inline V exp(V x) {
+    const __mmask16 under = _mm512_cmp_ps_mask(x, set1(-104.0f), _CMP_LT_OQ);  // not NaN
+    return _mm512_maskz_mov_ps(__mmask16(~under), exp_clamped(x));
+  }
+  static inline V exp_clamped(V x) {
     x = clamp(x, -104.0f, 88.7f);  // keeps NaN; scalef handles results down to the denormals
     const V n = _mm512_roundscale_ps(mul(x, set1(float(S2S_LOG2E))),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
