@@ -25,6 +25,7 @@ machine). Sizes: ``--size`` or ``SEQ2SEQ_FAST_BENCH_SIZE`` (tiny in CI).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -362,13 +363,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--min-sample-s", type=float, default=0.0)
+    parser.add_argument(
+        "--steps", type=int, default=None, help="target steps (default: the size's)"
+    )
     parser.add_argument("--models", nargs="+", default=list(MODELS), metavar="MODEL")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.models) - set(MODELS))
     if unknown:
         parser.error(f"unknown models {unknown}; known: {list(MODELS)}")
+    size = SIZES[args.size]
+    if args.steps is not None:
+        size = dataclasses.replace(size, target=args.steps)
     for threads in args.threads:
-        print(table(args.models, SIZES[args.size], threads, args.rounds, args.min_sample_s))
+        print(table(args.models, size, threads, args.rounds, args.min_sample_s))
         print()
 
 

@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from seq2seq_fast import fuse_attention
@@ -208,3 +209,25 @@ def test_plain_cache_api():
     assert cache.get(keys, (linear.weight, linear.bias, 7), compute) is first
     cache.get(keys, (linear.weight, linear.bias, 8), compute)  # a plain value changed
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(reentrant):
+    plain, fused = _pair()
+    results = []
+    for module in (plain, fused):
+        keys, query = _inputs()
+
+        def step(q, k, module=module):
+            return module(q, k)
+
+        loss, state = 0, query
+        for _ in range(3):
+            context, _ = torch.utils.checkpoint.checkpoint(
+                step, state.unsqueeze(1), keys, use_reentrant=reentrant
+            )
+            loss = loss + context.square().sum()
+            state = torch.tanh(state + context.squeeze(1))
+        loss.backward()
+        results.append(_grads(module, keys, query))
+    _assert_same(*results)

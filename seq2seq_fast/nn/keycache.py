@@ -23,7 +23,9 @@ The one limit: a change that bypasses the version counters (``tensor.data.add_(.
 assigning through ``.data`` to the keys in place) is not seen; call :meth:`clear` after one.
 
 Bypassed (``compute`` runs every call): under torch.compile / torch.jit tracing or scripting and
-inside torch.func transforms, whose graphs must not capture Python-side state. Beam search that
+inside torch.func transforms, whose graphs must not capture Python-side state, and under
+saved-tensor hooks (``torch.utils.checkpoint`` without reentrance re-runs the forward in the
+backward and checks that it saves the same tensors; ``save_on_cpu``). Beam search that
 reorders or expands the memory passes a new tensor: a miss, so it projects again (correct, and
 the cache then serves the following steps over that tensor).
 
@@ -62,8 +64,15 @@ MAX_THREADS = 8
 
 
 def cache_bypassed() -> bool:
-    """True where a cache must not be used: torch.compile, torch.jit, torch.func."""
-    return traced_or_transformed() or torch.jit.is_tracing() or torch.jit.is_scripting()
+    """True where a cache must not be used: torch.compile, torch.jit, torch.func, and under
+    saved-tensor hooks (activation checkpointing re-runs the forward and expects the same saved
+    tensors; offloading hooks)."""
+    return (
+        traced_or_transformed()
+        or torch.jit.is_tracing()
+        or torch.jit.is_scripting()
+        or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    )
 
 
 def _param_state(param: object) -> tuple:
