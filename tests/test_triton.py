@@ -423,9 +423,8 @@ def test_every_scratch_and_gradient_element_is_written(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(real_empty_like(*a, **k)))
     fwd = tk.TileConfig(block_q=2, block_k=4, block_h=4, block_dv=2, block_k2=4)
     bwd = (fwd, tk.TileConfig(2, 2, 4, 1), tk.TileConfig(2, 4, 1, 2))
-    for kind, seed in (("lengths", 43), ("mask", 45)):
-        check_fp32((3, 5, 11, 9, 3), kind=kind, seed=seed, fwd_config=fwd, bwd_configs=bwd)
-    check_fp32((3, 1, 9, 8, 4), kind="lengths", seed=47)  # default tiles, the decoding step
+    check_fp32((3, 3, 9, 5, 3), kind="lengths", seed=43, fwd_config=fwd, bwd_configs=bwd)
+    check_fp32((3, 1, 9, 8, 4), kind="mask", seed=47)  # default tiles, the decoding step
 
 
 def test_tanh_choice_argument_and_context():

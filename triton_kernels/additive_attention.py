@@ -40,6 +40,7 @@ query, sgk grad keys, sgx grad values; b batch, t query, s key, h hidden, d valu
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import triton
@@ -58,7 +59,7 @@ from .tanh import (
     tanh_override,
     tanh_probe,
 )
-from .tiles import TileConfig, backward_configs, forward_config, grad_tile
+from .tiles import H200_SMS, TileConfig, backward_configs, forward_config, grad_tile
 
 __all__ = [
     "TANH_MODES",
@@ -643,6 +644,15 @@ def _common_constexprs(dtype: torch.dtype, device: torch.device, tanh: str, int6
     }
 
 
+@functools.cache
+def _sms(device: torch.device) -> int:
+    """Multiprocessors the tiles are planned for: the GPU's; 1 under the interpreter, which runs
+    programs one after another (fewer, larger programs keep the CPU tests fast)."""
+    if device.type == "cuda" and not is_interpreted():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1 if is_interpreted() else H200_SMS
+
+
 def _mode_name(consts: dict) -> str:
     return {code: name for name, code in TANH_CODES.items()}[consts["TANH_MODE"]]
 
@@ -670,7 +680,7 @@ def _fwd_impl(query, keys, values, v, bias, lengths, mask, return_weights, confi
 
     consts = _common_constexprs(dtype, device, tanh, False)
     cfg = config or forward_config(num_queries, num_keys, hidden, value_dim, dtype=dtype,
-                                   batch=batch, mode=_mode_name(consts))  # fmt: skip
+                                   batch=batch, sms=_sms(device), mode=_mode_name(consts))  # fmt: skip
     scores = torch.empty((batch, num_queries, num_keys), dtype=torch.float32, device=device)
     len_t, s_len, mask_t, sm_b, sm_s = _optional_args(lengths, mask, lse)
     weights_t = weights if return_weights else scores
@@ -752,8 +762,9 @@ def _bwd_impl(grad_context, grad_weights, query, keys, values, v, bias, lengths,
 
     consts = _common_constexprs(dtype, device, tanh, False)
     ds_cfg, grad_cfg, dvalues_cfg = configs or backward_configs(
-        batch, num_queries, num_keys, hidden, value_dim, dtype=dtype, mode=_mode_name(consts)
-    )
+        batch, num_queries, num_keys, hidden, value_dim, dtype=dtype, sms=_sms(device),
+        mode=_mode_name(consts),
+    )  # fmt: skip
     # No zero fills: the kernels read the scratch below each row's length only, and write every
     # element of the gradients (zeros where no key is visited).
     probs = torch.empty((batch, num_queries, num_keys), dtype=torch.float32, device=device)
