@@ -43,9 +43,11 @@ def test_problems_are_found():
     assert compile_check.blocks_per_sm(64, 4, 100 * 1024) == 2  # shared memory bound
 
 
-@pytest.mark.slow
-def test_kernels_compile_for_sm90_as_the_gpu_would(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+SIDE_ENV = "SEQ2SEQ_FAST_TRITON_SIDE"  # a --target install of the GPU's Triton (3.6)
+
+
+def _run_default_cases(tmp_path, env: dict) -> tuple[list[dict], str]:
+    """The default cases, split over two processes (CI has two cores); entries and versions."""
     count = len(compile_check.QUICK)
     halves = [",".join(str(i) for i in range(count) if i % 2 == part) for part in (0, 1)]
     procs = [
@@ -68,10 +70,12 @@ def test_kernels_compile_for_sm90_as_the_gpu_would(tmp_path):
         for part, cases in enumerate(halves)
     ]
     outputs = [proc.communicate(timeout=600)[0] for proc in procs]
-    entries = []
+    entries, versions = [], set()
     for part, (proc, output) in enumerate(zip(procs, outputs, strict=True)):
         assert proc.returncode == 0, output[-4000:]
-        entries += json.loads((tmp_path / f"part{part}.json").read_text())["entries"]
+        report = json.loads((tmp_path / f"part{part}.json").read_text())
+        entries += report["entries"]
+        versions.add(report["triton"])
     assert len(entries) == 2 * count  # the forward and the grad kernel of every case
     for entry in entries:
         assert entry["problems"] == [], entry
@@ -82,3 +86,24 @@ def test_kernels_compile_for_sm90_as_the_gpu_would(tmp_path):
             assert "MUFU.TANH" in entry["mufu_kinds"], entry
     kinds = {(e["dtype"], e["tanh"]) for e in entries}
     assert kinds == {("bf16", "approx"), ("fp32", "product"), ("bf16", "packed")}
+    (version,) = versions
+    return entries, version
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_as_the_gpu_would(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    _run_default_cases(tmp_path, env)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get(SIDE_ENV), reason=f"{SIDE_ENV} unset: no side Triton "
+                    "(bench/triton_side_install.sh installs the GPU machine's)")  # fmt: skip
+def test_kernels_compile_under_the_gpu_machines_triton(tmp_path):
+    import triton
+
+    side = os.environ[SIDE_ENV]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (side, env.get("PYTHONPATH")) if p)
+    _, version = _run_default_cases(tmp_path, env)
+    assert version != triton.__version__, f"the side install did not take effect ({version})"
