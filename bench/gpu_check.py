@@ -395,7 +395,7 @@ def kernel_and_launch_ms(torch, call, device: str) -> dict:
     try:
         import triton.testing
 
-        out["kernel_ms"] = triton.testing.do_bench_cudagraph(call, rep=100)
+        out["kernel_ms"] = triton.testing.do_bench_cudagraph(call, rep=50, return_mode="median")
     except Exception as exc:  # noqa: BLE001 - e.g. an op that cannot be captured
         out["kernel_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         torch.cuda.synchronize()
