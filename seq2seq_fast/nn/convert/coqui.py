@@ -113,10 +113,9 @@ def _unsupported(module: nn.Module, runtime: bool = False) -> str | None:
         )
     if module.forward_attn:
         return (
-            "forward attention: the weights are re-derived from the softmax by a recursion over "
-            "the "
-            "previous step's (and, at inference, clipped) before the context is formed, so the "
-            "fused kernel's context would be thrown away"
+            "forward attention: the softmax weights are re-weighted by a recursion over the "
+            "previous step's weights (clipped at inference) before the context is formed, so "
+            "the fused kernel's context would be thrown away"
         )
     if module.windowing and (not runtime or not module.training):
         return (
