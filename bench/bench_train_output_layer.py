@@ -10,7 +10,8 @@ Variants, each a full step (forward, loss, backward, clipping, fused AdamW) of t
     concat, fused         the same layer, loss by the chunked linear + cross-entropy op
     attentional, fused    a_t = tanh(W_a [s; c]) of hidden width, then the fused op (the default)
 
-Timed round-robin, median of ``--rounds`` rounds of ``--steps`` steps; target tokens/s and the
+Timed side by side by ``bench.timing.time_interleaved`` (one untimed warm-up pass, then the
+variants in rotated order each round), median of ``--rounds`` rounds of ``--steps`` steps; target tokens/s and the
 ratio to the first variant. Output: a markdown table.
 """
 
@@ -18,14 +19,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from bench import shapes, timing
 from seq2seq_fast.seq2seq.data import make_batch
 from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig, sequence_loss
 
 VARIANTS = (("concat", False), ("concat", True), ("attentional", True))
+SIZE = shapes.TRAIN_SIZES["small"]  # hidden size and batch of the training benchmarks
 
 
 def _batches(vocab: int, count: int, batch: int, max_len: int, seed: int = 0):
@@ -64,12 +66,20 @@ def _stepper(decoder: str, output_layer: str, fused: bool, args):
     return step
 
 
+def _all_batches(step, batches):
+    def run() -> None:
+        for batch in batches:
+            step(batch)
+
+    return run
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decoders", default="gnmt,bahdanau")
     parser.add_argument("--vocab", type=int, default=8000)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=SIZE.hidden)
+    parser.add_argument("--batch", type=int, default=SIZE.batch)
     parser.add_argument("--max-len", type=int, default=24)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=5)
@@ -85,18 +95,11 @@ def main(argv=None) -> int:
     print("| --- | --- | --- | ---: | ---: |")
     for decoder in args.decoders.split(","):
         steppers = {v: _stepper(decoder, v[0], v[1], args) for v in VARIANTS}
-        for step in steppers.values():
-            step(batches[0])
-        samples = {v: [] for v in VARIANTS}
-        for _ in range(args.rounds):
-            for variant, step in steppers.items():
-                start = time.perf_counter()
-                for batch in batches:
-                    step(batch)
-                samples[variant].append(time.perf_counter() - start)
-        first = statistics.median(samples[VARIANTS[0]])
-        for (layer, fused), values in samples.items():
-            seconds = statistics.median(values)
+        calls = {v: _all_batches(step, batches) for v, step in steppers.items()}
+        samples = timing.time_interleaved(calls, "cpu", args.rounds, warmup=1)
+        first = statistics.median(samples[VARIANTS[0]].wall_s)
+        for (layer, fused), sample in samples.items():
+            seconds = statistics.median(sample.wall_s)
             print(f"| {decoder} | {layer} | {'fused, chunked' if fused else 'F.cross_entropy'} | "
                   f"{tokens / seconds:,.0f} | {first / seconds:.2f}x |", flush=True)  # fmt: skip
     return 0
