@@ -9,7 +9,8 @@ the same input file (``--input FILE``, or ``--corpus``: ``--sentences`` source s
 ``--min-words`` to ``--max-words`` words drawn with a fixed seed from a tab-separated corpus or a
 .zip holding one), configurations interleaved round by round so that a co-runner hits them alike.
 Reported per configuration: the median wall time (and the part after start-up and loading, from
-the command's closing line), sentences/s and output tokens/s over the wall time, the start-up
+the command's closing line), the process's CPU time (user + system: on one thread, what the wall
+time would be on an idle machine; with more threads it includes their spin-waits), sentences/s and output tokens/s over the wall time, the start-up
 alone (an empty input), and the per-round ratios reference/fused and 1/2 threads.
 ``--check-exact`` also runs each beam one sentence at a time (``--batch-size 1``) and counts the
 lines that differ from the batched output (expected: none).
@@ -46,6 +47,14 @@ def sample_sentences(corpus: Path, count: int, min_words: int, max_words: int, s
     return random.Random(seed).sample(sources, count)
 
 
+def _children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's finished children."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_command(args: argparse.Namespace, source: Path, output: Path, **options) -> dict:
     """One ``seq2seq-fast translate`` process: -> wall seconds, the command's own translation
     seconds (its closing line: after start-up and loading), sentences and output tokens."""
@@ -54,15 +63,18 @@ def run_command(args: argparse.Namespace, source: Path, output: Path, **options)
                "--device", args.device, "--batch-size", str(options.get("batch_size", args.batch_size))]  # fmt: skip
     for name in ("beam", "threads", "backend"):
         command += [f"--{name}", str(options[name])]
+    cpu_before = _children_cpu_seconds()
     started = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - started
+    cpu_seconds = _children_cpu_seconds() - cpu_before
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{proc.stderr[-2000:]}")
     match = CLOSING_LINE.search(proc.stderr)
     if match is None:
         raise SystemExit(f"no closing line in the output of {' '.join(command)}")
-    return {"seconds": seconds, "translate_seconds": float(match.group(3)),
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds,
+            "translate_seconds": float(match.group(3)),
             "sentences": int(match.group(1)), "tokens": int(match.group(2))}  # fmt: skip
 
 
@@ -132,15 +144,17 @@ def ratios(runs: dict[str, list[dict]], args: argparse.Namespace) -> dict[str, f
 
 def table(result: dict) -> str:
     lines = [
-        "| configuration | wall s (median) | of which translating | sentences/s | tokens/s |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| configuration | wall s (median) | of which translating | CPU s | sentences/s "
+        "| tokens/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, runs in result["runs"].items():
         seconds = statistics.median(r["seconds"] for r in runs)
         translating = statistics.median(r["translate_seconds"] for r in runs)
+        cpu = statistics.median(r["cpu_seconds"] for r in runs)
         sentences, tokens = runs[0]["sentences"], runs[0]["tokens"]
-        lines.append(f"| {name} | {seconds:.2f} | {translating:.2f} | {sentences / seconds:.0f} "
-                     f"| {tokens / seconds:,.0f} |")  # fmt: skip
+        lines.append(f"| {name} | {seconds:.2f} | {translating:.2f} | {cpu:.2f} "
+                     f"| {sentences / seconds:.0f} | {tokens / seconds:,.0f} |")  # fmt: skip
     return "\n".join(lines)
 
 
