@@ -10,8 +10,9 @@ the same input file (``--input FILE``, or ``--corpus``: ``--sentences`` source s
 .zip holding one), configurations interleaved round by round so that a co-runner hits them alike.
 Reported per configuration: the median wall time (and the part after start-up and loading, from
 the command's closing line), the process's CPU time (user + system: on one thread, what the wall
-time would be on an idle machine; with more threads it includes their spin-waits), sentences/s and output tokens/s over the wall time, the start-up
-alone (an empty input), and the per-round ratios reference/fused and 1/2 threads.
+time would be on an idle machine; with more threads it includes their spin-waits), sentences/s
+and output tokens/s over the wall time, the start-up alone (an empty input), and the per-round
+ratios reference/fused and 1/2 threads.
 ``--check-exact`` also runs each beam one sentence at a time (``--batch-size 1``) and counts the
 lines that differ from the batched output (expected: none).
 """
@@ -60,7 +61,8 @@ def run_command(args: argparse.Namespace, source: Path, output: Path, **options)
     seconds (its closing line: after start-up and loading), sentences and output tokens."""
     command = [sys.executable, "-m", "seq2seq_fast", "translate", "--checkpoint", args.checkpoint,
                "--input", str(source), "--output", str(output), "--no-progress",
-               "--device", args.device, "--batch-size", str(options.get("batch_size", args.batch_size))]  # fmt: skip
+               "--device", args.device,
+               "--batch-size", str(options.get("batch_size", args.batch_size))]  # fmt: skip
     for name in ("beam", "threads", "backend"):
         command += [f"--{name}", str(options[name])]
     cpu_before = _children_cpu_seconds()
