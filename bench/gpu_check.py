@@ -66,7 +66,7 @@ def log(*parts: object) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, CPU, interpreter")
-    parser.add_argument("--budget-s", type=float, default=480.0, help="no new work after this")
+    parser.add_argument("--budget-s", type=float, default=450.0, help="no new work after this")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--shapes", help="comma-separated shape names (default: all)")
