@@ -76,10 +76,12 @@ class FusedGNMTAttention(FusedStandIn):
         indices = torch.arange(max_len, dtype=torch.int64, device=context.device)
         self.mask = indices >= context_len.unsqueeze(1)
 
-    def _memory(self, keys: Tensor):
-        """(projected keys, values, stepwise memory or None, projection) for batch-first keys."""
+    def _memory(self, keys: Tensor, stepwise: bool):
+        """(projected keys, values, stepwise memory or None, projection) for batch-first keys.
+        ``stepwise``: the client attends one query at a time (GNMT's training attends all
+        target steps in one call: no memory to gather then)."""
         projected = self.linear_k(keys)
-        memory = StepwiseMemory.for_training(projected, keys, self.backend)
+        memory = StepwiseMemory.for_training(projected, keys, self.backend) if stepwise else None
         if memory is None:  # values: the call's own keys (the cache holds them weakly)
             return projected, None, None, projected
         return memory.keys, memory.values, memory, projected
@@ -91,9 +93,10 @@ class FusedGNMTAttention(FusedStandIn):
             if query.dim() == 3:
                 query = query.transpose(0, 1)
         batch_keys = keys
+        stepwise = query.dim() == 2 or query.shape[1] == 1
         projected, values, memory, _ = self.key_cache.get(
-            given, (self.linear_k.weight, self.batch_first), lambda: self._memory(batch_keys),
-            watch=lambda entry: entry[3:],
+            given, (self.linear_k.weight, self.batch_first, stepwise),
+            lambda: self._memory(batch_keys, stepwise), watch=lambda entry: entry[3:],
         )  # fmt: skip
         if self.normalize:
             v_eff = self.linear_att / self.linear_att.norm() * self.normalize_scalar

@@ -53,9 +53,13 @@ class FusedGlobalAttention(FusedStandIn):
         self.backend = check_backend(backend)
         self.key_cache = ProjectionCache()
 
-    def _memory(self, memory_bank: Tensor):
+    def _memory(self, memory_bank: Tensor, stepwise: bool):
+        """(keys, values or None, stepwise memory or None, projection); ``stepwise``: one query
+        per call (the input-feeding decoder; the standard decoder attends all steps at once)."""
         projected = self.linear_context(memory_bank)
-        memory = StepwiseMemory.for_training(projected, memory_bank, self.backend)
+        memory = None
+        if stepwise:
+            memory = StepwiseMemory.for_training(projected, memory_bank, self.backend)
         if memory is None:  # values: the call's own memory_bank (held weakly by the cache)
             return projected, None, None, projected
         return memory.keys, memory.values, memory, projected
@@ -77,10 +81,11 @@ class FusedGlobalAttention(FusedStandIn):
         lengths = src_len if src_len is not None else memory_lengths
         one_step = source.dim() == 2
         source3 = source.unsqueeze(1) if one_step else source
+        stepwise = source3.shape[1] == 1
         keys, values, memory, _ = self.key_cache.get(
             memory_bank,
-            (self.linear_context.weight,),
-            lambda: self._memory(memory_bank),
+            (self.linear_context.weight, stepwise),
+            lambda: self._memory(memory_bank, stepwise),
             watch=lambda entry: entry[3:],
         )
         values = memory_bank if values is None else values
