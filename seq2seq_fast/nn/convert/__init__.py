@@ -3,7 +3,14 @@ stand-ins, in place, each checked against the original before it is swapped.
 
 Every layout lives in one module of this package (matcher and stand-in together) and registers a
 :class:`~seq2seq_fast.nn.convert._base.Layout`; see ``_base.py`` for the interface. The package
-imports every such module below, so adding a layout touches one file.
+imports every such module below, so adding a layout touches one file. ``registered_layouts()``
+lists them; each module's docstring gives the original's math, call and what is not converted
+(``tutorial``, ``gnmt``, ``concat``, ``opennmt``, ``joeynmt``; the speech and other toolkits in
+``espnet``, ``speechbrain``, ``fairseq``, ``tacotron2``, ``coqui``, ``allennlp``, ``d2l``).
+
+Stand-ins whose client attends one step at a time over a fixed memory project it once per memory
+tensor (:mod:`seq2seq_fast.nn.keycache`) and, in training on the CPU kernel, gather the steps'
+memory gradients once per sequence (:mod:`seq2seq_fast.nn.stepwise`).
 """
 
 from __future__ import annotations
