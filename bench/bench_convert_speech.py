@@ -16,9 +16,9 @@ attention can reach; for the location-aware layouts it also drops their location
     python -m bench.bench_convert_speech --threads 1 2 --rounds 7      # table, side by side
     pytest bench/bench_convert_speech.py --benchmark-only              # pytest-benchmark view
 
-The table gives ms per step (median of the rounds), the speed-up of ``fused`` over ``original``
-(median of per-round ratios) and ``fused`` as a share of the zero-cost bound (zero's time / fused
-time). Sizes follow ``SEQ2SEQ_FAST_BENCH_SIZE`` (tiny in CI) or ``--size``.
+The table gives wall ms per step (median of the rounds), the speed-up of ``fused`` over
+``original`` and the bound (original / zero), and ``fused`` as a share of the zero-cost bound
+(zero's time / fused time), each a median of per-round ratios of wall and of process-CPU time. Sizes follow ``SEQ2SEQ_FAST_BENCH_SIZE`` (tiny in CI) or ``--size``.
 """
 
 from __future__ import annotations
@@ -302,20 +302,27 @@ def table(families: list[str], size: Size, threads: int, rounds: int, min_sample
         f"{size.name} (B={size.batch}, T={size.frames}, E=A={size.width}, {size.steps} steps, "
         f"conv {size.conv_channels}x{2 * size.conv_half_width + 1}), {threads} thread(s):",
         "",
-        "| layout | original ms | fused ms | zero ms | fused speed-up | bound | of bound |",
+        "| layout | original ms | fused ms | zero ms | speed-up wall / CPU | bound wall / CPU "
+        "| of bound wall / CPU |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for family in families:
         calls = {p: make_step(family, p, size) for p in PROVIDERS}
         samples = timing.time_interleaved(calls, "cpu", rounds, min_sample_s)
-        wall = {p: samples[p].wall_s for p in PROVIDERS}
-        med = {p: timing.Summary.of(wall[p]).median * 1e3 for p in PROVIDERS}
-        speedup = timing.ratio_summary(wall["original"], wall["fused"]).median
-        bound = timing.ratio_summary(wall["original"], wall["zero"]).median
-        share = timing.ratio_summary(wall["zero"], wall["fused"]).median
+        med = {p: timing.Summary.of(samples[p].wall_s).median * 1e3 for p in PROVIDERS}
+        ratios = []
+        for a, b in (("original", "fused"), ("original", "zero"), ("zero", "fused")):
+            ratios.append(
+                [
+                    timing.ratio_summary(getattr(samples[a], t), getattr(samples[b], t)).median
+                    for t in ("wall_s", "cpu_s")
+                ]
+            )
+        (speed, speed_cpu), (bound, bound_cpu), (share, share_cpu) = ratios
         lines.append(
             f"| {family} | {med['original']:.1f} | {med['fused']:.1f} | {med['zero']:.1f} "
-            f"| {speedup:.2f}x | {bound:.2f}x | {share:.0%} |"
+            f"| {speed:.2f}x / {speed_cpu:.2f}x | {bound:.2f}x / {bound_cpu:.2f}x "
+            f"| {share:.0%} / {share_cpu:.0%} |"
         )
         print(lines[-1], flush=True)
     return "\n".join(lines)
