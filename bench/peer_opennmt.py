@@ -202,6 +202,28 @@ def onmt_speed(
     return statistics.median(rates[1:]), log, result
 
 
+def onmt_cpu_speed(python: Path, args, files: dict, hidden: int, embed: int) -> tuple[float, str]:
+    """-> (target tokens per CPU-second of OpenNMT-py, a log). CPU time of the training process
+    and its data-loading workers (RUSAGE_CHILDREN), start-up cancelled by differencing a run of
+    ``steps`` and one of ``2 * steps`` steps; tokens = steps x the mean target tokens of a batch
+    (every sentence's pieces and </s>, as both tools count them)."""
+    import resource
+
+    cpu = []
+    for n in (args.steps, 2 * args.steps):
+        out = Path(args.work) / f"cpu_{hidden}_{n}"
+        config = onmt_config(args, files, hidden, embed, n, out)
+        if not Path(f"{args.work}/vocab.src").exists():
+            build_onmt_vocab(python, config, args.threads)
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        _, log, _ = onmt_speed(python, config, args.threads)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    train = files["corpus"].train
+    per_batch = args.batch_size * statistics.mean(len(t) + 1 for _, t in train)
+    return args.steps * per_batch / (cpu[1] - cpu[0]), log
+
+
 def ours_speed(files: dict, hidden: int, embed: int, args, precision: str) -> tuple[float, int]:
     """-> (target tokens/s of seq2seq-fast's training step over ``args.steps`` steps, params)."""
     import torch
@@ -218,10 +240,11 @@ def ours_speed(files: dict, hidden: int, embed: int, args, precision: str) -> tu
     model = Seq2Seq(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
     plan = epoch_batches(corpus.train, args.batch_size, seed=0, epoch=0)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     tokens, start = 0, None
     for i, idx in enumerate(plan[: args.warmup + args.steps]):
         if i == args.warmup:
-            tokens, start = 0, time.perf_counter()
+            tokens, start = 0, clock()
         batch = make_batch([corpus.train[j] for j in idx])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss, _ = model(batch.src, batch.src_lengths, batch.tgt_in, batch.tgt_out,
@@ -232,12 +255,13 @@ def ours_speed(files: dict, hidden: int, embed: int, args, precision: str) -> tu
         optimizer.step()
         tokens += batch.num_target_tokens
     params = sum(p.numel() for p in model.parameters())
-    return tokens / (time.perf_counter() - start), params
+    return tokens / (clock() - start), params
 
 
 def phase_speed(args, python: Path, files: dict) -> None:
     print(f"\n## target tokens/s, {args.steps} steps of {args.batch_size} sentences, "
           f"{'both tools at once, ' if args.concurrent else 'one tool after the other, '}"
+          f"{'per CPU-second, ' if args.clock == 'cpu' else ''}"
           f"{args.threads} threads, ours: {args.decoder} decoder, {args.output_layer} output "
           f"layer, {args.precision}\n")  # fmt: skip
     print("| sizes | round | OpenNMT-py tok/s | seq2seq-fast tok/s | ratio | params onmt / ours |")
@@ -256,7 +280,10 @@ def phase_speed(args, python: Path, files: dict) -> None:
             def ours(hidden: int = our_hidden, embed: int = embed) -> tuple[float, int]:
                 return ours_speed(files, hidden, embed, args, args.precision)
 
-            if args.concurrent:
+            if args.clock == "cpu":
+                onmt_rate, log = onmt_cpu_speed(python, args, files, onmt_hidden, embed)
+                ours_rate, ours_params = ours()
+            elif args.concurrent:
                 onmt_rate, log, (ours_rate, ours_params) = onmt_speed(
                     python, config, args.threads, ours
                 )
@@ -353,6 +380,12 @@ def main(argv=None) -> int:
     add("--output-layer", default="attentional", choices=["concat", "attentional"])
     add("--precision", default="fp32", choices=["fp32", "bf16"])
     add("--minutes", type=float, default=8.0)
+    add(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="speed: cpu = target tokens per CPU-second of each tool (use with --threads 1)",
+    )
     add(
         "--concurrent",
         action="store_true",
