@@ -601,8 +601,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> checked_backward(
     TORCH_CHECK(grad_weights->scalar_type() == query.scalar_type(), op,
                 ": grad_weights must have query's dtype, got ", grad_weights->scalar_type());
   }
-  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == n.B && lse.size(1) == n.Tq, op,
-              ": lse must be [B, Tq], got ", lse.sizes());
+  // lse: checked for the public op's contract (Triton reads it; the CPU backward does not)
+  TORCH_CHECK(!lse.defined() || (lse.dim() == 2 && lse.size(0) == n.B && lse.size(1) == n.Tq),
+              op, ": lse must be [B, Tq], got ", lse.sizes());
   // weights: the forward's softmax weights (optional; an empty tensor counts as absent).
   Tensor saved_p;
   if (weights.has_value() && weights->numel() > 0) {
@@ -647,7 +648,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_attention_bwd(
     const Tensor& keys, const Tensor& values, const Tensor& v, const Tensor& bias,
     const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
     const Tensor& context, const Tensor& lse, const std::optional<Tensor>& weights) {
-  (void)context;  // dp . p is formed from dp directly; context is part of the contract only
+  // context and lse are the contract's (Triton reads lse); the CPU backward forms dp . p from dp
+  // and, without the forward's weights, recomputes them from the scores.
+  (void)context;
   return checked_backward("seq2seq_fast::additive_attention_bwd", grad_context, grad_weights,
                           query, keys, values, v, bias, lengths, mask, lse, weights, Tensor(),
                           true);
@@ -660,11 +663,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_attention_bwd(
 std::tuple<Tensor, Tensor, Tensor> additive_attention_bwd_accumulate(
     const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query,
     const Tensor& keys, const Tensor& values, const Tensor& v, const Tensor& bias,
-    const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask, const Tensor& lse,
+    const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
     const std::optional<Tensor>& weights, const Tensor& grad_keys) {
   auto grads = checked_backward("seq2seq_fast::_additive_attention_bwd_accumulate", grad_context,
-                                grad_weights, query, keys, values, v, bias, lengths, mask, lse,
-                                weights, grad_keys, false);
+                                grad_weights, query, keys, values, v, bias, lengths, mask,
+                                Tensor(), weights, grad_keys, false);
   return {std::get<0>(grads), std::get<3>(grads), std::get<4>(grads)};
 }
 
@@ -685,7 +688,7 @@ TORCH_LIBRARY_FRAGMENT(seq2seq_fast, m) {
   m.def(
       "_additive_attention_bwd_accumulate(Tensor grad_context, Tensor? grad_weights, "
       "Tensor query, Tensor keys, Tensor values, Tensor v, Tensor bias, Tensor? lengths, "
-      "Tensor? mask, Tensor lse, Tensor? weights, Tensor(a!) grad_keys) -> (Tensor, Tensor, Tensor)");
+      "Tensor? mask, Tensor? weights, Tensor(a!) grad_keys) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(seq2seq_fast, CPU, m) {

@@ -183,12 +183,12 @@ def test_accumulating_backward_takes_bf16(acc_dtype):
 
     def run(dtype, acc):
         q, k, val, v, b = (t.to(dtype) for t in inputs)
-        _, weights, lse = torch.ops.seq2seq_fast.additive_attention_fwd(
+        _, weights, _ = torch.ops.seq2seq_fast.additive_attention_fwd(
             q, k, val, v, b, lengths, None, True
         )
         grad_keys = torch.ones(k.shape, dtype=acc)
         grads = torch.ops.seq2seq_fast._additive_attention_bwd_accumulate(
-            gc.to(dtype), None, q, k, val, v, b, lengths, None, lse, weights, grad_keys
+            gc.to(dtype), None, q, k, val, v, b, lengths, None, weights, grad_keys
         )
         return [grad_keys, *grads]
 

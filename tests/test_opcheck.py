@@ -38,7 +38,6 @@ def _attention_samples() -> dict[str, tuple]:
             grad_context,
             torch.randn_like(weights),
             *inputs,
-            lse,
             weights,
             torch.randn_like(keys),
         ),  # fmt: skip

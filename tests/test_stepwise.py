@@ -87,7 +87,7 @@ def test_float32_and_many_queries_split_over_items():
     start = torch.randn_like(keys)
     grad_keys = start.clone()
     dq2, dv2, db2 = ACCUMULATE(grad_context, None, query, keys, values, v, bias, lengths, None,
-                               lse, weights, grad_keys)  # fmt: skip
+                               weights, grad_keys)  # fmt: skip
     torch.testing.assert_close(grad_keys, start + dk, rtol=1e-5, atol=1e-5)
     assert torch.equal(grad_keys[:, 8:], start[:, 8:])  # rows past the length are left alone
     for a, b in ((dq2, dq), (dv2, dv), (db2, db)):
@@ -99,7 +99,7 @@ def test_accumulating_op_rejects_a_misshapen_grad_keys():
     context, weights, lse = torch.ops.seq2seq_fast.additive_attention_fwd(
         query, keys, values, v, bias, None, None, True
     )
-    args = (torch.ones_like(context), None, query, keys, values, v, bias, None, None, lse, weights)
+    args = (torch.ones_like(context), None, query, keys, values, v, bias, None, None, weights)
     for bad in (torch.zeros(2, 4, 16), torch.zeros(2, 5, 16, dtype=torch.float64),
                 torch.zeros(2, 16, 5).transpose(1, 2)):  # fmt: skip
         with pytest.raises(RuntimeError, match="grad_keys must be a contiguous CPU tensor"):

@@ -54,17 +54,17 @@ class _StepAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, keys, values, v, bias, lengths, mask, memory: StepwiseMemory):
-        context, weights, lse = torch.ops.seq2seq_fast.additive_attention_fwd(
+        context, weights, _ = torch.ops.seq2seq_fast.additive_attention_fwd(
             query, keys, values, v, bias, lengths, mask, True
         )
-        ctx.save_for_backward(query, keys, values, v, bias, lengths, mask, lse, weights)
+        ctx.save_for_backward(query, keys, values, v, bias, lengths, mask, weights)
         ctx.memory = memory
         ctx.set_materialize_grads(False)
         return context, weights
 
     @staticmethod
     def backward(ctx, grad_context, grad_weights):
-        query, keys, values, v, bias, lengths, mask, lse, weights = ctx.saved_tensors
+        query, keys, values, v, bias, lengths, mask, weights = ctx.saved_tensors
         if grad_context is None:
             grad_context = torch.zeros(
                 (*query.shape[:2], values.shape[2]), dtype=query.dtype, device=query.device
@@ -72,7 +72,7 @@ class _StepAttention(torch.autograd.Function):
         grad_query, grad_v, grad_bias = ctx.memory._accumulate(
             grad_context.contiguous(),
             None if grad_weights is None else grad_weights.contiguous(),
-            query, keys, values, v, bias, lengths, mask, lse, weights,
+            query, keys, values, v, bias, lengths, mask, weights,
         )  # fmt: skip
         return guard_double_backward((grad_query, None, None, grad_v, grad_bias, None, None, None))
 
@@ -143,7 +143,7 @@ class StepwiseMemory:
         return _StepAttention.apply(query3, self.keys, self.values, v, bias, lengths, mask, self)
 
     def _accumulate(self, grad_context, grad_weights, query, keys, values, v, bias, lengths, mask,
-                    lse, weights):  # fmt: skip
+                    weights):  # fmt: skip
         task = torch._C._current_graph_task_id()
         if task != self._task:  # a new backward pass: nothing of an earlier one counts
             self._reset(task)
@@ -152,7 +152,7 @@ class StepwiseMemory:
             acc = torch.float32 if keys.dtype == torch.bfloat16 else keys.dtype
             self._grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
         grads = torch.ops.seq2seq_fast._additive_attention_bwd_accumulate(
-            grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, lse, weights,
+            grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, weights,
             self._grad_keys,
         )  # fmt: skip
         self._weights.append(weights)

@@ -89,8 +89,7 @@ if CPU_KERNEL_ERROR is None:  # fake kernels of the ops that the extension defin
 
     @torch.library.register_fake("seq2seq_fast::_additive_attention_bwd_accumulate")
     def _bwd_accumulate_fake(
-        grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, lse, weights,
-        grad_keys,
+        grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, weights, grad_keys
     ):  # fmt: skip
         # grad_keys is updated in place; (grad_query, grad_v, grad_bias) are new
         return torch.empty_like(query), torch.empty_like(v), torch.empty_like(bias)
