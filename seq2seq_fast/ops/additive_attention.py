@@ -99,14 +99,32 @@ if CPU_KERNEL_ERROR is None:  # fake kernels of the ops that the extension defin
         return torch.empty_like(x)
 
 
-try:
-    from seq2seq_fast._triton import additive_attention as _triton_attention
+def load_cuda_kernels() -> str | None:
+    """Import the Triton kernels and register them as the ops' CUDA kernels (once).
 
-    torch.library.register_kernel(FWD_NAME, "cuda", _triton_attention.additive_attention_fwd)
-    torch.library.register_kernel(BWD_NAME, "cuda", _triton_attention.additive_attention_bwd)
-    CUDA_KERNEL_ERROR: str | None = None
-except ImportError as exc:  # Triton missing, or kernels not written yet
-    CUDA_KERNEL_ERROR = f"{type(exc).__name__}: {exc}"
+    Returns None when they are registered, else why not. Called at import only where torch sees a
+    CUDA device: on a CPU-only machine importing Triton would add ~0.5 s to every command's start-up
+    for kernels no tensor can reach.
+    """
+    global CUDA_KERNEL_ERROR, _cuda_kernels_loaded
+    if _cuda_kernels_loaded:
+        return CUDA_KERNEL_ERROR
+    _cuda_kernels_loaded = True
+    try:
+        from seq2seq_fast._triton import additive_attention as triton_attention
+    except ImportError as exc:  # Triton missing
+        CUDA_KERNEL_ERROR = f"{type(exc).__name__}: {exc}"
+        return CUDA_KERNEL_ERROR
+    torch.library.register_kernel(FWD_NAME, "cuda", triton_attention.additive_attention_fwd)
+    torch.library.register_kernel(BWD_NAME, "cuda", triton_attention.additive_attention_bwd)
+    CUDA_KERNEL_ERROR = None
+    return None
+
+
+_cuda_kernels_loaded = False
+CUDA_KERNEL_ERROR: str | None = "CUDA is not available to torch (the Triton kernels are not loaded)"
+if torch.cuda.is_available():
+    load_cuda_kernels()
 
 
 def fused_unavailable_reason(device: torch.device | str, dtype: torch.dtype) -> str | None:
