@@ -7,7 +7,9 @@ line (``seq2seq-fast train``) is a thin wrapper around it. One job:
   file split with a fixed seed, sentencepiece vocabularies trained on the training split),
 - trains with AdamW, gradient clipping and a warmup + cosine learning-rate schedule, a tqdm bar
   showing loss and target tokens/s,
-- evaluates after every epoch (sequence/token accuracy for reverse, sacreBLEU for translate),
+- evaluates after every epoch and every ``eval_every`` steps (sequence/token accuracy for
+  reverse, sacreBLEU for translate), keeping ``best.pt`` beside ``model.pt`` and stopping after
+  ``patience`` evaluations without a new best,
 - writes ``model.pt`` atomically (model config, vocabularies, model/optimizer/scheduler state, RNG
   states, data position, epoch, step) and a heatmap ``attention.png`` of a held-out example.
 
