@@ -15,7 +15,7 @@ exception is recorded and the next stage runs), within ``--budget-s``:
      op's kernel time (CUDA graph replay) and host launch time apart, peak memory
   5. a tile sweep of the fused forward over the cost model's best candidates (tiles.rank_forward)
   6. the CUDA tests (pytest tests/test_triton.py), capped by what is left of the budget
-  7. the summary table and the targets of issue 16 item 4, met / MISSED / unmeasured, last
+  7. the summary table and the GPU targets (gpu_targets.py), met / MISSED / unmeasured, last
 
 gpu_check.json and gpu_check_summary.txt are rewritten after every row and stage, so a run
 killed at its time limit still leaves them. ``--dry-run`` runs the same stages on tiny shapes on
@@ -402,7 +402,7 @@ def kernel_and_launch_ms(torch, call, device: str) -> dict:
     return out
 
 
-PRIORITY = ("gnmt-train", "long-both", "decode-step")  # the shapes issue 16's targets name
+PRIORITY = ("gnmt-train", "long-both", "decode-step")  # the shapes the GPU targets name
 
 
 def row_plan(shapes: list[Shape], dry_run: bool) -> list[tuple[Shape, str, str, bool]]:

@@ -1,10 +1,10 @@
-"""The GPU check's judgements: correctness gates, the summary table and issue 16's targets.
+"""The GPU check's judgements: correctness gates, the summary table and the GPU targets.
 
 Pure functions of the report dict that ``bench/gpu_check.py`` builds (plus the correctness and
 int64 checks, which take torch as an argument), so the summary can be rebuilt from a saved
 gpu_check.json: ``python -m bench.gpu_targets OUT/gpu_check.json``.
 
-Targets (issue 16 item 4, H200), each reported line by line as met / MISSED / unmeasured:
+Targets (H200), each reported line by line as met / MISSED / unmeasured:
     T1  training-shape forward, bf16: >= 2x torch.compile of the reference
     T2  training-shape forward, bf16: >= 50% of the tanh ceiling (TANH_CEILING)
     T3  training-shape forward, fp32: >= 1.5x torch.compile
@@ -300,7 +300,7 @@ def target_lines(report: dict) -> list[str]:
              or _find(rows, n, "bf16", "forward")["dims"][1] > 1]  # fmt: skip
     decode = [n for n in names if n not in train]
     copy = report.get("stages", {}).get("bandwidth", {}).get("copy_bytes_per_s") or COPY_BANDWIDTH
-    out = ["", "targets (issue 16 item 4; H200):"]
+    out = ["", "targets (H200):"]
     if report.get("dry_run"):
         out[-1] += " DRY RUN on CPU: the speeds below mean nothing"
     for name in train:

@@ -1,4 +1,4 @@
-"""Training options of issue 17: --precision bf16 (and its fallback), --output-layer attentional."""
+"""Training options: --precision bf16 (and its fallback), --output-layer attentional."""
 
 from __future__ import annotations
 
