@@ -84,6 +84,21 @@ def same_padding_conv(conv: object, in_channels: int) -> bool:
     )
 
 
+def is_location_layer(conv_module: object, dense_module: object, width: int) -> bool:
+    """Tacotron 2's location layer: a bias-free same-length conv over the 2 attention channels (this
+    step's and the cumulative weights), then a bias-free Linear to the attention width."""
+    conv, dense = conv1d_of(conv_module), linear_of(dense_module)
+    return (
+        conv is not None
+        and conv.bias is None
+        and same_padding_conv(conv, in_channels=2)
+        and dense is not None
+        and dense.bias is None
+        and dense.in_features == conv.out_channels
+        and dense.out_features == width
+    )
+
+
 def is_finite_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 

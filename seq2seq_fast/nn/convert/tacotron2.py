@@ -40,10 +40,9 @@ from seq2seq_fast.nn.convert._base import (
 from seq2seq_fast.nn.convert._speech import (
     adopt,
     attend_gathered,
-    conv1d_of,
+    is_location_layer,
     is_score_layer,
     linear_of,
-    same_padding_conv,
     valid_from_padding,
 )
 
@@ -92,16 +91,7 @@ def _match(module: nn.Module) -> bool:
         location
     ):
         return False
-    conv, dense = conv1d_of(location.location_conv), linear_of(location.location_dense)
-    return (
-        conv is not None
-        and conv.bias is None
-        and same_padding_conv(conv, in_channels=2)
-        and dense is not None
-        and dense.bias is None
-        and dense.in_features == conv.out_channels
-        and dense.out_features == width
-    )
+    return is_location_layer(location.location_conv, location.location_dense, width)
 
 
 def _example_call(module: nn.Module, dtype: torch.dtype) -> tuple[tuple, dict]:
