@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -309,14 +310,18 @@ def phase_bleu(args, python: Path, files: dict) -> None:
     config = onmt_config(args, files, 256, 256, 10**7, out)
     if not Path(f"{args.work}/vocab.src").exists():
         build_onmt_vocab(python, config, args.threads)
+    for stale in out.glob("model_step_*.pt"):  # an earlier run's: never score those
+        stale.unlink()
     cmd = [str(python), "-m", "onmt.bin.train", "-config", str(config)]
     started = time.perf_counter()
+    # Its own process group: at the deadline the data-loading workers must go too, or they keep
+    # the output pipe open and communicate() waits for ever.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(args.threads))  # fmt: skip
+                            env=_env(args.threads), start_new_session=True)  # fmt: skip
     try:
         proc.wait(timeout=60 * minutes)
     except subprocess.TimeoutExpired:
-        proc.terminate()
+        os.killpg(proc.pid, signal.SIGTERM)
     log = proc.communicate()[0]
     steps = [int(m.group(1)) for m in _REPORT.finditer(log)]
     checkpoints = sorted(out.glob("model_step_*.pt"), key=lambda p: int(p.stem.split("_")[-1]))
