@@ -156,8 +156,10 @@ def onmt_config(args, files: dict, hidden: int, embed: int, steps: int, out: Pat
 
 
 def _env(threads: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    return env
+    # OpenNMT-py 3.5.1 pickles argparse.Namespace into its checkpoints, which torch >= 2.6 refuses
+    # to load by default (weights_only): its own checkpoints, so trusted.
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")  # fmt: skip
 
 
 def build_onmt_vocab(python: Path, config: Path, threads: int) -> None:
