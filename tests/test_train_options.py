@@ -73,3 +73,59 @@ def test_best_checkpoint_follows_improvement(tmp_path):
     best = load_checkpoint(tmp_path / "best.pt")
     assert best["best"]["score"] == final["best"]["score"] == best["metrics"]["seq_acc"]
     assert best["step"] <= result.step
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_final_test_bleu_and_heatmap_are_of_the_best_checkpoint(tmp_path, monkeypatch, capsys):
+    """Validation scores that only fall: best.pt is the first evaluation (step 2); the final test
+    BLEU and the heatmap must be computed with its weights, not the last ones (model.pt)."""
+    from seq2seq_fast.seq2seq import plot
+    from tests.test_train import _toy_corpus, tiny_config
+
+    calls = []
+
+    def fake_bleu(model, pairs, src_vocab, tgt_vocab, device, beam=1):
+        calls.append(_state(model))
+        return 50.0 - len(calls)
+
+    drawn = []
+    monkeypatch.setattr(train_module, "bleu_score", fake_bleu)
+    monkeypatch.setattr(
+        plot, "plot_translation", lambda model, *a, **k: drawn.append(_state(model))
+    )
+    corpus = _toy_corpus(tmp_path / "toy.tsv")
+    config = tiny_config(tmp_path / "run", task="translate", data=str(corpus), epochs=2,
+                         spm_vocab_size=40, valid_fraction=0.1, test_fraction=0.1, eval_every=2,
+                         heatmap=True)  # fmt: skip
+    result = train(config)
+    best, last = load_checkpoint(tmp_path / "run/best.pt"), load_checkpoint(result.checkpoint)
+    assert best["step"] == 2 and last["step"] == result.step > 4
+    assert not _same(best["model"], last["model"])  # the test below can tell them apart
+    assert _same(calls[-1], best["model"]) and _same(drawn[-1], best["model"])
+    assert result.metrics["test_bleu"] == 50.0 - len(calls)
+    assert result.metrics["valid_bleu"] == best["best"]["score"] == 49.0
+    assert (result.final_checkpoint, result.final_step) == (tmp_path / "run/best.pt", 2)
+    assert (
+        f"test_bleu {result.metrics['test_bleu']:.2f} (best.pt, step 2)" in capsys.readouterr().out
+    )
+    # model.pt stays the last state, and says which checkpoint its final metrics are of.
+    assert last["final"] == {"checkpoint": "best.pt", "step": 2}
+    assert last["metrics"] == best["metrics"] == result.metrics
+
+
+def test_a_stale_best_checkpoint_is_not_used(tmp_path, capsys):
+    """A best.pt left by an earlier run in the folder: a run that never evaluates (stopped after 5
+    steps) reports the last model."""
+    train(TrainConfig(**TINY, out=str(tmp_path)))
+    assert (tmp_path / "best.pt").exists()
+    capsys.readouterr()
+    result = train(TrainConfig(**TINY, out=str(tmp_path), stop_after_steps=5))
+    assert (result.final_checkpoint.name, result.final_step) == ("model.pt", 5)
+    assert "(model.pt, step 5)" in capsys.readouterr().out

@@ -96,7 +96,10 @@ def _add_train(sub) -> None:
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int)
     g.add_argument("--steps-per-epoch", type=int, help="reverse task: batches per epoch")
-    g.add_argument("--batch-size", type=int)
+    g.add_argument("--batch-size", type=int, help="pairs per batch")
+    g.add_argument("--batch-tokens", type=int, metavar="N",
+                   help="translate: instead, batches of length-similar pairs of at most N padded "
+                   "tokens (pairs x max(source, target+1) widths)")  # fmt: skip
     g.add_argument("--lr", type=float)
     g.add_argument("--weight-decay", type=float)
     g.add_argument("--warmup-steps", type=int)

@@ -443,6 +443,69 @@ def epoch_batches(
     return batches[rank::world_size][:per_rank]
 
 
+def padded_width(pair: tuple[Sequence[int], Sequence[int]]) -> int:
+    """What one pair takes in a token-limited batch: the longer of its source and its target with
+    </s> (the widths a batch pads to)."""
+    return max(len(pair[0]), len(pair[1]) + 1)
+
+
+def token_batches(
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    max_tokens: int,
+    *,
+    seed: int,
+    epoch: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> list[list[int]]:
+    """The index lists of one epoch's batches for this rank, each of length-similar pairs holding
+    at most ``max_tokens`` padded tokens: pairs x max(longest source, longest target + 1).
+
+    The pairs are sorted by (target, source) length, pairs of equal lengths in a fresh seeded
+    order every epoch, cut greedily into batches, and the batch order shuffled (seeded). A pair
+    wider than ``max_tokens`` by itself gets a batch of its own (so none is dropped). The cuts
+    depend on the lengths only, so every epoch has the same number of batches (what the
+    learning-rate schedule and the progress bar count) while their contents change. Every rank
+    gets the same number of batches (the surplus of an uneven split is left out)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(len(pairs), generator=generator).tolist()
+    order.sort(key=lambda i: (len(pairs[i][1]), len(pairs[i][0])))  # stable: random among ties
+    batches: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for index in order:
+        grown = max(width, padded_width(pairs[index]))
+        if current and grown * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current, grown = [], padded_width(pairs[index])
+        current.append(index)
+        width = grown
+    if current:
+        batches.append(current)
+    shuffle = torch.randperm(len(batches), generator=generator).tolist()
+    batches = [batches[i] for i in shuffle]
+    per_rank = len(batches) // world_size if world_size > 1 else len(batches)
+    return batches[rank::world_size][:per_rank]
+
+
+def padding_fractions(
+    pairs: Sequence[tuple[Sequence[int], Sequence[int]]], batches: Sequence[Sequence[int]]
+) -> tuple[float, float]:
+    """-> (source, target) share of padding positions in these batches (target with </s>)."""
+    real = [0, 0]
+    padded = [0, 0]
+    for batch in batches:
+        src = [len(pairs[i][0]) for i in batch]
+        tgt = [len(pairs[i][1]) + 1 for i in batch]
+        for side, lengths in enumerate((src, tgt)):
+            real[side] += sum(lengths)
+            padded[side] += max(lengths) * len(lengths)
+    src_pad, tgt_pad = (1.0 - r / p if p else 0.0 for r, p in zip(real, padded, strict=True))
+    return src_pad, tgt_pad
+
+
 def chunks(items: Sequence, size: int) -> Iterator[Sequence]:
     for start in range(0, len(items), size):
         yield items[start : start + size]

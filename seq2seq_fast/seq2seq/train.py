@@ -9,7 +9,8 @@ line (``seq2seq-fast train``) is a thin wrapper around it. One job:
   showing loss and target tokens/s,
 - evaluates after every epoch and every ``eval_every`` steps (sequence/token accuracy for
   reverse, sacreBLEU for translate), keeping ``best.pt`` beside ``model.pt`` and stopping after
-  ``patience`` evaluations without a new best,
+  ``patience`` evaluations without a new best; the final test BLEU and heatmap are of best.pt's
+  model when there is one (model.pt stays the last state, for resuming),
 - writes ``model.pt`` atomically (model config, vocabularies, model/optimizer/scheduler state, RNG
   states, data position, epoch, step) and a heatmap ``attention.png`` of a held-out example.
 
@@ -25,6 +26,7 @@ The parts: ``build_task`` (vocabularies, batches, held-out data), ``build_model`
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import random
@@ -53,6 +55,8 @@ from seq2seq_fast.seq2seq.data import (
     TranslationData,
     epoch_batches,
     make_batch,
+    padding_fractions,
+    token_batches,
     vocab_from_state,
 )
 from seq2seq_fast.seq2seq.decoding import Hypothesis, decode  # noqa: F401 (re-exported)
@@ -95,6 +99,9 @@ class TrainConfig:
     epochs: int = 3
     steps_per_epoch: int = 200  # reverse only; translate runs over the training split
     batch_size: int = 64
+    # translate: batches of length-similar pairs of at most this many padded tokens
+    # (pairs x max(source, target + 1) widths) instead of batch_size pairs; None: batch_size
+    batch_tokens: int | None = None
     lr: float = 3e-3
     weight_decay: float = 0.01
     warmup_steps: int = 100
@@ -160,6 +167,11 @@ class TrainConfig:
         for name in ("epochs", "steps_per_epoch", "batch_size", "heldout_size"):
             if getattr(self, name) < 1:
                 raise TrainError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_tokens is not None:
+            if self.task != "translate":
+                raise TrainError("--batch-tokens is for --task translate")
+            if self.batch_tokens < 1:
+                raise TrainError(f"batch_tokens must be >= 1, got {self.batch_tokens}")
         if not 0.0 <= self.label_smoothing < 1.0:  # also rejects nan
             raise TrainError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if not (math.isfinite(self.clip_norm) and self.clip_norm >= 0):
@@ -184,6 +196,10 @@ class TrainResult:
     step: int = 0
     epoch: int = 0
     seconds: float = 0.0
+    # The checkpoint whose model the final metrics (test BLEU) and heatmap are of: best.pt when
+    # the run wrote one, else model.pt (the last state); and its step.
+    final_checkpoint: Path | None = None
+    final_step: int = 0
 
 
 # --- distributed ---------------------------------------------------------------------------------
@@ -337,6 +353,9 @@ class Task:
         """translate: this rank's batches (index lists) of one epoch; reverse: None."""
         if self.corpus is None:
             return None
+        if config.batch_tokens is not None:
+            return token_batches(self.corpus.train, config.batch_tokens, seed=config.seed,
+                                 epoch=epoch, rank=ctx.rank, world_size=ctx.world_size)  # fmt: skip
         return epoch_batches(self.corpus.train, config.batch_size, seed=config.seed, epoch=epoch,
                              rank=ctx.rank, world_size=ctx.world_size)  # fmt: skip
 
@@ -396,7 +415,14 @@ def build_task(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None) -
          "valid_data": config.valid_data, "test_data": config.test_data},
         corpus=corpus,
     )  # fmt: skip
-    task.steps_per_epoch = len(task.epoch_plan(config, 0, ctx))
+    plan = task.epoch_plan(config, 0, ctx)
+    task.steps_per_epoch = len(plan)
+    src_pad, tgt_pad = padding_fractions(corpus.train, plan)
+    how = (f"of at most {config.batch_tokens} padded tokens" if config.batch_tokens is not None
+           else f"of {config.batch_size} pairs")  # fmt: skip
+    _log(f"batches {how}: {len(plan)} per epoch and process, "
+         f"{sum(map(len, plan)) / max(1, len(plan)):.1f} pairs each on average, padding "
+         f"{src_pad:.1%} of source and {tgt_pad:.1%} of target positions", ctx)  # fmt: skip
     return task
 
 
@@ -566,18 +592,19 @@ def save_job(job: Job, path: Path | None = None) -> None:
         dist.barrier()
 
 
-def evaluate(job: Job, final: bool = False) -> dict[str, float]:
+def evaluate(job: Job, final: bool = False, model: Seq2Seq | None = None) -> dict[str, float]:
     """reverse: held-out accuracies; translate: valid BLEU (``eval_size`` pairs, greedy), or with
-    ``final`` the test BLEU (beam ``eval_beam``)."""
+    ``final`` the test BLEU (beam ``eval_beam``). Of ``model``, default the job's (last) model."""
     config, task, device = job.config, job.task, job.ctx.device
+    model = job.model if model is None else model
     if task.reverse is not None:
-        return reverse_accuracy(job.model, task.heldout, device)
+        return reverse_accuracy(model, task.heldout, device)
     if final:
         if not task.corpus.test:  # official splits without a test file
             return {}
-        return {"test_bleu": bleu_score(job.model, task.corpus.test, task.src_vocab,
+        return {"test_bleu": bleu_score(model, task.corpus.test, task.src_vocab,
                                         task.tgt_vocab, device, beam=config.eval_beam)}  # fmt: skip
-    return {"valid_bleu": bleu_score(job.model, task.corpus.valid[: config.eval_size],
+    return {"valid_bleu": bleu_score(model, task.corpus.valid[: config.eval_size],
                                      task.src_vocab, task.tgt_vocab, device)}  # fmt: skip
 
 
@@ -624,6 +651,9 @@ def run_epoch(job: Job) -> bool:
     config, ctx, task = job.config, job.ctx, job.task
     compiled = config.backend == "compile"
     plan = task.epoch_plan(config, job.epoch, ctx)
+    if plan is not None and len(plan) != task.steps_per_epoch:  # the schedule counted them once
+        raise TrainError(f"epoch {job.epoch + 1} has {len(plan)} batches, the first had "
+                         f"{task.steps_per_epoch}")  # fmt: skip
     job.model.train()
     bar = tqdm(
         total=task.steps_per_epoch,
@@ -794,32 +824,65 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
     return finish(job, payload, stopped_early)
 
 
+@dataclass
+class FinalModel:
+    """The model the final evaluation and heatmap use: best.pt's weights when this run wrote one
+    (best validation score), else the last state. ``payload`` is best.pt's content, if used."""
+
+    model: Seq2Seq
+    name: str  # "best.pt" or "model.pt"
+    step: int
+    payload: dict[str, Any] | None = None
+
+    def __str__(self) -> str:
+        return f"{self.name}, step {self.step}"
+
+
+def final_model(job: Job) -> FinalModel:
+    """best.pt when it belongs to this run (its best score is the job's: not a stale file of an
+    earlier run in the same folder), loaded into a copy of the model; else the last model."""
+    path = job.checkpoint_path.with_name("best.pt")
+    last = FinalModel(job.model, job.checkpoint_path.name, job.step)
+    if job.best_score is None or not path.exists():
+        return last
+    payload = load_checkpoint(path)
+    if payload.get("best", {}).get("score") != job.best_score:
+        _log(f"{path} holds another run's best (score {payload.get('best', {}).get('score')}, "
+             f"this run's {job.best_score}): evaluating the last model", job.ctx)  # fmt: skip
+        return last
+    model = job.model
+    if payload["step"] != job.step:  # a copy: job.model stays the last state (model.pt)
+        model = copy.deepcopy(job.model)
+        model.load_state_dict(payload["model"])
+    return FinalModel(model, path.name, payload["step"], payload)
+
+
 def finish(job: Job, payload: dict[str, Any] | None, stopped_early: bool) -> TrainResult:
-    """Final evaluation (test BLEU for translate), the heatmap, the final metrics into the
-    checkpoint, the closing log lines."""
+    """Final evaluation (test BLEU for translate) and heatmap of the best model (best.pt, else
+    the last), its metrics into the checkpoints (model.pt and the best.pt used), the closing log
+    lines."""
     config, ctx = job.config, job.ctx
     heatmap_path = None
+    final = final_model(job) if ctx.is_main else None
     if ctx.is_main:
-        if config.task == "translate":
-            job.metrics.update(evaluate(job, final=True))
-        elif not job.metrics or stopped_early:
+        if final.payload is not None:  # its own validation metrics, then its test BLEU
+            job.metrics = {k: v for k, v in final.payload["metrics"].items() if k != "test_bleu"}
+        elif config.task == "reverse" and (not job.metrics or stopped_early):
             job.metrics = evaluate(job)
+        if config.task == "translate":
+            job.metrics.update(evaluate(job, final=True, model=final.model))
         if config.heatmap:
             from seq2seq_fast.seq2seq.plot import plot_translation
 
             heatmap_path = config.out_dir / "attention.png"
-            plot_translation(job.model, job.task.src_vocab, job.task.tgt_vocab,
+            plot_translation(final.model, job.task.src_vocab, job.task.tgt_vocab,
                              job.task.example(), heatmap_path, device=ctx.device)  # fmt: skip
+        _record_final(job, final, payload)
     if ctx.enabled:
         dist.barrier()
-    # The final metrics (test BLEU) go into the checkpoint too.
-    if ctx.is_main and (job.metrics != (payload or {}).get("metrics")):
-        final = load_checkpoint(job.checkpoint_path)
-        final["metrics"] = job.metrics
-        save_checkpoint(final, job.checkpoint_path)
     seconds = time.perf_counter() - job.clock.started
     if ctx.is_main:
-        _log(f"{describe(job.metrics)}", ctx)
+        _log(f"{describe(job.metrics)} ({final})", ctx)
         if config.task == "translate":
             _log(f"BLEU: sacreBLEU {bleu_signature()}", ctx)
         _log(f"checkpoint: {job.checkpoint_path}", ctx)
@@ -827,5 +890,21 @@ def finish(job: Job, payload: dict[str, Any] | None, stopped_early: bool) -> Tra
             _log(f"attention heatmap: {heatmap_path}", ctx)
         _log(f"trained {job.step} steps in {seconds:.0f}s", ctx)
     return TrainResult(
-        job.checkpoint_path, heatmap_path, job.metrics, job.losses, job.step, job.epoch, seconds
-    )
+        job.checkpoint_path, heatmap_path, job.metrics, job.losses, job.step, job.epoch, seconds,
+        final_checkpoint=job.checkpoint_path.with_name(final.name) if final else None,
+        final_step=final.step if final else job.step,
+    )  # fmt: skip
+
+
+def _record_final(job: Job, final: FinalModel, payload: dict[str, Any] | None) -> None:
+    """The final metrics, and which checkpoint they are of, into model.pt (the last state, as
+    before) and into best.pt when it was the evaluated model."""
+    source = {"checkpoint": final.name, "step": final.step}
+    saved = payload or {}
+    if job.metrics != saved.get("metrics") or source != saved.get("final"):
+        last = load_checkpoint(job.checkpoint_path)
+        last["metrics"], last["final"] = job.metrics, source
+        save_checkpoint(last, job.checkpoint_path)
+    if final.payload is not None and final.payload["metrics"] != job.metrics:
+        final.payload["metrics"] = job.metrics
+        save_checkpoint(final.payload, job.checkpoint_path.with_name(final.name))
