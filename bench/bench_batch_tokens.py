@@ -86,12 +86,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0, help="split, vocabularies, init, batches")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     base = TrainConfig(**TASK_DEFAULTS["translate"] | {
         "task": "translate", "data": args.data, "max_pairs": args.max_pairs,
         "direction": args.direction, "spm_vocab_size": args.spm_vocab_size,
-        "batch_size": args.batch_size, "progress": False, "heatmap": False,
+        "batch_size": args.batch_size, "seed": args.seed, "progress": False, "heatmap": False,
     })  # fmt: skip
     ctx = Dist()
     task = build_task(base, ctx, None)
