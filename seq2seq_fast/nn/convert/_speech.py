@@ -10,11 +10,18 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import child_names, own_parameter_names
-from seq2seq_fast.ops.additive_attention import traced_or_transformed
+from seq2seq_fast.ops.additive_attention import (
+    CPU_KERNEL_ERROR,
+    check_inputs,
+    fused_unavailable_reason,
+    guard_double_backward,
+    traced_or_transformed,
+)
 
 # Attributes every nn.Module has; everything else in an original's __dict__ is its own state.
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
@@ -118,6 +125,91 @@ def valid_from_padding(padding: Tensor | None) -> Tensor | None:
     return padding == 0 if padding.dtype != torch.bool else ~padding
 
 
+def _nothing() -> None:
+    return None
+
+
+class _Derived:
+    """A value made from some tensors, with what it was made from (see :func:`derived`). Not
+    carried by deep copies and pickles of its module (its graph is one forward pass's)."""
+
+    __slots__ = ("key", "value")
+
+    def __init__(self, key: tuple, value: object) -> None:
+        self.key, self.value = key, value
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self):
+        return (_nothing, ())
+
+
+def derived(owner: nn.Module, name: str, tensors: tuple, compute):
+    """``compute()``, kept in ``owner.<name>`` and reused while the same ``tensors`` (the same
+    objects at the same versions) come in the same grad mode: a value an utterance's steps share
+    (e.g. the fixed part of location-aware keys)."""
+    key = (torch.is_grad_enabled(), *((t, t._version) for t in tensors))
+    cached = getattr(owner, name, None)
+    if (
+        isinstance(cached, _Derived)
+        and len(cached.key) == len(key)
+        and cached.key[0] == key[0]
+        and all(a[0] is b[0] and a[1] == b[1] for a, b in zip(cached.key[1:], key[1:], strict=True))
+    ):
+        return cached.value
+    value = compute()
+    setattr(owner, name, _Derived(key, value))
+    return value
+
+
+# --- location-aware keys -------------------------------------------------------------------------
+
+
+def location_keys(
+    projected: Tensor, features: Tensor, conv_weight: Tensor, dense_weight: Tensor
+) -> Tensor:
+    """A location-aware step's keys: ``projected + dense(conv(features))``.
+
+    projected [B, T, A] (the projected memory, plus the dense layer's bias where it has one);
+    features [B, Cin, T] (previous / cumulative weights); conv_weight [C, Cin, K] (a Conv1d's) or
+    [C, 1, 1, K] (ESPnet's Conv2d over [B, 1, 1, T]): bias-free, stride 1, zero padding K // 2,
+    odd K; dense_weight [A, C] (a bias-free Linear's). Returns [B, T, A] in projected's dtype.
+
+    The same sums as the original's conv, transpose, Linear and add, in another order: the
+    convolution is taken by PyTorch's conv1d, and the dense layer's product is added into the
+    projected memory by one ``addmm`` (no [B, T, A] location term written, then read for the sum).
+    """
+    batch, frames, width = projected.shape
+    weight = conv_weight.reshape(conv_weight.shape[0], -1, conv_weight.shape[-1])
+    conv = F.conv1d(features, weight, padding=weight.shape[-1] // 2)  # [B, C, T]
+    conv = conv.transpose(1, 2).reshape(batch * frames, weight.shape[0])
+    keys = torch.addmm(projected.reshape(batch * frames, width), conv, dense_weight.t())
+    return keys.view(batch, frames, width)
+
+
+def prefix_lengths(valid: Tensor | None) -> Tensor | None:
+    """int64 [B]: each row's number of valid frames when they are a prefix of the row (a padding
+    mask, True = valid), else None. The fused op then scores only those frames."""
+    if valid is None or valid.dim() != 2 or valid.dtype != torch.bool:
+        return None
+    lengths = valid.sum(1)
+    prefix = torch.arange(valid.shape[1], device=valid.device) < lengths.unsqueeze(1)
+    return lengths if torch.equal(prefix, valid) else None
+
+
+def masking(valid: Tensor | None) -> dict[str, Tensor | None]:
+    """``attend``'s keyword for a bool [B, T] mask (True = valid) on the CPU: ``lengths`` for a
+    padding mask (the fused op then skips the padded frames instead of scoring and dropping
+    them; the one difference: a non-finite value in the padding does not reach the context),
+    else ``mask``."""
+    if valid is not None and valid.device.type == "cpu" and not traced_or_transformed():
+        lengths = prefix_lengths(valid)  # (reads the mask: not while tracing)
+        if lengths is not None:
+            return {"lengths": lengths}
+    return {"mask": valid}
+
+
 # --- values read by many steps, their gradient gathered once --------------------------------------
 
 
@@ -156,28 +248,62 @@ class _GatheredContext(torch.autograd.Function):
         return grad_weights, None, None
 
 
-def _nothing() -> None:
-    return None
+class _GatheredStep(torch.autograd.Function):
+    """One step through the fused CPU op: query [B, 1, A] against its own keys [B, T, A] and the
+    gatherer's values [B, T, Dv]. The backward (the accumulating kernel, into a zeroed buffer)
+    returns the query's, keys', v's and bias's gradients and forms no dvalues: it leaves
+    (weights, grad_context) to the gatherer."""
+
+    @staticmethod
+    def forward(ctx, query, keys, values, v, bias, lengths, mask, gatherer: GatheredValues):
+        context, weights, _ = torch.ops.seq2seq_fast.additive_attention_fwd(
+            query, keys, values, v, bias, lengths, mask, True
+        )
+        ctx.save_for_backward(query, keys, values, v, bias, lengths, mask, weights)
+        ctx.gatherer = gatherer
+        ctx.set_materialize_grads(False)
+        return context, weights
+
+    @staticmethod
+    def backward(ctx, grad_context, grad_weights):
+        query, keys, values, v, bias, lengths, mask, weights = ctx.saved_tensors
+        if grad_context is None:
+            grad_context = query.new_zeros((*query.shape[:2], values.shape[2]))
+        else:
+            grad_context = grad_context.contiguous()
+            ctx.gatherer._record(weights[:, 0], grad_context[:, 0])
+        # bfloat16 keys: their gradient summed in float32 (the op accepts it), rounded once
+        acc = torch.float32 if keys.dtype == torch.bfloat16 else keys.dtype
+        grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
+        grad_query, grad_v, grad_bias = torch.ops.seq2seq_fast._additive_attention_bwd_accumulate(
+            grad_context, None if grad_weights is None else grad_weights.contiguous(),
+            query, keys, values, v, bias, lengths, mask, weights, grad_keys,
+        )  # fmt: skip
+        grad_keys = grad_keys.to(keys.dtype) if ctx.needs_input_grad[1] else None
+        return guard_double_backward(
+            (grad_query, grad_keys, None, grad_v, grad_bias, None, None, None)
+        )
 
 
 class GatheredValues:
-    """Values [B, T, Dv] that every decoder step reads through weights @ values, for training:
-    each step's backward returns only the weights' gradient and keeps (weights, grad_context),
-    O(B * (T + Dv)); the values' gradient of all the steps is one batched product when the
-    backward reaches the values, instead of a [B, T, Dv] outer product written and summed per
-    step. For layouts whose keys change every step (location-aware attention), so that
-    :class:`~seq2seq_fast.nn.stepwise.StepwiseMemory` (fixed keys and values) does not apply.
+    """Values [B, T, Dv] that every decoder step reads, for training: each step's backward forms
+    no values' gradient and keeps (weights, grad_context), O(B * (T + Dv)); the values' gradient
+    of all the steps is one batched product when the backward reaches the values, instead of a
+    [B, T, Dv] tensor written and summed per step. For layouts whose keys change every step
+    (location-aware attention), so that :class:`~seq2seq_fast.nn.stepwise.StepwiseMemory` (fixed
+    keys and values) does not apply.
 
-    Use :meth:`for_training` (None where it does not apply), then ``context(weights)`` per step.
-    A backward that reaches the values spends it (:attr:`spent`): make a new one for the next
-    forward pass. Each backward's records are kept apart by its graph task.
+    Use :meth:`for_training` (None where it does not apply), then ``attend(...)`` per step. On the
+    fused CPU kernel a step is one op forward and one accumulating backward (no dvalues); elsewhere
+    the op forms only the weights (over a one-column placeholder) and ``context(weights)`` the
+    context. A backward that reaches the values spends it (:attr:`spent`): make a new one for the
+    next forward pass. Each backward's records are kept apart by its graph task.
     """
 
     def __init__(self, values: Tensor) -> None:
         self.source = values
         self.values = _ValuesNode.apply(values, self)
-        # the fused op's values argument: one column nobody reads, no gradient
-        self.placeholder = values.detach().new_zeros(values.shape[0], values.shape[1], 1)
+        self._placeholder: Tensor | None = None
         self.spent = False
         self._task: int | None = None
         self._weights: list[Tensor] = []
@@ -196,6 +322,32 @@ class GatheredValues:
         if values.dim() != 3 or min(values.shape) == 0:
             return None
         return cls(values)
+
+    @property
+    def placeholder(self) -> Tensor:
+        """The op's values argument where it forms only the weights: one column nobody reads."""
+        if self._placeholder is None:
+            source = self.source.detach()
+            self._placeholder = source.new_zeros(source.shape[0], source.shape[1], 1)
+        return self._placeholder
+
+    def attend(
+        self, backend: str, query: Tensor, keys: Tensor, v: Tensor, mask: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """One step: query [B, A], keys [B, T, A], v [A], mask bool [B, T] (True = valid) or None
+        -> (context [B, Dv], weights [B, T]) over these values."""
+        if backend != "reference" and _step_kernel_serves(query, keys):
+            checked = check_inputs(query, keys, self.values, v, None, None, mask)
+            query3, keys, values, v, _, _, mask, _ = checked
+            lengths = prefix_lengths(mask)
+            mask = None if lengths is not None else mask
+            bias = query3.new_zeros(query3.shape[-1])
+            context, weights = _GatheredStep.apply(
+                query3, keys, values, v, bias, lengths, mask, self
+            )
+            return context.squeeze(1), weights.squeeze(1)
+        _, weights = attend(backend, query, keys, self.placeholder, v, mask=mask)
+        return self.context(weights), weights
 
     def context(self, weights: Tensor) -> Tensor:
         """[B, T] weights -> [B, Dv] context over these values."""
@@ -219,6 +371,17 @@ class GatheredValues:
         return torch.bmm(weights.transpose(1, 2), grads)
 
 
+def _step_kernel_serves(query: Tensor, keys: Tensor) -> bool:
+    """The fused CPU kernel (with its accumulating backward) serves this step's tensors."""
+    return (
+        CPU_KERNEL_ERROR is None
+        and keys.device.type == "cpu"
+        and query.dim() == 2
+        and fused_unavailable_reason(keys.device, keys.dtype) is None
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
 def attend_gathered(
     owner: nn.Module,
     backend: str,
@@ -229,15 +392,13 @@ def attend_gathered(
     mask: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """``attend(backend, query [B, A], keys [B, T, A], values [B, T, Dv], v, mask=mask)`` for a
-    decoder step whose keys change every step but whose values do not: when training, the
-    context is formed over ``owner``'s :class:`GatheredValues` for these values (made on the first
-    step that sees them, kept in ``owner._gathered``) and the fused op forms only the weights.
-    Returns (context [B, Dv], weights [B, T])."""
+    decoder step whose keys change every step but whose values do not: when training, through
+    ``owner``'s :class:`GatheredValues` for these values (made on the first step that sees them,
+    kept in ``owner._gathered``). Returns (context [B, Dv], weights [B, T])."""
     gathered = getattr(owner, "_gathered", None)
     if gathered is None or gathered.source is not values or gathered.spent:
         gathered = GatheredValues.for_training(values)
         owner._gathered = gathered
     if gathered is None or query.dim() != 2:
-        return attend(backend, query, keys, values, v, mask=mask)
-    _, weights = attend(backend, query, keys, gathered.placeholder, v, mask=mask)
-    return gathered.context(weights), weights
+        return attend(backend, query, keys, values, v, **masking(mask))
+    return gathered.attend(backend, query, keys, v, mask)

@@ -30,7 +30,7 @@ from seq2seq_fast.nn.convert._base import (
     own_parameter_names,
     register,
 )
-from seq2seq_fast.nn.convert._speech import adopt
+from seq2seq_fast.nn.convert._speech import adopt, masking
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepwiseMemory
 
@@ -74,7 +74,7 @@ class FusedAllenNLPAdditiveAttention(FusedStandIn):
         )
         _, weights = attend(
             self.backend, vector.matmul(self._w_matrix), keys, values, self._v_vector[:, 0],
-            mask=matrix_mask, stepwise=memory,
+            stepwise=memory, **masking(matrix_mask),
         )  # fmt: skip
         return weights
 

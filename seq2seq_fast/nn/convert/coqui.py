@@ -41,9 +41,11 @@ from seq2seq_fast.nn.convert._base import (
 from seq2seq_fast.nn.convert._speech import (
     adopt,
     attend_gathered,
+    conv1d_of,
     is_location_layer,
     is_score_layer,
     linear_of,
+    location_keys,
 )
 
 
@@ -93,7 +95,13 @@ class FusedCoquiOriginalAttention(FusedStandIn):
                 (self.attention_weights.unsqueeze(1), self.attention_weights_cum.unsqueeze(1)),
                 dim=1,
             )
-            keys = keys + self.location_layer(previous)
+            location = self.location_layer  # keys + location_layer(previous)
+            keys = location_keys(
+                keys,
+                previous,
+                conv1d_of(location.location_conv1d).weight,
+                linear_of(location.location_dense).weight,
+            )
         v = linear_of(self.v).weight[0]
         context, alignment = attend_gathered(
             self, self.backend, self.query_layer(query), keys, inputs, v, mask

@@ -39,7 +39,14 @@ from seq2seq_fast.nn.convert._base import (
     own_parameter_names,
     register,
 )
-from seq2seq_fast.nn.convert._speech import adopt, attend_gathered, same_padding_conv, scaled
+from seq2seq_fast.nn.convert._speech import (
+    adopt,
+    attend_gathered,
+    location_keys,
+    masking,
+    same_padding_conv,
+    scaled,
+)
 from seq2seq_fast.nn.stepwise import StepwiseMemory
 
 
@@ -101,7 +108,9 @@ class FusedEspnetAttAdd(FusedStandIn):
         if not self.gather_steps:  # AttLoc: fixed values, new keys every step
             return attend_gathered(self, self.backend, query, keys, self.enc_h, v_eff, valid)
         stepwise = getattr(self, "_stepwise", None)
-        return attend(self.backend, query, keys, self.enc_h, v_eff, mask=valid, stepwise=stepwise)
+        return attend(
+            self.backend, query, keys, self.enc_h, v_eff, stepwise=stepwise, **masking(valid)
+        )
 
     def forward(
         self, enc_hs_pad: Tensor, enc_hs_len, dec_z: Tensor | None, att_prev, scaling=2.0
@@ -136,8 +145,12 @@ class FusedEspnetAttLoc(FusedEspnetAttAdd):
         if att_prev is None:  # uniform over the valid frames
             frames = (~_padding_mask(enc_hs_len, query.device)).to(query.dtype)
             att_prev = frames / frames.new_tensor(enc_hs_len).unsqueeze(-1)
-        conv = self.loc_conv(att_prev.view(batch, 1, 1, self.h_length))  # [B, C, 1, T]
-        keys = self.pre_compute_enc_h + self.mlp_att(conv.squeeze(2).transpose(1, 2))
+        keys = location_keys(  # pre_compute_enc_h + mlp_att(loc_conv(att_prev))
+            self.pre_compute_enc_h,
+            att_prev.view(batch, 1, self.h_length),
+            self.loc_conv.weight,
+            self.mlp_att.weight,
+        )
         valid = self._valid(enc_hs_len, enc_hs_pad.device)
         if last_attended_idx is not None:
             valid = _window(valid, last_attended_idx, backward_window, forward_window)

@@ -50,6 +50,8 @@ from seq2seq_fast.nn.convert._speech import (
     adopt,
     attend_gathered,
     is_finite_number,
+    location_keys,
+    masking,
     same_padding_conv,
     scaled,
     valid_from_padding,
@@ -84,7 +86,8 @@ class FusedFairseqLocationAttention(FusedStandIn):
         bsz = encoder_out.size(0)
         if self.proj_enc_out is None:
             self.proj_enc_out = self.proj_enc(encoder_out)
-        keys = self.proj_enc_out + self.proj_attn(self.conv(attn_state).transpose(1, 2))
+        # proj_enc_out + proj_attn(conv(attn_state))
+        keys = location_keys(self.proj_enc_out, attn_state, self.conv.weight, self.proj_attn.weight)
         if decoder_h is None:
             decoder_h = encoder_out.new_zeros(bsz, self.decoder_dim)
         v_eff = scaled(self.proj_out[1].weight[0], self.scaling)
@@ -177,7 +180,7 @@ class FusedFairseqMLPAttention(FusedStandIn):
         valid = None if encoder_padding_mask is None else ~encoder_padding_mask.t()
         context, weights = attend(
             self.backend, self.decoder_proj(decoder_state), keys, values,
-            self.to_scores.weight[0], mask=valid, stepwise=memory,
+            self.to_scores.weight[0], stepwise=memory, **masking(valid),
         )  # fmt: skip
         return context, weights.t()
 

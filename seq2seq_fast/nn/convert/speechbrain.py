@@ -42,7 +42,10 @@ from seq2seq_fast.nn.convert._base import (
 from seq2seq_fast.nn.convert._speech import (
     adopt,
     attend_gathered,
+    derived,
     is_finite_number,
+    location_keys,
+    masking,
     same_padding_conv,
     scaled,
 )
@@ -104,7 +107,8 @@ class FusedContentBasedAttention(FusedStandIn):
             memory = self._stepwise[0]  # the step attends to the memory's aliases
             enc_states = memory.values
         context, weights = attend(
-            self.backend, query, keys, enc_states, v_eff, mask=self.mask != 0, stepwise=memory,
+            self.backend, query, keys, enc_states, v_eff, stepwise=memory,
+            **masking(self.mask != 0),
         )  # fmt: skip
         return self.mlp_out(context), weights
 
@@ -125,14 +129,23 @@ class FusedLocationAwareAttention(FusedContentBasedAttention):
     def reset(self) -> None:
         super().reset()
         self.prev_attn = None
+        self._keys_base = None
+
+    def _base(self) -> Tensor:
+        """precomputed_enc_h + mlp_loc.bias, made once per utterance (the location term's
+        bias added to the fixed part of the keys, not to every step's)."""
+        memory, bias = self.precomputed_enc_h, self.mlp_loc.bias
+        return derived(self, "_keys_base", (memory, bias), lambda: memory + bias)
 
     def forward(
         self, enc_states: Tensor, enc_len: Tensor, dec_states: Tensor
     ) -> tuple[Tensor, Tensor]:
         if self._first_step(enc_states, enc_len):
             self.prev_attn = self.mask * (1 / enc_len.float()).unsqueeze(1)
-        location = self.mlp_loc(self.conv_loc(self.prev_attn.unsqueeze(1)).transpose(1, 2))
-        output, weights = self._finish(dec_states, self.precomputed_enc_h + location, enc_states)
+        keys = location_keys(  # precomputed_enc_h + mlp_loc(conv_loc(prev_attn))
+            self._base(), self.prev_attn.unsqueeze(1), self.conv_loc.weight, self.mlp_loc.weight
+        )
+        output, weights = self._finish(dec_states, keys, enc_states)
         self.prev_attn = weights.detach()
         return output, weights
 

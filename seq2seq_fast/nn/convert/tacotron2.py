@@ -40,9 +40,11 @@ from seq2seq_fast.nn.convert._base import (
 from seq2seq_fast.nn.convert._speech import (
     adopt,
     attend_gathered,
+    conv1d_of,
     is_location_layer,
     is_score_layer,
     linear_of,
+    location_keys,
     valid_from_padding,
 )
 
@@ -68,7 +70,13 @@ class FusedTacotron2Attention(FusedStandIn):
         mask: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
         query = self.query_layer(attention_hidden_state)  # [B, A]
-        keys = processed_memory + self.location_layer(attention_weights_cat)
+        location = self.location_layer  # processed_memory + location_layer(weights_cat)
+        keys = location_keys(
+            processed_memory,
+            attention_weights_cat,
+            conv1d_of(location.location_conv).weight,
+            linear_of(location.location_dense).weight,
+        )
         v = linear_of(self.v).weight[0]
         return attend_gathered(self, self.backend, query, keys, memory, v, valid_from_padding(mask))
 
