@@ -129,3 +129,22 @@ def test_a_stale_best_checkpoint_is_not_used(tmp_path, capsys):
     result = train(TrainConfig(**TINY, out=str(tmp_path), stop_after_steps=5))
     assert (result.final_checkpoint.name, result.final_step) == ("model.pt", 5)
     assert "(model.pt, step 5)" in capsys.readouterr().out
+
+
+def test_a_time_budget_spent_between_evaluations_scores_the_last_model(tmp_path, monkeypatch):
+    """Evaluations every 5 steps, the budget spent at step 7: the last model is scored too, and
+    being the best (scores rise with the step here) it, not step 5's best.pt, is the final one."""
+    ticks = iter(range(1000))
+    monkeypatch.setattr(train_module, "_synced_elapsed", lambda started, ctx: 10.0 * next(ticks))
+    monkeypatch.setattr(
+        train_module,
+        "evaluate",
+        lambda job, final=False, model=None: {"seq_acc": job.step / 100, "tok_acc": 1.0},
+    )
+    config = TrainConfig(**TINY | {"epochs": 3}, out=str(tmp_path), eval_every=5,
+                         time_budget_min=1.0)  # fmt: skip
+    result = train(config)
+    assert result.step == 7  # elapsed 0, 10, ..., 60 s after steps 1..7
+    assert (result.final_checkpoint.name, result.final_step) == ("best.pt", 7)
+    assert load_checkpoint(tmp_path / "best.pt")["step"] == 7
+    assert result.metrics["seq_acc"] == 0.07

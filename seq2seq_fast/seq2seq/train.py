@@ -531,6 +531,7 @@ class Job:
     losses: list[float] = field(default_factory=list)
     best_score: float | None = None  # the best evaluation so far (what best.pt holds)
     evals_since_best: int = 0
+    scored_step: int | None = None  # the step whose model track_best scored last
 
     @property
     def checkpoint_path(self) -> Path:
@@ -704,6 +705,7 @@ def track_best(job: Job) -> bool:
     """After an evaluation: write best.pt when it beats the best so far; -> True when
     ``patience`` evaluations in a row brought nothing better (early stop). Rank 0's metrics
     decide, for every rank."""
+    job.scored_step = job.step
     score = _score(job.metrics) if job.ctx.is_main else None
     if job.ctx.enabled:
         box = [score]
@@ -820,6 +822,11 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
                 ctx,
             )
             stopped_early = track_best(job) or stopped_early
+        save_job(job)
+    if job.clock.expired and job.best_score is not None and job.scored_step != job.step:
+        # The budget ran out between evaluations: score the last model too, or the final
+        # evaluation would take an older best.pt over a better, never scored, last state.
+        _evaluate_now(job)
         save_job(job)
     return finish(job, payload, stopped_early)
 
