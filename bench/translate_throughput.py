@@ -61,8 +61,10 @@ def run_command(args: argparse.Namespace, source: Path, output: Path, **options)
     seconds (its closing line: after start-up and loading), sentences and output tokens."""
     command = [sys.executable, "-m", "seq2seq_fast", "translate", "--checkpoint", args.checkpoint,
                "--input", str(source), "--output", str(output), "--no-progress",
-               "--device", args.device,
-               "--batch-size", str(options.get("batch_size", args.batch_size))]  # fmt: skip
+               "--device", args.device]  # fmt: skip
+    batch_size = options.get("batch_size", args.batch_size)
+    if batch_size is not None:  # else the command's default (~320 decoder rows)
+        command += ["--batch-size", str(batch_size)]
     for name in ("beam", "threads", "backend"):
         command += [f"--{name}", str(options[name])]
     cpu_before = _children_cpu_seconds()
@@ -171,7 +173,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", default="1,2", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--beams", default="1,5", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--backends", default="fused,reference", type=lambda s: s.split(","))
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, help="default: the command's (320 // beam)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--check-exact", action="store_true")
@@ -204,7 +206,7 @@ def main(argv=None) -> None:
     result["input"] = {"sentences": len(words), "mean_words": statistics.mean(words)}
     print(format_machine(info))
     print(f"- input: {len(words)} sentences, {statistics.mean(words):.1f} words on average; "
-          f"batch size {args.batch_size}; start-up alone (empty input): "
+          f"batch size {args.batch_size or 'the default, 320 // beam'}; start-up alone (empty input): "
           f"{statistics.median(result['startup_s']):.2f} s")  # fmt: skip
     print(table(result))
     for name, value in result["ratios"].items():

@@ -154,6 +154,14 @@ def test_translator_keeps_order_and_flags_empty_and_long_lines(beam):
             assert x.tokens == y.tokens and abs(x.score - y.score) <= 1e-6
 
 
+@pytest.mark.parametrize(("beam", "sentences"), [(1, 320), (5, 64), (400, 1)])
+def test_default_batches_hold_about_320_decoder_rows(beam, sentences):
+    model, vocab = _model()
+    translator = Translator(model, vocab, vocab, options=DecodeOptions(beam=beam))
+    results = translator.encode(["a b"] * 700)
+    assert max(len(batch) for batch in translator.batches(results)) == sentences
+
+
 def test_translator_batches_respect_both_limits():
     model, vocab = _model()
     translator = Translator(model, vocab, vocab, batch_size=4, max_tokens=10)

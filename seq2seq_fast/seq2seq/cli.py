@@ -181,7 +181,8 @@ def _add_translate(sub) -> None:
     add("-o", "--output", help="write translations here (default: stdout)")
     add("--n-best", type=_positive_int,
         help="write the N best hypotheses per line as text<TAB>score (N lines per input)")  # fmt: skip
-    add("--batch-size", type=_positive_int, default=64, help="sentences per batch (default 64)")
+    add("--batch-size", type=_positive_int,
+        help="sentences per batch (default: 320 // beam, i.e. ~320 decoder rows)")  # fmt: skip
     add("--max-tokens", type=_positive_int,
         help="also at most this many source tokens (padding included) per batch")  # fmt: skip
     add("--max-source-tokens", type=_positive_int, default=256,
