@@ -498,3 +498,26 @@ def test_converted_stateless_layout_copies_and_saves_after_a_step():
     torch.save(fused, buffer)
     assert list(copied.state_dict()) == list(fused.state_dict())
     sum(o.sum() for o in outs).backward()  # the original graph still works
+
+
+@requires_cpu_kernel
+@pytest.mark.parametrize("name", ["tacotron2_torchaudio", "fairseq_location"])
+def test_location_steps_two_passes_over_one_memory_then_one_backward(name):
+    """Two decoding passes share one memory (and, for Tacotron 2, one processed memory) before a
+    single backward: the gradients gathered by the fused steps equal the original's."""
+    case = CASES[name]
+    plain, fused = _pair(case, torch.float64)
+    grads = []
+    for model in (plain, fused):
+        gen = torch.Generator().manual_seed(11)
+        attn = model["attn"]
+        inputs: list[Tensor] = []
+        outs = case.drive(attn, torch.float64, gen, inputs)
+        outs += case.drive(attn, torch.float64, torch.Generator().manual_seed(11), inputs)
+        loss = sum((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() for o in outs)
+        leaves = [*model.parameters(), *inputs]
+        found = torch.autograd.grad(loss, leaves, allow_unused=True)  # None: a bias that cancels
+        pairs = zip(leaves, found, strict=True)
+        grads.append([torch.zeros_like(t) if g is None else g for t, g in pairs])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-9)

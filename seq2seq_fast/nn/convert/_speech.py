@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seq2seq_fast.nn.attention import attend
@@ -163,29 +162,7 @@ def derived(owner: nn.Module, name: str, tensors: tuple, compute):
     return value
 
 
-# --- location-aware keys -------------------------------------------------------------------------
-
-
-def location_keys(
-    projected: Tensor, features: Tensor, conv_weight: Tensor, dense_weight: Tensor
-) -> Tensor:
-    """A location-aware step's keys: ``projected + dense(conv(features))``.
-
-    projected [B, T, A] (the projected memory, plus the dense layer's bias where it has one);
-    features [B, Cin, T] (previous / cumulative weights); conv_weight [C, Cin, K] (a Conv1d's) or
-    [C, 1, 1, K] (ESPnet's Conv2d over [B, 1, 1, T]): bias-free, stride 1, zero padding K // 2,
-    odd K; dense_weight [A, C] (a bias-free Linear's). Returns [B, T, A] in projected's dtype.
-
-    The same sums as the original's conv, transpose, Linear and add, in another order: the
-    convolution is taken by PyTorch's conv1d, and the dense layer's product is added into the
-    projected memory by one ``addmm`` (no [B, T, A] location term written, then read for the sum).
-    """
-    batch, frames, width = projected.shape
-    weight = conv_weight.reshape(conv_weight.shape[0], -1, conv_weight.shape[-1])
-    conv = F.conv1d(features, weight, padding=weight.shape[-1] // 2)  # [B, C, T]
-    conv = conv.transpose(1, 2).reshape(batch * frames, weight.shape[0])
-    keys = torch.addmm(projected.reshape(batch * frames, width), conv, dense_weight.t())
-    return keys.view(batch, frames, width)
+# --- masks ----------------------------------------------------------------------------------------
 
 
 def prefix_lengths(valid: Tensor | None) -> Tensor | None:

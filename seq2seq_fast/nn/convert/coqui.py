@@ -20,9 +20,11 @@ Original math and call (batch-first)::
 
 Converted only with ``norm="softmax"``, no forward attention and no windowing; the others are
 skipped with the reason (:func:`_unsupported`). ``v``'s bias cancels in the softmax. One difference:
-a row with no valid frame gives NaN there and zeros here. When training, the step's context is
-formed over the values through :class:`~seq2seq_fast.nn.convert._speech.GatheredValues` (their
-gradient gathered once per sequence; the keys change every step, so StepwiseMemory does not apply).
+a row with no valid frame gives NaN there and zeros here. Location-sensitive training steps go
+through a :class:`~seq2seq_fast.nn.convert._location.LocationMemory` (no per-step [B, T, A]
+tensor allocated; the projected memory's and the values' gradients gathered once per sequence);
+content-only ones form their context over a
+:class:`~seq2seq_fast.nn.convert._speech.GatheredValues`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from seq2seq_fast.nn.convert._base import (
     own_parameter_names,
     register,
 )
+from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert._speech import (
     adopt,
     attend_gathered,
@@ -45,7 +48,6 @@ from seq2seq_fast.nn.convert._speech import (
     is_location_layer,
     is_score_layer,
     linear_of,
-    location_keys,
 )
 
 
@@ -69,6 +71,7 @@ class FusedCoquiOriginalAttention(FusedStandIn):
     def init_states(self, inputs: Tensor) -> None:
         batch, length = inputs.shape[:2]
         self._gathered = None
+        self._location = None
         self.attention_weights = torch.zeros([batch, length], device=inputs.device)
         if self.location_attention:
             self.attention_weights_cum = torch.zeros([batch, length], device=inputs.device)
@@ -89,23 +92,26 @@ class FusedCoquiOriginalAttention(FusedStandIn):
             raise RuntimeError(
                 f"seq2seq_fast: this converted OriginalAttention cannot run: {reason}"
             )
-        keys = processed_inputs
-        if self.location_attention:
+        v = linear_of(self.v).weight[0]
+        if self.location_attention:  # keys = processed_inputs + location_layer(previous)
             previous = torch.cat(
                 (self.attention_weights.unsqueeze(1), self.attention_weights_cum.unsqueeze(1)),
                 dim=1,
             )
-            location = self.location_layer  # keys + location_layer(previous)
-            keys = location_keys(
-                keys,
+            layer = self.location_layer
+            location = (
                 previous,
-                conv1d_of(location.location_conv1d).weight,
-                linear_of(location.location_dense).weight,
+                conv1d_of(layer.location_conv1d).weight,
+                linear_of(layer.location_dense).weight,
             )
-        v = linear_of(self.v).weight[0]
-        context, alignment = attend_gathered(
-            self, self.backend, self.query_layer(query), keys, inputs, v, mask
-        )
+            context, alignment = attend_location(
+                self, self.backend, self.query_layer(query), processed_inputs, location, inputs,
+                v, mask,
+            )  # fmt: skip
+        else:
+            context, alignment = attend_gathered(
+                self, self.backend, self.query_layer(query), processed_inputs, inputs, v, mask
+            )
         if self.location_attention:
             self.update_location_attention(alignment)
         self.attention_weights = alignment

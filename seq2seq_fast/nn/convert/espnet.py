@@ -20,9 +20,9 @@ monotonic constraint of TTS decoding, batch of one): frames outside the window a
 padding here too. ``gvec``'s bias shifts every score of a row equally and cancels in the softmax;
 ``scaling`` is folded into the score vector (scaling * gvec.weight). One difference: a row with no
 valid frame gives NaN there and zeros here. AttAdd's training steps go through a StepwiseMemory
-built with the cached projection (keys and values fixed over the utterance); AttLoc's step's context
-is formed over the values through :class:`~seq2seq_fast.nn.convert._speech.GatheredValues` (their
-gradient gathered once per sequence; the keys change every step, so StepwiseMemory does not apply).
+built with the cached projection (keys and values fixed over the utterance); AttLoc's go through a
+:class:`~seq2seq_fast.nn.convert._location.LocationMemory` (no per-step [B, T, A]
+tensor allocated; the projected memory's and the values' gradients gathered once per sequence).
 """
 
 from __future__ import annotations
@@ -39,14 +39,8 @@ from seq2seq_fast.nn.convert._base import (
     own_parameter_names,
     register,
 )
-from seq2seq_fast.nn.convert._speech import (
-    adopt,
-    attend_gathered,
-    location_keys,
-    masking,
-    same_padding_conv,
-    scaled,
-)
+from seq2seq_fast.nn.convert._location import attend_location
+from seq2seq_fast.nn.convert._speech import adopt, masking, same_padding_conv, scaled
 from seq2seq_fast.nn.stepwise import StepwiseMemory
 
 
@@ -77,6 +71,7 @@ class FusedEspnetAttAdd(FusedStandIn):
         self.mask = None
         self._stepwise = None
         self._gathered = None
+        self._location = None
 
     def _memory(self, enc_hs_pad: Tensor) -> None:
         if self.pre_compute_enc_h is None or self.han_mode:
@@ -105,8 +100,6 @@ class FusedEspnetAttAdd(FusedStandIn):
 
     def _attend(self, query, keys, valid, scaling) -> tuple[Tensor, Tensor]:
         v_eff = scaled(self.gvec.weight[0], scaling)
-        if not self.gather_steps:  # AttLoc: fixed values, new keys every step
-            return attend_gathered(self, self.backend, query, keys, self.enc_h, v_eff, valid)
         stepwise = getattr(self, "_stepwise", None)
         return attend(
             self.backend, query, keys, self.enc_h, v_eff, stepwise=stepwise, **masking(valid)
@@ -123,7 +116,7 @@ class FusedEspnetAttAdd(FusedStandIn):
 
 class FusedEspnetAttLoc(FusedEspnetAttAdd):
     """Fused stand-in for ESPnet's AttLoc: the step's keys are the cached projected memory plus
-    the location term mlp_att(loc_conv(att_prev)), given to the fused op as they are."""
+    the location term mlp_att(loc_conv(att_prev))."""
 
     layout = "espnet_att_loc"
     gather_steps = False  # the keys change every step
@@ -145,16 +138,19 @@ class FusedEspnetAttLoc(FusedEspnetAttAdd):
         if att_prev is None:  # uniform over the valid frames
             frames = (~_padding_mask(enc_hs_len, query.device)).to(query.dtype)
             att_prev = frames / frames.new_tensor(enc_hs_len).unsqueeze(-1)
-        keys = location_keys(  # pre_compute_enc_h + mlp_att(loc_conv(att_prev))
-            self.pre_compute_enc_h,
+        valid = self._valid(enc_hs_len, enc_hs_pad.device)
+        if last_attended_idx is not None:
+            valid = _window(valid, last_attended_idx, backward_window, forward_window)
+        # keys = pre_compute_enc_h + mlp_att(loc_conv(att_prev))
+        location = (
             att_prev.view(batch, 1, self.h_length),
             self.loc_conv.weight,
             self.mlp_att.weight,
         )
-        valid = self._valid(enc_hs_len, enc_hs_pad.device)
-        if last_attended_idx is not None:
-            valid = _window(valid, last_attended_idx, backward_window, forward_window)
-        return self._attend(query, keys, valid, scaling)
+        v_eff = scaled(self.gvec.weight[0], scaling)
+        return attend_location(
+            self, self.backend, query, self.pre_compute_enc_h, location, self.enc_h, v_eff, valid
+        )
 
 
 def _window(valid: Tensor, last: int, backward: int, forward: int) -> Tensor:

@@ -27,9 +27,9 @@ time. Math and call (time-major source)::
 The MLPAttention stand-in projects a given source once and reuses the projection while the same
 tensor comes back unchanged (see :mod:`seq2seq_fast.nn.keycache`). ``proj_out``'s bias cancels
 in the softmax; ``scaling`` is folded into the score vector. LocationAttention's training steps
-form their context over :class:`~seq2seq_fast.nn.convert._speech.GatheredValues` (the values'
-gradient gathered once per sequence). One difference in both: a row with
-no valid position gives NaN there and zeros here.
+go through a :class:`~seq2seq_fast.nn.convert._location.LocationMemory` (no per-step [B, T, A]
+tensor allocated; the projected memory's and the values' gradients gathered once per sequence).
+One difference in both: a row with no valid position gives NaN there and zeros here.
 """
 
 from __future__ import annotations
@@ -46,11 +46,10 @@ from seq2seq_fast.nn.convert._base import (
     own_parameter_names,
     register,
 )
+from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert._speech import (
     adopt,
-    attend_gathered,
     is_finite_number,
-    location_keys,
     masking,
     same_padding_conv,
     scaled,
@@ -75,6 +74,7 @@ class FusedFairseqLocationAttention(FusedStandIn):
     def clear_cache(self) -> None:
         self.proj_enc_out = None
         self._gathered = None
+        self._location = None
 
     def forward(
         self,
@@ -86,14 +86,13 @@ class FusedFairseqLocationAttention(FusedStandIn):
         bsz = encoder_out.size(0)
         if self.proj_enc_out is None:
             self.proj_enc_out = self.proj_enc(encoder_out)
-        # proj_enc_out + proj_attn(conv(attn_state))
-        keys = location_keys(self.proj_enc_out, attn_state, self.conv.weight, self.proj_attn.weight)
         if decoder_h is None:
             decoder_h = encoder_out.new_zeros(bsz, self.decoder_dim)
         v_eff = scaled(self.proj_out[1].weight[0], self.scaling)
-        return attend_gathered(
-            self, self.backend, self.proj_dec(decoder_h), keys, encoder_out, v_eff,
-            valid_from_padding(encoder_padding_mask),
+        location = (attn_state, self.conv.weight, self.proj_attn.weight)  # keys: + proj_attn(conv)
+        return attend_location(
+            self, self.backend, self.proj_dec(decoder_h), self.proj_enc_out, location, encoder_out,
+            v_eff, valid_from_padding(encoder_padding_mask),
         )  # fmt: skip
 
 

@@ -20,9 +20,9 @@ beam searcher reorders it in place of the module). Original math and call (batch
 
 ``scaling`` is folded into the score vector. One difference: a row with no valid frame gives NaN
 there and zeros here. The content-based training steps go through a StepwiseMemory built with
-the cached projection; the location-aware one's step's context is formed over the values through
-:class:`~seq2seq_fast.nn.convert._speech.GatheredValues` (their gradient gathered once per
-sequence; the keys change every step, so StepwiseMemory does not apply).
+the cached projection; the location-aware ones through a
+:class:`~seq2seq_fast.nn.convert._location.LocationMemory` (no per-step [B, T, A]
+tensor allocated; the projected memory's and the values' gradients gathered once per sequence).
 """
 
 from __future__ import annotations
@@ -39,12 +39,11 @@ from seq2seq_fast.nn.convert._base import (
     own_parameter_names,
     register,
 )
+from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert._speech import (
     adopt,
-    attend_gathered,
     derived,
     is_finite_number,
-    location_keys,
     masking,
     same_padding_conv,
     scaled,
@@ -78,6 +77,7 @@ class FusedContentBasedAttention(FusedStandIn):
         self.mask = None
         self._stepwise = None
         self._gathered = None
+        self._location = None
 
     def _first_step(self, enc_states: Tensor, enc_len: Tensor) -> bool:
         if self.precomputed_enc_h is not None:
@@ -93,13 +93,13 @@ class FusedContentBasedAttention(FusedStandIn):
         return True
 
     def _finish(
-        self, dec_states: Tensor, keys: Tensor, enc_states: Tensor
+        self, dec_states: Tensor, keys: Tensor, enc_states: Tensor, location: tuple | None = None
     ) -> tuple[Tensor, Tensor]:
         v_eff = scaled(self.mlp_attn.weight[0], self.scaling)
         query = self.mlp_dec(dec_states)
-        if not self.gather_steps:  # location-aware: fixed values, new keys every step
-            context, weights = attend_gathered(
-                self, self.backend, query, keys, enc_states, v_eff, self.mask != 0
+        if location is not None:  # location-aware: keys = keys + the location term
+            context, weights = attend_location(
+                self, self.backend, query, keys, location, enc_states, v_eff, self.mask != 0
             )
             return self.mlp_out(context), weights
         memory = None
@@ -121,7 +121,7 @@ class FusedContentBasedAttention(FusedStandIn):
 
 class FusedLocationAwareAttention(FusedContentBasedAttention):
     """Fused stand-in for SpeechBrain's LocationAwareAttention: a step's keys are the cached
-    projected memory plus mlp_loc(conv_loc(prev_attn)), given to the fused op as they are."""
+    projected memory plus mlp_loc(conv_loc(prev_attn))."""
 
     layout = "speechbrain_location"
     gather_steps = False
@@ -142,10 +142,9 @@ class FusedLocationAwareAttention(FusedContentBasedAttention):
     ) -> tuple[Tensor, Tensor]:
         if self._first_step(enc_states, enc_len):
             self.prev_attn = self.mask * (1 / enc_len.float()).unsqueeze(1)
-        keys = location_keys(  # precomputed_enc_h + mlp_loc(conv_loc(prev_attn))
-            self._base(), self.prev_attn.unsqueeze(1), self.conv_loc.weight, self.mlp_loc.weight
-        )
-        output, weights = self._finish(dec_states, keys, enc_states)
+        # keys = precomputed_enc_h + mlp_loc(conv_loc(prev_attn))
+        location = (self.prev_attn.unsqueeze(1), self.conv_loc.weight, self.mlp_loc.weight)
+        output, weights = self._finish(dec_states, self._base(), enc_states, location)
         self.prev_attn = weights.detach()
         return output, weights
 

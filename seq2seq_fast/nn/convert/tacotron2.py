@@ -18,10 +18,9 @@ Original math and call (batch-first)::
     e = v(tanh(query_layer(attention_hidden_state) + keys)); e[mask] = score_mask_value
     weights = softmax(e); context = weights @ memory
 
-One difference: a row with no valid frame gives NaN there and zeros here. When training, the step's
-context is formed over the values through :class:`~seq2seq_fast.nn.convert._speech.GatheredValues`
-(their gradient gathered once per sequence; the keys change every step, so StepwiseMemory does not
-apply).
+One difference: a row with no valid frame gives NaN there and zeros here. Training steps go
+through a :class:`~seq2seq_fast.nn.convert._location.LocationMemory` (no per-step [B, T, A]
+tensor allocated; the projected memory's and the values' gradients gathered once per sequence).
 """
 
 from __future__ import annotations
@@ -37,14 +36,13 @@ from seq2seq_fast.nn.convert._base import (
     own_parameter_names,
     register,
 )
+from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert._speech import (
     adopt,
-    attend_gathered,
     conv1d_of,
     is_location_layer,
     is_score_layer,
     linear_of,
-    location_keys,
     valid_from_padding,
 )
 
@@ -52,7 +50,7 @@ from seq2seq_fast.nn.convert._speech import (
 class FusedTacotron2Attention(FusedStandIn):
     """Fused stand-in for Tacotron 2's attention (NVIDIA, DeepLearningExamples, torchaudio): same
     parts (the very objects, same state_dict keys) and ``forward``; the step's keys are the
-    processed memory plus the location term, given to the fused op as they are."""
+    processed memory plus the location term."""
 
     layout = "tacotron2"
 
@@ -70,15 +68,17 @@ class FusedTacotron2Attention(FusedStandIn):
         mask: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
         query = self.query_layer(attention_hidden_state)  # [B, A]
-        location = self.location_layer  # processed_memory + location_layer(weights_cat)
-        keys = location_keys(
-            processed_memory,
+        layer = self.location_layer  # keys = processed_memory + location_layer(weights_cat)
+        location = (
             attention_weights_cat,
-            conv1d_of(location.location_conv).weight,
-            linear_of(location.location_dense).weight,
+            conv1d_of(layer.location_conv).weight,
+            linear_of(layer.location_dense).weight,
         )
         v = linear_of(self.v).weight[0]
-        return attend_gathered(self, self.backend, query, keys, memory, v, valid_from_padding(mask))
+        return attend_location(
+            self, self.backend, query, processed_memory, location, memory, v,
+            valid_from_padding(mask),
+        )  # fmt: skip
 
 
 def _match(module: nn.Module) -> bool:

@@ -1,0 +1,265 @@
+"""Training steps of location-aware attention (ESPnet AttLoc, SpeechBrain's location-aware
+attention, fairseq's LocationAttention, Tacotron 2, Coqui): keys_t = P + conv_t @ W^T over fixed
+values, where P [B, T, A] is the projected memory, conv_t [B*T, C] the location convolution of
+step t's previous weights and W [A, C] the location dense layer's weight.
+
+Through plain ops (and the original), each step writes a fresh [B, T, A] keys tensor, saves it
+for the backward, and its backward writes a fresh [B, T, A] gradient that autograd adds into P's.
+On the fused CPU kernel, :class:`LocationMemory` runs a step without any per-step [B, T, A]
+allocation (fresh pages of that size cost more than the arithmetic on them, measured in
+bench/bench_convert_speech.py): the step's keys are written into one scratch buffer of the
+sequence (one addmm: P copied, the dense product added), attended by the fused op, and written
+again there by the backward (instead of being kept); the backward's keys gradient goes into a
+second scratch buffer (the accumulating kernel, no values' gradient), from which it is added into
+the sequence's P gradient and multiplied out to the dense layer's input and weight gradients.
+The values' and P's gradients of all the steps are returned once, when the backward reaches them.
+Results equal the plain computation's up to float rounding (sums taken in another order).
+
+Not a layout itself (the leading underscore keeps the package from importing it as one).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from seq2seq_fast.nn.convert._speech import _nothing, attend_gathered, prefix_lengths
+from seq2seq_fast.ops.additive_attention import (
+    CPU_KERNEL_ERROR,
+    check_inputs,
+    guard_double_backward,
+    traced_or_transformed,
+)
+
+
+def location_columns(features: Tensor, conv_weight: Tensor) -> Tensor:
+    """[B*T, C]: the location convolution of features [B, Cin, T] (conv_weight [C, Cin, K], or a
+    Conv2d's [C, 1, 1, K]: bias-free, stride 1, zero padding K // 2), frames as rows."""
+    weight = conv_weight.reshape(conv_weight.shape[0], -1, conv_weight.shape[-1])
+    conv = F.conv1d(features, weight, padding=weight.shape[-1] // 2)  # [B, C, T]
+    return conv.transpose(1, 2).reshape(-1, weight.shape[0])
+
+
+def location_keys(
+    projected: Tensor, features: Tensor, conv_weight: Tensor, dense_weight: Tensor
+) -> Tensor:
+    """A location-aware step's keys: ``projected + dense(conv(features))``.
+
+    projected [B, T, A] (the projected memory, plus the dense layer's bias where it has one);
+    features [B, Cin, T] (previous / cumulative weights); conv_weight as :func:`location_columns`
+    takes it; dense_weight [A, C] (a bias-free Linear's). Returns [B, T, A]. The same sums as the
+    original's conv, transpose, Linear and add; the dense layer's product is added into the
+    projected memory by one ``addmm``.
+    """
+    batch, frames, width = projected.shape
+    conv = location_columns(features, conv_weight)
+    keys = torch.addmm(projected.reshape(batch * frames, width), conv, dense_weight.t())
+    return keys.view(batch, frames, width)
+
+
+class _MemoryNode(torch.autograd.Function):
+    """projected, values -> aliases; the backward returns what the steps gathered."""
+
+    @staticmethod
+    def forward(ctx, projected: Tensor, values: Tensor, memory: LocationMemory):
+        ctx.memory = memory
+        ctx.set_materialize_grads(False)
+        return projected.view_as(projected), values.view_as(values)
+
+    @staticmethod
+    def backward(ctx, grad_projected, grad_values):
+        gathered_p, gathered_v = ctx.memory._collect()
+        if grad_projected is not None:  # the aliases used elsewhere too
+            gathered_p = grad_projected if gathered_p is None else gathered_p + grad_projected
+        if grad_values is not None:
+            gathered_v = grad_values if gathered_v is None else gathered_v + grad_values
+        return guard_double_backward((gathered_p, gathered_v, None))
+
+
+class _LocationStep(torch.autograd.Function):
+    """One step: (context [B, 1, Dv], weights [B, 1, T]) of query [B, 1, A] against keys
+    projected + conv @ weight^T, formed in the memory's scratch (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, query, projected, conv, weight, values, v, bias, lengths, mask, memory):
+        keys = memory._keys(projected, conv, weight)
+        context, weights, _ = torch.ops.seq2seq_fast.additive_attention_fwd(
+            query, keys, values, v, bias, lengths, mask, True
+        )
+        ctx.save_for_backward(
+            query, projected, conv, weight, values, v, bias, lengths, mask, weights
+        )
+        ctx.memory = memory
+        ctx.set_materialize_grads(False)
+        return context, weights
+
+    @staticmethod
+    def backward(ctx, grad_context, grad_weights):
+        query, projected, conv, weight, values, v, bias, lengths, mask, weights = ctx.saved_tensors
+        memory: LocationMemory = ctx.memory
+        if grad_context is None:
+            grad_context = query.new_zeros((*query.shape[:2], values.shape[2]))
+        else:
+            grad_context = grad_context.contiguous()
+        keys = memory._keys(projected, conv, weight)
+        grad_keys = memory._grad_scratch()
+        grad_query, grad_v, grad_bias = torch.ops.seq2seq_fast._additive_attention_bwd_accumulate(
+            grad_context, None if grad_weights is None else grad_weights.contiguous(),
+            query, keys, values, v, bias, lengths, mask, weights, grad_keys,
+        )  # fmt: skip
+        needs = ctx.needs_input_grad
+        memory._record(
+            weights[:, 0] if needs[4] else None,
+            grad_context[:, 0],
+            grad_keys if needs[1] else None,
+        )
+        flat = grad_keys.view(-1, grad_keys.shape[-1])
+        grad_conv = flat.mm(weight) if needs[2] else None
+        grad_weight = flat.t().mm(conv) if needs[3] else None
+        return guard_double_backward(
+            (grad_query, None, grad_conv, grad_weight, None, grad_v, grad_bias, None, None, None)
+        )
+
+
+class LocationMemory:
+    """The projected memory P [B, T, A] and values [B, T, Dv] of one sequence's location-aware
+    steps, for training on the fused CPU kernel (see the module docstring). Build it with
+    :meth:`for_training` (None where it does not apply), then call :meth:`attend` per step. A
+    backward that reaches P and the values spends it (:attr:`spent`); each backward's gathering
+    is kept apart by its graph task."""
+
+    def __init__(self, projected: Tensor, values: Tensor) -> None:
+        self.sources = (projected, values)
+        self.projected, self.values = _MemoryNode.apply(projected, values, self)
+        self.spent = False
+        self._keys_buffer: Tensor | None = None
+        self._grad_buffer: Tensor | None = None
+        self._reset(None)
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None  # a copy of the module starts without one (its graph is this forward's)
+
+    def __reduce__(self):
+        return (_nothing, ())  # likewise when the module is pickled
+
+    @classmethod
+    def for_training(cls, projected: Tensor, values: Tensor, backend: str) -> LocationMemory | None:
+        if backend == "reference" or CPU_KERNEL_ERROR is not None or not torch.is_grad_enabled():
+            return None
+        if traced_or_transformed() or torch.is_autocast_enabled("cpu"):
+            return None
+        if projected.dim() != 3 or values.dim() != 3 or min(values.shape) == 0:
+            return None
+        if min(projected.shape) == 0 or not projected.is_contiguous():
+            return None
+        tensors = (projected, values)
+        if any(
+            t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64) for t in tensors
+        ):
+            return None
+        return cls(projected, values)
+
+    def serves(self, projected: Tensor, values: Tensor) -> bool:
+        return not self.spent and self.sources[0] is projected and self.sources[1] is values
+
+    def attend(
+        self, query: Tensor, conv: Tensor, weight: Tensor, v: Tensor, mask: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """query [B, A], conv [B*T, C], weight [A, C], v [A], mask bool [B, T] (True = valid) or
+        None -> (context [B, Dv], weights [B, T])."""
+        query3, _, _, v, _, _, mask, _ = check_inputs(
+            query, self.projected, self.values, v, mask=mask
+        )
+        batch, frames, width = self.projected.shape
+        if conv.shape != (batch * frames, weight.shape[1]) or weight.shape[0] != width:
+            raise ValueError(
+                f"location term: conv {list(conv.shape)} and weight {list(weight.shape)} do not "
+                f"match keys [{batch}, {frames}, {width}]"
+            )
+        lengths = prefix_lengths(mask)
+        mask = None if lengths is not None else mask
+        bias = query3.new_zeros(width)
+        context, weights = _LocationStep.apply(
+            query3, self.projected, conv, weight, self.values, v, bias, lengths, mask, self
+        )
+        return context.squeeze(1), weights.squeeze(1)
+
+    def _keys(self, projected: Tensor, conv: Tensor, weight: Tensor) -> Tensor:
+        """projected + conv @ weight^T, written into the sequence's keys scratch."""
+        if self._keys_buffer is None:
+            self._keys_buffer = torch.empty_like(projected, memory_format=torch.contiguous_format)
+        out = self._keys_buffer
+        width = out.shape[-1]
+        with torch.no_grad():
+            torch.addmm(projected.view(-1, width), conv, weight.t(), out=out.view(-1, width))
+        return out
+
+    def _grad_scratch(self) -> Tensor:
+        if self._grad_buffer is None:
+            self._grad_buffer = torch.zeros_like(self.sources[0])
+        else:
+            self._grad_buffer.zero_()
+        return self._grad_buffer
+
+    def _reset(self, task: int | None) -> None:
+        self._task = task
+        self._grad_projected: Tensor | None = None
+        self._weights: list[Tensor] = []
+        self._grad_contexts: list[Tensor] = []
+
+    def _record(self, weights: Tensor | None, grad_context: Tensor, grad_keys: Tensor | None):
+        task = torch._C._current_graph_task_id()
+        if task != self._task:  # a new backward pass: nothing of an earlier one counts
+            self._reset(task)
+        if weights is not None:
+            self._weights.append(weights)
+            self._grad_contexts.append(grad_context)
+        if grad_keys is not None:
+            if self._grad_projected is None:
+                self._grad_projected = grad_keys.clone()
+            else:
+                self._grad_projected.add_(grad_keys)
+
+    def _collect(self) -> tuple[Tensor | None, Tensor | None]:
+        """(dP, dvalues) gathered in this backward pass (None: no step contributed)."""
+        self.spent = True
+        if self._task != torch._C._current_graph_task_id():
+            self._reset(None)
+            return None, None
+        grad_values = None
+        if self._weights:
+            weights = torch.stack(self._weights, dim=1)  # [B, S, T]
+            grads = torch.stack(self._grad_contexts, dim=1)  # [B, S, Dv]
+            grad_values = torch.bmm(weights.transpose(1, 2), grads)
+        grad_projected = self._grad_projected
+        self._reset(None)
+        return grad_projected, grad_values
+
+
+def attend_location(
+    owner: nn.Module,
+    backend: str,
+    query: Tensor,
+    projected: Tensor,
+    location: tuple[Tensor, Tensor, Tensor],
+    values: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """A location-aware step: ``attend(backend, query [B, A], projected + dense(conv(features)),
+    values [B, T, Dv], v, mask)`` with ``location = (features [B, Cin, T], conv_weight,
+    dense_weight [A, C])`` (see :func:`location_keys`); mask bool [B, T] (True = valid) or None.
+    When training on the fused CPU kernel, through ``owner``'s :class:`LocationMemory` for these
+    projected memory and values (kept in ``owner._location``); else through
+    :func:`~seq2seq_fast.nn.convert._speech.attend_gathered`. Returns (context [B, Dv],
+    weights [B, T])."""
+    features, conv_weight, dense_weight = location
+    memory = getattr(owner, "_location", None)
+    if not (isinstance(memory, LocationMemory) and memory.serves(projected, values)):
+        memory = LocationMemory.for_training(projected, values, backend)
+        owner._location = memory
+    if memory is None or query.dim() != 2:
+        keys = location_keys(projected, features, conv_weight, dense_weight)
+        return attend_gathered(owner, backend, query, keys, values, v, mask)
+    return memory.attend(query, location_columns(features, conv_weight), dense_weight, v, mask)
