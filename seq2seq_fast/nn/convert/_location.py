@@ -3,17 +3,15 @@ attention, fairseq's LocationAttention, Tacotron 2, Coqui): keys_t = P + conv_t 
 values, where P [B, T, A] is the projected memory, conv_t [B*T, C] the location convolution of
 step t's previous weights and W [A, C] the location dense layer's weight.
 
-Through plain ops (and the original), each step writes a fresh [B, T, A] keys tensor, saves it
-for the backward, and its backward writes a fresh [B, T, A] gradient that autograd adds into P's.
-On the fused CPU kernel, :class:`LocationMemory` runs a step without any per-step [B, T, A]
-allocation (fresh pages of that size cost more than the arithmetic on them, measured in
-bench/bench_convert_speech.py): the step's keys are written into one scratch buffer of the
-sequence (one addmm: P copied, the dense product added), attended by the fused op, and written
-again there by the backward (instead of being kept); the backward's keys gradient goes into a
-second scratch buffer (the accumulating kernel, no values' gradient), from which it is added into
-the sequence's P gradient and multiplied out to the dense layer's input and weight gradients.
-The values' and P's gradients of all the steps are returned once, when the backward reaches them.
-Results equal the plain computation's up to float rounding (sums taken in another order).
+Through plain ops (and the original), a step writes the location term [B, T, A], then the keys,
+and its backward a keys gradient [B, T, A] and a values gradient [B, T, Dv] that autograd adds
+into P's and the values'. On the fused CPU kernel, :class:`LocationMemory` runs a step as: keys
+by one addmm (P plus the dense product, no location term written), the fused op's forward, and
+in the backward the accumulating kernel into one zeroed scratch buffer of the sequence (no values'
+gradient), from which the keys gradient is added into the sequence's P gradient and multiplied out
+to the dense layer's input and weight gradients. The values' and P's gradients of all the steps are
+returned once, when the backward reaches them. Results equal the plain computation's up to float
+rounding (sums taken in another order).
 
 Not a layout itself (the leading underscore keeps the package from importing it as one).
 """
@@ -79,30 +77,28 @@ class _MemoryNode(torch.autograd.Function):
 
 class _LocationStep(torch.autograd.Function):
     """One step: (context [B, 1, Dv], weights [B, 1, T]) of query [B, 1, A] against keys
-    projected + conv @ weight^T, formed in the memory's scratch (see the module docstring)."""
+    projected + conv @ weight^T (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, query, projected, conv, weight, values, v, bias, lengths, mask, memory):
-        keys = memory._keys(projected, conv, weight)
+        width = projected.shape[-1]
+        keys = torch.addmm(projected.view(-1, width), conv, weight.t()).view_as(projected)
         context, weights, _ = torch.ops.seq2seq_fast.additive_attention_fwd(
             query, keys, values, v, bias, lengths, mask, True
         )
-        ctx.save_for_backward(
-            query, projected, conv, weight, values, v, bias, lengths, mask, weights
-        )
+        ctx.save_for_backward(query, keys, conv, weight, values, v, bias, lengths, mask, weights)
         ctx.memory = memory
         ctx.set_materialize_grads(False)
         return context, weights
 
     @staticmethod
     def backward(ctx, grad_context, grad_weights):
-        query, projected, conv, weight, values, v, bias, lengths, mask, weights = ctx.saved_tensors
+        query, keys, conv, weight, values, v, bias, lengths, mask, weights = ctx.saved_tensors
         memory: LocationMemory = ctx.memory
         if grad_context is None:
             grad_context = query.new_zeros((*query.shape[:2], values.shape[2]))
         else:
             grad_context = grad_context.contiguous()
-        keys = memory._keys(projected, conv, weight)
         grad_keys = memory._grad_scratch()
         grad_query, grad_v, grad_bias = torch.ops.seq2seq_fast._additive_attention_bwd_accumulate(
             grad_context, None if grad_weights is None else grad_weights.contiguous(),
@@ -133,7 +129,6 @@ class LocationMemory:
         self.sources = (projected, values)
         self.projected, self.values = _MemoryNode.apply(projected, values, self)
         self.spent = False
-        self._keys_buffer: Tensor | None = None
         self._grad_buffer: Tensor | None = None
         self._reset(None)
 
@@ -184,16 +179,6 @@ class LocationMemory:
             query3, self.projected, conv, weight, self.values, v, bias, lengths, mask, self
         )
         return context.squeeze(1), weights.squeeze(1)
-
-    def _keys(self, projected: Tensor, conv: Tensor, weight: Tensor) -> Tensor:
-        """projected + conv @ weight^T, written into the sequence's keys scratch."""
-        if self._keys_buffer is None:
-            self._keys_buffer = torch.empty_like(projected, memory_format=torch.contiguous_format)
-        out = self._keys_buffer
-        width = out.shape[-1]
-        with torch.no_grad():
-            torch.addmm(projected.view(-1, width), conv, weight.t(), out=out.view(-1, width))
-        return out
 
     def _grad_scratch(self) -> Tensor:
         if self._grad_buffer is None:

@@ -21,9 +21,9 @@ Original math and call (batch-first)::
 Converted only with ``norm="softmax"``, no forward attention and no windowing; the others are
 skipped with the reason (:func:`_unsupported`). ``v``'s bias cancels in the softmax. One difference:
 a row with no valid frame gives NaN there and zeros here. Location-sensitive training steps go
-through a :class:`~seq2seq_fast.nn.convert._location.LocationMemory` (no per-step [B, T, A]
-tensor allocated; the projected memory's and the values' gradients gathered once per sequence);
-content-only ones form their context over a
+through a :class:`~seq2seq_fast.nn.convert._location.LocationMemory` (keys by one
+addmm, no location term written; the projected memory's and the values' gradients gathered once
+per sequence); content-only ones form their context over a
 :class:`~seq2seq_fast.nn.convert._speech.GatheredValues`.
 """
 

@@ -21,8 +21,9 @@ padding here too. ``gvec``'s bias shifts every score of a row equally and cancel
 ``scaling`` is folded into the score vector (scaling * gvec.weight). One difference: a row with no
 valid frame gives NaN there and zeros here. AttAdd's training steps go through a StepwiseMemory
 built with the cached projection (keys and values fixed over the utterance); AttLoc's go through a
-:class:`~seq2seq_fast.nn.convert._location.LocationMemory` (no per-step [B, T, A]
-tensor allocated; the projected memory's and the values' gradients gathered once per sequence).
+:class:`~seq2seq_fast.nn.convert._location.LocationMemory` (keys by one
+addmm, no location term written; the projected memory's and the values' gradients gathered once
+per sequence).
 """
 
 from __future__ import annotations

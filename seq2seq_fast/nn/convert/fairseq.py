@@ -27,8 +27,9 @@ time. Math and call (time-major source)::
 The MLPAttention stand-in projects a given source once and reuses the projection while the same
 tensor comes back unchanged (see :mod:`seq2seq_fast.nn.keycache`). ``proj_out``'s bias cancels
 in the softmax; ``scaling`` is folded into the score vector. LocationAttention's training steps
-go through a :class:`~seq2seq_fast.nn.convert._location.LocationMemory` (no per-step [B, T, A]
-tensor allocated; the projected memory's and the values' gradients gathered once per sequence).
+go through a :class:`~seq2seq_fast.nn.convert._location.LocationMemory` (keys by one
+addmm, no location term written; the projected memory's and the values' gradients gathered once
+per sequence).
 One difference in both: a row with no valid position gives NaN there and zeros here.
 """
 

@@ -21,8 +21,9 @@ beam searcher reorders it in place of the module). Original math and call (batch
 ``scaling`` is folded into the score vector. One difference: a row with no valid frame gives NaN
 there and zeros here. The content-based training steps go through a StepwiseMemory built with
 the cached projection; the location-aware ones through a
-:class:`~seq2seq_fast.nn.convert._location.LocationMemory` (no per-step [B, T, A]
-tensor allocated; the projected memory's and the values' gradients gathered once per sequence).
+:class:`~seq2seq_fast.nn.convert._location.LocationMemory` (keys by one
+addmm, no location term written; the projected memory's and the values' gradients gathered once
+per sequence).
 """
 
 from __future__ import annotations

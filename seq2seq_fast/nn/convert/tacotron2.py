@@ -19,8 +19,9 @@ Original math and call (batch-first)::
     weights = softmax(e); context = weights @ memory
 
 One difference: a row with no valid frame gives NaN there and zeros here. Training steps go
-through a :class:`~seq2seq_fast.nn.convert._location.LocationMemory` (no per-step [B, T, A]
-tensor allocated; the projected memory's and the values' gradients gathered once per sequence).
+through a :class:`~seq2seq_fast.nn.convert._location.LocationMemory` (keys by one
+addmm, no location term written; the projected memory's and the values' gradients gathered once
+per sequence).
 """
 
 from __future__ import annotations
