@@ -30,11 +30,53 @@ from seq2seq_fast.ops.additive_attention import (
     traced_or_transformed,
 )
 
+# Window products pay off for narrow windows (1-2 channels x 15-31 taps: 1.2-1.7x faster than
+# conv1d forward and backward at B=32, T=100, 1 thread); wide ones (ESPnet's default 201 taps)
+# stay with conv1d.
+MAX_WINDOW = 64
+
+
+def _windows(features: Tensor, width: int) -> Tensor:
+    """[B*T, Cin*K]: each frame's zero-padded window of features [B, Cin, T] (im2col)."""
+    batch, channels, frames = features.shape
+    padded = F.pad(features, (width // 2, width // 2))
+    return padded.unfold(2, width, 1).transpose(1, 2).reshape(batch * frames, channels * width)
+
+
+class _WindowConv(torch.autograd.Function):
+    """conv1d(features [B, Cin, T], weight [C, Cin, K], padding K // 2) as [B*T, C], by one
+    product of the frames' windows with the weight; the backward forms the windows again and
+    folds the windows' gradient back onto the frames (col2im)."""
+
+    @staticmethod
+    def forward(ctx, features: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(features, weight)
+        rows = weight.reshape(weight.shape[0], -1)
+        return _windows(features, weight.shape[-1]).mm(rows.t())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        features, weight = ctx.saved_tensors
+        batch, channels, frames = features.shape
+        width = weight.shape[-1]
+        rows = weight.reshape(weight.shape[0], -1)
+        grad_features = grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad.t().mm(_windows(features, width)).view_as(weight)
+        if ctx.needs_input_grad[0]:
+            cols = grad.mm(rows).view(batch, frames, channels * width).transpose(1, 2)
+            padded = F.fold(cols, output_size=(1, frames + width - 1), kernel_size=(1, width))
+            grad_features = padded.view(batch, channels, -1)[:, :, width // 2 : width // 2 + frames]
+        return grad_features, grad_weight
+
 
 def location_columns(features: Tensor, conv_weight: Tensor) -> Tensor:
     """[B*T, C]: the location convolution of features [B, Cin, T] (conv_weight [C, Cin, K], or a
     Conv2d's [C, 1, 1, K]: bias-free, stride 1, zero padding K // 2), frames as rows."""
     weight = conv_weight.reshape(conv_weight.shape[0], -1, conv_weight.shape[-1])
+    narrow = weight.shape[1] * weight.shape[2] <= MAX_WINDOW
+    if narrow and features.device.type == "cpu" and not traced_or_transformed():
+        return _WindowConv.apply(features, weight)
     conv = F.conv1d(features, weight, padding=weight.shape[-1] // 2)  # [B, C, T]
     return conv.transpose(1, 2).reshape(-1, weight.shape[0])
 
