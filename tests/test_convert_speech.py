@@ -521,3 +521,25 @@ def test_location_steps_two_passes_over_one_memory_then_one_backward(name):
         grads.append([torch.zeros_like(t) if g is None else g for t, g in pairs])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-9)
+
+
+@requires_cpu_kernel
+@pytest.mark.parametrize("name", ["espnet_att_loc", "tacotron2_nvidia", "coqui_content"])
+def test_location_and_gathered_steps_train_under_autocast(name):
+    """Under CPU autocast (bfloat16) the gathered steps and the location term run forward and
+    backward (the dtypes of a step's saved tensors and of its incoming gradient differ there) and
+    give the original's gradients to bfloat16 precision."""
+    case = CASES[name]
+    plain, fused = _pair(case, torch.float32)
+    grads = []
+    for model in (plain, fused):
+        inputs: list[Tensor] = []
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs = case.drive(
+                model["attn"], torch.float32, torch.Generator().manual_seed(5), inputs
+            )
+            loss = sum(o.float().sum() for o in outs if o.requires_grad)
+        grads.append(torch.autograd.grad(loss, inputs))
+    for a, b in zip(*grads, strict=True):
+        assert b.dtype == a.dtype
+        torch.testing.assert_close(b, a, atol=3e-2 * float(a.abs().max()), rtol=0)

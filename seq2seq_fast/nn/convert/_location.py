@@ -75,7 +75,8 @@ def location_columns(features: Tensor, conv_weight: Tensor) -> Tensor:
     Conv2d's [C, 1, 1, K]: bias-free, stride 1, zero padding K // 2), frames as rows."""
     weight = conv_weight.reshape(conv_weight.shape[0], -1, conv_weight.shape[-1])
     narrow = weight.shape[1] * weight.shape[2] <= MAX_WINDOW
-    if narrow and features.device.type == "cpu" and not traced_or_transformed():
+    plain = traced_or_transformed() or torch.is_autocast_enabled("cpu")
+    if narrow and features.device.type == "cpu" and not plain:
         return _WindowConv.apply(features, weight)
     conv = F.conv1d(features, weight, padding=weight.shape[-1] // 2)  # [B, C, T]
     return conv.transpose(1, 2).reshape(-1, weight.shape[0])

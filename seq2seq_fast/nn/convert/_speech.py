@@ -215,14 +215,18 @@ class _GatheredContext(torch.autograd.Function):
     def forward(ctx, weights: Tensor, values: Tensor, gatherer: GatheredValues) -> Tensor:
         ctx.save_for_backward(weights, values)
         ctx.gatherer = gatherer
+        device = values.device.type  # under autocast the product runs in its dtype: so must its
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         return torch.bmm(weights.unsqueeze(1), values).squeeze(1)
 
     @staticmethod
     def backward(ctx, grad_context: Tensor):
         weights, values = ctx.saved_tensors
-        ctx.gatherer._record(weights, grad_context)
-        grad_weights = torch.bmm(values, grad_context.unsqueeze(2)).squeeze(2)
-        return grad_weights, None, None
+        device, dtype, enabled = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            grad_weights = torch.bmm(values, grad_context.unsqueeze(2)).squeeze(2)
+        ctx.gatherer._record(weights, grad_context.to(weights.dtype))
+        return grad_weights.to(weights.dtype), None, None
 
 
 class _GatheredStep(torch.autograd.Function):
@@ -343,9 +347,9 @@ class GatheredValues:
             self._task, self._weights, self._grads = None, [], []
             return None
         weights = torch.stack(self._weights, dim=1)  # [B, S, T]
-        grads = torch.stack(self._grads, dim=1)  # [B, S, Dv]
+        grads = torch.stack(self._grads, dim=1).to(weights.dtype)  # [B, S, Dv]
         self._task, self._weights, self._grads = None, [], []
-        return torch.bmm(weights.transpose(1, 2), grads)
+        return torch.bmm(weights.transpose(1, 2), grads).to(self.source.dtype)
 
 
 def _step_kernel_serves(query: Tensor, keys: Tensor) -> bool:
