@@ -250,8 +250,11 @@ class LocationMemory:
                 self._grad_projected.add_(grad_keys)
 
     def _collect(self) -> tuple[Tensor | None, Tensor | None]:
-        """(dP, dvalues) gathered in this backward pass (None: no step contributed)."""
+        """(dP, dvalues) gathered in this backward pass (None: no step contributed). The memory
+        is spent: it lets go of its tensors (the module keeps it until its next sequence)."""
         self.spent = True
+        self.sources, self._grad_buffer = (None, None), None
+        self.projected = self.values = None
         if self._task != torch._C._current_graph_task_id():
             self._reset(None)
             return None, None
