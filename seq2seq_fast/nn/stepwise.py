@@ -31,7 +31,9 @@ from seq2seq_fast.ops.additive_attention import (
 
 
 class _MemoryNode(torch.autograd.Function):
-    """keys, values -> aliases of them; the backward returns what the steps gathered."""
+    """keys, values -> aliases of them; the backward returns what the steps gathered (``memory``:
+    anything whose ``_collect()`` gives the gathered (dkeys, dvalues), None where nothing was;
+    also the location-aware layouts' memory, nn/convert/_location.py)."""
 
     @staticmethod
     def forward(ctx, keys: Tensor, values: Tensor, memory: StepwiseMemory):

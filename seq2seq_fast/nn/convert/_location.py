@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seq2seq_fast.nn.convert._speech import _nothing, attend_gathered, prefix_lengths
+from seq2seq_fast.nn.stepwise import _MemoryNode
 from seq2seq_fast.ops.additive_attention import (
     CPU_KERNEL_ERROR,
     check_inputs,
@@ -97,25 +98,6 @@ def location_keys(
     conv = location_columns(features, conv_weight)
     keys = torch.addmm(projected.reshape(batch * frames, width), conv, dense_weight.t())
     return keys.view(batch, frames, width)
-
-
-class _MemoryNode(torch.autograd.Function):
-    """projected, values -> aliases; the backward returns what the steps gathered."""
-
-    @staticmethod
-    def forward(ctx, projected: Tensor, values: Tensor, memory: LocationMemory):
-        ctx.memory = memory
-        ctx.set_materialize_grads(False)
-        return projected.view_as(projected), values.view_as(values)
-
-    @staticmethod
-    def backward(ctx, grad_projected, grad_values):
-        gathered_p, gathered_v = ctx.memory._collect()
-        if grad_projected is not None:  # the aliases used elsewhere too
-            gathered_p = grad_projected if gathered_p is None else gathered_p + grad_projected
-        if grad_values is not None:
-            gathered_v = grad_values if gathered_v is None else gathered_v + grad_values
-        return guard_double_backward((gathered_p, gathered_v, None))
 
 
 class _LocationStep(torch.autograd.Function):
