@@ -51,18 +51,26 @@ class _MemoryNode(torch.autograd.Function):
         return guard_double_backward((dkeys, dvalues, None))
 
 
+def forward_saving_inputs(
+    ctx, query, keys, values, v, bias, lengths, mask
+) -> tuple[Tensor, Tensor]:
+    """The forward of a one-step autograd Function over the fused op: -> (context, weights),
+    with the inputs and the weights saved for its backward, which may get None gradients."""
+    context, weights, _ = torch.ops.seq2seq_fast.additive_attention_fwd(
+        query, keys, values, v, bias, lengths, mask, True
+    )
+    ctx.save_for_backward(query, keys, values, v, bias, lengths, mask, weights)
+    ctx.set_materialize_grads(False)
+    return context, weights
+
+
 class _StepAttention(torch.autograd.Function):
     """One step's attention through the fused op; keys/values gradients go to the memory."""
 
     @staticmethod
     def forward(ctx, query, keys, values, v, bias, lengths, mask, memory: StepwiseMemory):
-        context, weights, _ = torch.ops.seq2seq_fast.additive_attention_fwd(
-            query, keys, values, v, bias, lengths, mask, True
-        )
-        ctx.save_for_backward(query, keys, values, v, bias, lengths, mask, weights)
         ctx.memory = memory
-        ctx.set_materialize_grads(False)
-        return context, weights
+        return forward_saving_inputs(ctx, query, keys, values, v, bias, lengths, mask)
 
     @staticmethod
     def backward(ctx, grad_context, grad_weights):

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import child_names, own_parameter_names
+from seq2seq_fast.nn.stepwise import forward_saving_inputs
 from seq2seq_fast.ops.additive_attention import (
     CPU_KERNEL_ERROR,
     check_inputs,
@@ -237,13 +238,8 @@ class _GatheredStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, keys, values, v, bias, lengths, mask, gatherer: GatheredValues):
-        context, weights, _ = torch.ops.seq2seq_fast.additive_attention_fwd(
-            query, keys, values, v, bias, lengths, mask, True
-        )
-        ctx.save_for_backward(query, keys, values, v, bias, lengths, mask, weights)
         ctx.gatherer = gatherer
-        ctx.set_materialize_grads(False)
-        return context, weights
+        return forward_saving_inputs(ctx, query, keys, values, v, bias, lengths, mask)
 
     @staticmethod
     def backward(ctx, grad_context, grad_weights):
