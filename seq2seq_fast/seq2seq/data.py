@@ -159,18 +159,22 @@ def make_batch(
     tgt_width = max(len(t) for _, t in pairs) + 1
     src_width = max(src_width, src_pad_to or 0)
     tgt_width = max(tgt_width, tgt_pad_to or 0)
-    src = torch.full((batch, src_width), PAD_ID, dtype=torch.long)
-    tgt_in = torch.full((batch, tgt_width), PAD_ID, dtype=torch.long)
-    tgt_out = torch.full((batch, tgt_width), PAD_ID, dtype=torch.long)
-    lengths = torch.empty(batch, dtype=torch.long)
-    for i, (s, t) in enumerate(pairs):
-        src[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-        lengths[i] = len(s)
-        tgt_in[i, 0] = BOS_ID
-        tgt_in[i, 1 : len(t) + 1] = torch.as_tensor(t, dtype=torch.long)
-        tgt_out[i, : len(t)] = torch.as_tensor(t, dtype=torch.long)
-        tgt_out[i, len(t)] = EOS_ID
-    return Batch(src, lengths, tgt_in, tgt_out)
+    # Padded rows as Python lists, then one tensor each: a copy per row took 5 ms a batch.
+    src_rows, in_rows, out_rows = [], [], []
+    for s, t in pairs:
+        s, t = _id_list(s), _id_list(t)
+        src_rows.append(s + [PAD_ID] * (src_width - len(s)))
+        in_rows.append([BOS_ID] + t + [PAD_ID] * (tgt_width - 1 - len(t)))
+        out_rows.append(t + [EOS_ID] + [PAD_ID] * (tgt_width - 1 - len(t)))
+    src, tgt_in, tgt_out = (
+        torch.tensor(rows, dtype=torch.long).reshape(batch, -1)
+        for rows in (src_rows, in_rows, out_rows)
+    )
+    return Batch(src, torch.tensor([len(s) for s, _ in pairs], dtype=torch.long), tgt_in, tgt_out)
+
+
+def _id_list(ids: Sequence[int]) -> list[int]:
+    return ids if isinstance(ids, list) else torch.as_tensor(ids, dtype=torch.long).tolist()
 
 
 # --- the reversal task -----------------------------------------------------------------------------

@@ -105,7 +105,8 @@ class TrainConfig:
     lr: float = 3e-3
     weight_decay: float = 0.01
     warmup_steps: int = 100
-    min_lr_ratio: float = 0.02
+    # 0.1: the reversal job ends at 100% held-out (0.02: 99.8%, seeds 0 and 1, 2 threads)
+    min_lr_ratio: float = 0.1
     clip_norm: float = 1.0
     label_smoothing: float = 0.0
     # bf16: the forward under torch.autocast (bf16 products, fp32 master weights and optimiser);
