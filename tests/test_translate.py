@@ -174,6 +174,28 @@ def test_translator_batches_respect_both_limits():
         assert len(batch) <= 4 and len(batch) * max(widths) <= 10
 
 
+@pytest.mark.parametrize("beam", [1, 3])
+def test_workers_translate_the_same_and_keep_the_model_mode(beam):
+    model, vocab = _model("reference", decoder="bahdanau", eos_bias=0.3)
+    texts = [" ".join("abcdefghij"[(i * 7 + j) % 10] for j in range(1 + i % 9)) for i in range(40)]
+    texts[5] = ""
+    options = DecodeOptions(beam=beam, n_best=min(beam, 2))
+    one = Translator(model, vocab, vocab, options=options).translate(texts)
+    model.train()  # the workers' searches must not toggle it under each other
+    threaded = Translator(model, vocab, vocab, options=options, workers=3)
+    assert len(threaded.batches(threaded.encode(texts))) >= 6  # two batches per worker at least
+    counts = []
+    many = threaded.translate(texts, progress=counts.append)
+    assert model.training and sum(counts) == len(texts)
+    assert [r.warning for r in many] == [r.warning for r in one]
+    for a, b in zip(one, many, strict=True):
+        assert a.texts == b.texts and len(a.hypotheses) == len(b.hypotheses)
+        for x, y in zip(a.hypotheses, b.hypotheses, strict=True):
+            assert x.tokens == y.tokens and abs(x.score - y.score) <= 1e-6
+    with pytest.raises(ValueError, match="workers must be an int >= 1, got 0"):
+        Translator(model, vocab, vocab, workers=0)
+
+
 def test_split_lines_counts_like_wc():
     assert split_lines(b"\xef\xbb\xbfa\r\n\nb") == ["a", "", "b"]
     assert split_lines(b"a\n\n") == ["a", ""]
@@ -226,6 +248,17 @@ def test_translate_file_keeps_one_line_per_input(checkpoint, tmp_path, capsys):
     code, out, err = _run(capsys, "translate", "--checkpoint", checkpoint, "--input", source,
                           "--batch-size", "1", "--max-source-tokens", "8")  # fmt: skip
     assert code == 0 and out.split("\n") == lines
+
+
+def test_translate_command_leaves_torch_threads_as_they_were(checkpoint, tmp_path, capsys):
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(LINES) + "\n")
+    before = torch.get_num_threads()
+    for threads in ("1", "2", "3"):
+        code, out, _ = _run(capsys, "translate", "--checkpoint", checkpoint, "--input", source,
+                            "--threads", threads)  # fmt: skip
+        assert code == 0 and len(out.splitlines()) == len(LINES)
+        assert torch.get_num_threads() == before
 
 
 def test_translate_stdin_and_beam_n_best(checkpoint, capsys, monkeypatch):

@@ -251,11 +251,19 @@ def _translator(args, **kwargs):
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: CUDA is not available here")
-    if args.threads is not None:
+    threads = args.threads or torch.get_num_threads()
+    workers = 1
+    if args.device == "cpu" and threads > 1 and getattr(args, "command", None) == "translate":
+        # N batches at once on 1 thread each: decoding's per-step products are too small for
+        # intra-op threads (1,000 sentences, 2 cores: 1.2x the sentences/s of 2 intra-op threads; bench/RESULTS.md)
+        torch.set_num_threads(1)
+        workers = threads
+    elif args.threads is not None:
         torch.set_num_threads(args.threads)
     return Translator.load(
         args.checkpoint, backend=args.backend, device=args.device, beam=args.beam,
-        alpha=args.alpha, beta=args.beta, max_len_factor=args.max_len_factor, **kwargs,
+        alpha=args.alpha, beta=args.beta, max_len_factor=args.max_len_factor, workers=workers,
+        **kwargs,
     )  # fmt: skip
 
 
@@ -360,6 +368,8 @@ def _export(args) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import torch
+
     from seq2seq_fast.seq2seq.checkpoint import CheckpointError
     from seq2seq_fast.seq2seq.data import CorpusError
     from seq2seq_fast.seq2seq.train import TrainError
@@ -371,6 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     handlers = {"train": _train, "translate": _translate, "plot-attention": _plot,
                 "export": _export}  # fmt: skip
+    threads = torch.get_num_threads()
     try:
         return handlers[args.command](args)
     except (CheckpointError, CorpusError, TrainError, ValueError, OSError) as exc:
@@ -379,6 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:  # main() called in-process (tests, notebooks) leaves torch's threads as they were
+        torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":

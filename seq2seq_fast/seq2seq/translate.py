@@ -14,7 +14,8 @@ with a warning naming its line instead of an error, so outputs stay aligned with
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +81,9 @@ class Translator:
     holds ~320 decoder rows: 320 sentences greedy, 64 with beam 5); ``max_tokens``: or at most
     this many source tokens per batch, padding included (whichever is reached first); ``max_source_tokens``: longer inputs
     are skipped with a warning. ``normalization``: the Unicode form the corpus was read with.
+    ``workers``: batches decoded at once on this many Python threads (the ops release the GIL);
+    with torch's intra-op threads at 1 this uses a CPU's cores better than intra-op threads do on
+    decoding's small products (the CLI's ``--threads N`` on CPU: N workers of 1 thread each).
     """
 
     def __init__(
@@ -94,11 +98,13 @@ class Translator:
         max_source_tokens: int = 256,
         normalization: str = "NFKC",
         device: torch.device | str = "cpu",
+        workers: int = 1,
     ) -> None:
         self.options = options or DecodeOptions()
         if batch_size is None:
             batch_size = max(1, ROWS_PER_BATCH // self.options.beam)
-        for name, value in (("batch_size", batch_size), ("max_source_tokens", max_source_tokens)):
+        for name, value in (("batch_size", batch_size), ("max_source_tokens", max_source_tokens),
+                            ("workers", workers)):  # fmt: skip
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
@@ -109,6 +115,7 @@ class Translator:
         self.max_source_tokens = max_source_tokens
         self.normalization = normalization
         self.device = torch.device(device)
+        self.workers = workers
 
     @classmethod
     def load(
@@ -150,13 +157,16 @@ class Translator:
             (i for i, r in enumerate(results) if r.warning is None),
             key=lambda i: len(results[i].source_ids),
         )
+        batch_size = self.batch_size
+        if self.workers > 1:  # at least two batches per worker, so that all are kept busy
+            batch_size = min(batch_size, max(1, -(-len(order) // (2 * self.workers))))
         batches: list[list[int]] = []
         for i in order:
             width = len(results[i].source_ids)  # the longest so far: sorted ascending
             current = batches[-1] if batches else None
             if (
                 current is None
-                or len(current) >= self.batch_size
+                or len(current) >= batch_size
                 or (self.max_tokens is not None and (len(current) + 1) * width > self.max_tokens)
             ):
                 batches.append([i])
@@ -173,14 +183,32 @@ class Translator:
         skipped = sum(r.warning is not None for r in results)
         if progress is not None and skipped:
             progress(skipped)
-        for batch in self.batches(results):
-            for i, hyps in zip(batch, self._decode([results[i].source_ids for i in batch]),
-                               strict=True):  # fmt: skip
-                results[i].hypotheses = hyps
-                results[i].texts = [self.tgt_vocab.decode(h.tokens) for h in hyps]
-            if progress is not None:
-                progress(len(batch))
+        batches = self.batches(results)
+        was_training = self.model.training
+        self.model.eval()  # once, not by each search: the workers' searches overlap
+        try:
+            for batch, decoded in zip(batches, self._decoded(batches, results), strict=True):
+                for i, hyps in zip(batch, decoded, strict=True):
+                    results[i].hypotheses = hyps
+                    results[i].texts = [self.tgt_vocab.decode(h.tokens) for h in hyps]
+                if progress is not None:
+                    progress(len(batch))
+        finally:
+            self.model.train(was_training)
         return results
+
+    def _decoded(
+        self, batches: list[list[int]], results: list[Translation]
+    ) -> Iterator[list[list[Hypothesis]]]:
+        """Each batch's hypotheses, in batch order; on ``workers`` threads when there are more."""
+        def decode(batch: list[int]) -> list[list[Hypothesis]]:
+            return self._decode([results[i].source_ids for i in batch])
+
+        if self.workers == 1 or len(batches) < 2:
+            yield from map(decode, batches)
+            return
+        with ThreadPoolExecutor(min(self.workers, len(batches))) as pool:
+            yield from pool.map(decode, batches)
 
     def _decode(self, sources: list[list[int]]) -> list[list[Hypothesis]]:
         batch = make_batch([(s, [0]) for s in sources])
