@@ -255,7 +255,8 @@ def _translator(args, **kwargs):
     workers = 1
     if args.device == "cpu" and threads > 1 and getattr(args, "command", None) == "translate":
         # N batches at once on 1 thread each: decoding's per-step products are too small for
-        # intra-op threads (1,000 sentences, 2 cores: 1.2x the sentences/s of 2 intra-op threads; bench/RESULTS.md)
+        # intra-op threads (1,000 sentences, 2 cores: 1.2x the sentences/s of 2 intra-op
+        # threads, outputs identical; bench/RESULTS.md)
         torch.set_num_threads(1)
         workers = threads
     elif args.threads is not None:

@@ -201,6 +201,7 @@ class Translator:
         self, batches: list[list[int]], results: list[Translation]
     ) -> Iterator[list[list[Hypothesis]]]:
         """Each batch's hypotheses, in batch order; on ``workers`` threads when there are more."""
+
         def decode(batch: list[int]) -> list[list[Hypothesis]]:
             return self._decode([results[i].source_ids for i in batch])
 
