@@ -196,6 +196,26 @@ def test_workers_translate_the_same_and_keep_the_model_mode(beam):
         Translator(model, vocab, vocab, workers=0)
 
 
+def test_a_failing_worker_batch_stops_the_rest(monkeypatch):
+    import time
+
+    model, vocab = _model("reference")
+    translator = Translator(model, vocab, vocab, batch_size=1, workers=2)
+    calls = []
+
+    def decode(sources):
+        calls.append(len(calls))
+        time.sleep(0.2)
+        if len(calls) == 2:
+            raise RuntimeError("batch failed")
+        return [[] for _ in sources]
+
+    monkeypatch.setattr(translator, "_decode", decode)
+    with pytest.raises(RuntimeError, match="batch failed"):
+        translator.translate(["a b"] * 20)
+    assert len(calls) < 12  # the rest were cancelled, not decoded after the error
+
+
 def test_split_lines_counts_like_wc():
     assert split_lines(b"\xef\xbb\xbfa\r\n\nb") == ["a", "", "b"]
     assert split_lines(b"a\n\n") == ["a", ""]

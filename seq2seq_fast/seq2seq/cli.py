@@ -166,7 +166,9 @@ def _add_decode_options(p) -> None:
                    help="at most ceil(factor * source length) + 1 output tokens")  # fmt: skip
     p.add_argument("--backend", choices=["auto", "fused", "reference"], default="auto")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=_positive_int,
+                   help="CPU threads (default: torch's count); translate decodes this many "
+                   "batches at once, one thread each")  # fmt: skip
 
 
 def _add_translate(sub) -> None:

@@ -208,8 +208,11 @@ class Translator:
         if self.workers == 1 or len(batches) < 2:
             yield from map(decode, batches)
             return
-        with ThreadPoolExecutor(min(self.workers, len(batches))) as pool:
+        pool = ThreadPoolExecutor(min(self.workers, len(batches)))
+        try:
             yield from pool.map(decode, batches)
+        finally:  # an error or Ctrl-C: the batches not started yet are dropped, not decoded
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def _decode(self, sources: list[list[int]]) -> list[list[Hypothesis]]:
         batch = make_batch([(s, [0]) for s in sources])
