@@ -432,18 +432,14 @@ def epoch_batches(
     bucket: int = 50,
 ) -> list[list[int]]:
     """The index lists of one epoch's batches for this rank: a fixed-seed shuffle per epoch, sorted
-    by source then target length within buckets of ``bucket`` batches (less padding), batch order
-    shuffled again.
+    by length within buckets of ``bucket`` batches (less padding), batch order shuffled again.
     Every rank gets the same number of batches."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     order = torch.randperm(len(pairs), generator=generator).tolist()
     chunk = batch_size * bucket
     batches = []
     for start in range(0, len(order), chunk):
-        # by source, then target length: 21% of target positions padding instead of 34%
-        part = sorted(
-            order[start : start + chunk], key=lambda i: (len(pairs[i][0]), len(pairs[i][1]))
-        )
+        part = sorted(order[start : start + chunk], key=lambda i: len(pairs[i][0]))
         batches += [part[i : i + batch_size] for i in range(0, len(part), batch_size)]
     shuffle = torch.randperm(len(batches), generator=generator).tolist()
     batches = [batches[i] for i in shuffle]
