@@ -10,7 +10,8 @@ the same input file (``--input FILE``, or ``--corpus``: ``--sentences`` source s
 .zip holding one), configurations interleaved round by round so that a co-runner hits them alike.
 Reported per configuration: the median wall time (and the part after start-up and loading, from
 the command's closing line), the process's CPU time (user + system: on one thread, what the wall
-time would be on an idle machine; with more threads it includes their spin-waits), sentences/s
+time would be on an idle machine; ``--threads N`` runs N one-thread workers, each decoding its
+own batches, so the CPU time is close to N times the wall time of the decoding), sentences/s
 and output tokens/s over the wall time, the start-up alone (an empty input), and the per-round
 ratios reference/fused and 1/2 threads.
 ``--check-exact`` also runs each beam one sentence at a time (``--batch-size 1``) and counts the
