@@ -148,3 +148,38 @@ def test_a_time_budget_spent_between_evaluations_scores_the_last_model(tmp_path,
     assert (result.final_checkpoint.name, result.final_step) == ("best.pt", 7)
     assert load_checkpoint(tmp_path / "best.pt")["step"] == 7
     assert result.metrics["seq_acc"] == 0.07
+
+
+def _nonfinite_norm_at(monkeypatch, bad_calls: set[int]):
+    """Make clip_grad_norm_ report a NaN gradient norm at the given (1-based) calls."""
+    real = torch.nn.utils.clip_grad_norm_
+    calls = []
+
+    def fake(parameters, max_norm, *args, **kwargs):
+        calls.append(1)
+        norm = real(parameters, max_norm, *args, **kwargs)
+        return torch.full_like(norm, float("nan")) if len(calls) in bad_calls else norm
+
+    monkeypatch.setattr(train_module.nn.utils, "clip_grad_norm_", fake)
+
+
+@pytest.mark.parametrize("clip_norm", [1.0, 0.0])
+def test_a_nonfinite_gradient_skips_the_update(tmp_path, monkeypatch, capsys, clip_norm):
+    _nonfinite_norm_at(monkeypatch, {4, 5, 6})
+    result = train(TrainConfig(**TINY, out=str(tmp_path), clip_norm=clip_norm))
+    assert "step 4: non-finite gradient" in capsys.readouterr().out
+    payload = load_checkpoint(result.checkpoint)
+    assert payload["step"] == TINY["steps_per_epoch"]
+    # the optimiser updated on the other steps only, and the weights stayed finite
+    adam_steps = {float(s["step"]) for s in payload["optimizer"]["state"].values()}
+    assert adam_steps == {TINY["steps_per_epoch"] - 3.0}
+    assert all(torch.isfinite(w).all() for w in payload["model"].values())
+
+
+def test_a_diverged_run_stops_with_a_clear_error_and_finite_weights(tmp_path, monkeypatch):
+    _nonfinite_norm_at(monkeypatch, set(range(6, 6 + train_module.MAX_NONFINITE_STEPS)))
+    with pytest.raises(TrainError, match=r"diverged: .* 20 steps in a row \(steps 6-25.*--lr"):
+        train(TrainConfig(**TINY, out=str(tmp_path)))
+    payload = load_checkpoint(tmp_path / "model.pt")
+    assert payload["step"] == 24
+    assert all(torch.isfinite(w).all() for w in payload["model"].values())

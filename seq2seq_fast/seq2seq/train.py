@@ -533,6 +533,7 @@ class Job:
     best_score: float | None = None  # the best evaluation so far (what best.pt holds)
     evals_since_best: int = 0
     scored_step: int | None = None  # the step whose model track_best scored last
+    nonfinite_steps: int = 0  # steps in a row skipped for a non-finite gradient norm
 
     @property
     def checkpoint_path(self) -> Path:
@@ -623,9 +624,15 @@ def train_step(job: Job, batch: Batch) -> float:
                                     label_smoothing=config.label_smoothing)  # fmt: skip
     job.optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    if config.clip_norm > 0:
-        nn.utils.clip_grad_norm_(job.model.parameters(), config.clip_norm)
-    job.optimizer.step()
+    # The norm of the (all-reduced) gradient, the same on every rank: a non-finite one skips
+    # the update, so that one bad batch does not turn every weight into NaN.
+    max_norm = config.clip_norm if config.clip_norm > 0 else math.inf
+    norm = nn.utils.clip_grad_norm_(job.model.parameters(), max_norm)
+    if bool(torch.isfinite(norm)):
+        job.optimizer.step()
+        job.nonfinite_steps = 0
+    else:
+        _skip_nonfinite_step(job, float(loss.detach()))
     if config.time_budget_min is not None:
         job.clock.elapsed = _synced_elapsed(job.clock.started, job.ctx)
     job.scheduler.step()
@@ -634,6 +641,27 @@ def train_step(job: Job, batch: Batch) -> float:
     loss_value = float(loss.detach())
     job.losses.append(loss_value)
     return loss_value
+
+
+# Steps in a row with a non-finite gradient norm after which a run counts as diverged.
+MAX_NONFINITE_STEPS = 20
+
+
+def _skip_nonfinite_step(job: Job, loss: float) -> None:
+    """A step whose gradient norm is inf or NaN: no update (the weights stay finite). One is
+    reported; MAX_NONFINITE_STEPS in a row save the run's last finite state and stop it."""
+    job.nonfinite_steps += 1
+    config = job.config
+    if job.nonfinite_steps == 1:
+        _log(f"step {job.step + 1}: non-finite gradient (loss {loss}), update skipped", job.ctx)
+    if job.nonfinite_steps >= MAX_NONFINITE_STEPS:
+        save_job(job)
+        raise TrainError(
+            f"training diverged: the gradient was non-finite for {job.nonfinite_steps} steps in a "
+            f"row (steps {job.step + 2 - job.nonfinite_steps}-{job.step + 1}, loss {loss}) at "
+            f"--lr {config.lr:g}; start again with a lower --lr or --clip-norm on (now "
+            f"{config.clip_norm:g}); {job.checkpoint_path} holds the last finite weights"
+        )
 
 
 def _should_stop(job: Job) -> bool:
