@@ -281,6 +281,22 @@ def test_translate_command_leaves_torch_threads_as_they_were(checkpoint, tmp_pat
         assert torch.get_num_threads() == before
 
 
+@pytest.mark.parametrize(("threads", "workers", "each"), [("1", 1, 1), ("3", 3, 1), ("8", 4, 2)])
+def test_translate_threads_become_workers(checkpoint, tmp_path, capsys, monkeypatch, threads,
+                                          workers, each):  # fmt: skip
+    seen = {}
+    load = Translator.load.__func__
+
+    def spy(cls, *args, **kwargs):
+        seen.update(workers=kwargs["workers"], each=torch.get_num_threads())
+        return load(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Translator, "load", classmethod(spy))
+    code, out, _ = _run(capsys, "translate", "--checkpoint", checkpoint, "a b c", "--threads",
+                        threads)  # fmt: skip
+    assert code == 0 and out.strip() and seen == {"workers": workers, "each": each}
+
+
 def test_translate_stdin_and_beam_n_best(checkpoint, capsys, monkeypatch):
     data = ("\n".join(LINES) + "\n").encode()
     monkeypatch.setattr(

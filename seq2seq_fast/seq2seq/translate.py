@@ -83,7 +83,7 @@ class Translator:
     are skipped with a warning. ``normalization``: the Unicode form the corpus was read with.
     ``workers``: batches decoded at once on this many Python threads (the ops release the GIL);
     with torch's intra-op threads at 1 this uses a CPU's cores better than intra-op threads do on
-    decoding's small products (the CLI's ``--threads N`` on CPU: N workers of 1 thread each).
+    decoding's small products (the CLI's ``--threads N`` on CPU: min(N, 4) workers sharing N).
     """
 
     def __init__(
