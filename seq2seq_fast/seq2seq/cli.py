@@ -261,7 +261,7 @@ def _translator(args, **kwargs):
         raise ValueError("--device cuda: CUDA is not available here")
     threads = args.threads or torch.get_num_threads()
     workers = 1
-    if args.device == "cpu" and threads > 1 and getattr(args, "command", None) == "translate":
+    if args.device == "cpu" and threads > 1 and args.command == "translate":
         # Batches at once, each on threads // workers intra-op threads: decoding's per-step
         # products are too small for intra-op threads (1,000 sentences, 2 cores: 2 workers of 1
         # thread gave 1.2x the sentences/s of 2 intra-op threads, outputs identical;
