@@ -2,7 +2,7 @@
 
 import sys
 
-from seq2seq_fast.seq2seq.cli import main
+from seq2seq_fast.seq2seq.cli import console_main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

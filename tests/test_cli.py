@@ -98,3 +98,20 @@ def test_console_script_errors_cleanly(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2
     assert "checkpoint not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_console_script_translates_and_exits_cleanly(checkpoint, tmp_path):
+    """The real process through ``console_main`` (which freezes the garbage collector before the
+    interpreter exits): status 0, every line written to stdout and to --output, nothing lost."""
+    source = tmp_path / "in.txt"
+    source.write_text("a b\n\nc d e\n")
+    target = tmp_path / "out.txt"
+    base = [sys.executable, "-m", "seq2seq_fast", "translate", "--checkpoint", str(checkpoint)]
+    proc = subprocess.run([*base, "--input", str(source)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["b a", "", "e d c"]
+    proc = subprocess.run([*base, "--input", str(source), "--output", str(target)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert target.read_text().splitlines() == ["b a", "", "e d c"]
