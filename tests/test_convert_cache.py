@@ -144,6 +144,31 @@ def test_no_grad_decoding_holds_keys_weakly():
     assert not fused.key_cache._entries
 
 
+def test_transposed_keys_made_contiguous_once():
+    """Keys that are a view (nn.GRU(batch_first=True) returns its output transposed): the same
+    results and gradients, and in no-grad decoding the one contiguous copy goes with the keys."""
+    plain, fused = _pair()
+    results = []
+    for module in (plain, fused):
+        torch.manual_seed(1)
+        time_major = torch.randn(S, B, H, dtype=torch.float64, requires_grad=True)
+        keys = time_major.transpose(0, 1)
+        assert not keys.is_contiguous()
+        query = torch.randn(B, H, dtype=torch.float64, requires_grad=True)
+        _steps(module, keys, query, 4).backward()
+        results.append(_grads(module, time_major, query))  # "keys": the leaf's gradient
+    _assert_same(*results)
+    with torch.no_grad():
+        keys = torch.randn(S, B, H, dtype=torch.float64).transpose(0, 1)
+        query = torch.randn(B, 1, H, dtype=torch.float64)
+        for _ in range(2):
+            torch.testing.assert_close(fused(query, keys), plain(query, keys), atol=1e-12, rtol=0)
+    assert fused.key_cache.hits >= 1 and len(fused.key_cache._entries) == 1
+    del keys
+    gc.collect()
+    assert not fused.key_cache._entries
+
+
 def test_torch_func_bypasses_the_cache():
     plain, fused = _pair()
     keys, query = _inputs()

@@ -98,7 +98,10 @@ class StepwiseMemory:
     """
 
     def __init__(self, keys: Tensor, values: Tensor) -> None:
-        self.keys, self.values = _MemoryNode.apply(keys, values, self)
+        # Made contiguous once here, not by the op at every step: e.g. nn.GRU(batch_first=True)
+        # returns a transposed view, which cost two copies of the memory per step (3% of a
+        # tutorial decoder's training step).
+        self.keys, self.values = _MemoryNode.apply(keys.contiguous(), values.contiguous(), self)
         self._reset(None)
 
     @classmethod

@@ -59,8 +59,11 @@ class FusedTutorialAttention(FusedStandIn):
         first two are the memory's aliases when there is one, else values is None."""
         projected = self.Ua(keys)
         memory = StepwiseMemory.for_training(projected, keys, self.backend)
-        if memory is None:  # values: the call's own keys (the cache holds them weakly)
-            return projected, None, None, projected
+        if memory is None:  # values: the call's own keys (the cache holds them weakly) or,
+            # when they are a view such as nn.GRU(batch_first=True)'s output, one contiguous copy
+            # for all the steps instead of one per step inside the op
+            values = None if keys.is_contiguous() else keys.contiguous()
+            return projected, values, None, projected
         return memory.keys, memory.values, memory, projected
 
     def forward(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
