@@ -183,3 +183,30 @@ def test_a_diverged_run_stops_with_a_clear_error_and_finite_weights(tmp_path, mo
     payload = load_checkpoint(tmp_path / "model.pt")
     assert payload["step"] == 24
     assert all(torch.isfinite(w).all() for w in payload["model"].values())
+
+
+def test_keep_checkpoints_keeps_the_last_epochs_weights(tmp_path, capsys):
+    from seq2seq_fast.seq2seq.checkpoint import export_inference
+
+    stale = tmp_path / "model.epoch9.pt"
+    stale.write_bytes(b"an earlier run's snapshot")
+    config = TrainConfig(**TINY | {"epochs": 3, "steps_per_epoch": 5}, out=str(tmp_path),
+                         keep_checkpoints=2)  # fmt: skip
+    result = train(config)
+    assert (
+        "removed 1 epoch snapshot(s) of an earlier run: model.epoch9.pt" in capsys.readouterr().out
+    )
+    kept = sorted(p.name for p in tmp_path.glob("model.epoch*.pt"))
+    assert kept == ["model.epoch2.pt", "model.epoch3.pt"]
+    last = load_checkpoint(tmp_path / "model.epoch3.pt")
+    assert last["kind"] == "inference" and last["step"] == 15
+    final, *_ = load_model(result.checkpoint)  # epoch 3's end is the last state
+    assert _same(_state(load_model(tmp_path / "model.epoch3.pt")[0]), _state(final))
+    export_inference([tmp_path / n for n in kept], tmp_path / "averaged.pt")
+    averaged, *_ = load_model(tmp_path / "averaged.pt")
+    second, *_ = load_model(tmp_path / "model.epoch2.pt")
+    for name, tensor in _state(averaged).items():
+        expected = (_state(second)[name].double() + _state(final)[name].double()) / 2
+        torch.testing.assert_close(tensor, expected.float(), atol=0, rtol=0, msg=name)
+    with pytest.raises(TrainError, match="keep_checkpoints"):
+        TrainConfig(keep_checkpoints=-1)

@@ -365,3 +365,49 @@ def test_export_translates_the_same_and_cannot_be_resumed(checkpoint, tmp_path, 
     assert code == 0 and (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
     code, _, err = _run(capsys, "train", "--resume", exported, "--no-progress")
     assert code == 2 and "cannot be resumed" in err and "Traceback" not in err
+
+
+def _checkpoint_of(model, vocab, path, **extra):
+    save_checkpoint(
+        {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
+         "model_config": model.config.to_dict(), "src_vocab": vocab.to_state(),
+         "tgt_vocab": vocab.to_state(), "model": model.state_dict(),
+         "train_config": {"task": "reverse"}, **extra},
+        path,
+    )  # fmt: skip
+    return path
+
+
+def test_export_averages_several_checkpoints(tmp_path, capsys):
+    paths, models = [], []
+    for seed in range(3):
+        model, vocab = _model("auto", seed=seed, decoder="gnmt")
+        models.append(model)
+        paths.append(_checkpoint_of(model, vocab, tmp_path / f"model.epoch{seed + 1}.pt"))
+    averaged = tmp_path / "averaged.pt"
+    code, out, err = _run(capsys, "export", "--checkpoint", *paths, "-o", averaged)
+    assert code == 0, err
+    assert "the average of 3 checkpoints" in out
+    payload = load_checkpoint(averaged)
+    assert payload["averaged_from"] == [str(p) for p in paths] and payload["metrics"] == {}
+    for name, tensor in payload["model"].items():
+        expected = sum(m.state_dict()[name].double() for m in models) / 3
+        torch.testing.assert_close(tensor, expected.float(), atol=0, rtol=0, msg=name)
+    code, out, err = _run(capsys, "translate", "--checkpoint", averaged, "a b c")
+    assert code == 0 and len(out.splitlines()) == 1, err
+
+
+def test_export_refuses_to_average_different_models(tmp_path, capsys):
+    model, vocab = _model("auto", decoder="gnmt")
+    first = _checkpoint_of(model, vocab, tmp_path / "a.pt")
+    wider, _ = _model("auto", decoder="bahdanau")
+    other = _checkpoint_of(wider, vocab, tmp_path / "b.pt")
+    code, _, err = _run(capsys, "export", "--checkpoint", first, other, "-o", tmp_path / "x.pt")
+    assert code == 2 and f"cannot average {other} with {first}" in err and "model config" in err
+    small = SymbolVocab(reverse_symbols(6))
+    other = _checkpoint_of(model, small, tmp_path / "c.pt")
+    code, _, err = _run(capsys, "export", "--checkpoint", first, other, "-o", tmp_path / "x.pt")
+    assert code == 2 and "vocabular" in err and "Traceback" not in err
+    code, _, err = _run(capsys, "export", "--checkpoint", first, other, "-o", first)
+    assert code == 2 and "would overwrite" in err
+    assert not (tmp_path / "x.pt").exists()

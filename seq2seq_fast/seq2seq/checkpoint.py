@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,13 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 def load_model(path: str | Path, *, backend: str = "auto", device: str = "cpu"):
     """-> (model in eval mode, src_vocab, tgt_vocab, checkpoint payload)."""
     payload = load_checkpoint(path)
+    model, src_vocab, tgt_vocab = _build_model(payload, path, backend)
+    return model.to(device).eval(), src_vocab, tgt_vocab, payload
+
+
+def _build_model(payload: dict[str, Any], path: str | Path, backend: str = "auto"):
+    """-> (model with the payload's weights, src_vocab, tgt_vocab); CheckpointError naming
+    ``path`` when they do not make one."""
     try:
         config = Seq2SeqConfig.from_dict(dict(payload["model_config"]))
         config.backend = backend
@@ -132,7 +140,7 @@ def load_model(path: str | Path, *, backend: str = "auto", device: str = "cpu"):
         raise CheckpointError(
             f"{path}: checkpoint does not describe a usable model ({exc})"
         ) from None
-    return model.to(device).eval(), src_vocab, tgt_vocab, payload
+    return model, src_vocab, tgt_vocab
 
 
 INFERENCE_KIND = "inference"
@@ -144,23 +152,12 @@ def is_inference_only(payload: dict[str, Any]) -> bool:
     return payload.get("kind") == INFERENCE_KIND
 
 
-def export_inference(
-    checkpoint: str | Path, output: str | Path, *, dtype: str = "float32"
-) -> tuple[int, int]:
-    """Write the weights and vocabularies of ``checkpoint`` (a training checkpoint or an export)
-    to ``output``, floating-point tensors stored as ``dtype`` ("float32", "float16", "bfloat16";
-    loading casts them back to float32). -> (size of output, size of checkpoint) in bytes."""
-    if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype!r}")
-    payload = load_checkpoint(checkpoint)
-    load_model(checkpoint)  # raises CheckpointError unless the weights make a model
+def inference_payload(payload: dict[str, Any], weights: dict[str, Any], dtype: str) -> dict:
+    """The content of an inference-only file: ``weights`` (a state_dict, floating-point tensors
+    stored as ``dtype``) with the model config, vocabularies and metadata of ``payload``."""
     target = EXPORT_DTYPES[dtype]
-    weights = {
-        name: (t.to(target) if t.is_floating_point() else t).clone()
-        for name, t in payload["model"].items()
-    }
     train_config = dict(payload.get("train_config") or {})
-    exported = {
+    return {
         "format": CHECKPOINT_FORMAT,
         "version": CHECKPOINT_VERSION,
         "kind": INFERENCE_KIND,
@@ -168,13 +165,98 @@ def export_inference(
         "model_config": payload["model_config"],
         "src_vocab": payload["src_vocab"],
         "tgt_vocab": payload["tgt_vocab"],
-        "model": weights,
+        "model": {
+            name: (t.to(target) if t.is_floating_point() else t).clone()
+            for name, t in weights.items()
+        },
         "task": payload.get("task", {}),
         "metrics": payload.get("metrics", {}),
+        "step": payload.get("step"),
         "normalization": payload.get("normalization", train_config.get("normalization", "NFKC")),
     }
+
+
+def _model_config(payload: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in dict(payload["model_config"]).items() if k != "backend"}
+
+
+def average_weights(paths: Sequence[str | Path]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The mean of the weights of several checkpoints of one model (training checkpoints or
+    exports, e.g. the last epochs' snapshots that ``train --keep-checkpoints N`` keeps): ->
+    (the last checkpoint's payload, the averaged state_dict). Floating-point tensors are averaged
+    in float64 and stored as float32; other tensors must be equal. The checkpoints must share
+    the model config, the vocabularies and the parameter names and shapes: CheckpointError names
+    the file that differs and how."""
+    if not paths:
+        raise ValueError("no checkpoint to average")
+    payloads = [load_checkpoint(path) for path in paths]
+    first, first_path = payloads[0], paths[0]
+    sums: dict[str, Any] = {}
+    for path, payload in zip(paths, payloads, strict=True):
+        for key, describe in (("model_config", "model config"),
+                              ("src_vocab", "source vocabulary"),
+                              ("tgt_vocab", "target vocabulary")):  # fmt: skip
+            same = (
+                _model_config(payload) == _model_config(first)
+                if key == "model_config"
+                else payload[key] == first[key]
+            )
+            if not same:
+                raise CheckpointError(
+                    f"cannot average {path} with {first_path}: their {describe}s differ "
+                    "(checkpoints of one training run can be averaged)"
+                )
+        weights = payload["model"]
+        if set(weights) != set(first["model"]):
+            missing = sorted(set(first["model"]) ^ set(weights))[:3]
+            raise CheckpointError(
+                f"cannot average {path} with {first_path}: different parameters ({missing})"
+            )
+        for name, tensor in weights.items():
+            reference = first["model"][name]
+            if tensor.shape != reference.shape:
+                raise CheckpointError(
+                    f"cannot average {path} with {first_path}: {name} has shape "
+                    f"{list(tensor.shape)}, not {list(reference.shape)}"
+                )
+            if not tensor.is_floating_point():
+                if not torch.equal(tensor, reference):
+                    raise CheckpointError(
+                        f"cannot average {path} with {first_path}: {name} differs (not a "
+                        "floating-point tensor)"
+                    )
+                sums[name] = tensor
+            else:
+                sums[name] = sums.get(name, 0) + tensor.double()
+    mean = {
+        name: (t / len(paths)).float() if t.is_floating_point() else t for name, t in sums.items()
+    }
+    return payloads[-1], mean
+
+
+def export_inference(
+    checkpoint: str | Path | Sequence[str | Path], output: str | Path, *, dtype: str = "float32"
+) -> tuple[int, int]:
+    """Write the weights and vocabularies of ``checkpoint`` (a training checkpoint or an export;
+    several: their averaged weights, see :func:`average_weights`) to ``output``, floating-point
+    tensors stored as ``dtype`` ("float32", "float16", "bfloat16"; loading casts them back to
+    float32). -> (size of output, size of the (last) checkpoint) in bytes."""
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype!r}")
+    paths = [checkpoint] if isinstance(checkpoint, (str, Path)) else list(checkpoint)
     output = Path(output)
-    if output.resolve() == Path(checkpoint).resolve():
-        raise ValueError(f"-o {output}: would overwrite the checkpoint it is exported from")
+    for path in paths:
+        if output.resolve() == Path(path).resolve():
+            raise ValueError(f"-o {output}: would overwrite the checkpoint it is exported from")
+    if len(paths) == 1:
+        payload = load_checkpoint(paths[0])
+        weights = payload["model"]
+    else:
+        payload, weights = average_weights(paths)
+    _build_model(payload | {"model": weights}, paths[-1])  # CheckpointError unless a model
+    exported = inference_payload(payload, weights, dtype)
+    if len(paths) > 1:  # the last one's metrics are not the average's
+        exported["averaged_from"] = [str(path) for path in paths]
+        exported["metrics"] = {}
     save_checkpoint(exported, output)
-    return output.stat().st_size, Path(checkpoint).stat().st_size
+    return output.stat().st_size, Path(paths[-1]).stat().st_size

@@ -6,6 +6,7 @@
     seq2seq-fast translate --checkpoint model.pt --input test.en --output test.fr --beam 5
     seq2seq-fast plot-attention --checkpoint runs/reverse/model.pt "a b c d" -o attention.png
     seq2seq-fast export --checkpoint model.pt -o model.infer.pt --dtype float16
+    seq2seq-fast export --checkpoint runs/translate/model.epoch*.pt -o averaged.pt
 
 Errors the user can fix (missing or corrupt checkpoint, bad corpus, bad options) print one
 ``error: ...`` line and exit with status 2, without a traceback.
@@ -145,6 +146,9 @@ def _add_train(sub) -> None:
                    help="stop after N evaluations without a new best (default: never)")  # fmt: skip
     g = p.add_argument_group("bookkeeping")
     g.add_argument("--save-every", type=int, help="also checkpoint every N steps")
+    g.add_argument("--keep-checkpoints", type=int, metavar="N",
+                   help="keep the weights of the last N epochs as model.epochE.pt, to average "
+                   "with export")  # fmt: skip
     g.add_argument("--stop-after-steps", type=int, help=argparse.SUPPRESS)
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     g.add_argument("--no-heatmap", dest="heatmap", action="store_false", default=None)
@@ -207,7 +211,9 @@ def _add_export(sub) -> None:
         description="Write the weights and vocabularies of a checkpoint, without optimiser state, "
         "for translate and plot-attention (it cannot be resumed).",
     )
-    p.add_argument("--checkpoint", required=True, help="model.pt written by seq2seq-fast train")
+    p.add_argument("--checkpoint", required=True, nargs="+", metavar="PATH",
+                   help="model.pt written by seq2seq-fast train; several (e.g. the model.epoch*.pt "
+                   "of train --keep-checkpoints): their weights averaged")  # fmt: skip
     p.add_argument("-o", "--output", required=True, help="file to write, e.g. model.infer.pt")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                    help="storage type of the floating-point weights (computation stays float32)")  # fmt: skip
@@ -373,8 +379,13 @@ def _export(args) -> int:
     from seq2seq_fast.seq2seq.checkpoint import export_inference
 
     size, source_size = export_inference(args.checkpoint, args.output, dtype=args.dtype)
+    what = (
+        "the checkpoint is"
+        if len(args.checkpoint) == 1
+        else (f"the average of {len(args.checkpoint)} checkpoints; the last is")
+    )
     print(f"wrote {args.output}: {size / 1e6:.1f} MB ({args.dtype} weights and vocabularies; "
-          f"the checkpoint is {source_size / 1e6:.1f} MB)")  # fmt: skip
+          f"{what} {source_size / 1e6:.1f} MB)")  # fmt: skip
     return 0
 
 

@@ -30,6 +30,7 @@ import copy
 import math
 import os
 import random
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -44,6 +45,7 @@ from seq2seq_fast.seq2seq.checkpoint import (  # noqa: F401 (re-exported: the na
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
     CheckpointError,
+    inference_payload,
     is_inference_only,
     load_checkpoint,
     load_model,
@@ -139,6 +141,9 @@ class TrainConfig:
     time_budget_min: float | None = None
     # bookkeeping
     save_every: int = 0  # also checkpoint every N steps (0 = at epoch ends only)
+    # Keep the weights of the last N epoch ends as model.epochE.pt (inference-only files, to
+    # average with ``seq2seq-fast export --checkpoint model.epoch*.pt``); 0: none.
+    keep_checkpoints: int = 0
     stop_after_steps: int | None = (
         None  # stop (checkpoint) early, schedule unchanged: simulates a kill
     )
@@ -168,6 +173,8 @@ class TrainConfig:
         for name in ("epochs", "steps_per_epoch", "batch_size", "heldout_size"):
             if getattr(self, name) < 1:
                 raise TrainError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.keep_checkpoints < 0:
+            raise TrainError(f"keep_checkpoints must be >= 0, got {self.keep_checkpoints}")
         if self.batch_tokens is not None:
             if self.task != "translate":
                 raise TrainError("--batch-tokens is for --task translate")
@@ -595,6 +602,44 @@ def save_job(job: Job, path: Path | None = None) -> None:
         dist.barrier()
 
 
+SNAPSHOT = re.compile(r"model\.epoch(\d+)\.pt")
+
+
+def snapshots(folder: Path) -> list[Path]:
+    """The epoch snapshots (model.epochE.pt) in ``folder``, oldest epoch first."""
+    epochs = {}
+    for path in folder.glob("model.epoch*.pt"):
+        match = SNAPSHOT.fullmatch(path.name)
+        if match:
+            epochs[path] = int(match.group(1))
+    return sorted(epochs, key=epochs.__getitem__)
+
+
+def save_snapshot(job: Job) -> None:
+    """``keep_checkpoints`` N > 0: the weights at this epoch's end as model.epochE.pt beside
+    model.pt (weights and vocabularies only, as ``export`` writes them), then the snapshots
+    older than the last N removed. Rank 0 writes."""
+    keep = job.config.keep_checkpoints
+    if not keep or not job.ctx.is_main:
+        return
+    payload = {
+        "model_config": job.model.config.to_dict() | {"backend": "auto"},
+        "train_config": asdict(job.config),
+        "task": job.task.info,
+        "src_vocab": job.task.src_vocab.to_state(),
+        "tgt_vocab": job.task.tgt_vocab.to_state(),
+        "metrics": job.metrics,
+        "step": job.step,
+    }
+    folder = job.checkpoint_path.parent
+    save_checkpoint(
+        inference_payload(payload, job.model.state_dict(), "float32"),
+        folder / f"model.epoch{job.epoch}.pt",
+    )
+    for old in snapshots(folder)[:-keep]:
+        old.unlink(missing_ok=True)
+
+
 def evaluate(job: Job, final: bool = False, model: Seq2Seq | None = None) -> dict[str, float]:
     """reverse: held-out accuracies; translate: valid BLEU (``eval_size`` pairs, greedy), or with
     ``final`` the test BLEU (beam ``eval_beam``). Of ``model``, default the job's (last) model."""
@@ -828,6 +873,13 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     job = build_job(config, ctx, payload, started)
+    if resume is None and config.keep_checkpoints and ctx.is_main:
+        stale = snapshots(job.checkpoint_path.parent)  # not this run's: they would mix in
+        for path in stale:
+            path.unlink(missing_ok=True)
+        if stale:
+            _log(f"removed {len(stale)} epoch snapshot(s) of an earlier run: "
+                 f"{', '.join(p.name for p in stale)}", ctx)  # fmt: skip
     if ctx.is_main:
         params = sum(p.numel() for p in job.model.parameters())
         _log(
@@ -851,7 +903,10 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
                 ctx,
             )
             stopped_early = track_best(job) or stopped_early
-        save_job(job)
+            save_job(job)
+            save_snapshot(job)
+        else:
+            save_job(job)
     if job.clock.expired and job.best_score is not None and job.scored_step != job.step:
         # The budget ran out between evaluations: score the last model too, or the final
         # evaluation would take an older best.pt over a better, never scored, last state.
