@@ -232,10 +232,15 @@ class _BeamSearch:
             logp, weights, self.rows.state = _step_log_probs(
                 self.model, self.y, self.rows.state, self.rows.memory, self.rows.limits <= t + 1
             )
-            vocab = logp.shape[-1]
-            candidates = (self.scores.reshape(-1, 1) + logp).reshape(len(sentences), -1)
+            # A sentence's 2K best continuations are among its rows' 2K best tokens each: take
+            # those first (float32, [rows, V]), then add the rows' scores to these few only,
+            # instead of forming and searching all K x V float64 candidates (5% of a search).
+            per_row = min(2 * self.beam, logp.shape[-1])
+            row_logp, row_token = logp.topk(per_row, dim=-1)
+            candidates = (self.scores.reshape(-1, 1) + row_logp).reshape(len(sentences), -1)
             top_scores, top_ids = candidates.topk(min(2 * self.beam, candidates.shape[1]), dim=-1)
-            origin, token = top_ids // vocab, top_ids % vocab
+            origin = top_ids // per_row
+            token = row_token.reshape(len(sentences), -1).gather(1, top_ids)
             is_eos = token == EOS_ID
             attn_now = torch.cat([self.attn_history, weights[:, None, :]], dim=1)
             self._set_aside(t, sentences, top_scores, origin, is_eos, attn_now)
