@@ -18,7 +18,7 @@ from seq2seq_fast.seq2seq.checkpoint import (
     save_checkpoint,
 )
 from seq2seq_fast.seq2seq.cli import main
-from seq2seq_fast.seq2seq.data import EOS_ID, SymbolVocab, make_batch, reverse_symbols
+from seq2seq_fast.seq2seq.data import BOS_ID, EOS_ID, SymbolVocab, make_batch, reverse_symbols
 from seq2seq_fast.seq2seq.decoding import beam_search_nbest, greedy_decode
 from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig
 from seq2seq_fast.seq2seq.translate import DecodeOptions, Translator, split_lines
@@ -99,6 +99,60 @@ def test_batched_beam_search_equals_per_sentence(backend, overrides):
         assert [h.score for h in b] == sorted((h.score for h in b), reverse=True)
         for rank, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_same(x, y, f"sentence {i}, hypothesis {rank}")
+
+
+def _plain_beam_search(model, ids, beam, n_best, alpha=0.6, max_len_factor=2.0):
+    """One sentence, written out: every row's every token scored, sorted in Python; the top K
+    of the 2K best that end in </s> finish (score / ((5 + len) / 6) ** alpha), the best K that do
+    not go on; done with K finished or at the length limit."""
+    import math
+
+    from seq2seq_fast.seq2seq.decoding import _step_log_probs, max_output_lengths
+    from seq2seq_fast.seq2seq.models import map_state
+
+    lengths = torch.tensor([len(ids)])
+    limit = int(max_output_lengths(lengths, max_len_factor, None)[0])
+    memory, state = model.encode(torch.tensor([ids]), lengths)
+    rows = torch.zeros(beam, dtype=torch.long)
+    memory, state = memory.index_select(rows), map_state(lambda s: s.index_select(0, rows), state)
+    hyps = [(0.0, [])] + [(-math.inf, [])] * (beam - 1)
+    y, finished = torch.full((beam,), BOS_ID), []
+    for t in range(limit):
+        at_limit = torch.full((beam,), limit <= t + 1)
+        logp, _, state = _step_log_probs(model, y, state, memory, at_limit)
+        scored = [(hyps[r][0] + float(logp[r, v]), r, v)
+                  for r in range(beam) for v in range(logp.shape[1])]  # fmt: skip
+        best = sorted(scored, key=lambda c: -c[0])[: 2 * beam]
+        for score, r, v in best[:beam]:
+            if v == EOS_ID and math.isfinite(score):
+                finished.append((score / ((5.0 + t + 1) / 6.0) ** alpha, hyps[r][1]))
+        if len(finished) >= beam or limit <= t + 1:
+            break
+        keep = [c for c in best if c[2] != EOS_ID][:beam]
+        order = torch.tensor([r for _, r, _ in keep])
+        state = map_state(lambda s, order=order: s.index_select(0, order), state)
+        hyps = [(score, hyps[r][1] + [v]) for score, r, v in keep]
+        y = torch.tensor([v for _, _, v in keep])
+    return sorted(finished, key=lambda h: -h[0])[:n_best]
+
+
+@pytest.mark.parametrize("beam", [2, 4])
+@pytest.mark.parametrize("eos_bias", [0.3, 1.5])
+def test_beam_search_equals_a_plain_search(beam, eos_bias):
+    """The batched search's candidate selection (each row's 2K best tokens, then the sentence's
+    2K best) against every candidate scored and sorted. A large </s> bias puts </s> among a
+    row's best tokens, so that the K continuations kept can reach past a row's K best."""
+    model, _ = _model("reference", seed=4, eos_bias=eos_bias)
+    sources = _sources(count=6, seed=5)
+    batch = make_batch([(s, [0]) for s in sources])
+    with torch.no_grad():
+        batched = beam_search_nbest(model, batch.src, batch.src_lengths, beam_size=beam,
+                                    n_best=beam)  # fmt: skip
+        for i, ids in enumerate(sources):
+            plain = _plain_beam_search(model, ids, beam, n_best=beam)
+            assert [h.tokens for h in batched[i]] == [tokens for _, tokens in plain], i
+            for h, (score, _) in zip(batched[i], plain, strict=True):
+                assert abs(h.score - score) <= 1e-6, (i, h.score, score)
 
 
 def test_padded_rows_encode_and_attend_exactly():
