@@ -176,8 +176,12 @@ def inference_payload(payload: dict[str, Any], weights: dict[str, Any], dtype: s
     }
 
 
-def _model_config(payload: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in dict(payload["model_config"]).items() if k != "backend"}
+# What checkpoints must share to be averaged, and how to read it from one.
+_SAME_FOR_AVERAGING = {
+    "model config": lambda p: {k: v for k, v in dict(p["model_config"]).items() if k != "backend"},
+    "source vocabulary": lambda p: p["src_vocab"],
+    "target vocabulary": lambda p: p["tgt_vocab"],
+}
 
 
 def average_weights(paths: Sequence[str | Path]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -190,44 +194,32 @@ def average_weights(paths: Sequence[str | Path]) -> tuple[dict[str, Any], dict[s
     if not paths:
         raise ValueError("no checkpoint to average")
     payloads = [load_checkpoint(path) for path in paths]
-    first, first_path = payloads[0], paths[0]
+    first = payloads[0]
     sums: dict[str, Any] = {}
     for path, payload in zip(paths, payloads, strict=True):
-        for key, describe in (("model_config", "model config"),
-                              ("src_vocab", "source vocabulary"),
-                              ("tgt_vocab", "target vocabulary")):  # fmt: skip
-            same = (
-                _model_config(payload) == _model_config(first)
-                if key == "model_config"
-                else payload[key] == first[key]
-            )
-            if not same:
+        mismatch = f"cannot average {path} with {paths[0]}"
+        for what, read in _SAME_FOR_AVERAGING.items():
+            if read(payload) != read(first):
                 raise CheckpointError(
-                    f"cannot average {path} with {first_path}: their {describe}s differ "
-                    "(checkpoints of one training run can be averaged)"
+                    f"{mismatch}: their {what}s differ (checkpoints of one run can be averaged)"
                 )
         weights = payload["model"]
         if set(weights) != set(first["model"]):
-            missing = sorted(set(first["model"]) ^ set(weights))[:3]
-            raise CheckpointError(
-                f"cannot average {path} with {first_path}: different parameters ({missing})"
-            )
+            names = sorted(set(first["model"]) ^ set(weights))[:3]
+            raise CheckpointError(f"{mismatch}: different parameters ({names})")
         for name, tensor in weights.items():
             reference = first["model"][name]
             if tensor.shape != reference.shape:
                 raise CheckpointError(
-                    f"cannot average {path} with {first_path}: {name} has shape "
-                    f"{list(tensor.shape)}, not {list(reference.shape)}"
+                    f"{mismatch}: {name} has shape {list(tensor.shape)}, not "
+                    f"{list(reference.shape)}"
                 )
-            if not tensor.is_floating_point():
-                if not torch.equal(tensor, reference):
-                    raise CheckpointError(
-                        f"cannot average {path} with {first_path}: {name} differs (not a "
-                        "floating-point tensor)"
-                    )
+            if tensor.is_floating_point():
+                sums[name] = sums.get(name, 0) + tensor.double()
+            elif torch.equal(tensor, reference):
                 sums[name] = tensor
             else:
-                sums[name] = sums.get(name, 0) + tensor.double()
+                raise CheckpointError(f"{mismatch}: {name} differs (not a floating-point tensor)")
     mean = {
         name: (t / len(paths)).float() if t.is_floating_point() else t for name, t in sums.items()
     }

@@ -379,11 +379,8 @@ def _export(args) -> int:
     from seq2seq_fast.seq2seq.checkpoint import export_inference
 
     size, source_size = export_inference(args.checkpoint, args.output, dtype=args.dtype)
-    what = (
-        "the checkpoint is"
-        if len(args.checkpoint) == 1
-        else (f"the average of {len(args.checkpoint)} checkpoints; the last is")
-    )
+    count = len(args.checkpoint)
+    what = f"the average of {count} checkpoints; the last is" if count > 1 else "the checkpoint is"
     print(f"wrote {args.output}: {size / 1e6:.1f} MB ({args.dtype} weights and vocabularies; "
           f"{what} {source_size / 1e6:.1f} MB)")  # fmt: skip
     return 0

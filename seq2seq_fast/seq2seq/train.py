@@ -566,6 +566,20 @@ class Job:
         _set_rng_state(rng, self.task.generator)
 
 
+def _model_header(job: Job) -> dict[str, Any]:
+    """What every file of the run says about its model: configs, task, vocabularies, position
+    and metrics (training checkpoints and epoch snapshots alike)."""
+    return {
+        "model_config": job.model.config.to_dict() | {"backend": "auto"},
+        "train_config": asdict(job.config),
+        "task": job.task.info,
+        "src_vocab": job.task.src_vocab.to_state(),
+        "tgt_vocab": job.task.tgt_vocab.to_state(),
+        "step": job.step,
+        "metrics": job.metrics,
+    }
+
+
 def save_job(job: Job, path: Path | None = None) -> None:
     """Checkpoint the job at its position (to ``path``, default model.pt). Every rank's RNG state
     is gathered (so a resumed DDP run continues exactly too); rank 0 writes."""
@@ -580,19 +594,13 @@ def save_job(job: Job, path: Path | None = None) -> None:
             {
                 "format": CHECKPOINT_FORMAT,
                 "version": CHECKPOINT_VERSION,
-                "model_config": job.model.config.to_dict() | {"backend": "auto"},
-                "train_config": asdict(job.config),
-                "task": job.task.info,
-                "src_vocab": job.task.src_vocab.to_state(),
-                "tgt_vocab": job.task.tgt_vocab.to_state(),
+                **_model_header(job),
                 "model": job.model.state_dict(),
                 "optimizer": job.optimizer.state_dict(),
                 "scheduler": job.scheduler.state_dict(),
                 "rng": rng_state,
                 "epoch": job.epoch,
                 "batch_in_epoch": job.batch_in_epoch,
-                "step": job.step,
-                "metrics": job.metrics,
                 "world_size": ctx.world_size,
                 "best": {"score": job.best_score, "evals_since": job.evals_since_best},
             },
@@ -622,18 +630,9 @@ def save_snapshot(job: Job) -> None:
     keep = job.config.keep_checkpoints
     if not keep or not job.ctx.is_main:
         return
-    payload = {
-        "model_config": job.model.config.to_dict() | {"backend": "auto"},
-        "train_config": asdict(job.config),
-        "task": job.task.info,
-        "src_vocab": job.task.src_vocab.to_state(),
-        "tgt_vocab": job.task.tgt_vocab.to_state(),
-        "metrics": job.metrics,
-        "step": job.step,
-    }
     folder = job.checkpoint_path.parent
     save_checkpoint(
-        inference_payload(payload, job.model.state_dict(), "float32"),
+        inference_payload(_model_header(job), job.model.state_dict(), "float32"),
         folder / f"model.epoch{job.epoch}.pt",
     )
     for old in snapshots(folder)[:-keep]:
