@@ -375,6 +375,24 @@ def test_coqui_inexact_variants_are_skipped_with_the_reason(flags, reason):
     assert report.skipped[0].layouts == ("coqui_original",) and reason in report.skipped[0].reason
 
 
+class AttCovLoc(L.AttLoc):
+    """ESPnet's coverage + location attention: AttLoc's parts, but the location convolution reads
+    the sum of the list of all previous steps' weights."""
+
+    def forward(self, enc_hs_pad, enc_hs_len, dec_z, att_prev_list, scaling=2.0):
+        coverage = None if att_prev_list is None else sum(att_prev_list)
+        return super().forward(enc_hs_pad, enc_hs_len, dec_z, coverage, scaling=scaling)
+
+
+def test_espnet_coverage_is_skipped_with_the_reason():
+    attn = AttCovLoc(10, 6, 8, 4, 2)
+    model = nn.ModuleDict({"attn": attn})
+    report = fuse_attention_report(model)
+    assert report.count == 0 and model["attn"] is attn
+    assert report.skipped[0].layouts == ("espnet_att_loc",)
+    assert "coverage" in report.skipped[0].reason and "differs" not in report.skipped[0].reason
+
+
 @requires_cpu_kernel
 def test_espnet_monotonic_constraint_masks_like_the_original():
     torch.manual_seed(3)

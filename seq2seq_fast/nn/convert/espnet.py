@@ -36,6 +36,7 @@ from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
     child_names,
+    forward_defined_in,
     is_linear,
     own_parameter_names,
     register,
@@ -206,6 +207,16 @@ def _match_loc(module: nn.Module) -> bool:
     )  # fmt: skip
 
 
+def _unsupported_loc(module: nn.Module) -> str | None:
+    if forward_defined_in(module, "AttCovLoc"):
+        return (
+            "coverage (ESPnet's AttCovLoc): its location convolution reads the sum of all the "
+            "previous steps' weights, passed as a list; the stand-in takes AttLoc's previous "
+            "step's weights"
+        )
+    return None
+
+
 def _example_call(module: nn.Module, dtype: torch.dtype) -> tuple[tuple, dict]:
     batch, frames = 3, 6
     lengths = [6, 4, 2]
@@ -235,5 +246,6 @@ LAYOUT_LOC = register(
         lambda module, backend: FusedEspnetAttLoc(module, backend),
         _example_call,
         prepare=_prepare,
+        unsupported=_unsupported_loc,
     )
 )
