@@ -561,3 +561,72 @@ def test_location_and_gathered_steps_train_under_autocast(name):
     for a, b in zip(*grads, strict=True):
         assert b.dtype == a.dtype
         torch.testing.assert_close(b, a, atol=3e-2 * float(a.abs().max()), rtol=0)
+
+
+# --- the location convolution ---------------------------------------------------------------------
+
+
+@requires_cpu_kernel
+@pytest.mark.parametrize("isa", ["default", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "batch,channels,frames,filters,width",
+    [
+        (3, 1, 9, 16, 15),  # frames shorter than the kernel
+        (2, 2, 40, 32, 31),  # Tacotron 2's previous + cumulative weights
+        (4, 1, 37, 10, 201),  # ESPnet AttLoc's defaults: 10 filters, 201 taps
+        (1, 3, 16, 7, 1),  # a 1-tap kernel, odd channel and filter counts
+    ],
+)
+def test_location_convolution_equals_conv1d(
+    monkeypatch, isa, dtype, batch, channels, frames, filters, width
+):
+    """The location convolution (the extension's kernel, and the window products it replaced) and
+    both its gradients equal conv1d's with padding K // 2."""
+    from seq2seq_fast.nn.convert._location import _KernelConv, _WindowConv
+
+    if isa != "default":
+        monkeypatch.setenv("SEQ2SEQ_FAST_ISA", isa)
+    gen = torch.Generator().manual_seed(batch * frames + width)
+    features = _rand(gen, dtype, batch, channels, frames).requires_grad_()
+    weight = _rand(gen, dtype, filters, channels, width).requires_grad_()
+    grad = _rand(gen, dtype, batch * frames, filters)
+    expected_out = nn.functional.conv1d(features, weight, padding=width // 2)
+    expected_out = expected_out.transpose(1, 2).reshape(-1, filters)
+    expected = [expected_out, *torch.autograd.grad(expected_out, (features, weight), grad)]
+    tol = dict(atol=1e-12, rtol=1e-10) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-5)
+    for conv in (_KernelConv, _WindowConv):
+        out = conv.apply(features, weight)
+        got = [out, *torch.autograd.grad(out, (features, weight), grad)]
+        for a, b in zip(expected, got, strict=True):
+            torch.testing.assert_close(b, a, **tol)
+
+
+@requires_cpu_kernel
+def test_location_convolution_gradients_asked_for_only():
+    """A gradient that autograd does not ask for is not formed: the weight's alone, and the
+    features' alone, each equal to conv1d's."""
+    from seq2seq_fast.nn.convert._location import location_columns
+
+    gen = torch.Generator().manual_seed(3)
+    features, weight = _rand(gen, torch.float64, 2, 1, 12), _rand(gen, torch.float64, 4, 1, 5)
+    grad = _rand(gen, torch.float64, 24, 4)
+    for leaf in (features, weight):
+        leaf = leaf.clone().requires_grad_()
+        args = (leaf, weight) if leaf.shape == features.shape else (features, leaf)
+        (got,) = torch.autograd.grad(location_columns(*args), leaf, grad)
+        out = nn.functional.conv1d(*args, padding=2).transpose(1, 2).reshape(-1, 4)
+        (expected,) = torch.autograd.grad(out, leaf, grad)
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-10)
+
+
+@requires_cpu_kernel
+def test_location_convolution_refuses_bad_input_by_name():
+    ops = torch.ops.seq2seq_fast
+    with pytest.raises(RuntimeError, match="kernel width must be odd, got 4"):
+        ops._location_conv_fwd(torch.randn(2, 1, 8), torch.randn(3, 1, 4))
+    with pytest.raises(RuntimeError, match=r"weight \[3, 2, 5\] does not match features"):
+        ops._location_conv_fwd(torch.randn(2, 1, 8), torch.randn(3, 2, 5))
+    with pytest.raises(RuntimeError, match=r"grad must be \[B\*T, C\]=\[16, 3\]"):
+        ops._location_conv_bwd(torch.randn(16, 4), torch.randn(2, 1, 8), torch.randn(3, 1, 5),
+                               True, True)  # fmt: skip

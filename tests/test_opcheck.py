@@ -67,7 +67,17 @@ def _recurrent_samples() -> dict[str, tuple]:
     }
 
 
-SAMPLES = {**_attention_samples(), **_recurrent_samples()}
+def _location_samples() -> dict[str, tuple]:
+    gen = torch.Generator().manual_seed(1)
+    features, weight = torch.randn(3, 2, 9, generator=gen), torch.randn(4, 2, 5, generator=gen)
+    grad = torch.randn(27, 4, generator=gen)
+    return {
+        "_location_conv_fwd": (features, weight),
+        "_location_conv_bwd": (grad, features, weight, True, False),
+    }
+
+
+SAMPLES = {**_attention_samples(), **_recurrent_samples(), **_location_samples()}
 
 
 def test_every_op_of_the_library_is_covered():

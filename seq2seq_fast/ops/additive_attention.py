@@ -98,6 +98,18 @@ if CPU_KERNEL_ERROR is None:  # fake kernels of the ops that the extension defin
     def _fast_tanh_fake(x, y, path):
         return torch.empty_like(x)
 
+    # the location convolution of location-aware attention (seq2seq_fast/nn/convert/_location.py)
+    @torch.library.register_fake("seq2seq_fast::_location_conv_fwd")
+    def _location_conv_fwd_fake(features, weight):
+        return features.new_empty(features.shape[0] * features.shape[2], weight.shape[0])
+
+    @torch.library.register_fake("seq2seq_fast::_location_conv_bwd")
+    def _location_conv_bwd_fake(grad, features, weight, need_features, need_weight):
+        return (
+            torch.empty_like(features) if need_features else features.new_empty(0),
+            torch.empty_like(weight) if need_weight else weight.new_empty(0),
+        )
+
 
 def load_cuda_kernels() -> str | None:
     """Import the Triton kernels and register them as the ops' CUDA kernels (once).
