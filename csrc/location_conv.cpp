@@ -36,6 +36,7 @@ struct ConvSizes {
   int64_t B, Cin, T, C, K;
   int64_t J;   // K * Cin, the window length
   int64_t Cp;  // C rounded up to a multiple of 8: whole vectors in the products over filters
+  int64_t Jp;  // J likewise, for the features' gradient
 };
 
 ConvSizes check_conv(const char* op, const Tensor& x, const Tensor& w) {
@@ -50,21 +51,23 @@ ConvSizes check_conv(const char* op, const Tensor& x, const Tensor& w) {
               " and ", w.scalar_type());
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors expected");
   const int64_t C = w.size(0);
-  return {x.size(0), x.size(1), x.size(2), C, w.size(2), w.size(1) * w.size(2), round_up(C, 8)};
+  const int64_t J = w.size(1) * w.size(2);
+  return {x.size(0), x.size(1), x.size(2), C, w.size(2), J, round_up(C, 8), round_up(J, 8)};
 }
 
-// The weight as W2 [J, Cp] (W2[k*Cin + i, c] = w[c, i, k], zero for c >= C) and as W2^T [C, J].
+// The weight as W2 [J, Cp] (W2[k*Cin + i, c] = w[c, i, k], zero for c >= C) and as W2^T [C, Jp]
+// (zero for j >= J).
 template <typename T>
 void window_weights(const Tensor& w, const ConvSizes& n, std::vector<T>& w2, std::vector<T>& w2t) {
   const T* wp = w.data_ptr<T>();
   w2.assign(size_t(n.J * n.Cp), T(0));
-  w2t.assign(size_t(n.C * n.J), T(0));
+  w2t.assign(size_t(n.C * n.Jp), T(0));
   for (int64_t c = 0; c < n.C; ++c)
     for (int64_t i = 0; i < n.Cin; ++i)
       for (int64_t k = 0; k < n.K; ++k) {
         const T value = wp[(c * n.Cin + i) * n.K + k];
         w2[(k * n.Cin + i) * n.Cp + c] = value;
-        w2t[c * n.J + k * n.Cin + i] = value;
+        w2t[c * n.Jp + k * n.Cin + i] = value;
       }
 }
 
@@ -142,7 +145,7 @@ std::tuple<Tensor, Tensor> location_conv_bwd(const Tensor& grad_in, const Tensor
     const int64_t padded = (n.T + n.K - 1) * n.Cin, pad = n.K / 2;
     at::parallel_for(0, n.B, rows_per_task(n), [&](int64_t begin, int64_t end) {
       std::vector<scalar_t> X(static_cast<size_t>(padded));
-      std::vector<scalar_t> M(need_features ? static_cast<size_t>(n.T * n.J) : 0);
+      std::vector<scalar_t> M(need_features ? static_cast<size_t>(n.T * n.Jp) : 0);
       std::vector<scalar_t> grows(n.Cp == n.C ? 0 : static_cast<size_t>(n.T * n.Cp), 0);
       for (int64_t b = begin; b < end; ++b) {
         const scalar_t* gb = gp + b * n.T * n.C;
@@ -156,11 +159,11 @@ std::tuple<Tensor, Tensor> location_conv_bwd(const Tensor& grad_in, const Tensor
           kt.weighted_rows(X.data(), 1, n.Cin, n.J, n.T, gb, n.Cp, parts.data() + b * n.J * n.Cp);
         }
         if (need_features) {  // M = g W2^T [T, J]; each frame's row added into its window
-          kt.weighted_rows(gb, n.Cp, 1, n.T, n.C, w2t.data(), n.J, M.data());
+          kt.weighted_rows(gb, n.Cp, 1, n.T, n.C, w2t.data(), n.Jp, M.data());
           std::fill(X.begin(), X.end(), scalar_t(0));
           for (int64_t t = 0; t < n.T; ++t) {
             scalar_t* dst = X.data() + t * n.Cin;
-            const scalar_t* src = M.data() + t * n.J;
+            const scalar_t* src = M.data() + t * n.Jp;
             for (int64_t j = 0; j < n.J; ++j) dst[j] += src[j];
           }
           for (int64_t i = 0; i < n.Cin; ++i) {
