@@ -233,6 +233,32 @@ void softmax_rows(const KernelTable<T>& kt, T* rows, int64_t nq, int64_t Tk, int
 }
 
 
+// ---- location term ---------------------------------------------------------------------------
+
+// A location-aware step (ESPnet AttLoc, Tacotron 2, ...; caller: seq2seq_fast/nn/convert/
+// _location.py): its keys are projected + conv W^T, with conv [B*Tk, C] the location convolution
+// of the previous weights and W [H, C] the location dense layer's weight. Each item forms its batch
+// row's keys in per-thread scratch (cache-resident) instead of reading a [B, Tk, H] keys tensor
+// that an addmm wrote; the backward forms them again and multiplies its keys gradient out to
+// conv's gradient (rows) and W's (per-item partials, summed in item order).
+template <typename T>
+struct LocationTerm {
+  const T* conv;   // [B*Tk, C]
+  const T* w;      // [H, C]
+  const T* wt;     // W^T [C, H]
+  int64_t C;
+  T* dconv;     // backward: [B*Tk, C], written in full
+  T* dw_parts;  // backward: [items, H, C]
+};
+
+// keys rows s < nk of batch row b: out[s] = projected[s] + conv[s] W^T (rows H long).
+template <typename T>
+void form_location_keys(const KernelTable<T>& kt, const LocationTerm<T>& loc, const T* projected,
+                        int64_t b, int64_t Tk, int64_t H, int64_t nk, T* out) {
+  kt.weighted_rows(loc.conv + b * Tk * loc.C, loc.C, 1, nk, loc.C, loc.wt, H, out);
+  for (int64_t e = 0; e < nk * H; ++e) out[e] += projected[e];
+}
+
 // ---- forward ---------------------------------------------------------------------------------
 
 // One item of the forward: scores of queries [t0, t0 + nq) of batch row b against its valid keys,
@@ -248,6 +274,7 @@ struct ForwardPass {
   const T *qp, *kp, *bp, *valp;
   T *wp, *ctxp;
   float* lp;
+  const LocationTerm<T>* loc = nullptr;  // a location-aware step: keys formed per item
 
   struct Scratch {
     T *qbuf, *kbuf;
@@ -264,9 +291,15 @@ struct ForwardPass {
     const int64_t nk = kv.count(b);
     T* rows = wp + (b * n.Tq + t0) * n.Tk;
     if (nk > 0) {
+      const T* k_rows = kp + b * n.Tk * n.H;
+      if (loc != nullptr) {
+        T* formed = thread_scratch<T>(Slot::kFormedKeys, n.Tk * n.H);
+        form_location_keys<T>(kt, *loc, k_rows, b, n.Tk, n.H, nk, formed);
+        k_rows = formed;
+      }
       const T* kbuf = nullptr;
-      const int path = pack_item<T>(kt, qp + (b * n.Tq + t0) * n.H, nq, kp + b * n.Tk * n.H, nk,
-                                    bp, n.H, Hp, scratch.qbuf, scratch.kbuf, &kbuf);
+      const int path = pack_item<T>(kt, qp + (b * n.Tq + t0) * n.H, nq, k_rows, nk, bp, n.H, Hp,
+                                    scratch.qbuf, scratch.kbuf, &kbuf);
       const bool prod = path == kProduct;
       kt.scores(path, scratch.qbuf, nq, kbuf, nk, Hp,
                 prod ? sv.product.data() : sv.rational.data(), prod ? sv.sum_v : T(0), rows,
@@ -288,7 +321,8 @@ template <typename T>
 std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Tensor& keys_in,
                                                 const Tensor& values_in, const Tensor& v_in,
                                                 const Tensor& bias_in, const KeyValidity& kv,
-                                                const Sizes& n, bool return_weights) {
+                                                const Sizes& n, bool return_weights,
+                                                const LocationTerm<T>* loc = nullptr) {
   const Tensor query = query_in.contiguous(), keys = keys_in.contiguous();
   const Tensor values = values_in.contiguous();
   const Tensor v = v_in.contiguous(), bias = bias_in.contiguous();
@@ -309,7 +343,8 @@ std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Te
                             values.data_ptr<T>(),
                             weights.data_ptr<T>(),
                             context.data_ptr<T>(),
-                            lse.data_ptr<float>()};
+                            lse.data_ptr<float>(),
+                            loc};
   using Scratch = typename ForwardPass<T>::Scratch;
   for_each_item(
       pass.plan, [&] { return pass.make_scratch(); },
@@ -361,6 +396,7 @@ struct BackwardPass {
   const T *qp, *kp, *bp, *valp, *dctxp, *gwp;
   T *pp, *dqp, *dkp, *dvalp;  // dvalp: nullptr when dvalues are not formed by the items
   T *dvp, *dbp;               // per item: dv partial [Hp], dbias partial [H]
+  const LocationTerm<T>* loc = nullptr;  // a location-aware step (needs acc, one item per row)
 
   struct Scratch {
     T *qbuf, *kbuf, *de, *gq, *gk, *dps;
@@ -434,6 +470,20 @@ struct BackwardPass {
     }
   }
 
+  // A location-aware step: the item's keys gradient gk (rows s < nk, stride Hp) multiplied out
+  // to conv's rows of batch row b and to the item's W partial (zeros where nk == 0).
+  void location_grads(int64_t b, int64_t item, int64_t nk, const T* gk) const {
+    T* dconv = loc->dconv + b * n.Tk * loc->C;
+    T* dw = loc->dw_parts + item * n.H * loc->C;
+    if (nk > 0) {
+      kt.weighted_rows(gk, Hp, 1, nk, n.H, loc->w, loc->C, dconv);
+      kt.weighted_rows(gk, 1, Hp, n.H, nk, loc->conv + b * n.Tk * loc->C, loc->C, dw);
+    } else {
+      std::fill(dw, dw + n.H * loc->C, T(0));
+    }
+    std::fill(dconv + nk * loc->C, dconv + n.Tk * loc->C, T(0));
+  }
+
   // dq rows from the unscaled sums, and this item's dbias partial (the sum of its dq rows).
   void query_and_bias_grads(int64_t item, const T* gq, int64_t nq, const T* scale,
                             T* dq_rows) const {
@@ -461,11 +511,18 @@ struct BackwardPass {
     if (nk == 0) {
       if (!have_p) std::fill(p_rows, p_rows + nq * n.Tk, T(0));
       std::fill(dq_rows, dq_rows + nq * n.H, T(0));
+      if (loc != nullptr) location_grads(b, item, 0, nullptr);
       return;
     }
+    const T* k_rows = kp + b * n.Tk * n.H;
+    if (loc != nullptr) {
+      T* formed = thread_scratch<T>(Slot::kFormedKeys, n.Tk * n.H);
+      form_location_keys<T>(kt, *loc, k_rows, b, n.Tk, n.H, nk, formed);
+      k_rows = formed;
+    }
     const T* kbuf = nullptr;
-    const int path = pack_item<T>(kt, qp + (b * n.Tq + t0) * n.H, nq, kp + b * n.Tk * n.H, nk,
-                                  bp, n.H, Hp, s.qbuf, s.kbuf, &kbuf);
+    const int path = pack_item<T>(kt, qp + (b * n.Tq + t0) * n.H, nq, k_rows, nk, bp, n.H, Hp,
+                                  s.qbuf, s.kbuf, &kbuf);
     const bool prod = path == kProduct;
     if (!have_p) {  // the forward's weights, recomputed: scores, then the softmax of each row
       kt.scores(path, s.qbuf, nq, kbuf, nk, Hp, prod ? sv.product.data() : sv.rational.data(),
@@ -478,6 +535,7 @@ struct BackwardPass {
     const T* scale = prod ? sv.grad_product.data() : sv.rational.data();
     T* dk_rows = dkp + (split ? (b * plan.blocks_per_row + blk) : b) * n.Tk * n.H;
     key_and_query_grads(path, s.qbuf, nq, kbuf, nk, s.de, scale, dk_rows, s, gv);
+    if (loc != nullptr) location_grads(b, item, nk, s.gk);
     if (dvalp != nullptr) {
       kt.weighted_rows(p_rows, 1, n.Tk, nk, nq, dctxp + b * n.Tq * n.Dv, n.Dv,
                        dvalp + b * n.Tk * n.Dv);
@@ -518,7 +576,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query_in,
     const Tensor& keys_in, const Tensor& values_in, const Tensor& v_in, const Tensor& bias_in,
     const KeyValidity& kv, const Sizes& n, const Tensor& saved_weights, const Tensor& dkeys_acc,
-    bool want_dvalues) {
+    bool want_dvalues, const LocationTerm<T>* loc = nullptr) {
   const Tensor query = query_in.contiguous(), keys = keys_in.contiguous();
   const Tensor values = values_in.contiguous(), dctx = grad_context.contiguous();
   const Tensor v = v_in.contiguous(), bias = bias_in.contiguous();
@@ -544,7 +602,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
                              gw.defined() ? gw.data_ptr<T>() : nullptr, probs.data_ptr<T>(),
                              dq.data_ptr<T>(), (split ? dk_parts : dk).data_ptr<T>(),
                              dvalues_in_items ? dvalues.data_ptr<T>() : nullptr, dv_parts.get(),
-                             db_parts.get()};
+                             db_parts.get(), loc};
   using Scratch = typename BackwardPass<T>::Scratch;
   for_each_item(
       plan, [&] { return pass.make_scratch(); },
@@ -672,6 +730,138 @@ std::tuple<Tensor, Tensor, Tensor> additive_attention_bwd_accumulate(
 }
 
 
+// ---- location-aware steps ---------------------------------------------------------------------
+
+struct LocationSizes {
+  Sizes n;
+  int64_t C;
+};
+
+// The checks of a location-aware step's inputs: query [B, 1, H], projected [B, Tk, H] (in keys'
+// place), conv [B*Tk, C], weight [H, C]; float32 or float64.
+LocationSizes check_location(const char* op, const Tensor& query, const Tensor& projected,
+                             const Tensor& conv, const Tensor& weight, const Tensor& values,
+                             const Tensor& v, const Tensor& bias,
+                             const std::optional<Tensor>& lengths,
+                             const std::optional<Tensor>& mask) {
+  const Sizes n = check_inputs(op, query, projected, values, v, bias, lengths, mask);
+  TORCH_CHECK(n.Tq == 1, op, ": one query per batch row (a decoder step), got query ",
+              query.sizes());
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kDouble, op,
+              ": float32 or float64 expected, got ", query.scalar_type());
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == n.H, op, ": weight must be [H=", n.H,
+              ", C], got ", weight.sizes());
+  const int64_t C = weight.size(1);
+  TORCH_CHECK(conv.dim() == 2 && conv.size(0) == n.B * n.Tk && conv.size(1) == C, op,
+              ": conv must be [B*Tk, C]=[", n.B * n.Tk, ", ", C, "], got ", conv.sizes());
+  for (const Tensor* t : {&conv, &weight}) {
+    TORCH_CHECK(t->scalar_type() == query.scalar_type() && t->device().is_cpu(), op,
+                ": conv and weight must be CPU tensors of query's dtype ", query.scalar_type(),
+                ", got ", t->scalar_type(), " on ", t->device());
+  }
+  return {n, C};
+}
+
+// One location-aware step: (context [B, 1, Dv], weights [B, 1, Tk]) of query against the keys
+// projected + conv weight^T, which are never materialised.
+std::tuple<Tensor, Tensor> location_attention_fwd(const Tensor& query, const Tensor& projected,
+                                                  const Tensor& conv_in, const Tensor& weight_in,
+                                                  const Tensor& values, const Tensor& v,
+                                                  const Tensor& bias,
+                                                  const std::optional<Tensor>& lengths,
+                                                  const std::optional<Tensor>& mask) {
+  const char* op = "seq2seq_fast::_location_attention_fwd";
+  const NoAutocast no_autocast;
+  const LocationSizes sizes = check_location(op, query, projected, conv_in, weight_in, values, v,
+                                             bias, lengths, mask);
+  const Sizes& n = sizes.n;
+  const int64_t C = sizes.C;
+  const KeyValidity kv = key_validity(op, lengths, mask, n.Tk);
+  const auto opts = query.options();
+  if (n.B == 0) return {at::zeros({n.B, n.Tq, n.Dv}, opts), at::zeros({n.B, n.Tq, n.Tk}, opts)};
+  const Tensor conv = conv_in.contiguous(), weight = weight_in.contiguous();
+  const Tensor wt = weight.t().contiguous();
+  std::tuple<Tensor, Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "_location_attention_fwd", [&] {
+    const LocationTerm<scalar_t> loc{conv.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                                     wt.data_ptr<scalar_t>(), C, nullptr, nullptr};
+    auto [context, weights, lse] =
+        forward_impl<scalar_t>(query, projected, values, v, bias, kv, n, true, &loc);
+    out = {context, weights};
+  });
+  return out;
+}
+
+// Its backward: the keys gradient is added into grad_projected (in place; a decoder's steps sum
+// there) and multiplied out to conv's and weight's; no values gradient (the caller forms it once
+// for all steps, as for _additive_attention_bwd_accumulate). Returns (dquery, dconv, dweight, dv,
+// dbias).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> location_attention_bwd(
+    const Tensor& grad_context_in, const std::optional<Tensor>& grad_weights,
+    const Tensor& query, const Tensor& projected, const Tensor& conv_in, const Tensor& weight_in,
+    const Tensor& values, const Tensor& v, const Tensor& bias,
+    const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
+    const Tensor& weights, const Tensor& grad_projected) {
+  const char* op = "seq2seq_fast::_location_attention_bwd";
+  const NoAutocast no_autocast;
+  const LocationSizes sizes = check_location(op, query, projected, conv_in, weight_in, values, v,
+                                             bias, lengths, mask);
+  const Sizes& n = sizes.n;
+  const int64_t C = sizes.C;
+  const std::vector<int64_t> ctx_shape{n.B, n.Tq, n.Dv};
+  TORCH_CHECK(grad_context_in.sizes() == at::IntArrayRef(ctx_shape) &&
+                  grad_context_in.scalar_type() == query.scalar_type(),
+              op, ": grad_context must be [B, 1, Dv]=[", n.B, ", 1, ", n.Dv, "] of query's dtype, got ",
+              grad_context_in.sizes(), " ", grad_context_in.scalar_type());
+  const std::vector<int64_t> p_shape{n.B, n.Tq, n.Tk};
+  TORCH_CHECK(weights.sizes() == at::IntArrayRef(p_shape) && weights.scalar_type() == query.scalar_type(), op,
+              ": weights must be the forward's [B, 1, Tk]=[", n.B, ", 1, ", n.Tk, "], got ",
+              weights.sizes());
+  TORCH_CHECK(!grad_weights.has_value() ||
+                  (grad_weights->sizes() == at::IntArrayRef(p_shape) &&
+                   grad_weights->scalar_type() == query.scalar_type()),
+              op, ": grad_weights must be [B, 1, Tk] of query's dtype, got ",
+              grad_weights.has_value() ? grad_weights->sizes() : at::IntArrayRef());
+  TORCH_CHECK(grad_projected.sizes() == projected.sizes() &&
+                  grad_projected.scalar_type() == query.scalar_type() &&
+                  grad_projected.device().is_cpu() && grad_projected.is_contiguous(),
+              op, ": grad_projected must be a contiguous CPU tensor of projected's shape ",
+              projected.sizes(), " and dtype, got ", grad_projected.sizes(), " ",
+              grad_projected.scalar_type());
+  const KeyValidity kv = key_validity(op, lengths, mask, n.Tk);
+  const auto opts = query.options();
+  Tensor dconv = at::empty({n.B * n.Tk, C}, opts);
+  if (n.B == 0) {
+    return {at::zeros_like(query), dconv, at::zeros_like(weight_in), at::zeros_like(v),
+            at::zeros_like(bias)};
+  }
+  const Plan plan = make_plan(n.B, n.Tq, n.Tk, n.H);
+  TORCH_CHECK(plan.blocks_per_row == 1, op, ": internal: a step's batch row split over items");
+  const Tensor conv = conv_in.contiguous(), weight = weight_in.contiguous();
+  const Tensor wt = weight.t().contiguous();
+  Tensor dweight = at::empty({n.H, C}, opts);
+  std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "_location_attention_bwd", [&] {
+    std::vector<scalar_t> dw_parts(static_cast<size_t>(plan.items * n.H * C));
+    const LocationTerm<scalar_t> loc{conv.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
+                                     wt.data_ptr<scalar_t>(),   C,
+                                     dconv.data_ptr<scalar_t>(), dw_parts.data()};
+    auto [dq, dk, dvalues, dv, dbias] =
+        backward_impl<scalar_t>(grad_context_in, grad_weights, query, projected, values, v, bias,
+                                kv, n, weights, grad_projected, false, &loc);
+    std::vector<double> sum(static_cast<size_t>(n.H * C), 0.0);  // item order: reproducible
+    for (int64_t item = 0; item < plan.items; ++item) {
+      const scalar_t* part = dw_parts.data() + item * n.H * C;
+      for (int64_t e = 0; e < n.H * C; ++e) sum[e] += part[e];
+    }
+    scalar_t* dwp = dweight.data_ptr<scalar_t>();
+    for (int64_t e = 0; e < n.H * C; ++e) dwp[e] = scalar_t(sum[e]);
+    out = {dq, dconv, dweight, dv, dbias};
+  });
+  return out;
+}
+
+
 }  // namespace
 }  // namespace seq2seq_fast
 
@@ -693,4 +883,22 @@ TORCH_LIBRARY_FRAGMENT(seq2seq_fast, m) {
 
 TORCH_LIBRARY_IMPL(seq2seq_fast, CPU, m) {
   m.impl("_additive_attention_bwd_accumulate", &seq2seq_fast::additive_attention_bwd_accumulate);
+}
+
+// A location-aware decoder step (private; caller seq2seq_fast/nn/convert/_location.py, fake
+// kernels in seq2seq_fast/ops/additive_attention.py).
+TORCH_LIBRARY_FRAGMENT(seq2seq_fast, m) {
+  m.def(
+      "_location_attention_fwd(Tensor query, Tensor projected, Tensor conv, Tensor weight, "
+      "Tensor values, Tensor v, Tensor bias, Tensor? lengths, Tensor? mask) -> (Tensor, Tensor)");
+  m.def(
+      "_location_attention_bwd(Tensor grad_context, Tensor? grad_weights, Tensor query, "
+      "Tensor projected, Tensor conv, Tensor weight, Tensor values, Tensor v, Tensor bias, "
+      "Tensor? lengths, Tensor? mask, Tensor weights, Tensor(a!) grad_projected) -> (Tensor, "
+      "Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(seq2seq_fast, CPU, m) {
+  m.impl("_location_attention_fwd", &seq2seq_fast::location_attention_fwd);
+  m.impl("_location_attention_bwd", &seq2seq_fast::location_attention_bwd);
 }

@@ -48,6 +48,7 @@ enum class Slot : int {
   kValueGrads,    // the backward's dp = dL/dweights of an item [block, Tk]
   kQueryGrads,    // the backward's unscaled query gradients [block, Hp]
   kKeyGrads,      // the backward's unscaled key gradients [Tk, Hp]
+  kFormedKeys,    // a location-aware step's keys of one batch row [Tk, H]
   kCount
 };
 

@@ -71,9 +71,19 @@ def _location_samples() -> dict[str, tuple]:
     gen = torch.Generator().manual_seed(1)
     features, weight = torch.randn(3, 2, 9, generator=gen), torch.randn(4, 2, 5, generator=gen)
     grad = torch.randn(27, 4, generator=gen)
+    query, projected, values, v, bias = make_inputs(3, 1, 9, 16, 5, torch.float32)
+    lengths, _ = key_masks("lengths", 3, 9)
+    conv, dense = torch.randn(27, 4, generator=gen), torch.randn(16, 4, generator=gen)
+    inputs = (query, projected, conv, dense, values, v, bias, lengths, None)
+    context, weights = OPS._location_attention_fwd(*inputs)
     return {
         "_location_conv_fwd": (features, weight),
         "_location_conv_bwd": (grad, features, weight, True, False),
+        "_location_attention_fwd": inputs,
+        "_location_attention_bwd": (
+            torch.randn_like(context), torch.randn_like(weights), *inputs, weights,
+            torch.randn_like(projected),
+        ),  # fmt: skip
     }
 
 

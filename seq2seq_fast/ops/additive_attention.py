@@ -98,7 +98,26 @@ if CPU_KERNEL_ERROR is None:  # fake kernels of the ops that the extension defin
     def _fast_tanh_fake(x, y, path):
         return torch.empty_like(x)
 
-    # the location convolution of location-aware attention (seq2seq_fast/nn/convert/_location.py)
+    # location-aware attention's steps and convolution (seq2seq_fast/nn/convert/_location.py)
+    @torch.library.register_fake("seq2seq_fast::_location_attention_fwd")
+    def _location_attention_fwd_fake(query, projected, conv, weight, values, v, bias, lengths, mask):
+        batch, frames = projected.shape[:2]
+        return query.new_empty(batch, 1, values.shape[2]), query.new_empty(batch, 1, frames)
+
+    @torch.library.register_fake("seq2seq_fast::_location_attention_bwd")
+    def _location_attention_bwd_fake(
+        grad_context, grad_weights, query, projected, conv, weight, values, v, bias, lengths, mask,
+        weights, grad_projected,
+    ):  # fmt: skip
+        # grad_projected is updated in place; (dquery, dconv, dweight, dv, dbias) are new
+        return (
+            torch.empty_like(query),
+            torch.empty_like(conv),
+            torch.empty_like(weight),
+            torch.empty_like(v),
+            torch.empty_like(bias),
+        )
+
     @torch.library.register_fake("seq2seq_fast::_location_conv_fwd")
     def _location_conv_fwd_fake(features, weight):
         return features.new_empty(features.shape[0] * features.shape[2], weight.shape[0])

@@ -5,13 +5,14 @@ step t's previous weights and W [A, C] the location dense layer's weight.
 
 Through plain ops (and the original), a step writes the location term [B, T, A], then the keys,
 and its backward a keys gradient [B, T, A] and a values gradient [B, T, Dv] that autograd adds
-into P's and the values'. On the fused CPU kernel, :class:`LocationMemory` runs a step as: keys
-by one addmm (P plus the dense product, no location term written), the fused op's forward, and
-in the backward the accumulating kernel into one zeroed scratch buffer of the sequence (no values'
-gradient), from which the keys gradient is added into the sequence's P gradient and multiplied out
-to the dense layer's input and weight gradients. The values' and P's gradients of all the steps are
-returned once, when the backward reaches them. Results equal the plain computation's up to float
-rounding (sums taken in another order).
+into P's and the values'. On the fused CPU kernel, :class:`LocationMemory` runs a step as two
+extension ops (csrc/additive_attention.cpp, "location-aware steps"): the forward forms each batch
+row's keys P + conv_t W^T in per-thread scratch and scores them there (no [B, T, A] tensor is
+written or saved), and the backward forms them again, adds the keys gradient into the sequence's
+P gradient and multiplies it out to conv_t's and W's gradients in the same pass (no values'
+gradient). The location convolution is the extension's too (csrc/location_conv.cpp). The values'
+and P's gradients of all the steps are returned once, when the backward reaches them. Results
+equal the plain computation's up to float rounding (sums taken in another order).
 
 Not a layout itself (the leading underscore keeps the package from importing it as one).
 """
@@ -130,44 +131,48 @@ def location_keys(
 
 class _LocationStep(torch.autograd.Function):
     """One step: (context [B, 1, Dv], weights [B, 1, T]) of query [B, 1, A] against keys
-    projected + conv @ weight^T (see the module docstring)."""
+    projected + conv @ weight^T, formed inside the kernels (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, query, projected, conv, weight, values, v, bias, lengths, mask, memory):
-        width = projected.shape[-1]
-        keys = torch.addmm(projected.view(-1, width), conv, weight.t()).view_as(projected)
-        context, weights, _ = torch.ops.seq2seq_fast.additive_attention_fwd(
-            query, keys, values, v, bias, lengths, mask, True
+        context, weights = torch.ops.seq2seq_fast._location_attention_fwd(
+            query, projected, conv, weight, values, v, bias, lengths, mask
         )
-        ctx.save_for_backward(query, keys, conv, weight, values, v, bias, lengths, mask, weights)
+        saved = (query, projected, conv, weight, values, v, bias, lengths, mask, weights)
+        ctx.save_for_backward(*saved)
         ctx.memory = memory
         ctx.set_materialize_grads(False)
         return context, weights
 
     @staticmethod
     def backward(ctx, grad_context, grad_weights):
-        query, keys, conv, weight, values, v, bias, lengths, mask, weights = ctx.saved_tensors
+        query, projected, conv, weight, values, v, bias, lengths, mask, weights = ctx.saved_tensors
         memory: LocationMemory = ctx.memory
         if grad_context is None:
             grad_context = query.new_zeros((*query.shape[:2], values.shape[2]))
         else:
             grad_context = grad_context.contiguous()
-        grad_keys = memory._grad_scratch()
-        grad_query, grad_v, grad_bias = torch.ops.seq2seq_fast._additive_attention_bwd_accumulate(
+        grads = torch.ops.seq2seq_fast._location_attention_bwd(
             grad_context, None if grad_weights is None else grad_weights.contiguous(),
-            query, keys, values, v, bias, lengths, mask, weights, grad_keys,
+            query, projected, conv, weight, values, v, bias, lengths, mask, weights,
+            memory._accumulator(),
         )  # fmt: skip
+        grad_query, grad_conv, grad_weight, grad_v, grad_bias = grads
         needs = ctx.needs_input_grad
-        memory._record(
-            weights[:, 0] if needs[4] else None,
-            grad_context[:, 0],
-            grad_keys if needs[1] else None,
-        )
-        flat = grad_keys.view(-1, grad_keys.shape[-1])
-        grad_conv = flat.mm(weight) if needs[2] else None
-        grad_weight = flat.t().mm(conv) if needs[3] else None
+        memory._record(weights[:, 0] if needs[4] else None, grad_context[:, 0])
         return guard_double_backward(
-            (grad_query, None, grad_conv, grad_weight, None, grad_v, grad_bias, None, None, None)
+            (
+                grad_query,
+                None,
+                grad_conv if needs[2] else None,
+                grad_weight if needs[3] else None,
+                None,
+                grad_v,
+                grad_bias,
+                None,
+                None,
+                None,
+            )
         )
 
 
@@ -182,7 +187,6 @@ class LocationMemory:
         self.sources = (projected, values)
         self.projected, self.values = _MemoryNode.apply(projected, values, self)
         self.spent = False
-        self._grad_buffer: Tensor | None = None
         self._reset(None)
 
     def __deepcopy__(self, memo: dict) -> None:
@@ -233,37 +237,34 @@ class LocationMemory:
         )
         return context.squeeze(1), weights.squeeze(1)
 
-    def _grad_scratch(self) -> Tensor:
-        if self._grad_buffer is None:
-            self._grad_buffer = torch.zeros_like(self.sources[0])
-        else:
-            self._grad_buffer.zero_()
-        return self._grad_buffer
-
     def _reset(self, task: int | None) -> None:
         self._task = task
         self._grad_projected: Tensor | None = None
         self._weights: list[Tensor] = []
         self._grad_contexts: list[Tensor] = []
 
-    def _record(self, weights: Tensor | None, grad_context: Tensor, grad_keys: Tensor | None):
+    def _accumulator(self) -> Tensor:
+        """P's gradient in this backward pass, which each step's kernel adds its keys gradient
+        into (zeros before the pass's first step)."""
         task = torch._C._current_graph_task_id()
         if task != self._task:  # a new backward pass: nothing of an earlier one counts
             self._reset(task)
+        if self._grad_projected is None:
+            self._grad_projected = torch.zeros_like(self.sources[0])
+        return self._grad_projected
+
+    def _record(self, weights: Tensor | None, grad_context: Tensor) -> None:
+        """A step's weights and context gradient, for the values' gradient (after
+        :meth:`_accumulator` in the same step's backward)."""
         if weights is not None:
             self._weights.append(weights)
             self._grad_contexts.append(grad_context)
-        if grad_keys is not None:
-            if self._grad_projected is None:
-                self._grad_projected = grad_keys.clone()
-            else:
-                self._grad_projected.add_(grad_keys)
 
     def _collect(self) -> tuple[Tensor | None, Tensor | None]:
         """(dP, dvalues) gathered in this backward pass (None: no step contributed). The memory
         is spent: it lets go of its tensors (the module keeps it until its next sequence)."""
         self.spent = True
-        self.sources, self._grad_buffer = (None, None), None
+        self.sources = (None, None)
         self.projected = self.values = None
         if self._task != torch._C._current_graph_task_id():
             self._reset(None)
