@@ -243,12 +243,13 @@ void softmax_rows(const KernelTable<T>& kt, T* rows, int64_t nq, int64_t Tk, int
 // conv's gradient (rows) and W's (per-item partials, summed in item order).
 template <typename T>
 struct LocationTerm {
-  const T* conv;   // [B*Tk, C]
-  const T* w;      // [H, C]
-  const T* wt;     // W^T [C, H]
+  const T* conv;  // [B*Tk, C]
+  const T* wt;    // W^T [C, H]
   int64_t C;
-  T* dconv;     // backward: [B*Tk, C], written in full
-  T* dw_parts;  // backward: [items, H, C]
+  const T* w;    // backward: W [H, C]
+  const T* wtp;  // backward: W^T with rows padded to Hp [C, Hp]
+  T* dconv;      // backward: [B*Tk, C], written in full
+  T* dw_parts;   // backward: W^T's gradient per item [items, C, Hp]
 };
 
 // keys rows s < nk of batch row b: out[s] = projected[s] + conv[s] W^T (rows H long).
@@ -470,16 +471,22 @@ struct BackwardPass {
     }
   }
 
-  // A location-aware step: the item's keys gradient gk (rows s < nk, stride Hp) multiplied out
-  // to conv's rows of batch row b and to the item's W partial (zeros where nk == 0).
+  // A location-aware step: the item's keys gradient gk (rows s < nk, stride Hp; zero beyond H)
+  // multiplied out to conv's rows of batch row b and to the item's W^T partial [C, Hp] (rows Hp
+  // long: whole vectors for any C); zeros where nk == 0. conv's rows are C long: a product over
+  // W's rows when C is a multiple of 8, else dots of H-long rows (no scalar tail columns).
   void location_grads(int64_t b, int64_t item, int64_t nk, const T* gk) const {
     T* dconv = loc->dconv + b * n.Tk * loc->C;
-    T* dw = loc->dw_parts + item * n.H * loc->C;
+    T* dwt = loc->dw_parts + item * loc->C * Hp;
     if (nk > 0) {
-      kt.weighted_rows(gk, Hp, 1, nk, n.H, loc->w, loc->C, dconv);
-      kt.weighted_rows(gk, 1, Hp, n.H, nk, loc->conv + b * n.Tk * loc->C, loc->C, dw);
+      if (loc->C % 8 == 0) {
+        kt.weighted_rows(gk, Hp, 1, nk, n.H, loc->w, loc->C, dconv);
+      } else {
+        kt.dots(gk, nk, loc->wtp, loc->C, Hp, dconv, loc->C);
+      }
+      kt.weighted_rows(loc->conv + b * n.Tk * loc->C, 1, loc->C, loc->C, nk, gk, Hp, dwt);
     } else {
-      std::fill(dw, dw + n.H * loc->C, T(0));
+      std::fill(dwt, dwt + loc->C * Hp, T(0));
     }
     std::fill(dconv + nk * loc->C, dconv + n.Tk * loc->C, T(0));
   }
@@ -783,8 +790,8 @@ std::tuple<Tensor, Tensor> location_attention_fwd(const Tensor& query, const Ten
   const Tensor wt = weight.t().contiguous();
   std::tuple<Tensor, Tensor> out;
   AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "_location_attention_fwd", [&] {
-    const LocationTerm<scalar_t> loc{conv.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
-                                     wt.data_ptr<scalar_t>(), C, nullptr, nullptr};
+    const LocationTerm<scalar_t> loc{conv.data_ptr<scalar_t>(), wt.data_ptr<scalar_t>(), C,
+                                     nullptr, nullptr, nullptr, nullptr};
     auto [context, weights, lse] =
         forward_impl<scalar_t>(query, projected, values, v, bias, kv, n, true, &loc);
     out = {context, weights};
@@ -842,20 +849,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> location_attention_bwd(
   Tensor dweight = at::empty({n.H, C}, opts);
   std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out;
   AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "_location_attention_bwd", [&] {
-    std::vector<scalar_t> dw_parts(static_cast<size_t>(plan.items * n.H * C));
-    const LocationTerm<scalar_t> loc{conv.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(),
-                                     wt.data_ptr<scalar_t>(),   C,
-                                     dconv.data_ptr<scalar_t>(), dw_parts.data()};
+    const int64_t Hp = round_up(n.H, kPadTo);
+    std::vector<scalar_t> dw_parts(static_cast<size_t>(plan.items * C * Hp));
+    std::vector<scalar_t> wtp(static_cast<size_t>(C * Hp), scalar_t(0));
+    const scalar_t* wtr = wt.data_ptr<scalar_t>();
+    for (int64_t c = 0; c < C; ++c) std::copy(wtr + c * n.H, wtr + (c + 1) * n.H, &wtp[c * Hp]);
+    const LocationTerm<scalar_t> loc{conv.data_ptr<scalar_t>(),  wtr,        C,
+                                     weight.data_ptr<scalar_t>(), wtp.data(), dconv.data_ptr<scalar_t>(),
+                                     dw_parts.data()};
     auto [dq, dk, dvalues, dv, dbias] =
         backward_impl<scalar_t>(grad_context_in, grad_weights, query, projected, values, v, bias,
                                 kv, n, weights, grad_projected, false, &loc);
-    std::vector<double> sum(static_cast<size_t>(n.H * C), 0.0);  // item order: reproducible
+    std::vector<double> sum(static_cast<size_t>(C * Hp), 0.0);  // item order: reproducible
     for (int64_t item = 0; item < plan.items; ++item) {
-      const scalar_t* part = dw_parts.data() + item * n.H * C;
-      for (int64_t e = 0; e < n.H * C; ++e) sum[e] += part[e];
+      const scalar_t* part = dw_parts.data() + item * C * Hp;
+      for (int64_t e = 0; e < C * Hp; ++e) sum[e] += part[e];
     }
-    scalar_t* dwp = dweight.data_ptr<scalar_t>();
-    for (int64_t e = 0; e < n.H * C; ++e) dwp[e] = scalar_t(sum[e]);
+    scalar_t* dwp = dweight.data_ptr<scalar_t>();  // [H, C] from W^T's [C, Hp]
+    for (int64_t h = 0; h < n.H; ++h)
+      for (int64_t c = 0; c < C; ++c) dwp[h * C + c] = scalar_t(sum[c * Hp + h]);
     out = {dq, dconv, dweight, dv, dbias};
   });
   return out;

@@ -633,10 +633,12 @@ def test_location_convolution_refuses_bad_input_by_name():
 
 
 @requires_cpu_kernel
+@pytest.mark.parametrize("filters", [6, 8])  # conv's gradient by dots / by a product over W's rows
+@pytest.mark.parametrize("hidden", [24, 32])  # rows padded / not
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kind", ["none", "lengths", "mask"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_location_step_ops_equal_the_reference(dtype, kind, threads):
+def test_location_step_ops_equal_the_reference(dtype, kind, threads, filters, hidden):
     """The location-aware step's ops (keys P + conv W^T formed inside the kernels) against the
     reference on materialised keys: context, weights, and every gradient (grad_weights given,
     rows with no valid key, P's gradient added into what the accumulator held)."""
@@ -647,11 +649,11 @@ def test_location_step_ops_equal_the_reference(dtype, kind, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        query, projected, values, v, bias = make_inputs(5, 1, 11, 24, 7, dtype, seed=3)
+        query, projected, values, v, bias = make_inputs(5, 1, 11, hidden, 7, dtype, seed=3)
         lengths, mask = key_masks(kind, 5, 11)
         gen = torch.Generator().manual_seed(4)
-        conv = _rand(gen, dtype, 5 * 11, 6)
-        dense = _rand(gen, dtype, 24, 6) * 0.3
+        conv = _rand(gen, dtype, 5 * 11, filters)
+        dense = _rand(gen, dtype, hidden, filters) * 0.3
         leaves = [
             t.clone().requires_grad_() for t in (query, projected, conv, dense, values, v, bias)
         ]
@@ -663,7 +665,7 @@ def test_location_step_ops_equal_the_reference(dtype, kind, threads):
 
         inputs = (query, projected, conv, dense, values, v, bias, lengths, mask)
         context, weights = ops._location_attention_fwd(*inputs)
-        held = _rand(gen, dtype, 5, 11, 24)
+        held = _rand(gen, dtype, 5, 11, hidden)
         acc = held.clone()
         dq, dconv, ddense, dv, dbias = ops._location_attention_bwd(
             grad_ctx, grad_w, *inputs, weights, acc
