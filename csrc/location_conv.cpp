@@ -5,7 +5,7 @@
 //
 // features x [B, Cin, T], weight w [C, Cin, K] (K odd: conv1d with padding K // 2, no bias), out
 // [B*T, C] (frames as rows, ready for the location dense layer's product). These convolutions are
-// tiny (Cin = 1-2 channels of previous / cumulative weights, K = 15-31 taps, C = 10-32 filters):
+// tiny (Cin = 1-2 channels of previous / cumulative weights, K = 15-201 taps, C = 10-32 filters):
 // through conv1d, or im2col + mm + col2im, a step spends most of its time on copies, padding and
 // the ops' overheads rather than on its B*T*Cin*K*C multiply-adds.
 //
