@@ -252,12 +252,18 @@ struct LocationTerm {
   T* dw_parts;   // backward: W^T's gradient per item [items, C, Hp]
 };
 
-// keys rows s < nk of batch row b: out[s] = projected[s] + conv[s] W^T (rows H long).
+// The keys rows s < nk that an item of batch row b reads (rows H long): the keys tensor's, or for
+// a location-aware step (loc given, `keys` then the projected memory) projected[s] + conv[s] W^T
+// formed in per-thread scratch.
 template <typename T>
-void form_location_keys(const KernelTable<T>& kt, const LocationTerm<T>& loc, const T* projected,
-                        int64_t b, int64_t Tk, int64_t H, int64_t nk, T* out) {
-  kt.weighted_rows(loc.conv + b * Tk * loc.C, loc.C, 1, nk, loc.C, loc.wt, H, out);
-  for (int64_t e = 0; e < nk * H; ++e) out[e] += projected[e];
+const T* item_keys(const KernelTable<T>& kt, const LocationTerm<T>* loc, const T* keys,
+                   const Sizes& n, int64_t b, int64_t nk) {
+  const T* rows = keys + b * n.Tk * n.H;
+  if (loc == nullptr) return rows;
+  T* out = thread_scratch<T>(Slot::kFormedKeys, n.Tk * n.H);
+  kt.weighted_rows(loc->conv + b * n.Tk * loc->C, loc->C, 1, nk, loc->C, loc->wt, n.H, out);
+  for (int64_t e = 0; e < nk * n.H; ++e) out[e] += rows[e];
+  return out;
 }
 
 // ---- forward ---------------------------------------------------------------------------------
@@ -292,12 +298,7 @@ struct ForwardPass {
     const int64_t nk = kv.count(b);
     T* rows = wp + (b * n.Tq + t0) * n.Tk;
     if (nk > 0) {
-      const T* k_rows = kp + b * n.Tk * n.H;
-      if (loc != nullptr) {
-        T* formed = thread_scratch<T>(Slot::kFormedKeys, n.Tk * n.H);
-        form_location_keys<T>(kt, *loc, k_rows, b, n.Tk, n.H, nk, formed);
-        k_rows = formed;
-      }
+      const T* k_rows = item_keys<T>(kt, loc, kp, n, b, nk);
       const T* kbuf = nullptr;
       const int path = pack_item<T>(kt, qp + (b * n.Tq + t0) * n.H, nq, k_rows, nk, bp, n.H, Hp,
                                     scratch.qbuf, scratch.kbuf, &kbuf);
@@ -521,12 +522,7 @@ struct BackwardPass {
       if (loc != nullptr) location_grads(b, item, 0, nullptr);
       return;
     }
-    const T* k_rows = kp + b * n.Tk * n.H;
-    if (loc != nullptr) {
-      T* formed = thread_scratch<T>(Slot::kFormedKeys, n.Tk * n.H);
-      form_location_keys<T>(kt, *loc, k_rows, b, n.Tk, n.H, nk, formed);
-      k_rows = formed;
-    }
+    const T* k_rows = item_keys<T>(kt, loc, kp, n, b, nk);
     const T* kbuf = nullptr;
     const int path = pack_item<T>(kt, qp + (b * n.Tq + t0) * n.H, nq, k_rows, nk, bp, n.H, Hp,
                                   s.qbuf, s.kbuf, &kbuf);
