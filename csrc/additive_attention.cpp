@@ -44,15 +44,15 @@ namespace {
 using at::Tensor;
 
 template <typename T>
-T product_limit();
+struct ProductRange;  // the product path's limits (csrc/kernels/kernels.h)
 template <>
-float product_limit<float>() {
-  return kProductLimitFloat;
-}
+struct ProductRange<float> {
+  static constexpr float limit = kProductLimitFloat, safe_sum = kProductSafeSumFloat;
+};
 template <>
-double product_limit<double>() {
-  return kProductLimitDouble;
-}
+struct ProductRange<double> {
+  static constexpr double limit = kProductLimitDouble, safe_sum = kProductSafeSumDouble;
+};
 
 // The product path pays exp() on every packed query and key element (about 14 vector operations
 // per 16 elements, against 5 per element pair for the product and 18 for the rational tanh):
@@ -170,21 +170,21 @@ ScoreVectors<T> score_vectors(const Tensor& v, int64_t H, int64_t Hp) {
 template <typename T>
 int pack_item(const KernelTable<T>& kt, const T* q_rows, int64_t nq, const T* k_rows, int64_t nk,
               const T* bias, int64_t H, int64_t Hp, T* qbuf, T* kbuf, const T** keys_out) {
-  const T limit = product_limit<T>();
-  const bool in_range = kt.pack_rows(q_rows, nq, H, bias, qbuf, Hp, limit);
+  const T q_max = kt.pack_rows(q_rows, nq, H, bias, qbuf, Hp);
   *keys_out = kbuf;
   if (nq < kMinQueriesForProduct) {
     if (H == Hp) {
       *keys_out = k_rows;
     } else {
-      kt.pack_rows(k_rows, nk, H, nullptr, kbuf, Hp, limit);
+      kt.pack_rows(k_rows, nk, H, nullptr, kbuf, Hp);
     }
     return kRational;
   }
-  if (kt.pack_rows(k_rows, nk, H, nullptr, kbuf, Hp, limit) && in_range) {
+  const T k_max = kt.pack_rows(k_rows, nk, H, nullptr, kbuf, Hp);
+  if (q_max <= ProductRange<T>::limit && k_max <= ProductRange<T>::limit) {
     kt.exp_inplace(qbuf, nq * Hp, T(2));
     kt.exp_inplace(kbuf, nk * Hp, T(2));
-    return kProduct;
+    return q_max + k_max <= ProductRange<T>::safe_sum ? kProduct : kProductCapped;
   }
   return kRational;
 }
@@ -302,7 +302,7 @@ struct ForwardPass {
       const T* kbuf = nullptr;
       const int path = pack_item<T>(kt, qp + (b * n.Tq + t0) * n.H, nq, k_rows, nk, bp, n.H, Hp,
                                     scratch.qbuf, scratch.kbuf, &kbuf);
-      const bool prod = path == kProduct;
+      const bool prod = path != kRational;
       kt.scores(path, scratch.qbuf, nq, kbuf, nk, Hp,
                 prod ? sv.product.data() : sv.rational.data(), prod ? sv.sum_v : T(0), rows,
                 n.Tk);
@@ -526,7 +526,7 @@ struct BackwardPass {
     const T* kbuf = nullptr;
     const int path = pack_item<T>(kt, qp + (b * n.Tq + t0) * n.H, nq, k_rows, nk, bp, n.H, Hp,
                                   s.qbuf, s.kbuf, &kbuf);
-    const bool prod = path == kProduct;
+    const bool prod = path != kRational;
     if (!have_p) {  // the forward's weights, recomputed: scores, then the softmax of each row
       kt.scores(path, s.qbuf, nq, kbuf, nk, Hp, prod ? sv.product.data() : sv.rational.data(),
                 prod ? sv.sum_v : T(0), p_rows, n.Tk);

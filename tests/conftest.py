@@ -28,3 +28,22 @@ else:
         "long", max_examples=2000, deadline=None, suppress_health_check=_slow_ok, print_blob=True
     )
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say which CPU instruction sets the range sweeps ran on (tests/test_range_sweep*.py)."""
+    import sys
+
+    covered: set[str] = set()
+    for name in ("tests.test_range_sweep", "tests.test_range_sweep_ops"):
+        module = sys.modules.get(name)
+        covered |= getattr(module, "COVERED_ISAS", set())
+    if covered:
+        order = [isa for isa in ("portable", "avx2", "avx512") if isa in covered]
+        missing = [isa for isa in ("portable", "avx2", "avx512") if isa not in covered]
+        line = "range sweep ran the CPU kernels on: " + ", ".join(order)
+        if missing:
+            line += (
+                " (not on " + ", ".join(missing) + ": this CPU lacks them, or they were skipped)"
+            )
+        terminalreporter.write_line(line)

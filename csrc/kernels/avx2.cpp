@@ -43,6 +43,8 @@ struct S {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  // min(x, hi), NaN kept: min returns its second operand when either is NaN.
+  static inline V cap(V x, V hi) { return _mm256_min_ps(hi, x); }
   static inline V clamp(V x, float lo, float hi) {
     return _mm256_min_ps(_mm256_set1_ps(hi), _mm256_max_ps(_mm256_set1_ps(lo), x));
   }
@@ -87,13 +89,16 @@ struct S {
     const V s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
     return mul(mul(p, s1), s2);
   }
-  using Flag = __m256;
-  static inline Flag flag_init() { return _mm256_setzero_ps(); }
-  static inline Flag flag_update(Flag f, V x, V lim) {
-    const V ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
-    return _mm256_or_ps(f, _mm256_cmp_ps(ax, lim, _CMP_GT_OQ));  // |x| > lim; false for NaN
+  // max(|x|, m), NaN ignored: max returns its second operand when either is NaN.
+  static inline V absmax(V x, V m) {
+    return _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), m);
   }
-  static inline bool flag_any(Flag f) { return _mm256_movemask_ps(f) != 0; }
+  static inline float hmax(V x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+  }
 };
 
 #include "kernel_impl.h"

@@ -40,6 +40,8 @@ struct S {
     return _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.0f)), r);
   }
   static inline float hsum(V x) { return _mm512_reduce_add_ps(x); }
+  // min(x, hi), NaN kept: min returns its second operand when either is NaN.
+  static inline V cap(V x, V hi) { return _mm512_min_ps(hi, x); }
   // Clamp keeping NaN: max/min return their second operand when either is NaN.
   static inline V clamp(V x, float lo, float hi) {
     return _mm512_min_ps(_mm512_set1_ps(hi), _mm512_max_ps(_mm512_set1_ps(lo), x));
@@ -77,13 +79,9 @@ struct S {
     p = fma(p, r, set1(1.0f));
     return _mm512_scalef_ps(p, n);
   }
-  using Flag = __mmask16;
-  static inline Flag flag_init() { return 0; }
-  static inline Flag flag_update(Flag f, V x, V lim) {
-    const V ax = _mm512_abs_ps(x);
-    return f | _mm512_cmp_ps_mask(ax, lim, _CMP_GT_OQ);  // |x| > lim; false for NaN
-  }
-  static inline bool flag_any(Flag f) { return f != 0; }
+  // max(|x|, m), NaN ignored: max returns its second operand when either is NaN.
+  static inline V absmax(V x, V m) { return _mm512_max_ps(_mm512_abs_ps(x), m); }
+  static inline float hmax(V x) { return _mm512_reduce_max_ps(x); }
 };
 
 #include "kernel_impl.h"

@@ -7,10 +7,24 @@
 // fma(a,b,c) = a*b + c, fnma(a,b,c) = c - a*b, rcp (~full precision), tanh (clamped rational),
 // exp, hsum, and a range flag (flag_init/flag_update/flag_any).
 
+// kProductCapped: 1 + A B is capped at 2^120 before the reciprocal. An item takes it when its
+// ranges allow A B to overflow (max |a| + max |b| above the safe sum, kernels.h): the SIMD
+// reciprocal's Newton step would turn 1 / inf into inf * 0 = NaN. The cap keeps the reciprocal's
+// argument and result normal: 1 / (1 + 2^120) = 7.5e-37, so tanh = 1 - 2r rounds to 1 and the
+// derivative r - r^2 errs by under 1e-36 where its true value is smaller still. NaN passes the
+// cap unchanged (S::cap returns x when either operand is NaN).
+template <typename T>
+constexpr T product_cap() {
+  return T(0x1p120);
+}
+
 template <int P>
-inline typename S::V elem(typename S::V a, typename S::V b, typename S::V one) {
+inline typename S::V elem(typename S::V a, typename S::V b, typename S::V one,
+                          [[maybe_unused]] typename S::V cap) {
   if constexpr (P == kProduct) {
     return S::rcp(S::fma(a, b, one));  // r = 1 / (1 + e^{2a} e^{2b}); tanh(a + b) = 1 - 2r
+  } else if constexpr (P == kProductCapped) {
+    return S::rcp(S::cap(S::fma(a, b, one), cap));
   } else {
     return S::tanh(S::add(a, b));
   }
@@ -19,7 +33,7 @@ inline typename S::V elem(typename S::V a, typename S::V b, typename S::V one) {
 // u = sech^2 / 4 = r - r^2 (product path) or sech^2 = 1 - tanh^2 (rational path).
 template <int P>
 inline typename S::V deriv(typename S::V y, typename S::V one) {
-  if constexpr (P == kProduct) {
+  if constexpr (P != kRational) {
     return S::fnma(y, y, y);
   } else {
     return S::fnma(y, y, one);
@@ -32,6 +46,7 @@ void score_tile(const typename S::T* A, const typename S::T* Bk, int64_t Hp,
   using V = typename S::V;
   using T = typename S::T;
   const V one = S::set1(T(1));
+  const V cap = S::set1(product_cap<T>());
   V acc[QB][KB];
   for (int i = 0; i < QB; ++i)
     for (int j = 0; j < KB; ++j) acc[i][j] = S::zero();
@@ -42,7 +57,7 @@ void score_tile(const typename S::T* A, const typename S::T* Bk, int64_t Hp,
     for (int j = 0; j < KB; ++j) {
       const V b = S::load(Bk + j * Hp + h);
       for (int i = 0; i < QB; ++i) {
-        acc[i][j] = S::fma(vv, elem<P>(a[i], b, one), acc[i][j]);
+        acc[i][j] = S::fma(vv, elem<P>(a[i], b, one, cap), acc[i][j]);
       }
     }
   }
@@ -81,6 +96,8 @@ void scores(int path, const typename S::T* A, int64_t nq, const typename S::T* B
             int64_t ldo) {
   if (path == kProduct) {
     scores_rows<kProduct>(A, nq, Bk, nk, Hp, veff, offset, out, ldo);
+  } else if (path == kProductCapped) {
+    scores_rows<kProductCapped>(A, nq, Bk, nk, Hp, veff, offset, out, ldo);
   } else {
     scores_rows<kRational>(A, nq, Bk, nk, Hp, veff, offset, out, ldo);
   }
@@ -99,6 +116,7 @@ void fused_grad_tile(const typename S::T* A, const typename S::T* Bk, int64_t Hp
   using V = typename S::V;
   using T = typename S::T;
   const V one = S::set1(T(1));
+  const V cap = S::set1(product_cap<T>());
   V d[QB][KB];
   for (int i = 0; i < QB; ++i)
     for (int j = 0; j < KB; ++j) d[i][j] = S::set1(de[i * ldd + j]);
@@ -113,7 +131,7 @@ void fused_grad_tile(const typename S::T* A, const typename S::T* Bk, int64_t Hp
       const V b = S::load(Bk + j * Hp + h);
       V gka = DIRECT ? S::zero() : S::load(gk + j * Hp + h);
       for (int i = 0; i < QB; ++i) {
-        const V y = elem<P>(a[i], b, one);
+        const V y = elem<P>(a[i], b, one, cap);
         const V u = deriv<P>(y, one);
         gqa[i] = S::fma(d[i][j], u, gqa[i]);
         gka = S::fma(d[i][j], u, gka);
@@ -176,18 +194,19 @@ void fused_grads(int path, const typename S::T* A, int64_t nq, const typename S:
                  typename S::T* gk, typename S::T* gv, const typename S::T* kscale) {
   if (path == kProduct) {
     fused_grads_rows<kProduct>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
+  } else if (path == kProductCapped) {
+    fused_grads_rows<kProductCapped>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
   } else {
     fused_grads_rows<kRational>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
   }
 }
 
-bool pack_rows(const typename S::T* src, int64_t rows, int64_t H, const typename S::T* add,
-               typename S::T* dst, int64_t Hp, typename S::T limit) {
+typename S::T pack_rows(const typename S::T* src, int64_t rows, int64_t H,
+                        const typename S::T* add, typename S::T* dst, int64_t Hp) {
   using V = typename S::V;
   using T = typename S::T;
-  const V lim = S::set1(limit);
-  auto flag = S::flag_init();
-  bool bad = false;
+  V big = S::zero();
+  T tail = T(0);
   for (int64_t r = 0; r < rows; ++r) {
     const T* x = src + r * H;
     T* y = dst + r * Hp;
@@ -196,16 +215,18 @@ bool pack_rows(const typename S::T* src, int64_t rows, int64_t H, const typename
       V xv = S::load(x + h);
       if (add != nullptr) xv = S::add(xv, S::load(add + h));
       S::store(y + h, xv);
-      flag = S::flag_update(flag, xv, lim);
+      big = S::absmax(xv, big);
     }
     for (; h < H; ++h) {
       const T xs = add != nullptr ? x[h] + add[h] : x[h];
       y[h] = xs;
-      bad |= (xs > limit || xs < -limit);  // NaN is not out of range
+      const T ax = xs < T(0) ? -xs : xs;
+      tail = ax > tail ? ax : tail;  // NaN compares false and does not count
     }
     for (; h < Hp; ++h) y[h] = T(0);
   }
-  return !bad && !S::flag_any(flag);
+  const T vec = S::hmax(big);
+  return vec > tail ? vec : tail;
 }
 
 void scale_rows(const typename S::T* src, int64_t rows, int64_t Hp, const typename S::T* scale,
@@ -362,14 +383,17 @@ void tanh_pairs(int path, const typename S::T* a, const typename S::T* b, typena
   using V = typename S::V;
   using T = typename S::T;
   const V one = S::set1(T(1));
+  const V cap = S::set1(product_cap<T>());
   const V two = S::set1(T(2));
   for (int64_t i = 0; i + S::W <= n; i += S::W) {
     const V x = S::load(a + i);
     const V y = S::load(b + i);
     if (path == kProduct) {
-      S::store(out + i, S::fnma(two, elem<kProduct>(x, y, one), one));
+      S::store(out + i, S::fnma(two, elem<kProduct>(x, y, one, cap), one));
+    } else if (path == kProductCapped) {
+      S::store(out + i, S::fnma(two, elem<kProductCapped>(x, y, one, cap), one));
     } else {
-      S::store(out + i, elem<kRational>(x, y, one));
+      S::store(out + i, elem<kRational>(x, y, one, cap));
     }
   }
 }

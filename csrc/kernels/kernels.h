@@ -13,6 +13,11 @@
 //              no |a|, |b| of a work item exceeds kProductLimit: then A and B are normal floats,
 //              and A B over- or underflows only where tanh(a + b) rounds to +-1 anyway. NaN
 //              stays on this path (it poisons exactly its own row); +-inf takes the rational one.
+//              Used as it is when max |a| + max |b| <= kProductSafeSum (A B stays below 2^126).
+//   kProductCapped: the same with 1 + A B capped at 2^120 before the reciprocal (one min more),
+//              for items within the limit whose A B could overflow to inf: a SIMD reciprocal's
+//              Newton step turns 1 / inf into NaN (this was the NaN of 0.1.0 for a + b in
+//              ~44..80 with two or more queries per item).
 //   kRational: tanh(a + b) by a clamped rational function of a + b; any finite input, NaN and inf.
 #pragma once
 
@@ -29,15 +34,14 @@
 
 namespace seq2seq_fast {
 
-enum TanhPath : int { kProduct = 0, kRational = 1 };
+enum TanhPath : int { kProduct = 0, kRational = 1, kProductCapped = 2 };
 
 template <typename T>
 struct KernelTable {
   const char* name;
   // dst[r * Hp + h] = src[r * H + h] + (add ? add[h] : 0) for h < H, 0 for H <= h < Hp.
-  // Returns false when some packed |value| > limit (inf included); NaN does not count.
-  bool (*pack_rows)(const T* src, int64_t rows, int64_t H, const T* add, T* dst, int64_t Hp,
-                    T limit);
+  // Returns the largest packed |value| (inf included; NaN does not count; 0 for no rows).
+  T (*pack_rows)(const T* src, int64_t rows, int64_t H, const T* add, T* dst, int64_t Hp);
   // p[i] = exp(scale * p[i]) for i < n; exp(-inf) = 0, NaN stays NaN.
   void (*exp_inplace)(T* p, int64_t n, T scale);
   // dst[r * H + h] = src[r * Hp + h] * scale[h] for r < rows, h < H.
@@ -84,6 +88,10 @@ struct KernelTable {
 // Largest |a|, |b| for the product path: exp(+-2a) stays a normal float (e^80 = 5.5e34).
 constexpr float kProductLimitFloat = 40.0f;
 constexpr double kProductLimitDouble = 150.0;
+// Largest max |a| + max |b| for the uncapped product path: A B <= e^86 = 2.2e37 < 2^126 (floats;
+// the exp is within a few ulp). In double e^(2 * 300) is far from overflow: never capped.
+constexpr float kProductSafeSumFloat = 43.0f;
+constexpr double kProductSafeSumDouble = 300.0;
 // Rows are padded to a multiple of this many elements (the widest vector, 16 floats).
 constexpr int64_t kPadTo = 16;
 

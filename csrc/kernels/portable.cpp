@@ -25,11 +25,13 @@ struct Scalar {
   static inline V fma(V a, V b, V c) { return a * b + c; }
   static inline V fnma(V a, V b, V c) { return c - a * b; }
   static inline V rcp(V d) { return T(1) / d; }
+  static inline V cap(V x, V hi) { return x > hi ? hi : x; }  // NaN compares false: stays NaN
   static inline T hsum(V x) { return x; }
-  using Flag = bool;
-  static inline Flag flag_init() { return false; }
-  static inline Flag flag_update(Flag f, V x, V lim) { return f || x > lim || x < -lim; }
-  static inline bool flag_any(Flag f) { return f; }
+  static inline V absmax(V x, V m) {  // NaN compares false and does not count
+    const T ax = x < T(0) ? -x : x;
+    return ax > m ? ax : m;
+  }
+  static inline T hmax(V x) { return x; }
   static inline V exp(V x) { return std::exp(x); }
 };
 }  // namespace portable_common
