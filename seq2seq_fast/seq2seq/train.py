@@ -7,6 +7,11 @@ line (``seq2seq-fast train``) is a thin wrapper around it. One job:
   file split with a fixed seed, sentencepiece vocabularies trained on the training split),
 - trains with AdamW, gradient clipping and a warmup + cosine learning-rate schedule, a tqdm bar
   showing loss and target tokens/s,
+- skips the update of a step whose gradient is non-finite, after the canary (fused kernels in
+  use: :mod:`seq2seq_fast.seq2seq.canary`) re-ran its batch on plain PyTorch and found that
+  non-finite too (the model itself diverged; 20 such steps in a row stop the run); a finite
+  re-run is a fused-kernel fault: ``FusedKernelError``, the batch and weights in
+  ``fused-failure-stepN.pt`` beside the checkpoint,
 - evaluates after every epoch and every ``eval_every`` steps (sequence/token accuracy for
   reverse, sacreBLEU for translate), keeping ``best.pt`` beside ``model.pt`` and stopping after
   ``patience`` evaluations without a new best; the final test BLEU and heatmap are of best.pt's
@@ -41,6 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from seq2seq_fast.seq2seq import canary
+from seq2seq_fast.seq2seq.canary import FusedKernelError  # noqa: F401 (raised here)
 from seq2seq_fast.seq2seq.checkpoint import (  # noqa: F401 (re-exported: the names' old home)
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
@@ -543,6 +550,11 @@ class Job:
     nonfinite_steps: int = 0  # steps in a row skipped for a non-finite gradient norm
 
     @property
+    def canary(self) -> bool:
+        """Whether a non-finite step is re-run on plain PyTorch: fused kernels in use."""
+        return self.attention_backend != "reference"
+
+    @property
     def checkpoint_path(self) -> Path:
         return self.config.out_dir / "model.pt"
 
@@ -658,6 +670,9 @@ def evaluate(job: Job, final: bool = False, model: Seq2Seq | None = None) -> dic
 def train_step(job: Job, batch: Batch) -> float:
     """One optimiser step on ``batch``; -> its loss."""
     config = job.config
+    # The dropout masks' generator state, for the canary's re-run of a non-finite step (a 5 KB
+    # copy, only with dropout and fused kernels).
+    rng = canary.forward_rng_state(job.ctx.device) if job.canary and config.dropout > 0 else None
     with torch.autocast(job.ctx.device.type, dtype=job.autocast or torch.bfloat16,
                         enabled=job.autocast is not None):  # fmt: skip
         if config.backend == "compile":  # the loss outside the compiled graph, as before
@@ -669,14 +684,16 @@ def train_step(job: Job, batch: Batch) -> float:
     job.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     # The norm of the (all-reduced) gradient, the same on every rank: a non-finite one skips
-    # the update, so that one bad batch does not turn every weight into NaN.
+    # the update, so that one bad batch does not turn every weight into NaN -- after the canary
+    # (with fused kernels) re-ran the batch on plain PyTorch and found it non-finite too.
     max_norm = config.clip_norm if config.clip_norm > 0 else math.inf
     norm = nn.utils.clip_grad_norm_(job.model.parameters(), max_norm)
     if bool(torch.isfinite(norm)):
         job.optimizer.step()
         job.nonfinite_steps = 0
     else:
-        _skip_nonfinite_step(job, float(loss.detach()))
+        verdict = _canary(job, batch, float(loss.detach()), rng) if job.canary else None
+        _skip_nonfinite_step(job, float(loss.detach()), verdict)
     if config.time_budget_min is not None:
         job.clock.elapsed = _synced_elapsed(job.clock.started, job.ctx)
     job.scheduler.step()
@@ -690,20 +707,134 @@ def train_step(job: Job, batch: Batch) -> float:
 # Steps in a row with a non-finite gradient norm after which a run counts as diverged.
 MAX_NONFINITE_STEPS = 20
 
+# The canary's verdicts on a non-finite step, ordered so that the largest over ranks decides.
+CANARY_FUSED_FAULT, CANARY_DIVERGED, CANARY_UNVERIFIED = 0, 1, 2
 
-def _skip_nonfinite_step(job: Job, loss: float) -> None:
+
+def _canary(job: Job, batch: Batch, loss: float, rng) -> canary.Rerun:
+    """A non-finite step on fused kernels: the batch again on plain PyTorch (seq2seq/canary.py).
+    Finite on every rank: raise FusedKernelError, the batch and weights written beside the
+    checkpoint. Otherwise -> the rank's reference re-run (``finite`` False: the model itself
+    diverged on some rank; None: the re-run could not run), and the step is skipped.
+
+    Under DDP every rank re-runs its own batch on the bare module (no gradient all-reduce), and
+    the verdicts are combined with one all_reduce (MAX), so every rank decides the same."""
+    model, ctx, config = job.model, job.ctx, job.config
+    # What the fused path got wrong, then its gradients freed: the re-runs need the memory, and
+    # the skipped update never reads them (the next step sets them to None anyway).
+    nonfinite = [n for n, p in model.named_parameters()
+                 if p.grad is not None and not bool(torch.isfinite(p.grad).all())]  # fmt: skip
+    for p in model.parameters():
+        p.grad = None
+    options = dict(label_smoothing=config.label_smoothing, autocast=job.autocast, rng_state=rng)
+    reference, pre = canary.reference_rerun(model, batch, **options)
+    code = {True: CANARY_FUSED_FAULT, False: CANARY_DIVERGED, None: CANARY_UNVERIFIED}
+    verdict = _max_over_ranks(ctx, [code[reference.finite]])[0]
+    if verdict != CANARY_FUSED_FAULT:
+        if verdict != code[reference.finite]:  # another rank decided
+            reference.finite = None if verdict == CANARY_UNVERIFIED else False
+            reference.error = reference.error or "on another rank"
+        return reference
+    compiled = config.backend == "compile"
+    reproduced, served = canary.probe_fused_parts(model, batch, recurrent=not compiled, **options)
+    parts = ("attention", "recurrent")
+    flags = _max_over_ranks(ctx, [float(p in reproduced) for p in parts]
+                            + [float(bool(served)), *pre.values()])  # fmt: skip
+    reproduced = [p for p, flag in zip(parts, flags, strict=False) if flag]
+    pre = dict(zip(pre, flags[3:], strict=True))
+    step = job.step + 1
+    ops = [canary.attention_ops(ctx.device, config.decoder)]
+    if served:
+        ops.append("recurrent " + ", ".join(sorted(served)) + " (C++ CPU kernels)")
+    elif flags[2]:
+        ops.append("recurrent GRU/LSTM ops (C++ CPU kernels, on another rank)")
+    if compiled:
+        ops[0] += " inside torch.compile's graph"
+    details = {
+        "step": step,
+        "fused_loss": loss,
+        "reference_loss": reference.loss,
+        "world_size": ctx.world_size,
+        "ops": ops,
+        "backend": config.backend,
+        "reproduced_by": reproduced,
+        "batch": canary.describe_batch(batch),
+        "model": f"{config.decoder} decoder, {config.cell} {config.hidden_size}, attention "
+        f"{config.attention_size or config.hidden_size}",
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")
+        + (
+            f" under autocast {str(job.autocast).removeprefix('torch.')}"
+            if job.autocast
+            else " (no autocast)"
+        ),
+        "device": str(ctx.device),
+        "isa": canary.cpu_isa(),
+        "torch": str(torch.__version__),
+        "preactivation": pre,
+        "nonfinite_params": nonfinite,
+    }
+    batches = [canary.batch_tensors(batch)]
+    if ctx.enabled:
+        batches = [None] * ctx.world_size
+        dist.all_gather_object(batches, canary.batch_tensors(batch))
+    path = config.out_dir / f"fused-failure-step{step}.pt"
+    written: Path | None = path
+    if ctx.is_main:
+        payload = {
+            **details,
+            "model_config": model.config.to_dict(),
+            "train_config": asdict(config),
+            "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+            "batch": batches[0],
+            "rank_batches": batches,
+            "forward_rng": rng,
+            "training": model.training,
+            "autocast": None if job.autocast is None else str(job.autocast).split(".")[-1],
+            "label_smoothing": config.label_smoothing,
+        }
+        try:
+            canary.write_failure(path, payload)
+        except OSError as exc:
+            written, details["write_error"] = None, f"{type(exc).__name__}: {exc}"
+    if ctx.enabled:
+        dist.barrier()  # the file is complete before any rank stops
+    details["path"] = str(written) if written else None
+    raise FusedKernelError(canary.failure_message(details), written, details)
+
+
+def _max_over_ranks(ctx: Dist, values: list[float]) -> list[float]:
+    """``values`` unchanged in one process; under DDP the elementwise maximum over ranks."""
+    if not ctx.enabled:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def _skip_nonfinite_step(job: Job, loss: float, reference: canary.Rerun | None = None) -> None:
     """A step whose gradient norm is inf or NaN: no update (the weights stay finite). One is
-    reported; MAX_NONFINITE_STEPS in a row save the run's last finite state and stop it."""
+    reported; MAX_NONFINITE_STEPS in a row save the run's last finite state and stop it.
+    ``reference``: the canary's plain-PyTorch re-run of the step (None: fused kernels were not
+    in use, --backend reference)."""
     job.nonfinite_steps += 1
     config = job.config
+    if reference is None:
+        cause = "the model itself diverged (on the reference attention backend: no re-run)"
+    elif reference.finite is False:
+        cause = ("the model itself diverged (the plain-PyTorch reference re-run of the step "
+                 "gives non-finite values as well)")  # fmt: skip
+    else:
+        cause = (f"not verified (the plain-PyTorch reference re-run could not run: "
+                 f"{reference.error}; a fused-kernel fault is not ruled out)")  # fmt: skip
     if job.nonfinite_steps == 1:
-        _log(f"step {job.step + 1}: non-finite gradient (loss {loss}), update skipped", job.ctx)
+        _log(f"step {job.step + 1}: non-finite gradient (loss {loss}), update skipped: {cause}",
+             job.ctx)  # fmt: skip
     if job.nonfinite_steps >= MAX_NONFINITE_STEPS:
         save_job(job)
         raise TrainError(
-            f"training diverged: the gradient was non-finite for {job.nonfinite_steps} steps in a "
-            f"row (steps {job.step + 2 - job.nonfinite_steps}-{job.step + 1}, loss {loss}) at "
-            f"--lr {config.lr:g}; start again with a lower --lr or --clip-norm on (now "
+            f"training diverged: {cause}; the gradient was non-finite for {job.nonfinite_steps} "
+            f"steps in a row (steps {job.step + 2 - job.nonfinite_steps}-{job.step + 1}, loss "
+            f"{loss}) at --lr {config.lr:g}; start again with a lower --lr or --clip-norm on (now "
             f"{config.clip_norm:g}); {job.checkpoint_path} holds the last finite weights"
         )
 
