@@ -14,12 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from seq2seq_fast.nn.stepwise import StepwiseMemory
-from seq2seq_fast.ops.additive_attention import (
-    check_inputs,
-    fused_unavailable_reason,
-    run_checked,
-    warn_fallback_once,
-)
+from seq2seq_fast.ops._checks import check_inputs
+from seq2seq_fast.ops._library import fused_unavailable_reason, warn_fallback_once
+from seq2seq_fast.ops.additive_attention import run_checked
 
 BACKENDS = ("auto", "fused", "reference")
 

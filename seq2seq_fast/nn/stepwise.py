@@ -23,11 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from seq2seq_fast.ops.additive_attention import (
-    fused_unavailable_reason,
-    guard_double_backward,
-    traced_or_transformed,
-)
+from seq2seq_fast.ops._autograd import guard_double_backward, traced_or_transformed
+from seq2seq_fast.ops._library import fused_unavailable_reason
 
 
 class _MemoryNode(torch.autograd.Function):

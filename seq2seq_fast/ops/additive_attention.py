@@ -1,9 +1,9 @@
-"""The fused additive-attention op: schemas, fake kernels, backend registration, autograd, functional.
+"""The fused additive-attention op: schemas, fake kernels, autograd Function, functional.
 
 Layers (one name throughout):
     seq2seq_fast::additive_attention_fwd / _bwd   op schemas, defined once here with torch.library
     csrc/additive_attention.cpp -> seq2seq_fast._C  registers the CPU kernels for those schemas
-    triton_kernels/additive_attention.py -> seq2seq_fast._triton  the CUDA kernels, registered below
+    triton_kernels/additive_attention.py -> seq2seq_fast._triton  the CUDA kernels (ops/_library.py)
     AdditiveAttentionFunction                      torch.autograd.Function calling the two ops
     additive_attention()                           the public functional (checks its inputs)
 
@@ -23,14 +23,18 @@ Op-level contract (inputs already checked and normalised by ``additive_attention
 
 from __future__ import annotations
 
-import warnings
-import weakref
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
-LIBRARY = "seq2seq_fast"
+from seq2seq_fast.ops._autograd import guard_double_backward, traced_or_transformed
+from seq2seq_fast.ops._checks import check_inputs
+from seq2seq_fast.ops._library import (  # noqa: F401 (fused_available: importable with the op)
+    CPU_KERNEL_ERROR,
+    LIBRARY,
+    fused_available,
+    fused_unavailable_reason,
+)
+
 FWD_NAME = f"{LIBRARY}::additive_attention_fwd"
 BWD_NAME = f"{LIBRARY}::additive_attention_bwd"
 
@@ -72,18 +76,7 @@ def _bwd_fake(
     )
 
 
-# --- backends --------------------------------------------------------------------------------------
-
-# bfloat16 on CPU: stored as such, computed in float32 inside the kernel (csrc/additive_attention.cpp).
-_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-_CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-try:  # the C++ extension registers the CPU kernels for the schemas above when it loads
-    from seq2seq_fast import _C  # noqa: F401
-
-    CPU_KERNEL_ERROR: str | None = None
-except ImportError as exc:  # not built, or built against another torch
-    CPU_KERNEL_ERROR = f"{type(exc).__name__}: {exc}"
+# --- fake kernels of the ops the extension defines -------------------------------------------------
 
 if CPU_KERNEL_ERROR is None:  # fake kernels of the ops that the extension defines itself
 
@@ -94,134 +87,8 @@ if CPU_KERNEL_ERROR is None:  # fake kernels of the ops that the extension defin
         # grad_keys is updated in place; (grad_query, grad_v, grad_bias) are new
         return torch.empty_like(query), torch.empty_like(v), torch.empty_like(bias)
 
-    @torch.library.register_fake("seq2seq_fast::_fast_tanh")
-    def _fast_tanh_fake(x, y, path):
-        return torch.empty_like(x)
-
-    # location-aware attention's steps and convolution (seq2seq_fast/nn/convert/_location.py)
-    @torch.library.register_fake("seq2seq_fast::_location_attention_fwd")
-    def _location_attention_fwd_fake(query, projected, conv, weight, values, v, bias, lengths, mask):
-        batch, frames = projected.shape[:2]
-        return query.new_empty(batch, 1, values.shape[2]), query.new_empty(batch, 1, frames)
-
-    @torch.library.register_fake("seq2seq_fast::_location_attention_bwd")
-    def _location_attention_bwd_fake(
-        grad_context, grad_weights, query, projected, conv, weight, values, v, bias, lengths, mask,
-        weights, grad_projected,
-    ):  # fmt: skip
-        # grad_projected is updated in place; (dquery, dconv, dweight, dv, dbias) are new
-        return (
-            torch.empty_like(query),
-            torch.empty_like(conv),
-            torch.empty_like(weight),
-            torch.empty_like(v),
-            torch.empty_like(bias),
-        )
-
-    @torch.library.register_fake("seq2seq_fast::_location_conv_fwd")
-    def _location_conv_fwd_fake(features, weight):
-        return features.new_empty(features.shape[0] * features.shape[2], weight.shape[0])
-
-    @torch.library.register_fake("seq2seq_fast::_location_conv_bwd")
-    def _location_conv_bwd_fake(grad, features, weight, need_features, need_weight):
-        return (
-            torch.empty_like(features) if need_features else features.new_empty(0),
-            torch.empty_like(weight) if need_weight else weight.new_empty(0),
-        )
-
-
-def load_cuda_kernels() -> str | None:
-    """Import the Triton kernels and register them as the ops' CUDA kernels (once).
-
-    Returns None when they are registered, else why not. Called at import only where torch sees a
-    CUDA device: on a CPU-only machine importing Triton would add ~0.5 s to every command's start-up
-    for kernels no tensor can reach.
-    """
-    global CUDA_KERNEL_ERROR, _cuda_kernels_loaded
-    if _cuda_kernels_loaded:
-        return CUDA_KERNEL_ERROR
-    _cuda_kernels_loaded = True
-    try:
-        from seq2seq_fast._triton import additive_attention as triton_attention
-    except ImportError as exc:  # Triton missing
-        CUDA_KERNEL_ERROR = f"{type(exc).__name__}: {exc}"
-        return CUDA_KERNEL_ERROR
-    torch.library.register_kernel(FWD_NAME, "cuda", triton_attention.additive_attention_fwd)
-    torch.library.register_kernel(BWD_NAME, "cuda", triton_attention.additive_attention_bwd)
-    CUDA_KERNEL_ERROR = None
-    return None
-
-
-_cuda_kernels_loaded = False
-CUDA_KERNEL_ERROR: str | None = "CUDA is not available to torch (the Triton kernels are not loaded)"
-if torch.cuda.is_available():
-    load_cuda_kernels()
-
-
-def fused_unavailable_reason(device: torch.device | str, dtype: torch.dtype) -> str | None:
-    """None when a fused kernel serves tensors of this device and dtype, else why not."""
-    device_type = torch.device(device).type
-    if device_type == "cpu":
-        supported, error = _CPU_DTYPES, CPU_KERNEL_ERROR
-        what = "the C++ extension seq2seq_fast._C"
-    elif device_type == "cuda":
-        supported, error = _CUDA_DTYPES, CUDA_KERNEL_ERROR
-        what = "the Triton kernels (seq2seq_fast._triton)"
-    else:
-        return f"no fused kernel for device type {device_type!r} (cpu and cuda are served)"
-    if dtype not in supported:
-        names = ", ".join(str(d) for d in supported)
-        return f"no fused kernel for dtype {dtype} on {device_type} (supported: {names})"
-    if error is not None:
-        return f"{what} did not load ({error})"
-    return None
-
-
-def fused_available(device: torch.device | str, dtype: torch.dtype) -> bool:
-    return fused_unavailable_reason(device, dtype) is None
-
-
-def cpu_bf16_hardware() -> str | None:
-    """The CPU's bfloat16 matrix hardware ("amx" or "avx512_bf16"), or None without it.
-
-    The fused CPU ops take bfloat16 on any CPU (float32 inside). What bfloat16 speeds up is the
-    model's products under torch.autocast (oneDNN): on a CPU without this hardware they run
-    emulated, slower than float32, so a bf16 training mode should fall back to float32 there.
-    """
-    if torch.cpu._is_amx_tile_supported():
-        return "amx"
-    if torch.cpu._is_avx512_bf16_supported():
-        return "avx512_bf16"
-    return None
-
 
 # --- autograd --------------------------------------------------------------------------------------
-
-
-def traced_or_transformed() -> bool:
-    """Inside torch.compile's tracing or a torch.func transform: where only the setup_context-style
-    Function works and Python-side autograd state (StepwiseMemory) must stay out."""
-    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-
-
-def guard_double_backward(grads: tuple) -> tuple:
-    """A backward's results, made to raise when differentiated again (a backward run with
-    create_graph=True, then differentiated): the kernels' backward has no derivative of its own,
-    and autograd would otherwise treat it as a constant, silently. First-order results (also under
-    create_graph=True, and torch.func.grad) are unchanged."""
-    if not torch.is_grad_enabled() or traced_or_transformed():
-        return grads
-    tensors = [g for g in grads if isinstance(g, Tensor)]
-    if not tensors:
-        return grads
-    error = torch._C._functions.DelayedError(
-        b"seq2seq_fast: the fused attention's backward is not differentiable (a second-order "
-        b"gradient through it); use backend='reference' for higher-order gradients",
-        len(tensors),
-    )
-    wrapped = error(*[t.detach().requires_grad_(True) for t in tensors])
-    wrapped = iter(wrapped if isinstance(wrapped, tuple) else (wrapped,))
-    return tuple(next(wrapped) if isinstance(g, Tensor) else g for g in grads)
 
 
 def attention_function(
@@ -303,154 +170,6 @@ AdditiveAttentionFunction = attention_function(
 )
 
 
-# --- input checks ----------------------------------------------------------------------------------
-
-
-def _shape(t: Tensor) -> list[int]:
-    return list(t.shape)
-
-
-def _require_float_tensor(name: str, value: object) -> Tensor:
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if not value.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
-    return value
-
-
-def _as_lengths(lengths: object, batch: int, num_keys: int, device: torch.device) -> Tensor:
-    if isinstance(lengths, Sequence) and not isinstance(lengths, (str, bytes)):
-        items = list(lengths)
-        try:  # no dtype forced: [1.5, 2] must fail the integer check below, not be truncated
-            lengths = (
-                torch.tensor(items, device=device)
-                if items
-                else torch.zeros(0, dtype=torch.int64, device=device)
-            )
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise TypeError(
-                f"lengths must be an integer tensor or a sequence of ints, got {items!r:.80} ({exc})"
-            ) from None
-    if not isinstance(lengths, Tensor):
-        raise TypeError(
-            f"lengths must be an integer tensor of shape [{batch}], got {type(lengths).__name__}"
-        )
-    if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
-        raise TypeError(f"lengths must be an integer tensor, got dtype {lengths.dtype}")
-    if lengths.shape != (batch,):
-        raise ValueError(f"lengths must have shape [B]=[{batch}], got {_shape(lengths)}")
-    if lengths.device != device:
-        raise ValueError(f"lengths is on {lengths.device} but query is on {device}")
-    # Values cannot be read while compiling or on the meta device (shapes only).
-    if not torch.compiler.is_compiling() and lengths.numel() > 0 and lengths.device.type != "meta":
-        _check_lengths_range(lengths, num_keys)
-    return lengths.to(torch.int64).contiguous()
-
-
-# Lengths tensors whose range was checked: id -> (weak reference, version, Tk). A decoder passes the
-# same lengths at every step; reading their range each time costs two reductions and, on CUDA, two
-# host synchronisations per call. An in-place change bumps the version and checks again.
-_checked_lengths: dict[int, tuple] = {}
-
-
-def _check_lengths_range(lengths: Tensor, num_keys: int) -> None:
-    key = id(lengths)
-    entry = _checked_lengths.get(key)
-    if entry is not None and entry[0]() is lengths and entry[1:] == (lengths._version, num_keys):
-        return
-    low, high = int(lengths.min()), int(lengths.max())
-    if low < 0 or high > num_keys:
-        raise ValueError(f"lengths must lie in [0, Tk={num_keys}], got values from {low} to {high}")
-    try:
-        ref = weakref.ref(lengths, lambda _, key=key: _checked_lengths.pop(key, None))
-    except TypeError:  # not weak-referenceable: check every time
-        return
-    _checked_lengths[key] = (ref, lengths._version, num_keys)
-
-
-def _as_mask(mask: object, batch: int, num_keys: int, device: torch.device) -> Tensor:
-    if not isinstance(mask, Tensor):
-        raise TypeError(
-            f"mask must be a bool tensor of shape [{batch}, {num_keys}], got {type(mask).__name__}"
-        )
-    if mask.dtype != torch.bool:
-        raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}")
-    if mask.shape != (batch, num_keys):
-        raise ValueError(f"mask must have shape [B, Tk]=[{batch}, {num_keys}], got {_shape(mask)}")
-    if mask.device != device:
-        raise ValueError(f"mask is on {mask.device} but query is on {device}")
-    return mask.contiguous()
-
-
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """The autocast dtype while autocast is on for this device (CPU or CUDA), else None."""
-    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return None
-
-
-def check_inputs(query, keys, values, v, bias=None, lengths=None, mask=None):
-    """Validate the public contract; return (query3d, keys, values, v, bias, lengths, mask, single_step).
-
-    Under torch.autocast on the query's device the floating inputs are first cast to the autocast
-    dtype (differentiable casts, as autocast casts a product's inputs: float32 parameters keep
-    float32 gradients). Raises TypeError for non-tensors / wrong dtypes and ValueError for shapes,
-    devices, ranges.
-    """
-    tensors = {"query": query, "keys": keys, "values": values, "v": v}
-    if bias is not None:
-        tensors["bias"] = bias
-    for name, value in tensors.items():
-        _require_float_tensor(name, value)
-    autocast = _autocast_dtype(query.device)
-    if autocast is not None:
-        tensors = {name: value.to(autocast) for name, value in tensors.items()}
-        query, keys, values, v = (tensors[n] for n in ("query", "keys", "values", "v"))
-        bias = tensors.get("bias")
-    if query.dim() not in (2, 3):
-        raise ValueError(f"query must be [B, Tq, H] or [B, H], got shape {_shape(query)}")
-    if keys.dim() != 3:
-        raise ValueError(f"keys must be [B, Tk, H], got shape {_shape(keys)}")
-    if values.dim() != 3:
-        raise ValueError(f"values must be [B, Tk, Dv], got shape {_shape(values)}")
-    batch, num_keys, hidden = keys.shape
-    if query.shape[0] != batch or query.shape[-1] != hidden:
-        raise ValueError(
-            f"query {_shape(query)} does not match keys {_shape(keys)}: "
-            f"need query [B={batch}, Tq, H={hidden}] or [B={batch}, H={hidden}]"
-        )
-    if values.shape[0] != batch or values.shape[1] != num_keys:
-        raise ValueError(
-            f"values {_shape(values)} does not match keys {_shape(keys)}: need [B={batch}, Tk={num_keys}, Dv]"
-        )
-    if v.shape != (hidden,):
-        raise ValueError(f"v must have shape [H]=[{hidden}], got {_shape(v)}")
-    if bias is not None and bias.shape != (hidden,):
-        raise ValueError(f"bias must have shape [H]=[{hidden}] or be None, got {_shape(bias)}")
-    for name, value in tensors.items():
-        if value.device != query.device:
-            raise ValueError(f"{name} is on {value.device} but query is on {query.device}")
-        if value.dtype != query.dtype:
-            raise TypeError(f"{name} has dtype {value.dtype} but query has dtype {query.dtype}")
-    if lengths is not None and mask is not None:
-        raise ValueError("pass either lengths or mask, not both")
-    if lengths is not None:
-        lengths = _as_lengths(lengths, batch, num_keys, query.device)
-    if mask is not None:
-        mask = _as_mask(mask, batch, num_keys, query.device)
-    single_step = query.dim() == 2
-    return (
-        (query.unsqueeze(1) if single_step else query),
-        keys,
-        values,
-        v,
-        bias,
-        lengths,
-        mask,
-        single_step,
-    )
-
-
 def additive_attention(
     query: Tensor,
     keys: Tensor,
@@ -522,15 +241,3 @@ def run_checked(checked: tuple, return_weights: bool, use_reference: bool):
         context = context.squeeze(1)
         weights = weights.squeeze(1) if return_weights else weights
     return context, (weights if return_weights else None)
-
-
-_warned: set[tuple[str, torch.dtype]] = set()
-
-
-def warn_fallback_once(device: torch.device, dtype: torch.dtype, reason: str) -> None:
-    key = (torch.device(device).type, dtype)
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(
-            f"seq2seq_fast: falling back to the reference attention: {reason}", stacklevel=3
-        )

@@ -18,7 +18,7 @@ The kernel choice is made here, in one place: the models call :func:`gru_layer_o
 (:func:`applies`, :func:`cell_applies`: CPU, float32/64, the extension loaded, no autocast, not
 inside torch.compile or a torch.func transform) and return None elsewhere, where the models call
 PyTorch's own ops as before. Results equal nn.GRU's, nn.GRUCell's
-and nn.LSTMCell's to float rounding (tests/test_gru.py).
+and nn.LSTMCell's to float rounding (tests/ops/test_gru.py).
 """
 
 from __future__ import annotations
@@ -27,11 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from seq2seq_fast.ops.additive_attention import (
-    CPU_KERNEL_ERROR,
-    guard_double_backward,
-    traced_or_transformed,
-)
+from seq2seq_fast.ops._autograd import guard_double_backward, traced_or_transformed
+from seq2seq_fast.ops._library import CPU_KERNEL_ERROR
 
 
 def _saved_dtype(x: Tensor) -> torch.dtype:

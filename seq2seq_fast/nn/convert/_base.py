@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from seq2seq_fast.ops.additive_attention import fused_available
+from seq2seq_fast.ops._library import fused_available
 
 
 class FusedStandIn(nn.Module):

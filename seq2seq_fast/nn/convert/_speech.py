@@ -15,13 +15,9 @@ from torch import Tensor, nn
 from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import child_names, own_parameter_names
 from seq2seq_fast.nn.stepwise import forward_saving_inputs
-from seq2seq_fast.ops.additive_attention import (
-    CPU_KERNEL_ERROR,
-    check_inputs,
-    fused_unavailable_reason,
-    guard_double_backward,
-    traced_or_transformed,
-)
+from seq2seq_fast.ops._autograd import guard_double_backward, traced_or_transformed
+from seq2seq_fast.ops._checks import check_inputs
+from seq2seq_fast.ops._library import CPU_KERNEL_ERROR, fused_unavailable_reason
 
 # Attributes every nn.Module has; everything else in an original's __dict__ is its own state.
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
