@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from seq2seq_fast.ops._autograd import guard_double_backward, traced_or_transformed
+from seq2seq_fast.ops._checks import AttentionInputs
 from seq2seq_fast.ops._library import fused_unavailable_reason
 
 
@@ -127,24 +128,24 @@ class StepwiseMemory:
         self._weights: list[Tensor] = []
         self._grad_contexts: list[Tensor] = []
 
-    def attend_checked(self, checked: tuple, return_weights: bool):
+    def attend_checked(self, checked: AttentionInputs, return_weights: bool):
         """Inputs as ``check_inputs`` returns them, through this memory -> (context, weights or
         None) as ``additive_attention`` returns them; None where the memory does not apply (it
         does not own the keys and values, no gradient is wanted, a size is zero)."""
-        query3, keys, values, v, bias, lengths, mask, single_step = checked
+        query3, keys, values, bias = checked.query, checked.keys, checked.values, checked.bias
         if not self.owns(keys, values) or not isinstance(return_weights, bool):
             return None
         if min(query3.shape) == 0 or min(keys.shape) == 0 or values.shape[2] == 0:
             return None
         if bias is None:
             bias = query3.new_zeros(query3.shape[-1])
-        tensors = (query3, keys, values, v, bias)
+        tensors = (query3, keys, values, checked.v, bias)
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
             return None
         if fused_unavailable_reason(query3.device, query3.dtype) is not None:
             return None
-        context, weights = self.attend(query3, v, bias, lengths, mask)
-        if single_step:
+        context, weights = self.attend(query3, checked.v, bias, checked.lengths, checked.mask)
+        if checked.single_step:
             context, weights = context.squeeze(1), weights.squeeze(1)
         return context, (weights if return_weights else None)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -93,8 +94,21 @@ def _autocast_dtype(device: torch.device) -> torch.dtype | None:
     return None
 
 
-def check_inputs(query, keys, values, v, bias=None, lengths=None, mask=None):
-    """Validate the public contract; return (query3d, keys, values, v, bias, lengths, mask, single_step).
+class AttentionInputs(NamedTuple):
+    """The attention's inputs as :func:`check_inputs` returns them, checked and normalised."""
+
+    query: Tensor  # [B, Tq, H]; a [B, H] query (one decoding step) made [B, 1, H]
+    keys: Tensor  # [B, Tk, H]
+    values: Tensor  # [B, Tk, Dv]
+    v: Tensor  # [H]
+    bias: Tensor | None  # [H]
+    lengths: Tensor | None  # int64 [B], contiguous, in [0, Tk]
+    mask: Tensor | None  # bool [B, Tk], contiguous; never together with lengths
+    single_step: bool  # the query was [B, H]: the outputs drop the Tq axis
+
+
+def check_inputs(query, keys, values, v, bias=None, lengths=None, mask=None) -> AttentionInputs:
+    """Validate the public contract; return the inputs as :class:`AttentionInputs`.
 
     Under torch.autocast on the query's device the floating inputs are first cast to the autocast
     dtype (differentiable casts, as autocast casts a product's inputs: float32 parameters keep
@@ -143,13 +157,5 @@ def check_inputs(query, keys, values, v, bias=None, lengths=None, mask=None):
     if mask is not None:
         mask = _as_mask(mask, batch, num_keys, query.device)
     single_step = query.dim() == 2
-    return (
-        (query.unsqueeze(1) if single_step else query),
-        keys,
-        values,
-        v,
-        bias,
-        lengths,
-        mask,
-        single_step,
-    )
+    query3 = query.unsqueeze(1) if single_step else query
+    return AttentionInputs(query3, keys, values, v, bias, lengths, mask, single_step)

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from seq2seq_fast.ops._autograd import guard_double_backward, traced_or_transformed
-from seq2seq_fast.ops._checks import check_inputs
+from seq2seq_fast.ops._checks import AttentionInputs, check_inputs
 from seq2seq_fast.ops._library import (  # noqa: F401 (fused_available: importable with the op)
     CPU_KERNEL_ERROR,
     LIBRARY,
@@ -209,9 +209,12 @@ def additive_attention(
     return run_checked(checked, return_weights, use_reference=False)
 
 
-def run_checked(checked: tuple, return_weights: bool, use_reference: bool):
+def run_checked(checked: AttentionInputs, return_weights: bool, use_reference: bool):
     """Run inputs that ``check_inputs`` returned through the fused op or the reference."""
-    query3, keys, values, v, bias, lengths, mask, single_step = checked
+    query3, keys, values, v, bias, lengths, mask, single_step = (
+        checked.query, checked.keys, checked.values, checked.v, checked.bias, checked.lengths,
+        checked.mask, checked.single_step,
+    )  # fmt: skip
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
     degenerate = min(query3.shape) == 0 or min(keys.shape) == 0 or values.shape[2] == 0

@@ -71,9 +71,8 @@ class LocationMemory:
     ) -> tuple[Tensor, Tensor]:
         """query [B, A], conv [B*T, C], weight [A, C], v [A], mask bool [B, T] (True = valid) or
         None -> (context [B, Dv], weights [B, T])."""
-        query3, _, _, v, _, _, mask, _ = check_inputs(
-            query, self.projected, self.values, v, mask=mask
-        )
+        checked = check_inputs(query, self.projected, self.values, v, mask=mask)
+        query3, v, mask = checked.query, checked.v, checked.mask
         batch, frames, width = self.projected.shape
         if conv.shape != (batch * frames, weight.shape[1]) or weight.shape[0] != width:
             raise ValueError(

@@ -311,12 +311,12 @@ class GatheredValues:
         -> (context [B, Dv], weights [B, T]) over these values."""
         if backend != "reference" and _step_kernel_serves(query, keys):
             checked = check_inputs(query, keys, self.values, v, None, None, mask)
-            query3, keys, values, v, _, _, mask, _ = checked
-            lengths = prefix_lengths(mask)
-            mask = None if lengths is not None else mask
+            lengths = prefix_lengths(checked.mask)
+            mask = None if lengths is not None else checked.mask
+            query3 = checked.query
             bias = query3.new_zeros(query3.shape[-1])
             context, weights = _GatheredStep.apply(
-                query3, keys, values, v, bias, lengths, mask, self
+                query3, checked.keys, checked.values, checked.v, bias, lengths, mask, self
             )
             return context.squeeze(1), weights.squeeze(1)
         _, weights = attend(backend, query, keys, self.placeholder, v, mask=mask)
