@@ -91,83 +91,92 @@ if CPU_KERNEL_ERROR is None:  # fake kernels of the ops that the extension defin
 # --- autograd --------------------------------------------------------------------------------------
 
 
-def attention_function(
-    fwd, bwd, name: str = "AdditiveAttentionFunction", save_weights=lambda query: False
-) -> type:
-    """A torch.autograd.Function over a (fwd, bwd) kernel pair that follows the op-level contract.
+def _save_for_backward(ctx, inputs: tuple, output: tuple) -> None:
+    """Save the inputs, the context, the O(B*Tq) row statistics and, when the forward returned
+    them, the O(B*Tq*Tk) weights (the backward then needs no recomputation of the softmax)."""
+    query, keys, values, v, bias, lengths, mask, _ = inputs
+    context, weights, lse = output
+    saved_weights = weights if weights.numel() > 0 else None
+    ctx.save_for_backward(query, keys, values, v, bias, lengths, mask, context, lse, saved_weights)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(bwd, ctx, grad_context: Tensor | None, grad_weights: Tensor | None) -> tuple:
+    """The five input gradients from the backward kernel ``bwd`` (Nones for the rest)."""
+    query, keys, values, v, bias, lengths, mask, context, lse, weights = ctx.saved_tensors
+    if grad_context is None:
+        grad_context = torch.zeros_like(context)
+    if grad_weights is not None and grad_weights.numel() == 0:
+        grad_weights = None
+    grads = bwd(
+        grad_context.contiguous(),
+        None if grad_weights is None else grad_weights.contiguous(),
+        query, keys, values, v, bias, lengths, mask, context, lse, weights,
+    )  # fmt: skip
+    return guard_double_backward((*grads, None, None, None))
+
+
+class AdditiveAttentionFunction(torch.autograd.Function):
+    """The autograd Function over the two ops (op-level contract, module docstring).
 
     ``apply(query3d, keys, values, v, bias, lengths, mask, return_weights)`` returns
-    (context, weights, lse). It saves the inputs, the context and the O(B*Tq) row statistics,
-    and the O(B*Tq*Tk) weights when the forward returned them: when the caller asked for them, or
-    when ``save_weights(query)`` is true (the forward then computes them even if not asked, and
-    the backward needs no recomputation of the softmax). The public op uses the registered torch
-    ops; tests and the GPU check's CPU dry run wrap the Triton launchers directly with it (on CPU
-    tensors the dispatcher would pick the C++ kernel).
+    (context, weights, lse); the inputs are those :func:`check_inputs` returns (bias not None).
+    ``eager_apply`` is the same call, faster outside tracing and transforms.
     """
 
-    def forward_impl(query, keys, values, v, bias, lengths, mask, return_weights):
-        keep = return_weights or save_weights(query)
-        return fwd(query, keys, values, v, bias, lengths, mask, keep)
-
-    def setup_impl(ctx, inputs, output):
-        query, keys, values, v, bias, lengths, mask, _ = inputs
-        context, weights, lse = output
-        saved_weights = weights if weights.numel() > 0 else None
-        ctx.save_for_backward(
-            query, keys, values, v, bias, lengths, mask, context, lse, saved_weights
+    @staticmethod
+    def forward(query, keys, values, v, bias, lengths, mask, return_weights):
+        # The CPU kernel writes the weights in the forward anyway (O(B*Tq*Tk), no extra work),
+        # and its backward is one pass instead of two with them. Triton recomputes them from lse.
+        keep = return_weights or query.device.type == "cpu"
+        return torch.ops.seq2seq_fast.additive_attention_fwd(
+            query, keys, values, v, bias, lengths, mask, keep
         )
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)
 
-    def backward_impl(ctx, grad_context, grad_weights, _grad_lse):
-        query, keys, values, v, bias, lengths, mask, context, lse, weights = ctx.saved_tensors
-        if grad_context is None:
-            grad_context = torch.zeros_like(context)
-        if grad_weights is not None and grad_weights.numel() == 0:
-            grad_weights = None
-        grads = bwd(
-            grad_context.contiguous(),
-            None if grad_weights is None else grad_weights.contiguous(),
-            query, keys, values, v, bias, lengths, mask, context, lse, weights,
-        )  # fmt: skip
-        return guard_double_backward((*grads, None, None, None))
+    setup_context = staticmethod(_save_for_backward)
 
-    class _AttentionFunction(torch.autograd.Function):
-        forward = staticmethod(forward_impl)
-        setup_context = staticmethod(setup_impl)
-        backward = staticmethod(backward_impl)
+    @staticmethod
+    def backward(ctx, grad_context, grad_weights, _grad_lse):
+        return _backward(torch.ops.seq2seq_fast.additive_attention_bwd, ctx, grad_context, grad_weights)
 
-    class _EagerAttentionFunction(torch.autograd.Function):
-        """The same Function in the older style (forward takes ctx): its apply skips the
-        signature binding that the setup_context style pays on every call (~50 us, measured),
-        but torch.func transforms need the other one. ``eager_apply`` picks."""
-
-        @staticmethod
-        def forward(ctx, *inputs):
-            output = forward_impl(*inputs)
-            setup_impl(ctx, inputs, output)
-            return output
-
-        backward = staticmethod(backward_impl)
-
+    @staticmethod
     def eager_apply(*inputs):
+        """``apply``, through :class:`_EagerAttentionFunction` outside torch.compile's tracing and
+        torch.func transforms (which need this class's setup_context style)."""
         if traced_or_transformed():
-            return _AttentionFunction.apply(*inputs)
+            return AdditiveAttentionFunction.apply(*inputs)
         return _EagerAttentionFunction.apply(*inputs)
 
-    _AttentionFunction.eager_apply = staticmethod(eager_apply)
-    for cls in (_AttentionFunction, _EagerAttentionFunction):
-        cls.__name__ = cls.__qualname__ = name
-    return _AttentionFunction
+
+class _EagerAttentionFunction(torch.autograd.Function):
+    """:class:`AdditiveAttentionFunction` in the older style (forward takes ctx): its apply skips
+    the signature binding that the setup_context style pays on every call (~50 us, measured)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = AdditiveAttentionFunction.forward(*inputs)
+        _save_for_backward(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(AdditiveAttentionFunction.backward)
 
 
-AdditiveAttentionFunction = attention_function(
-    torch.ops.seq2seq_fast.additive_attention_fwd,
-    torch.ops.seq2seq_fast.additive_attention_bwd,
-    # The CPU kernel writes the weights in the forward anyway (O(B*Tq*Tk), no extra work), and its
-    # backward is one pass instead of two with them. Triton recomputes them from lse instead.
-    save_weights=lambda query: query.device.type == "cpu",
-)
+def attention_function(fwd, bwd) -> type[AdditiveAttentionFunction]:
+    """:class:`AdditiveAttentionFunction` over another (fwd, bwd) kernel pair with the same
+    contract: tests and the GPU check's CPU dry run wrap the Triton launchers directly with it (on
+    CPU tensors the dispatcher would pick the C++ kernel). Weights are saved when asked for."""
+
+    class KernelPairFunction(AdditiveAttentionFunction):
+        @staticmethod
+        def forward(query, keys, values, v, bias, lengths, mask, return_weights):
+            return fwd(query, keys, values, v, bias, lengths, mask, return_weights)
+
+        @staticmethod
+        def backward(ctx, grad_context, grad_weights, _grad_lse):
+            return _backward(bwd, ctx, grad_context, grad_weights)
+
+    return KernelPairFunction
 
 
 def additive_attention(
