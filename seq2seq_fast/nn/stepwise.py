@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from seq2seq_fast.ops._autograd import guard_double_backward, traced_or_transformed
+from seq2seq_fast.ops._autograd import guard_double_backward
 from seq2seq_fast.ops._checks import AttentionInputs
-from seq2seq_fast.ops._library import fused_unavailable_reason
+from seq2seq_fast.ops._library import kernel_serves
 
 
 class _MemoryNode(torch.autograd.Function):
@@ -111,9 +111,7 @@ class StepwiseMemory:
             return None
         if not (keys.requires_grad or values.requires_grad):
             return None
-        if keys.device.type != "cpu" or fused_unavailable_reason(keys.device, keys.dtype):
-            return None
-        if traced_or_transformed():
+        if not kernel_serves("attention_step", keys, values):
             return None
         if keys.dim() != 3 or values.dim() != 3 or min(keys.shape) == 0 or values.shape[2] == 0:
             return None  # the op's checks (and the reference for empty sizes) handle these
@@ -142,7 +140,7 @@ class StepwiseMemory:
         tensors = (query3, keys, values, checked.v, bias)
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
             return None
-        if fused_unavailable_reason(query3.device, query3.dtype) is not None:
+        if not kernel_serves("attention", query3):
             return None
         context, weights = self.attend(query3, checked.v, bias, checked.lengths, checked.mask)
         if checked.single_step:

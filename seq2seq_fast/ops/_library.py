@@ -16,6 +16,9 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch import Tensor
+
+from seq2seq_fast.ops._autograd import traced_or_transformed
 
 LIBRARY = "seq2seq_fast"
 
@@ -84,6 +87,62 @@ def fused_unavailable_reason(device: torch.device | str, dtype: torch.dtype) -> 
 
 def fused_available(device: torch.device | str, dtype: torch.dtype) -> bool:
     return fused_unavailable_reason(device, dtype) is None
+
+
+# The kernels a caller may ask about, beyond the attention op itself: the CPU kernels whose
+# autograd keeps Python-side state (gathered step gradients), so they stay out of torch.compile's
+# tracing and torch.func transforms. Device type -> dtypes served; and what they do under autocast:
+# "same" serves only tensors already in the autocast dtype (the op would cast the others, and the
+# caller's state would miss them), "bf16" serves bfloat16 autocast (the op casts its inputs).
+_CPU_KERNELS = {
+    "attention_step": (_CPU_DTYPES, "same"),  # StepwiseMemory, GatheredValues: accumulating bwd
+    "location": ((torch.float32, torch.float64), "same"),  # location-aware step and convolution
+    "recurrent": (_CPU_DTYPES, "bf16"),  # GRU layer, GRU and LSTM cells
+}
+KERNELS = ("attention", *_CPU_KERNELS)
+
+
+def kernel_unavailable_reason(kernel: str, *tensors: Tensor) -> str | None:
+    """The one decision whether a fused kernel serves a call with these tensors: None when it
+    does, else why not. Everything above ``ops`` asks here instead of testing devices or dtypes.
+
+    kernel: "attention" (the op through AdditiveAttentionFunction: CPU or CUDA, any mode, by the
+    first tensor's device and dtype, as :func:`fused_unavailable_reason`), "attention_step" (a
+    decoder step whose key/value gradients are gathered: StepwiseMemory, GatheredValues),
+    "location" (the location-aware step and convolution) or "recurrent" (GRU/LSTM ops). The last
+    three: CPU tensors only, in the kernel's dtypes, the extension loaded, not inside
+    torch.compile's tracing or a torch.func transform, and autocast as the table above says.
+    """
+    if kernel == "attention":
+        return fused_unavailable_reason(tensors[0].device, tensors[0].dtype)
+    if kernel not in _CPU_KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    dtypes, under_autocast = _CPU_KERNELS[kernel]
+    if CPU_KERNEL_ERROR is not None:
+        return f"the C++ extension seq2seq_fast._C did not load ({CPU_KERNEL_ERROR})"
+    for t in tensors:
+        if t.device.type != "cpu":
+            return f"the {kernel} kernel serves CPU tensors only, got one on {t.device}"
+        if t.dtype not in dtypes:
+            return f"the {kernel} kernel does not serve dtype {t.dtype}"
+    if traced_or_transformed():
+        return (
+            f"the {kernel} kernel keeps Python-side autograd state: not under tracing or torch.func"
+        )
+    if torch.is_autocast_enabled("cpu"):
+        autocast = torch.get_autocast_dtype("cpu")
+        if under_autocast == "bf16" and autocast != torch.bfloat16:
+            return f"the {kernel} kernel does not run under {autocast} autocast"
+        if under_autocast == "same" and any(t.dtype != autocast for t in tensors):
+            return (
+                f"the {kernel} kernel serves only tensors already in the autocast dtype {autocast}"
+            )
+    return None
+
+
+def kernel_serves(kernel: str, *tensors: Tensor) -> bool:
+    """:func:`kernel_unavailable_reason` is None."""
+    return kernel_unavailable_reason(kernel, *tensors) is None
 
 
 def cpu_bf16_hardware() -> str | None:

@@ -26,12 +26,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from seq2seq_fast.ops._autograd import guard_double_backward, traced_or_transformed
-from seq2seq_fast.ops._library import CPU_KERNEL_ERROR
+from seq2seq_fast.ops._library import CPU_KERNEL_ERROR, kernel_serves
 
 if CPU_KERNEL_ERROR is None:  # shapes for torch.compile / FakeTensor tracing of the ops
 
     @torch.library.register_fake("seq2seq_fast::_location_attention_fwd")
-    def _location_attention_fwd_fake(query, projected, conv, weight, values, v, bias, lengths, mask):
+    def _location_attention_fwd_fake(
+        query, projected, conv, weight, values, v, bias, lengths, mask
+    ):
         batch, frames = projected.shape[:2]
         return query.new_empty(batch, 1, values.shape[2]), query.new_empty(batch, 1, frames)
 
@@ -128,14 +130,15 @@ def location_columns(features: Tensor, conv_weight: Tensor) -> Tensor:
     """[B*T, C]: the location convolution of features [B, Cin, T] (conv_weight [C, Cin, K], or a
     Conv2d's [C, 1, 1, K]: bias-free, stride 1, zero padding K // 2), frames as rows."""
     weight = conv_weight.reshape(conv_weight.shape[0], -1, conv_weight.shape[-1])
-    plain = traced_or_transformed() or torch.is_autocast_enabled("cpu")
-    on_cpu = features.device.type == "cpu" and not plain
-    kernel_dtype = (
-        features.dtype in (torch.float32, torch.float64) and features.dtype == weight.dtype
-    )
-    if on_cpu and kernel_dtype and weight.shape[-1] % 2 == 1 and CPU_KERNEL_ERROR is None:
+    same_dtype, odd = features.dtype == weight.dtype, weight.shape[-1] % 2 == 1
+    if same_dtype and odd and kernel_serves("location", features, weight):
         return _KernelConv.apply(features, weight)
-    if on_cpu and weight.shape[1] * weight.shape[2] <= MAX_WINDOW:
+    plain = traced_or_transformed() or torch.is_autocast_enabled("cpu")
+    if (
+        features.device.type == "cpu"
+        and not plain
+        and weight.shape[1] * weight.shape[2] <= MAX_WINDOW
+    ):
         return _WindowConv.apply(features, weight)
     conv = F.conv1d(features, weight, padding=weight.shape[-1] // 2)  # [B, C, T]
     return conv.transpose(1, 2).reshape(-1, weight.shape[0])

@@ -227,9 +227,7 @@ class Encoder(nn.Module):
         """x [B, S, E], lengths int64 [B] (>= 1) -> (outputs [B, S, D] zero at padding, final
         hidden states [layers * directions, B, H] as nn.GRU/nn.LSTM order them)."""
         if packed is None:
-            packed = not torch.compiler.is_compiling() and (
-                x.is_cuda or not torch.is_grad_enabled()
-            )
+            packed = fused_gru.prefer_packed(x)  # ops/recurrent.py decides
         if packed:
             sequence = pack_padded_sequence(
                 x, lengths.cpu(), batch_first=True, enforce_sorted=False

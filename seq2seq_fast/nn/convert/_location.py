@@ -21,9 +21,8 @@ from torch import Tensor, nn
 
 from seq2seq_fast.nn.convert._speech import _nothing, attend_gathered, prefix_lengths
 from seq2seq_fast.nn.stepwise import _MemoryNode
-from seq2seq_fast.ops._autograd import traced_or_transformed
 from seq2seq_fast.ops._checks import check_inputs
-from seq2seq_fast.ops._library import CPU_KERNEL_ERROR
+from seq2seq_fast.ops._library import kernel_serves
 from seq2seq_fast.ops.location_attention import _LocationStep, location_columns, location_keys
 
 
@@ -48,18 +47,13 @@ class LocationMemory:
 
     @classmethod
     def for_training(cls, projected: Tensor, values: Tensor, backend: str) -> LocationMemory | None:
-        if backend == "reference" or CPU_KERNEL_ERROR is not None or not torch.is_grad_enabled():
+        if backend == "reference" or not torch.is_grad_enabled():
             return None
-        if traced_or_transformed() or torch.is_autocast_enabled("cpu"):
+        if not kernel_serves("location", projected, values):
             return None
         if projected.dim() != 3 or values.dim() != 3 or min(values.shape) == 0:
             return None
         if min(projected.shape) == 0 or not projected.is_contiguous():
-            return None
-        tensors = (projected, values)
-        if any(
-            t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64) for t in tensors
-        ):
             return None
         return cls(projected, values)
 

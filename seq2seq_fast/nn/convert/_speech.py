@@ -17,7 +17,7 @@ from seq2seq_fast.nn.convert._base import child_names, own_parameter_names
 from seq2seq_fast.nn.stepwise import forward_saving_inputs
 from seq2seq_fast.ops._autograd import guard_double_backward, traced_or_transformed
 from seq2seq_fast.ops._checks import check_inputs
-from seq2seq_fast.ops._library import CPU_KERNEL_ERROR, fused_unavailable_reason
+from seq2seq_fast.ops._library import kernel_serves
 
 # Attributes every nn.Module has; everything else in an original's __dict__ is its own state.
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
@@ -309,7 +309,8 @@ class GatheredValues:
     ) -> tuple[Tensor, Tensor]:
         """One step: query [B, A], keys [B, T, A], v [A], mask bool [B, T] (True = valid) or None
         -> (context [B, Dv], weights [B, T]) over these values."""
-        if backend != "reference" and _step_kernel_serves(query, keys):
+        step_kernel = query.dim() == 2 and kernel_serves("attention_step", query, keys, self.values)
+        if backend != "reference" and step_kernel:
             checked = check_inputs(query, keys, self.values, v, None, None, mask)
             lengths = prefix_lengths(checked.mask)
             mask = None if lengths is not None else checked.mask
@@ -342,17 +343,6 @@ class GatheredValues:
         grads = torch.stack(self._grads, dim=1).to(weights.dtype)  # [B, S, Dv]
         self._task, self._weights, self._grads = None, [], []
         return torch.bmm(weights.transpose(1, 2), grads).to(self.source.dtype)
-
-
-def _step_kernel_serves(query: Tensor, keys: Tensor) -> bool:
-    """The fused CPU kernel (with its accumulating backward) serves this step's tensors."""
-    return (
-        CPU_KERNEL_ERROR is None
-        and keys.device.type == "cpu"
-        and query.dim() == 2
-        and fused_unavailable_reason(keys.device, keys.dtype) is None
-        and not torch.is_autocast_enabled("cpu")
-    )
 
 
 def attend_gathered(
