@@ -23,30 +23,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from seq2seq_fast.ops._autograd import guard_double_backward
+from seq2seq_fast.ops._autograd import StepGradients, guard_double_backward
 from seq2seq_fast.ops._checks import AttentionInputs
 from seq2seq_fast.ops._library import kernel_serves
-
-
-class _MemoryNode(torch.autograd.Function):
-    """keys, values -> aliases of them; the backward returns what the steps gathered (``memory``:
-    anything whose ``_collect()`` gives the gathered (dkeys, dvalues), None where nothing was;
-    also the location-aware layouts' memory, nn/convert/_location.py)."""
-
-    @staticmethod
-    def forward(ctx, keys: Tensor, values: Tensor, memory: StepwiseMemory):
-        ctx.memory = memory
-        ctx.set_materialize_grads(False)
-        return keys.view_as(keys), values.view_as(values)
-
-    @staticmethod
-    def backward(ctx, grad_keys, grad_values):
-        dkeys, dvalues = ctx.memory._collect()
-        if grad_keys is not None:  # the aliases used elsewhere too
-            dkeys = grad_keys if dkeys is None else dkeys + grad_keys
-        if grad_values is not None:
-            dvalues = grad_values if dvalues is None else dvalues + grad_values
-        return guard_double_backward((dkeys, dvalues, None))
 
 
 def forward_saving_inputs(
@@ -85,7 +64,7 @@ class _StepAttention(torch.autograd.Function):
         return guard_double_backward((grad_query, None, None, grad_v, grad_bias, None, None, None))
 
 
-class StepwiseMemory:
+class StepwiseMemory(StepGradients):
     """Keys [B, Tk, H] and values [B, Tk, Dv] that many attention calls read, for training.
 
     Use ``memory.keys`` and ``memory.values`` (aliases that carry the gathered gradients) in place
@@ -99,8 +78,8 @@ class StepwiseMemory:
         # Made contiguous once here, not by the op at every step: e.g. nn.GRU(batch_first=True)
         # returns a transposed view, which cost two copies of the memory per step (3% of a
         # tutorial decoder's training step).
-        self.keys, self.values = _MemoryNode.apply(keys.contiguous(), values.contiguous(), self)
-        self._reset(None)
+        super().__init__()
+        self.keys, self.values = self.attach(keys.contiguous(), values.contiguous())
 
     @classmethod
     def for_training(cls, keys: Tensor, values: Tensor, backend: str) -> StepwiseMemory | None:
@@ -119,12 +98,6 @@ class StepwiseMemory:
 
     def owns(self, keys: Tensor, values: Tensor) -> bool:
         return keys is self.keys and values is self.values
-
-    def _reset(self, task: int | None) -> None:
-        self._task = task
-        self._grad_keys: Tensor | None = None
-        self._weights: list[Tensor] = []
-        self._grad_contexts: list[Tensor] = []
 
     def attend_checked(self, checked: AttentionInputs, return_weights: bool):
         """Inputs as ``check_inputs`` returns them, through this memory -> (context, weights or
@@ -153,29 +126,11 @@ class StepwiseMemory:
 
     def _accumulate(self, grad_context, grad_weights, query, keys, values, v, bias, lengths, mask,
                     weights):  # fmt: skip
-        task = torch._C._current_graph_task_id()
-        if task != self._task:  # a new backward pass: nothing of an earlier one counts
-            self._reset(task)
-        if self._grad_keys is None:
-            # bfloat16 keys: dkeys summed over the steps in float32 (the op accepts it)
-            acc = torch.float32 if keys.dtype == torch.bfloat16 else keys.dtype
-            self._grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
+        # bfloat16 keys: dkeys summed over the steps in float32 (the op accepts it)
+        acc = torch.float32 if keys.dtype == torch.bfloat16 else keys.dtype
         grads = torch.ops.seq2seq_fast._additive_attention_bwd_accumulate(
             grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, weights,
-            self._grad_keys,
+            self.buffer(keys, acc),
         )  # fmt: skip
-        self._weights.append(weights)
-        self._grad_contexts.append(grad_context)
+        self.record(weights, grad_context)
         return grads
-
-    def _collect(self) -> tuple[Tensor | None, Tensor | None]:
-        """(dkeys, dvalues) gathered in this backward pass (None: no step contributed)."""
-        if self._task != torch._C._current_graph_task_id() or not self._weights:
-            self._reset(None)
-            return None, None
-        weights = torch.cat(self._weights, dim=1)  # [B, sum Tq, Tk]
-        grad_contexts = torch.cat(self._grad_contexts, dim=1)  # [B, sum Tq, Dv]
-        grad_values = torch.bmm(weights.transpose(1, 2), grad_contexts)
-        grad_keys = self._grad_keys
-        self._reset(None)
-        return grad_keys, grad_values

@@ -187,11 +187,12 @@ class _LocationStep(torch.autograd.Function):
         grads = torch.ops.seq2seq_fast._location_attention_bwd(
             grad_context, None if grad_weights is None else grad_weights.contiguous(),
             query, projected, conv, weight, values, v, bias, lengths, mask, weights,
-            memory._accumulator(),
+            memory.buffer(projected),
         )  # fmt: skip
         grad_query, grad_conv, grad_weight, grad_v, grad_bias = grads
         needs = ctx.needs_input_grad
-        memory._record(weights[:, 0] if needs[4] else None, grad_context[:, 0])
+        if needs[4]:  # the values' gradient: one product over all the steps, in the gatherer
+            memory.record(weights, grad_context)
         return guard_double_backward(
             (
                 grad_query,

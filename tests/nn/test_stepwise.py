@@ -206,6 +206,6 @@ def test_bahdanau_decoder_trains_through_the_memory_with_the_fused_backend():
         names = _graph_node_names(loss)
         fused = backend == "fused"
         assert ("_StepAttentionBackward" in names) == fused
-        assert ("_MemoryNodeBackward" in names) == fused
+        assert ("_GatheredNodeBackward" in names) == fused
         # the plain op's Functions (eager, and the setup_context style) are not in the graph
         assert not names & {"_EagerAttentionFunctionBackward", "AdditiveAttentionFunctionBackward"}

@@ -19,14 +19,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.convert._speech import _nothing, attend_gathered, prefix_lengths
-from seq2seq_fast.nn.stepwise import _MemoryNode
+from seq2seq_fast.nn.convert._speech import attend_gathered, prefix_lengths
+from seq2seq_fast.ops._autograd import StepGradients
 from seq2seq_fast.ops._checks import check_inputs
 from seq2seq_fast.ops._library import kernel_serves
 from seq2seq_fast.ops.location_attention import _LocationStep, location_columns, location_keys
 
 
-class LocationMemory:
+class LocationMemory(StepGradients):
     """The projected memory P [B, T, A] and values [B, T, Dv] of one sequence's location-aware
     steps, for training on the fused CPU kernel (see the module docstring). Build it with
     :meth:`for_training` (None where it does not apply), then call :meth:`attend` per step. A
@@ -34,16 +34,10 @@ class LocationMemory:
     is kept apart by its graph task."""
 
     def __init__(self, projected: Tensor, values: Tensor) -> None:
+        super().__init__()
         self.sources = (projected, values)
-        self.projected, self.values = _MemoryNode.apply(projected, values, self)
+        self.projected, self.values = self.attach(projected, values)
         self.spent = False
-        self._reset(None)
-
-    def __deepcopy__(self, memo: dict) -> None:
-        return None  # a copy of the module starts without one (its graph is this forward's)
-
-    def __reduce__(self):
-        return (_nothing, ())  # likewise when the module is pickled
 
     @classmethod
     def for_training(cls, projected: Tensor, values: Tensor, backend: str) -> LocationMemory | None:
@@ -81,46 +75,13 @@ class LocationMemory:
         )
         return context.squeeze(1), weights.squeeze(1)
 
-    def _reset(self, task: int | None) -> None:
-        self._task = task
-        self._grad_projected: Tensor | None = None
-        self._weights: list[Tensor] = []
-        self._grad_contexts: list[Tensor] = []
-
-    def _accumulator(self) -> Tensor:
-        """P's gradient in this backward pass, which each step's kernel adds its keys gradient
-        into (zeros before the pass's first step)."""
-        task = torch._C._current_graph_task_id()
-        if task != self._task:  # a new backward pass: nothing of an earlier one counts
-            self._reset(task)
-        if self._grad_projected is None:
-            self._grad_projected = torch.zeros_like(self.sources[0])
-        return self._grad_projected
-
-    def _record(self, weights: Tensor | None, grad_context: Tensor) -> None:
-        """A step's weights and context gradient, for the values' gradient (after
-        :meth:`_accumulator` in the same step's backward)."""
-        if weights is not None:
-            self._weights.append(weights)
-            self._grad_contexts.append(grad_context)
-
-    def _collect(self) -> tuple[Tensor | None, Tensor | None]:
+    def gathered(self) -> tuple[Tensor | None, Tensor | None]:
         """(dP, dvalues) gathered in this backward pass (None: no step contributed). The memory
         is spent: it lets go of its tensors (the module keeps it until its next sequence)."""
         self.spent = True
         self.sources = (None, None)
         self.projected = self.values = None
-        if self._task != torch._C._current_graph_task_id():
-            self._reset(None)
-            return None, None
-        grad_values = None
-        if self._weights:
-            weights = torch.stack(self._weights, dim=1)  # [B, S, T]
-            grads = torch.stack(self._grad_contexts, dim=1)  # [B, S, Dv]
-            grad_values = torch.bmm(weights.transpose(1, 2), grads)
-        grad_projected = self._grad_projected
-        self._reset(None)
-        return grad_projected, grad_values
+        return self.collect()
 
 
 def attend_location(
