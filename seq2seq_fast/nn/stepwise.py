@@ -20,6 +20,8 @@ next one: each backward's gathering is keyed by its graph task.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -134,3 +136,31 @@ class StepwiseMemory(StepGradients):
         )  # fmt: skip
         self.record(weights, grad_context)
         return grads
+
+
+class StepMemory(NamedTuple):
+    """What a stand-in's decoder steps attend to, as :func:`step_memory` makes it."""
+
+    keys: Tensor  # [B, S, H]: the projected keys, or the StepwiseMemory's alias of them
+    values: Tensor | None  # [B, S, Dv], or None: the call's own values (see step_memory)
+    stepwise: StepwiseMemory | None  # pass to attend(..., stepwise=); None where it does not apply
+    projection: Tensor  # the projected keys themselves (what a ProjectionCache should watch)
+
+
+def step_memory(
+    keys: Tensor,
+    values: Tensor,
+    backend: str,
+    *,
+    stepwise: bool = True,
+    own_values: bool = False,
+) -> StepMemory:
+    """The memory of a decoder's steps: projected keys [B, S, H] and values [B, S, Dv], through a
+    :class:`StepwiseMemory` where it applies (``stepwise`` steps, training on the CPU kernel;
+    :meth:`StepwiseMemory.for_training`), else as given. ``own_values``: the values are the
+    call's own tensor, which a ProjectionCache holds only weakly; without a StepwiseMemory the
+    result then holds None instead (the caller passes its own values again)."""
+    memory = StepwiseMemory.for_training(keys, values, backend) if stepwise else None
+    if memory is None:
+        return StepMemory(keys, None if own_values else values, None, keys)
+    return StepMemory(memory.keys, memory.values, memory, keys)
