@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -43,9 +43,8 @@ class FusedAllenNLPAdditiveAttention(FusedStandIn):
     layout = "allennlp_additive"
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
-        super().__init__()
+        super().__init__(backend)
         adopt(self, original)
-        self.backend = check_backend(backend)
         self.key_cache = ProjectionCache()
 
     def _memory(self, matrix: Tensor) -> StepMemory:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -48,7 +48,7 @@ class FusedConcatAttention(FusedStandIn):
     parameters under their names (``attn`` or ``attention``; ``v``) and its plain attributes."""
 
     def __init__(self, original: nn.Module, backend: str, *, time_major: bool, layout: str) -> None:
-        super().__init__()
+        super().__init__(backend)
         self.layout = layout
         self._linear_name = "attn" if "attn" in child_names(original) else "attention"
         for name, child in original.named_children():
@@ -60,7 +60,6 @@ class FusedConcatAttention(FusedStandIn):
                 setattr(self, key, value)
         self.time_major = time_major
         self.returns_3d = layout == "chatbot_concat"
-        self.backend = check_backend(backend)
         self.key_cache = ProjectionCache()
 
     @property

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -51,9 +51,8 @@ class FusedD2LAdditiveAttention(FusedStandIn):
     layout = "d2l_additive"
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
-        super().__init__()
+        super().__init__(backend)
         adopt(self, original)
-        self.backend = check_backend(backend)
         self.key_cache = ProjectionCache()
 
     def _memory(self, keys: Tensor, values: Tensor, stepwise: bool) -> StepMemory:

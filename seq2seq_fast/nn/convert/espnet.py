@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -61,9 +61,8 @@ class FusedEspnetAttAdd(FusedStandIn):
     gather_steps = True  # keys and values fixed over the utterance: StepwiseMemory applies
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
-        super().__init__()
+        super().__init__(backend)
         adopt(self, original)
-        self.backend = check_backend(backend)
         self._stepwise: StepwiseMemory | None = None
 
     def reset(self) -> None:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -68,9 +68,8 @@ class FusedFairseqLocationAttention(FusedStandIn):
     layout = "fairseq_location"
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
-        super().__init__()
+        super().__init__(backend)
         adopt(self, original)
-        self.backend = check_backend(backend)
 
     def clear_cache(self) -> None:
         self.proj_enc_out = None
@@ -156,9 +155,8 @@ class FusedFairseqMLPAttention(FusedStandIn):
     layout = "fairseq_mlp"
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
-        super().__init__()
+        super().__init__(backend)
         adopt(self, original)
-        self.backend = check_backend(backend)
         self.key_cache = ProjectionCache()
 
     def _memory(self, source_hids: Tensor) -> StepMemory:

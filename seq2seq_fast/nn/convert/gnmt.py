@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -44,7 +44,7 @@ class FusedGNMTAttention(FusedStandIn):
     layout = "gnmt"
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
-        super().__init__()
+        super().__init__(backend)
         self.linear_q, self.linear_k = original.linear_q, original.linear_k
         self.linear_att = original.linear_att
         self.normalize = original.normalize_scalar is not None
@@ -53,7 +53,6 @@ class FusedGNMTAttention(FusedStandIn):
         self.normalize_scalar = original.normalize_scalar
         self.normalize_bias = original.normalize_bias
         self.mask = getattr(original, "mask", None)
-        self.backend = check_backend(backend)
         self.key_cache = ProjectionCache()
 
     @property

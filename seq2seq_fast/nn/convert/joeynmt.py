@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -44,13 +44,12 @@ class FusedJoeyBahdanauAttention(FusedStandIn):
     layout = "joeynmt"
 
     def __init__(self, original: nn.Module, backend: str) -> None:
-        super().__init__()
+        super().__init__(backend)
         self.key_layer = original.key_layer
         self.query_layer = original.query_layer
         self.energy_layer = original.energy_layer
         self.proj_keys = getattr(original, "proj_keys", None)
         self.proj_query = getattr(original, "proj_query", None)
-        self.backend = check_backend(backend)
         self.key_cache = ProjectionCache()  # key_layer(keys), per keys tensor
         self.memory_cache = ProjectionCache()  # StepwiseMemory, per (proj_keys, values)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -43,14 +43,13 @@ class FusedGlobalAttention(FusedStandIn):
     four Linears and attributes, the same call and return values."""
 
     def __init__(self, original: nn.Module, backend: str, *, time_major_output: bool) -> None:
-        super().__init__()
+        super().__init__(backend)
         self.layout = "opennmt_mlp_time_major" if time_major_output else "opennmt_mlp"
         for name, child in original.named_children():
             self.add_module(name, child)
         for key in ("dim", "attn_type", "attn_func"):
             setattr(self, key, getattr(original, key))
         self.time_major_output = time_major_output
-        self.backend = check_backend(backend)
         self.key_cache = ProjectionCache()
 
     def _memory(self, memory_bank: Tensor, stepwise: bool) -> StepMemory:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -44,9 +44,8 @@ class FusedTutorialAttention(FusedStandIn):
     layout = "tutorial"
 
     def __init__(self, Wa: nn.Linear, Ua: nn.Linear, Va: nn.Linear, backend: str = "auto") -> None:  # noqa: N803
-        super().__init__()
+        super().__init__(backend)
         self.Wa, self.Ua, self.Va = Wa, Ua, Va
-        self.backend = check_backend(backend)
         self.key_cache = ProjectionCache()
 
     def _plain(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
