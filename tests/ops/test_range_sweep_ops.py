@@ -629,7 +629,7 @@ def location_upstream(batch: int, dtype):
 def test_location_step_ops_over_the_whole_range(isa, dtype, kind, bias_shift, monkeypatch):
     """The location-aware step's ops (keys formed inside the kernels) as the autograd Function of
     seq2seq_fast/nn/convert/_location.py calls them, against plain ops on materialised keys
-    (tests/convert/test_convert_speech.py's op-level check) over the whole range. float32 and float64
+    (tests/ops/test_location_attention.py) over the whole range. float32 and float64
     only: the ops take no bfloat16."""
     _use_isa(isa, monkeypatch)
     hidden, filters = (37, 6) if bias_shift else (32, 8)  # a scalar tail / none; C by dots / rows
