@@ -38,7 +38,7 @@ from seq2seq_fast.ops import (
     recurrent,
     reference,
 )
-from seq2seq_fast.ops._library import cpu_bf16_hardware, fused_available, fused_unavailable_reason
+from seq2seq_fast.ops._library import fused_available, fused_unavailable_reason
 from seq2seq_fast.ops.additive_attention import AdditiveAttentionFunction
 from seq2seq_fast.ops.reference import additive_attention_ref
 
@@ -49,7 +49,6 @@ __all__ = [
     "AdditiveAttentionFunction",
     "additive_attention",
     "additive_attention_ref",
-    "cpu_bf16_hardware",
     "fused_available",
     "fused_unavailable_reason",
     "linear_cross_entropy",

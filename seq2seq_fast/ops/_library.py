@@ -145,20 +145,6 @@ def kernel_serves(kernel: str, *tensors: Tensor) -> bool:
     return kernel_unavailable_reason(kernel, *tensors) is None
 
 
-def cpu_bf16_hardware() -> str | None:
-    """The CPU's bfloat16 matrix hardware ("amx" or "avx512_bf16"), or None without it.
-
-    The fused CPU ops take bfloat16 on any CPU (float32 inside). What bfloat16 speeds up is the
-    model's products under torch.autocast (oneDNN): on a CPU without this hardware they run
-    emulated, slower than float32, so a bf16 training mode should fall back to float32 there.
-    """
-    if torch.cpu._is_amx_tile_supported():
-        return "amx"
-    if torch.cpu._is_avx512_bf16_supported():
-        return "avx512_bf16"
-    return None
-
-
 _warned: set[tuple[str, torch.dtype]] = set()
 
 
