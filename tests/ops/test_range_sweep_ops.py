@@ -12,8 +12,8 @@ in float64 on the same (dtype-rounded) inputs:
   (every combination: gates saturating in different directions) and of splits of a gate's
   pre-activation between the inputs part and the hidden part (all in one, halves, opposite large
   signs, cancelling parts); the LSTM's cell state runs through the range too;
-- the location-aware step ops (``_location_attention_fwd`` / ``_bwd``, seq2seq_fast/nn/convert/
-  _location.py), with q + projected + conv W^T + bias driven through the range in seven splits;
+- the location-aware step ops (``_location_attention_fwd`` / ``_bwd``, seq2seq_fast/ops/
+  location_attention.py), with q + projected + conv W^T + bias driven through the range in seven splits;
 - linear + cross-entropy (seq2seq_fast/ops/linear_cross_entropy.py), logits up to 1e4 of either
   sign, with and without label smoothing, rows ignored by ignore_index.
 
@@ -628,7 +628,7 @@ def location_upstream(batch: int, dtype):
 @pytest.mark.parametrize("isa,dtype", isa_cases([torch.float32, F64]))
 def test_location_step_ops_over_the_whole_range(isa, dtype, kind, bias_shift, monkeypatch):
     """The location-aware step's ops (keys formed inside the kernels) as the autograd Function of
-    seq2seq_fast/nn/convert/_location.py calls them, against plain ops on materialised keys
+    seq2seq_fast/ops/location_attention.py calls them, against plain ops on materialised keys
     (tests/ops/test_location_attention.py) over the whole range. float32 and float64
     only: the ops take no bfloat16."""
     _use_isa(isa, monkeypatch)
