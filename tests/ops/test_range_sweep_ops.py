@@ -21,7 +21,7 @@ Tolerances, per batch row as max|got - want| / (1 + max|want|). float64: 1e-10. 
 bfloat16: the rule of tests/ops/test_bf16.py, per row: at most twice plain PyTorch's error in that
 dtype against the float64 truth (the worst of the sums' orders the ops use, where they differ),
 plus a floor (bfloat16: 2 eps of the value's scale; float32: 64 ulp, and for the location step
-the fast tanh's bound as tests/reliability.py's fp32_tolerance). In float32 the doubled term
+the fast tanh's bound as tests/reliability/__init__.py's fp32_tolerance). In float32 the doubled term
 matters only where large parts cancel: any float32 sum of them rounds by an ulp of the parts.
 A gradient summed over the batch (a shared weight's) is compared as a whole, by the same rule.
 
