@@ -19,7 +19,7 @@ cuobjdump ship with Triton's wheel. Each kernel is then checked:
                               tensor-core MMA (HMMA / HGMMA) in the bf16 value products
 
 It needs TRITON_INTERPRET unset (the kernels must be JIT functions). The default set is what CI
-runs (tests/test_compile_check.py, ~1-2 minutes on 2 cores); ``--full`` compiles every kernel at
+runs (tests/reliability/test_compile_check.py, ~1-2 minutes on 2 cores); ``--full`` compiles every kernel at
 every benchmark shape. Exit status 1 when a check fails.
 """
 
@@ -199,6 +199,7 @@ def compile_case(driver, shape: Shape, dtype_name: str, tanh: str, kernels: set[
                  work_dir: str) -> list[dict]:  # fmt: skip
     """Forward and backward launchers at ``shape`` on meta tensors; one entry per kernel."""
     import torch
+
     from seq2seq_fast._triton import additive_attention as tk
     from seq2seq_fast._triton.tanh import auto_tanh
 

@@ -14,7 +14,7 @@ exception is recorded and the next stage runs), within ``--budget-s``:
      eager vs torch.compile of the reference timed side by side (bench/timing.py), the fused
      op's kernel time (CUDA graph replay) and host launch time apart, peak memory
   5. a tile sweep of the fused forward over the cost model's best candidates (tiles.rank_forward)
-  6. the CUDA tests (pytest tests/test_triton.py), capped by what is left of the budget
+  6. the CUDA tests (pytest tests/ops/test_triton.py), capped by what is left of the budget
   7. the summary table and the GPU targets (gpu_targets.py), met / MISSED / unmeasured, last
 
 gpu_check.json and gpu_check_summary.txt are rewritten after every row and stage, so a run
@@ -155,9 +155,8 @@ class Check:
 
 
 def stage_env(check: Check, record: dict, torch, triton) -> None:
+    import seq2seq_fast.ops._library as ops
     from seq2seq_fast._triton import additive_attention as tk
-
-    import seq2seq_fast.ops.additive_attention as ops
 
     record["versions"] = {
         "python": platform.python_version(), "torch": torch.__version__,
@@ -545,7 +544,7 @@ def stage_tests(check: Check, record: dict) -> None:
         record["status"] = "skipped: no pytest"
         return
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-           "tests/test_triton.py"]  # fmt: skip
+           "tests/ops/test_triton.py"]  # fmt: skip
     if check.args.dry_run:  # the interpreter is slow: one test proves the invocation
         cmd += ["-k", "test_fp32_matches_reference and 2x3x5x7x4"]
     elif importlib.util.find_spec("xdist") is not None:

@@ -67,7 +67,8 @@ from bench.shapes import (
     shapes_for,
 )
 from bench.timing import Summary, time_interleaved, warm_up
-from seq2seq_fast.ops.additive_attention import additive_attention, fused_unavailable_reason
+from seq2seq_fast.ops import fused_unavailable_reason
+from seq2seq_fast.ops.additive_attention import additive_attention
 from seq2seq_fast.reference import additive_attention_ref
 
 # --- inputs and providers --------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 
 from bench.shapes import WORK_FACTOR, DecodeShape, Shape
 from bench.timing import Summary, ratio_summary
-from seq2seq_fast.ops.additive_attention import fused_unavailable_reason
+from seq2seq_fast.ops import fused_unavailable_reason
 
 # --- machine and versions --------------------------------------------------------------------------
 

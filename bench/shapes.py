@@ -6,7 +6,7 @@ so a script may set environment variables (``TRITON_INTERPRET``) before it impor
 
 Sizes (``SEQ2SEQ_FAST_BENCH_SIZE``, or ``--size`` of the report):
 
-    tiny    seconds: what CI runs (tests/test_bench.py), to keep the benchmarks from rotting
+    tiny    seconds: what CI runs (tests/reliability/test_bench.py), to keep the benchmarks from rotting
     quick   two real shapes (a training one and a decoding step)
     full    every shape (default)
 

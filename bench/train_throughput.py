@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from bench.shapes import TRAIN_SIZES, TrainSize
 from bench.timing import time_interleaved
-from seq2seq_fast.ops.additive_attention import fused_unavailable_reason
+from seq2seq_fast.ops import fused_unavailable_reason
 from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig, compile_model, sequence_loss
 
 PROVIDERS = ("reference", "fused", "compile", "zero")

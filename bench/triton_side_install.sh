@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Install the GPU machine's Triton beside this environment's, for the compile check under it.
 #
-#   eval "$(bench/triton_side_install.sh [DIR])"    # then: pytest tests/test_compile_check.py
+#   eval "$(bench/triton_side_install.sh [DIR])"    # then: pytest tests/reliability/test_compile_check.py
 #
 # pip-installs triton==$TRITON_SIDE_VERSION (default 3.6.0, the lent H200's) and numpy<2.4 (its
 # interpreter fails on numpy >= 2.4) into DIR (default ~/.cache/seq2seq_fast/triton-side, outside the tree) with --target, reusing
 # DIR when it is already there, and prints `export SEQ2SEQ_FAST_TRITON_SIDE=DIR` for
-# tests/test_compile_check.py, which then also compiles the kernels under that Triton. Never fails
+# tests/reliability/test_compile_check.py, which then also compiles the kernels under that Triton. Never fails
 # its caller: a failed or slow (> 3 min) download prints a note and exports nothing, and the test
 # skips, so CI cannot fail because a download did.
 set -uo pipefail

@@ -1,11 +1,8 @@
 """seq2seq_fast: fused additive (Bahdanau) attention and the attention seq2seq models built on it."""
 
 from seq2seq_fast.nn import BahdanauAttention, fuse_attention
-from seq2seq_fast.ops.additive_attention import (
-    AdditiveAttentionFunction,
-    additive_attention,
-    fused_available,
-)
+from seq2seq_fast.ops._library import fused_available
+from seq2seq_fast.ops.additive_attention import AdditiveAttentionFunction, additive_attention
 from seq2seq_fast.ops.reference import additive_attention_ref
 
 __all__ = [

@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Hypothesis profiles for the fuzz tests (tests/test_fuzz.py). "ci" (the default) keeps the whole
+# Hypothesis profiles for the fuzz tests (tests/ops/test_fuzz.py). "ci" (the default) keeps the whole
 # suite fast; ``pytest --hypothesis-profile=long`` runs many more examples per test. Test files
 # scale their own example counts from the active profile's max_examples.
 try:
@@ -31,11 +31,11 @@ else:
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Say which CPU instruction sets the range sweeps ran on (tests/test_range_sweep*.py)."""
+    """Say which CPU instruction sets the range sweeps ran on (tests/ops/test_range_sweep*.py)."""
     import sys
 
     covered: set[str] = set()
-    for name in ("tests.test_range_sweep", "tests.test_range_sweep_ops"):
+    for name in ("tests.ops.test_range_sweep", "tests.ops.test_range_sweep_ops"):
         module = sys.modules.get(name)
         covered |= getattr(module, "COVERED_ISAS", set())
     if covered:

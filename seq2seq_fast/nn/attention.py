@@ -14,12 +14,9 @@ import torch
 from torch import Tensor, nn
 
 from seq2seq_fast.nn.stepwise import StepwiseMemory
-from seq2seq_fast.ops.additive_attention import (
-    check_inputs,
-    fused_unavailable_reason,
-    run_checked,
-    warn_fallback_once,
-)
+from seq2seq_fast.ops._checks import check_inputs
+from seq2seq_fast.ops._library import kernel_unavailable_reason, warn_fallback_once
+from seq2seq_fast.ops.additive_attention import run_checked
 
 BACKENDS = ("auto", "fused", "reference")
 
@@ -50,7 +47,7 @@ def attend(
     checked = check_inputs(query, keys, values, v, bias, lengths, mask)
     use_reference = backend == "reference"
     if not use_reference:
-        reason = fused_unavailable_reason(query.device, query.dtype)
+        reason = kernel_unavailable_reason("attention", query)
         if reason is not None:
             if backend == "fused":
                 raise RuntimeError(f"backend='fused' but {reason}")

@@ -57,7 +57,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from seq2seq_fast.ops.additive_attention import traced_or_transformed
+from seq2seq_fast.ops._autograd import traced_or_transformed
 
 T = TypeVar("T")
 MAX_THREADS = 8

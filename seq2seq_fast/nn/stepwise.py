@@ -20,35 +20,14 @@ next one: each backward's gathering is keyed by its graph task.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
-from seq2seq_fast.ops.additive_attention import (
-    fused_unavailable_reason,
-    guard_double_backward,
-    traced_or_transformed,
-)
-
-
-class _MemoryNode(torch.autograd.Function):
-    """keys, values -> aliases of them; the backward returns what the steps gathered (``memory``:
-    anything whose ``_collect()`` gives the gathered (dkeys, dvalues), None where nothing was;
-    also the location-aware layouts' memory, nn/convert/_location.py)."""
-
-    @staticmethod
-    def forward(ctx, keys: Tensor, values: Tensor, memory: StepwiseMemory):
-        ctx.memory = memory
-        ctx.set_materialize_grads(False)
-        return keys.view_as(keys), values.view_as(values)
-
-    @staticmethod
-    def backward(ctx, grad_keys, grad_values):
-        dkeys, dvalues = ctx.memory._collect()
-        if grad_keys is not None:  # the aliases used elsewhere too
-            dkeys = grad_keys if dkeys is None else dkeys + grad_keys
-        if grad_values is not None:
-            dvalues = grad_values if dvalues is None else dvalues + grad_values
-        return guard_double_backward((dkeys, dvalues, None))
+from seq2seq_fast.ops._autograd import StepGradients, guard_double_backward
+from seq2seq_fast.ops._checks import AttentionInputs
+from seq2seq_fast.ops._library import kernel_serves
 
 
 def forward_saving_inputs(
@@ -87,7 +66,7 @@ class _StepAttention(torch.autograd.Function):
         return guard_double_backward((grad_query, None, None, grad_v, grad_bias, None, None, None))
 
 
-class StepwiseMemory:
+class StepwiseMemory(StepGradients):
     """Keys [B, Tk, H] and values [B, Tk, Dv] that many attention calls read, for training.
 
     Use ``memory.keys`` and ``memory.values`` (aliases that carry the gathered gradients) in place
@@ -101,8 +80,8 @@ class StepwiseMemory:
         # Made contiguous once here, not by the op at every step: e.g. nn.GRU(batch_first=True)
         # returns a transposed view, which cost two copies of the memory per step (3% of a
         # tutorial decoder's training step).
-        self.keys, self.values = _MemoryNode.apply(keys.contiguous(), values.contiguous(), self)
-        self._reset(None)
+        super().__init__()
+        self.keys, self.values = self.attach(keys.contiguous(), values.contiguous())
 
     @classmethod
     def for_training(cls, keys: Tensor, values: Tensor, backend: str) -> StepwiseMemory | None:
@@ -113,9 +92,7 @@ class StepwiseMemory:
             return None
         if not (keys.requires_grad or values.requires_grad):
             return None
-        if keys.device.type != "cpu" or fused_unavailable_reason(keys.device, keys.dtype):
-            return None
-        if traced_or_transformed():
+        if not kernel_serves("attention_step", keys, values):
             return None
         if keys.dim() != 3 or values.dim() != 3 or min(keys.shape) == 0 or values.shape[2] == 0:
             return None  # the op's checks (and the reference for empty sizes) handle these
@@ -124,30 +101,24 @@ class StepwiseMemory:
     def owns(self, keys: Tensor, values: Tensor) -> bool:
         return keys is self.keys and values is self.values
 
-    def _reset(self, task: int | None) -> None:
-        self._task = task
-        self._grad_keys: Tensor | None = None
-        self._weights: list[Tensor] = []
-        self._grad_contexts: list[Tensor] = []
-
-    def attend_checked(self, checked: tuple, return_weights: bool):
+    def attend_checked(self, checked: AttentionInputs, return_weights: bool):
         """Inputs as ``check_inputs`` returns them, through this memory -> (context, weights or
         None) as ``additive_attention`` returns them; None where the memory does not apply (it
         does not own the keys and values, no gradient is wanted, a size is zero)."""
-        query3, keys, values, v, bias, lengths, mask, single_step = checked
+        query3, keys, values, bias = checked.query, checked.keys, checked.values, checked.bias
         if not self.owns(keys, values) or not isinstance(return_weights, bool):
             return None
         if min(query3.shape) == 0 or min(keys.shape) == 0 or values.shape[2] == 0:
             return None
         if bias is None:
             bias = query3.new_zeros(query3.shape[-1])
-        tensors = (query3, keys, values, v, bias)
+        tensors = (query3, keys, values, checked.v, bias)
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
             return None
-        if fused_unavailable_reason(query3.device, query3.dtype) is not None:
+        if not kernel_serves("attention", query3):
             return None
-        context, weights = self.attend(query3, v, bias, lengths, mask)
-        if single_step:
+        context, weights = self.attend(query3, checked.v, bias, checked.lengths, checked.mask)
+        if checked.single_step:
             context, weights = context.squeeze(1), weights.squeeze(1)
         return context, (weights if return_weights else None)
 
@@ -157,29 +128,39 @@ class StepwiseMemory:
 
     def _accumulate(self, grad_context, grad_weights, query, keys, values, v, bias, lengths, mask,
                     weights):  # fmt: skip
-        task = torch._C._current_graph_task_id()
-        if task != self._task:  # a new backward pass: nothing of an earlier one counts
-            self._reset(task)
-        if self._grad_keys is None:
-            # bfloat16 keys: dkeys summed over the steps in float32 (the op accepts it)
-            acc = torch.float32 if keys.dtype == torch.bfloat16 else keys.dtype
-            self._grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
+        # bfloat16 keys: dkeys summed over the steps in float32 (the op accepts it)
+        acc = torch.float32 if keys.dtype == torch.bfloat16 else keys.dtype
         grads = torch.ops.seq2seq_fast._additive_attention_bwd_accumulate(
             grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, weights,
-            self._grad_keys,
+            self.buffer(keys, acc),
         )  # fmt: skip
-        self._weights.append(weights)
-        self._grad_contexts.append(grad_context)
+        self.record(weights, grad_context)
         return grads
 
-    def _collect(self) -> tuple[Tensor | None, Tensor | None]:
-        """(dkeys, dvalues) gathered in this backward pass (None: no step contributed)."""
-        if self._task != torch._C._current_graph_task_id() or not self._weights:
-            self._reset(None)
-            return None, None
-        weights = torch.cat(self._weights, dim=1)  # [B, sum Tq, Tk]
-        grad_contexts = torch.cat(self._grad_contexts, dim=1)  # [B, sum Tq, Dv]
-        grad_values = torch.bmm(weights.transpose(1, 2), grad_contexts)
-        grad_keys = self._grad_keys
-        self._reset(None)
-        return grad_keys, grad_values
+
+class StepMemory(NamedTuple):
+    """What a stand-in's decoder steps attend to, as :func:`step_memory` makes it."""
+
+    keys: Tensor  # [B, S, H]: the projected keys, or the StepwiseMemory's alias of them
+    values: Tensor | None  # [B, S, Dv], or None: the call's own values (see step_memory)
+    stepwise: StepwiseMemory | None  # pass to attend(..., stepwise=); None where it does not apply
+    projection: Tensor  # the projected keys themselves (what a ProjectionCache should watch)
+
+
+def step_memory(
+    keys: Tensor,
+    values: Tensor,
+    backend: str,
+    *,
+    stepwise: bool = True,
+    own_values: bool = False,
+) -> StepMemory:
+    """The memory of a decoder's steps: projected keys [B, S, H] and values [B, S, Dv], through a
+    :class:`StepwiseMemory` where it applies (``stepwise`` steps, training on the CPU kernel;
+    :meth:`StepwiseMemory.for_training`), else as given. ``own_values``: the values are the
+    call's own tensor, which a ProjectionCache holds only weakly; without a StepwiseMemory the
+    result then holds None instead (the caller passes its own values again)."""
+    memory = StepwiseMemory.for_training(keys, values, backend) if stepwise else None
+    if memory is None:
+        return StepMemory(keys, None if own_values else values, None, keys)
+    return StepMemory(memory.keys, memory.values, memory, keys)

@@ -1,11 +1,16 @@
-"""The op layer: the op contract (schemas, fake kernels, autograd Function, functional, input checks,
-library loading), the reference that defines the truth, and the recurrent-cell ops.
+"""The op layer: every op whole in its own file, the library that loads their kernels, and the
+reference that defines the truth.
 
-    additive_attention   the fused op: ``seq2seq_fast.ops.additive_attention.additive_attention``
-                         (also ``seq2seq_fast.additive_attention``)
-    reference            ``additive_attention_ref``, plain PyTorch, the spec
-    recurrent            GRU layer / GRU cell / LSTM cell ops and the one place that decides
-                         whether they serve a tensor
+    additive_attention     the fused attention: schemas, fake kernels, AdditiveAttentionFunction,
+                           the functional ``additive_attention`` (also ``seq2seq_fast.additive_attention``)
+    location_attention     the location-aware attention step and the location convolution
+    recurrent              GRU layer / GRU cell / LSTM cell ops
+    linear_cross_entropy   the output layer and its loss, by row chunks
+    reference              ``additive_attention_ref``, plain PyTorch, the spec
+    _library               loading ``_C`` and ``_triton``; whether a fused kernel serves a device
+                           and dtype (``fused_unavailable_reason``)
+    _autograd              helpers the Functions share (tracing test, double-backward guard)
+    _checks                the attention's input checks
 
 Environment variables (all of them; none is needed in normal use):
 
@@ -23,22 +28,31 @@ The submodule ``additive_attention`` keeps its name here (the functional is not 
 the same name). Imports nothing of ``seq2seq_fast`` above it (``nn``, ``seq2seq``); a test enforces it.
 """
 
-from seq2seq_fast.ops import additive_attention, recurrent, reference
-from seq2seq_fast.ops.additive_attention import (
-    AdditiveAttentionFunction,
-    cpu_bf16_hardware,
-    fused_available,
-    fused_unavailable_reason,
+import torch
+
+from seq2seq_fast.ops import (
+    _library,
+    additive_attention,
+    linear_cross_entropy,
+    location_attention,
+    recurrent,
+    reference,
 )
+from seq2seq_fast.ops._library import fused_available, fused_unavailable_reason
+from seq2seq_fast.ops.additive_attention import AdditiveAttentionFunction
 from seq2seq_fast.ops.reference import additive_attention_ref
+
+if torch.cuda.is_available():  # after the op modules: the Triton kernels need their schemas
+    _library.load_cuda_kernels()
 
 __all__ = [
     "AdditiveAttentionFunction",
     "additive_attention",
     "additive_attention_ref",
-    "cpu_bf16_hardware",
     "fused_available",
     "fused_unavailable_reason",
+    "linear_cross_entropy",
+    "location_attention",
     "recurrent",
     "reference",
 ]

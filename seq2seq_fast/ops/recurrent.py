@@ -18,7 +18,7 @@ The kernel choice is made here, in one place: the models call :func:`gru_layer_o
 (:func:`applies`, :func:`cell_applies`: CPU, float32/64, the extension loaded, no autocast, not
 inside torch.compile or a torch.func transform) and return None elsewhere, where the models call
 PyTorch's own ops as before. Results equal nn.GRU's, nn.GRUCell's
-and nn.LSTMCell's to float rounding (tests/test_gru.py).
+and nn.LSTMCell's to float rounding (tests/ops/test_gru.py).
 """
 
 from __future__ import annotations
@@ -27,11 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from seq2seq_fast.ops.additive_attention import (
-    CPU_KERNEL_ERROR,
-    guard_double_backward,
-    traced_or_transformed,
-)
+from seq2seq_fast.ops._autograd import guard_double_backward
+from seq2seq_fast.ops._library import CPU_KERNEL_ERROR, kernel_serves
 
 
 def _saved_dtype(x: Tensor) -> torch.dtype:
@@ -120,8 +117,6 @@ class _LSTMCell(torch.autograd.Function):
         return guard_double_backward((d_gates, d_gates, dc))
 
 
-# bfloat16: stored as such, computed in float32 inside the ops (csrc/gru.cpp, lstm.cpp).
-_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 def _autocast_dtype() -> torch.dtype | None:
@@ -130,18 +125,19 @@ def _autocast_dtype() -> torch.dtype | None:
 
 
 def _serves(x: Tensor) -> bool:
-    """The one decision whether the fused recurrent ops serve a tensor: CPU, float32/64 or
-    bfloat16, not empty, the extension loaded, no autocast or autocast to bfloat16 (another
-    autocast dtype is left to PyTorch's ops), and not inside torch.compile's tracing or a
-    torch.func transform."""
-    return (
-        CPU_KERNEL_ERROR is None
-        and x.device.type == "cpu"
-        and x.dtype in _DTYPES
-        and x.numel() > 0
-        and _autocast_dtype() in (None, torch.bfloat16)
-        and not traced_or_transformed()
-    )
+    """Whether the fused recurrent ops serve a tensor: not empty, and the library's one kernel
+    decision (:func:`~seq2seq_fast.ops._library.kernel_unavailable_reason`, "recurrent": CPU,
+    float32/64 or bfloat16, the extension loaded, no autocast or autocast to bfloat16, not inside
+    torch.compile's tracing or a torch.func transform)."""
+    return x.numel() > 0 and kernel_serves("recurrent", x)
+
+
+def prefer_packed(x: Tensor) -> bool:
+    """Whether a variable-length RNN over x [B, S, E] should run packed (PyTorch's packed
+    sequence, cuDNN's native path on CUDA, and without autograd it skips the padding) rather than
+    layer by layer on the padded batch (traced by torch.compile without a graph break; on the CPU
+    in training, the fused GRU ops, and no [tokens, 3H] zero-filled gradient per step)."""
+    return not torch.compiler.is_compiling() and (x.is_cuda or not torch.is_grad_enabled())
 
 
 def _common_dtype(*tensors: Tensor) -> tuple[Tensor, ...]:

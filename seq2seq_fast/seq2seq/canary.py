@@ -274,7 +274,7 @@ def probe_fused_parts(model: nn.Module, batch, *, recurrent: bool = True, **kwar
 def cpu_isa() -> str | None:
     """The CPU kernels' instruction set (``torch.ops.seq2seq_fast._cpu_isa()``), None without
     the extension."""
-    from seq2seq_fast.ops.additive_attention import CPU_KERNEL_ERROR
+    from seq2seq_fast.ops._library import CPU_KERNEL_ERROR
 
     if CPU_KERNEL_ERROR is not None:
         return None

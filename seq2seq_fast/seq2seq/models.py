@@ -194,7 +194,7 @@ class Encoder(nn.Module):
     with D = hidden (x2 if bidirectional); summary = [last forward state; first backward state] of
     the top layer, read at each row's own length.
 
-    Two ways to run the RNN that give the same results (tests/test_models.py checks outputs, final
+    Two ways to run the RNN that give the same results (tests/seq2seq/test_models.py checks outputs, final
     states and gradients): ``packed=True`` packs the batch (``pack_padded_sequence``);
     ``packed=False`` runs each layer and direction on the padded batch, the backward direction on
     rows reversed within their lengths (a gather), so padding never reaches a valid position. The
@@ -227,9 +227,7 @@ class Encoder(nn.Module):
         """x [B, S, E], lengths int64 [B] (>= 1) -> (outputs [B, S, D] zero at padding, final
         hidden states [layers * directions, B, H] as nn.GRU/nn.LSTM order them)."""
         if packed is None:
-            packed = not torch.compiler.is_compiling() and (
-                x.is_cuda or not torch.is_grad_enabled()
-            )
+            packed = fused_gru.prefer_packed(x)  # ops/recurrent.py decides
         if packed:
             sequence = pack_padded_sequence(
                 x, lengths.cpu(), batch_first=True, enforce_sorted=False

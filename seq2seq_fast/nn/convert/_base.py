@@ -45,14 +45,20 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from seq2seq_fast.ops.additive_attention import fused_available
+from seq2seq_fast.nn.attention import check_backend
+from seq2seq_fast.ops._library import fused_available
 
 
 class FusedStandIn(nn.Module):
     """Base class of the converter's stand-ins (the converter never converts one again).
-    ``layout`` names the :class:`Layout` that built it."""
+    ``layout`` names the :class:`Layout` that built it; ``backend`` ("auto", "fused" or
+    "reference", checked here) is what its attention calls run through."""
 
     layout: str = ""
+
+    def __init__(self, backend: str = "auto") -> None:
+        super().__init__()
+        self.backend = check_backend(backend)
 
 
 @dataclass(frozen=True)

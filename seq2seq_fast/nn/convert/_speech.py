@@ -15,13 +15,9 @@ from torch import Tensor, nn
 from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import child_names, own_parameter_names
 from seq2seq_fast.nn.stepwise import forward_saving_inputs
-from seq2seq_fast.ops.additive_attention import (
-    CPU_KERNEL_ERROR,
-    check_inputs,
-    fused_unavailable_reason,
-    guard_double_backward,
-    traced_or_transformed,
-)
+from seq2seq_fast.ops._autograd import StepGradients, guard_double_backward, traced_or_transformed
+from seq2seq_fast.ops._checks import check_inputs
+from seq2seq_fast.ops._library import kernel_serves
 
 # Attributes every nn.Module has; everything else in an original's __dict__ is its own state.
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
@@ -191,23 +187,6 @@ def masking(valid: Tensor | None) -> dict[str, Tensor | None]:
 # --- values read by many steps, their gradient gathered once --------------------------------------
 
 
-class _ValuesNode(torch.autograd.Function):
-    """values -> an alias; the backward returns what the steps gathered (after all of them)."""
-
-    @staticmethod
-    def forward(ctx, values: Tensor, gatherer: GatheredValues) -> Tensor:
-        ctx.gatherer = gatherer
-        ctx.set_materialize_grads(False)
-        return values.view_as(values)
-
-    @staticmethod
-    def backward(ctx, grad_values: Tensor | None):
-        gathered = ctx.gatherer._collect()
-        if gathered is None:
-            return grad_values, None
-        return (gathered if grad_values is None else gathered + grad_values), None
-
-
 class _GatheredContext(torch.autograd.Function):
     """context [B, Dv] = weights [B, T] @ values [B, T, Dv]; the values' gradient of this step is
     left to the gatherer (one product for all the steps), the weights' is returned."""
@@ -226,7 +205,7 @@ class _GatheredContext(torch.autograd.Function):
         device, dtype, enabled = ctx.autocast
         with torch.autocast(device, dtype=dtype, enabled=enabled):
             grad_weights = torch.bmm(values, grad_context.unsqueeze(2)).squeeze(2)
-        ctx.gatherer._record(weights, grad_context.to(weights.dtype))
+        ctx.gatherer.record(weights.unsqueeze(1), grad_context.to(weights.dtype).unsqueeze(1))
         return grad_weights.to(weights.dtype), None, None
 
 
@@ -248,7 +227,7 @@ class _GatheredStep(torch.autograd.Function):
             grad_context = query.new_zeros((*query.shape[:2], values.shape[2]))
         else:
             grad_context = grad_context.contiguous()
-            ctx.gatherer._record(weights[:, 0], grad_context[:, 0])
+            ctx.gatherer.record(weights, grad_context)
         # bfloat16 keys: their gradient summed in float32 (the op accepts it), rounded once
         acc = torch.float32 if keys.dtype == torch.bfloat16 else keys.dtype
         grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
@@ -262,7 +241,7 @@ class _GatheredStep(torch.autograd.Function):
         )
 
 
-class GatheredValues:
+class GatheredValues(StepGradients):
     """Values [B, T, Dv] that every decoder step reads, for training: each step's backward forms
     no values' gradient and keeps (weights, grad_context), O(B * (T + Dv)); the values' gradient
     of all the steps is one batched product when the backward reaches the values, instead of a
@@ -278,19 +257,11 @@ class GatheredValues:
     """
 
     def __init__(self, values: Tensor) -> None:
+        super().__init__()
         self.source = values
-        self.values = _ValuesNode.apply(values, self)
+        (self.values,) = self.attach(values)
         self._placeholder: Tensor | None = None
         self.spent = False
-        self._task: int | None = None
-        self._weights: list[Tensor] = []
-        self._grads: list[Tensor] = []
-
-    def __deepcopy__(self, memo: dict) -> None:
-        return None  # a copy of the module starts without one (its graph is this forward's)
-
-    def __reduce__(self):
-        return (_nothing, ())  # likewise when the module is pickled (torch.save(model))
 
     @classmethod
     def for_training(cls, values: Tensor) -> GatheredValues | None:
@@ -313,14 +284,15 @@ class GatheredValues:
     ) -> tuple[Tensor, Tensor]:
         """One step: query [B, A], keys [B, T, A], v [A], mask bool [B, T] (True = valid) or None
         -> (context [B, Dv], weights [B, T]) over these values."""
-        if backend != "reference" and _step_kernel_serves(query, keys):
+        step_kernel = query.dim() == 2 and kernel_serves("attention_step", query, keys, self.values)
+        if backend != "reference" and step_kernel:
             checked = check_inputs(query, keys, self.values, v, None, None, mask)
-            query3, keys, values, v, _, _, mask, _ = checked
-            lengths = prefix_lengths(mask)
-            mask = None if lengths is not None else mask
+            lengths = prefix_lengths(checked.mask)
+            mask = None if lengths is not None else checked.mask
+            query3 = checked.query
             bias = query3.new_zeros(query3.shape[-1])
             context, weights = _GatheredStep.apply(
-                query3, keys, values, v, bias, lengths, mask, self
+                query3, checked.keys, checked.values, checked.v, bias, lengths, mask, self
             )
             return context.squeeze(1), weights.squeeze(1)
         _, weights = attend(backend, query, keys, self.placeholder, v, mask=mask)
@@ -330,33 +302,11 @@ class GatheredValues:
         """[B, T] weights -> [B, Dv] context over these values."""
         return _GatheredContext.apply(weights, self.values, self)
 
-    def _record(self, weights: Tensor, grad_context: Tensor) -> None:
-        task = torch._C._current_graph_task_id()
-        if task != self._task:  # a new backward pass: nothing of an earlier one counts
-            self._task, self._weights, self._grads = task, [], []
-        self._weights.append(weights)
-        self._grads.append(grad_context)
-
-    def _collect(self) -> Tensor | None:
+    def gathered(self) -> tuple[Tensor | None]:
+        """The values' gradient of this backward pass's steps; the gatherer is spent."""
         self.spent = True
-        if self._task != torch._C._current_graph_task_id() or not self._weights:
-            self._task, self._weights, self._grads = None, [], []
-            return None
-        weights = torch.stack(self._weights, dim=1)  # [B, S, T]
-        grads = torch.stack(self._grads, dim=1).to(weights.dtype)  # [B, S, Dv]
-        self._task, self._weights, self._grads = None, [], []
-        return torch.bmm(weights.transpose(1, 2), grads).to(self.source.dtype)
-
-
-def _step_kernel_serves(query: Tensor, keys: Tensor) -> bool:
-    """The fused CPU kernel (with its accumulating backward) serves this step's tensors."""
-    return (
-        CPU_KERNEL_ERROR is None
-        and keys.device.type == "cpu"
-        and query.dim() == 2
-        and fused_unavailable_reason(keys.device, keys.dtype) is None
-        and not torch.is_autocast_enabled("cpu")
-    )
+        _, grad_values = self.collect()
+        return (None if grad_values is None else grad_values.to(self.source.dtype),)
 
 
 def attend_gathered(

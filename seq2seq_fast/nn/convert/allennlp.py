@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -32,7 +32,7 @@ from seq2seq_fast.nn.convert._base import (
 )
 from seq2seq_fast.nn.convert._speech import adopt, masking
 from seq2seq_fast.nn.keycache import ProjectionCache
-from seq2seq_fast.nn.stepwise import StepwiseMemory
+from seq2seq_fast.nn.stepwise import StepMemory, step_memory
 
 
 class FusedAllenNLPAdditiveAttention(FusedStandIn):
@@ -43,18 +43,14 @@ class FusedAllenNLPAdditiveAttention(FusedStandIn):
     layout = "allennlp_additive"
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
-        super().__init__()
+        super().__init__(backend)
         adopt(self, original)
-        self.backend = check_backend(backend)
         self.key_cache = ProjectionCache()
 
-    def _memory(self, matrix: Tensor) -> tuple[Tensor, Tensor, StepwiseMemory | None]:
+    def _memory(self, matrix: Tensor) -> StepMemory:
         keys = matrix.matmul(self._u_matrix)
         values = keys.new_zeros(keys.shape[0], keys.shape[1], 1)
-        memory = StepwiseMemory.for_training(keys, values, self.backend)
-        if memory is None:
-            return keys, values, None
-        return memory.keys, memory.values, memory
+        return step_memory(keys, values, self.backend)
 
     def _plain(self, vector: Tensor, matrix: Tensor, mask: Tensor) -> Tensor:
         """The original's math, for masks that are not bool."""
@@ -69,12 +65,10 @@ class FusedAllenNLPAdditiveAttention(FusedStandIn):
     def forward(self, vector: Tensor, matrix: Tensor, matrix_mask: Tensor | None = None) -> Tensor:
         if matrix_mask is not None and matrix_mask.dtype != torch.bool:
             return self._plain(vector, matrix, matrix_mask)
-        keys, values, memory = self.key_cache.get(
-            matrix, (self._u_matrix,), lambda: self._memory(matrix)
-        )
+        memory = self.key_cache.get(matrix, (self._u_matrix,), lambda: self._memory(matrix))
         _, weights = attend(
-            self.backend, vector.matmul(self._w_matrix), keys, values, self._v_vector[:, 0],
-            stepwise=memory, **masking(matrix_mask),
+            self.backend, vector.matmul(self._w_matrix), memory.keys, memory.values,
+            self._v_vector[:, 0], stepwise=memory.stepwise, **masking(matrix_mask),
         )  # fmt: skip
         return weights
 

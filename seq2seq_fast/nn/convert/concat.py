@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -40,7 +40,7 @@ from seq2seq_fast.nn.convert._base import (
     register,
 )
 from seq2seq_fast.nn.keycache import ProjectionCache
-from seq2seq_fast.nn.stepwise import StepwiseMemory
+from seq2seq_fast.nn.stepwise import StepMemory, step_memory
 
 
 class FusedConcatAttention(FusedStandIn):
@@ -48,7 +48,7 @@ class FusedConcatAttention(FusedStandIn):
     parameters under their names (``attn`` or ``attention``; ``v``) and its plain attributes."""
 
     def __init__(self, original: nn.Module, backend: str, *, time_major: bool, layout: str) -> None:
-        super().__init__()
+        super().__init__(backend)
         self.layout = layout
         self._linear_name = "attn" if "attn" in child_names(original) else "attention"
         for name, child in original.named_children():
@@ -60,7 +60,6 @@ class FusedConcatAttention(FusedStandIn):
                 setattr(self, key, value)
         self.time_major = time_major
         self.returns_3d = layout == "chatbot_concat"
-        self.backend = check_backend(backend)
         self.key_cache = ProjectionCache()
 
     @property
@@ -71,8 +70,8 @@ class FusedConcatAttention(FusedStandIn):
         v = self.v
         return v if isinstance(v, nn.Parameter) else v.weight[0]
 
-    def _memory(self, encoder_outputs: Tensor, query_width: int):
-        """(projected keys [B, S, H], dummy values [B, S, 1], stepwise memory, projection)."""
+    def _memory(self, encoder_outputs: Tensor, query_width: int) -> StepMemory:
+        """The steps' memory: projected keys [B, S, H] and dummy values [B, S, 1]."""
         linear = self._linear
         projected = F.linear(encoder_outputs, linear.weight[:, query_width:], linear.bias)
         if self.time_major:
@@ -80,10 +79,7 @@ class FusedConcatAttention(FusedStandIn):
         projected = projected.contiguous()
         # the caller forms the context; the op gets a one-feature value it ignores
         values = projected.new_zeros(projected.shape[0], projected.shape[1], 1)
-        memory = StepwiseMemory.for_training(projected, values, self.backend)
-        if memory is None:
-            return projected, values, None, projected
-        return memory.keys, memory.values, memory, projected
+        return step_memory(projected, values, self.backend)
 
     def forward(
         self, hidden: Tensor, encoder_outputs: Tensor, mask: Tensor | None = None
@@ -92,17 +88,18 @@ class FusedConcatAttention(FusedStandIn):
             hidden = hidden.squeeze(0)
         linear = self._linear
         width = hidden.shape[-1]
-        keys, values, memory, _ = self.key_cache.get(
+        memory = self.key_cache.get(
             encoder_outputs,
             (linear.weight, linear.bias, width),
             lambda: self._memory(encoder_outputs, width),
-            watch=lambda entry: entry[3:],
+            watch=lambda m: (m.projection,),
         )
         query = F.linear(hidden, linear.weight[:, :width])
         valid = None if mask is None else mask != 0
         _, weights = attend(
-            self.backend, query, keys, values, self._score_vector(), mask=valid, stepwise=memory
-        )
+            self.backend, query, memory.keys, memory.values, self._score_vector(), mask=valid,
+            stepwise=memory.stepwise,
+        )  # fmt: skip
         if valid is not None:  # no valid key: the original's scores are all -1e10, uniform weights
             empty = ~valid.any(dim=1, keepdim=True)
             weights = torch.where(empty, 1.0 / weights.shape[-1], weights)

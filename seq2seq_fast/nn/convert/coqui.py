@@ -32,7 +32,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import check_backend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -59,9 +58,8 @@ class FusedCoquiOriginalAttention(FusedStandIn):
     layout = "coqui_original"
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
-        super().__init__()
+        super().__init__(backend)
         adopt(self, original)
-        self.backend = check_backend(backend)
 
     def init_win_idx(self) -> None:
         self.win_idx = -1

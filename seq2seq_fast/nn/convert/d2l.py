@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -41,7 +41,7 @@ from seq2seq_fast.nn.convert._base import (
 )
 from seq2seq_fast.nn.convert._speech import adopt
 from seq2seq_fast.nn.keycache import ProjectionCache
-from seq2seq_fast.nn.stepwise import StepwiseMemory
+from seq2seq_fast.nn.stepwise import StepMemory, step_memory
 
 
 class FusedD2LAdditiveAttention(FusedStandIn):
@@ -51,17 +51,12 @@ class FusedD2LAdditiveAttention(FusedStandIn):
     layout = "d2l_additive"
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
-        super().__init__()
+        super().__init__(backend)
         adopt(self, original)
-        self.backend = check_backend(backend)
         self.key_cache = ProjectionCache()
 
-    def _memory(self, keys: Tensor, values: Tensor, stepwise: bool):
-        projected = self.W_k(keys)
-        memory = StepwiseMemory.for_training(projected, values, self.backend) if stepwise else None
-        if memory is None:
-            return projected, values, None
-        return memory.keys, memory.values, memory
+    def _memory(self, keys: Tensor, values: Tensor, stepwise: bool) -> StepMemory:
+        return step_memory(self.W_k(keys), values, self.backend, stepwise=stepwise)
 
     def _plain(self, queries, keys, values, valid_lens) -> Tensor:
         """The original's math (per-query lengths that differ between the queries)."""
@@ -83,12 +78,12 @@ class FusedD2LAdditiveAttention(FusedStandIn):
             valid_lens = valid_lens.clamp(0, keys.shape[1]).long()
         dropping = self.training and self.dropout.p > 0
         w_k = self.W_k
-        projected, values_in, memory = self.key_cache.get(
+        memory = self.key_cache.get(
             keys, (w_k.weight, w_k.bias, values), lambda: self._memory(keys, values, not dropping)
         )
         context, weights = attend(
-            self.backend, self.W_q(queries), projected, values_in, self.w_v.weight[0],
-            lengths=valid_lens, stepwise=None if dropping else memory,
+            self.backend, self.W_q(queries), memory.keys, memory.values, self.w_v.weight[0],
+            lengths=valid_lens, stepwise=None if dropping else memory.stepwise,
         )  # fmt: skip
         if valid_lens is not None and bool((valid_lens == 0).any()):
             empty = (valid_lens == 0).view(-1, 1, 1)  # d2l: uniform weights over every key

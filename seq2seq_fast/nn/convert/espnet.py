@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -43,7 +43,7 @@ from seq2seq_fast.nn.convert._base import (
 )
 from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert._speech import adopt, masking, same_padding_conv, scaled
-from seq2seq_fast.nn.stepwise import StepwiseMemory
+from seq2seq_fast.nn.stepwise import StepwiseMemory, step_memory
 
 
 def _padding_mask(enc_hs_len, device: torch.device) -> Tensor:
@@ -61,9 +61,8 @@ class FusedEspnetAttAdd(FusedStandIn):
     gather_steps = True  # keys and values fixed over the utterance: StepwiseMemory applies
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
-        super().__init__()
+        super().__init__(backend)
         adopt(self, original)
-        self.backend = check_backend(backend)
         self._stepwise: StepwiseMemory | None = None
 
     def reset(self) -> None:
@@ -75,19 +74,19 @@ class FusedEspnetAttAdd(FusedStandIn):
         self._gathered = None
         self._location = None
 
-    def _memory(self, enc_hs_pad: Tensor) -> None:
+    def _remember(self, enc_hs_pad: Tensor) -> None:
+        """Project and keep the utterance's memory (once per utterance, as ESPnet does)."""
         if self.pre_compute_enc_h is None or self.han_mode:
             self.enc_h = enc_hs_pad
             self.h_length = enc_hs_pad.size(1)
             self.pre_compute_enc_h = self.mlp_enc(enc_hs_pad)
-            self._stepwise = None
-            if self.gather_steps and not self.han_mode:
-                memory = StepwiseMemory.for_training(
-                    self.pre_compute_enc_h, self.enc_h, self.backend
-                )
-                if memory is not None:  # the same values, through a node that gathers gradients
-                    self.pre_compute_enc_h, self.enc_h = memory.keys, memory.values
-                    self._stepwise = memory
+            # the same values, through a node that gathers gradients where that applies
+            memory = step_memory(
+                self.pre_compute_enc_h, self.enc_h, self.backend,
+                stepwise=self.gather_steps and not self.han_mode,
+            )  # fmt: skip
+            self.pre_compute_enc_h, self.enc_h = memory.keys, memory.values
+            self._stepwise = memory.stepwise
 
     def _query(self, enc_hs_pad: Tensor, dec_z: Tensor | None) -> Tensor:
         batch = len(enc_hs_pad)
@@ -110,7 +109,7 @@ class FusedEspnetAttAdd(FusedStandIn):
     def forward(
         self, enc_hs_pad: Tensor, enc_hs_len, dec_z: Tensor | None, att_prev, scaling=2.0
     ) -> tuple[Tensor, Tensor]:
-        self._memory(enc_hs_pad)
+        self._remember(enc_hs_pad)
         query = self._query(enc_hs_pad, dec_z)
         valid = self._valid(enc_hs_len, enc_hs_pad.device)
         return self._attend(query, self.pre_compute_enc_h, valid, scaling)
@@ -135,7 +134,7 @@ class FusedEspnetAttLoc(FusedEspnetAttAdd):
         forward_window: int = 3,
     ) -> tuple[Tensor, Tensor]:
         batch = len(enc_hs_pad)
-        self._memory(enc_hs_pad)
+        self._remember(enc_hs_pad)
         query = self._query(enc_hs_pad, dec_z)
         if att_prev is None:  # uniform over the valid frames
             frames = (~_padding_mask(enc_hs_len, query.device)).to(query.dtype)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -57,7 +57,7 @@ from seq2seq_fast.nn.convert._speech import (
     valid_from_padding,
 )
 from seq2seq_fast.nn.keycache import ProjectionCache
-from seq2seq_fast.nn.stepwise import StepwiseMemory
+from seq2seq_fast.nn.stepwise import StepMemory, step_memory
 
 
 class FusedFairseqLocationAttention(FusedStandIn):
@@ -68,9 +68,8 @@ class FusedFairseqLocationAttention(FusedStandIn):
     layout = "fairseq_location"
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
-        super().__init__()
+        super().__init__(backend)
         adopt(self, original)
-        self.backend = check_backend(backend)
 
     def clear_cache(self) -> None:
         self.proj_enc_out = None
@@ -156,31 +155,27 @@ class FusedFairseqMLPAttention(FusedStandIn):
     layout = "fairseq_mlp"
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
-        super().__init__()
+        super().__init__(backend)
         adopt(self, original)
-        self.backend = check_backend(backend)
         self.key_cache = ProjectionCache()
 
-    def _memory(self, source_hids: Tensor) -> tuple[Tensor, Tensor, StepwiseMemory | None]:
-        """(projected keys [B, S, A], values [B, S, C], stepwise memory or None)."""
+    def _memory(self, source_hids: Tensor) -> StepMemory:
+        """The steps' memory: projected keys [B, S, A] and values [B, S, C], batch-major."""
         keys = self.encoder_proj(source_hids).transpose(0, 1).contiguous()
         values = source_hids.transpose(0, 1).contiguous()
-        memory = StepwiseMemory.for_training(keys, values, self.backend)
-        if memory is None:
-            return keys, values, None
-        return memory.keys, memory.values, memory
+        return step_memory(keys, values, self.backend)
 
     def forward(
         self, decoder_state: Tensor, source_hids: Tensor, encoder_padding_mask: Tensor | None
     ) -> tuple[Tensor, Tensor]:
         proj = self.encoder_proj
-        keys, values, memory = self.key_cache.get(
+        memory = self.key_cache.get(
             source_hids, (proj.weight, proj.bias), lambda: self._memory(source_hids)
         )
         valid = None if encoder_padding_mask is None else ~encoder_padding_mask.t()
         context, weights = attend(
-            self.backend, self.decoder_proj(decoder_state), keys, values,
-            self.to_scores.weight[0], stepwise=memory, **masking(valid),
+            self.backend, self.decoder_proj(decoder_state), memory.keys, memory.values,
+            self.to_scores.weight[0], stepwise=memory.stepwise, **masking(valid),
         )  # fmt: skip
         return context, weights.t()
 

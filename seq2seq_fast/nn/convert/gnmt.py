@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -31,7 +31,7 @@ from seq2seq_fast.nn.convert._base import (
     register,
 )
 from seq2seq_fast.nn.keycache import ProjectionCache
-from seq2seq_fast.nn.stepwise import StepwiseMemory
+from seq2seq_fast.nn.stepwise import StepMemory, step_memory
 
 
 class FusedGNMTAttention(FusedStandIn):
@@ -44,7 +44,7 @@ class FusedGNMTAttention(FusedStandIn):
     layout = "gnmt"
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
-        super().__init__()
+        super().__init__(backend)
         self.linear_q, self.linear_k = original.linear_q, original.linear_k
         self.linear_att = original.linear_att
         self.normalize = original.normalize_scalar is not None
@@ -53,7 +53,6 @@ class FusedGNMTAttention(FusedStandIn):
         self.normalize_scalar = original.normalize_scalar
         self.normalize_bias = original.normalize_bias
         self.mask = getattr(original, "mask", None)
-        self.backend = check_backend(backend)
         self.key_cache = ProjectionCache()
 
     @property
@@ -76,15 +75,12 @@ class FusedGNMTAttention(FusedStandIn):
         indices = torch.arange(max_len, dtype=torch.int64, device=context.device)
         self.mask = indices >= context_len.unsqueeze(1)
 
-    def _memory(self, keys: Tensor, stepwise: bool):
-        """(projected keys, values, stepwise memory or None, projection) for batch-first keys.
-        ``stepwise``: the client attends one query at a time (GNMT's training attends all
-        target steps in one call: no memory to gather then)."""
+    def _memory(self, keys: Tensor, stepwise: bool) -> StepMemory:
+        """The steps' memory for batch-first keys (values: the call's own keys, which the cache
+        holds weakly). ``stepwise``: the client attends one query at a time (GNMT's training
+        attends all target steps in one call: no memory to gather then)."""
         projected = self.linear_k(keys)
-        memory = StepwiseMemory.for_training(projected, keys, self.backend) if stepwise else None
-        if memory is None:  # values: the call's own keys (the cache holds them weakly)
-            return projected, None, None, projected
-        return memory.keys, memory.values, memory, projected
+        return step_memory(projected, keys, self.backend, stepwise=stepwise, own_values=True)
 
     def forward(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
         given = keys
@@ -94,19 +90,19 @@ class FusedGNMTAttention(FusedStandIn):
                 query = query.transpose(0, 1)
         batch_keys = keys
         stepwise = query.dim() == 2 or query.shape[1] == 1
-        projected, values, memory, _ = self.key_cache.get(
+        memory = self.key_cache.get(
             given, (self.linear_k.weight, self.batch_first, stepwise),
-            lambda: self._memory(batch_keys, stepwise), watch=lambda entry: entry[3:],
+            lambda: self._memory(batch_keys, stepwise), watch=lambda m: (m.projection,),
         )  # fmt: skip
         if self.normalize:
             v_eff = self.linear_att / self.linear_att.norm() * self.normalize_scalar
             bias = self.normalize_bias
         else:
             v_eff, bias = self.linear_att, None
-        values = keys if values is None else values
+        values = keys if memory.values is None else memory.values
         context, weights = attend(
-            self.backend, self.linear_q(query), projected, values, v_eff, bias,
-            mask=self._valid, stepwise=memory,
+            self.backend, self.linear_q(query), memory.keys, values, v_eff, bias,
+            mask=self._valid, stepwise=memory.stepwise,
         )  # fmt: skip
         if self._empty_rows is not None:
             context, weights = _uniform_rows(self._empty_rows, context, weights, keys)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -35,7 +35,7 @@ from seq2seq_fast.nn.convert._base import (
     register,
 )
 from seq2seq_fast.nn.keycache import ProjectionCache
-from seq2seq_fast.nn.stepwise import StepwiseMemory
+from seq2seq_fast.nn.stepwise import StepMemory, step_memory
 
 
 class FusedJoeyBahdanauAttention(FusedStandIn):
@@ -44,13 +44,12 @@ class FusedJoeyBahdanauAttention(FusedStandIn):
     layout = "joeynmt"
 
     def __init__(self, original: nn.Module, backend: str) -> None:
-        super().__init__()
+        super().__init__(backend)
         self.key_layer = original.key_layer
         self.query_layer = original.query_layer
         self.energy_layer = original.energy_layer
         self.proj_keys = getattr(original, "proj_keys", None)
         self.proj_query = getattr(original, "proj_query", None)
-        self.backend = check_backend(backend)
         self.key_cache = ProjectionCache()  # key_layer(keys), per keys tensor
         self.memory_cache = ProjectionCache()  # StepwiseMemory, per (proj_keys, values)
 
@@ -62,11 +61,9 @@ class FusedJoeyBahdanauAttention(FusedStandIn):
     def compute_proj_query(self, query: Tensor) -> None:
         self.proj_query = self.query_layer(query)
 
-    def _memory(self, proj_keys: Tensor, values: Tensor):
-        memory = StepwiseMemory.for_training(proj_keys, values, self.backend)
-        if memory is None:  # the call's own tensors (the cache holds values weakly)
-            return None, None, None
-        return memory.keys, memory.values, memory
+    def _memory(self, proj_keys: Tensor, values: Tensor) -> StepMemory:
+        # values: the call's own tensor (the cache holds it weakly)
+        return step_memory(proj_keys, values, self.backend, own_values=True)
 
     def forward(self, query: Tensor, mask: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
         if mask is None:
@@ -80,17 +77,16 @@ class FusedJoeyBahdanauAttention(FusedStandIn):
             )
         self.compute_proj_query(query)
         proj_keys = self.proj_keys
-        keys, values_in, memory = self.memory_cache.get(
+        memory = self.memory_cache.get(
             values,
             (proj_keys,),
             lambda: self._memory(proj_keys, values),
-            watch=lambda e: (proj_keys,),
+            watch=lambda m: (m.projection,),
         )
-        if memory is None:
-            keys, values_in = proj_keys, values
+        values_in = values if memory.values is None else memory.values
         context, alphas = attend(
-            self.backend, self.proj_query, keys, values_in, self.energy_layer.weight[0],
-            mask=(mask > 0).squeeze(1), stepwise=memory,
+            self.backend, self.proj_query, memory.keys, values_in, self.energy_layer.weight[0],
+            mask=(mask > 0).squeeze(1), stepwise=memory.stepwise,
         )  # fmt: skip
         return context, alphas
 

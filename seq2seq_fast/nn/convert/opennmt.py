@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -35,7 +35,7 @@ from seq2seq_fast.nn.convert._base import (
     register,
 )
 from seq2seq_fast.nn.keycache import ProjectionCache
-from seq2seq_fast.nn.stepwise import StepwiseMemory
+from seq2seq_fast.nn.stepwise import StepMemory, step_memory
 
 
 class FusedGlobalAttention(FusedStandIn):
@@ -43,26 +43,21 @@ class FusedGlobalAttention(FusedStandIn):
     four Linears and attributes, the same call and return values."""
 
     def __init__(self, original: nn.Module, backend: str, *, time_major_output: bool) -> None:
-        super().__init__()
+        super().__init__(backend)
         self.layout = "opennmt_mlp_time_major" if time_major_output else "opennmt_mlp"
         for name, child in original.named_children():
             self.add_module(name, child)
         for key in ("dim", "attn_type", "attn_func"):
             setattr(self, key, getattr(original, key))
         self.time_major_output = time_major_output
-        self.backend = check_backend(backend)
         self.key_cache = ProjectionCache()
 
-    def _memory(self, memory_bank: Tensor, stepwise: bool):
-        """(keys, values or None, stepwise memory or None, projection); ``stepwise``: one query
-        per call (the input-feeding decoder; the standard decoder attends all steps at once)."""
+    def _memory(self, memory_bank: Tensor, stepwise: bool) -> StepMemory:
+        """The steps' memory (values: the call's own memory_bank, held weakly by the cache);
+        ``stepwise``: one query per call (the input-feeding decoder; the standard decoder attends
+        all steps at once)."""
         projected = self.linear_context(memory_bank)
-        memory = None
-        if stepwise:
-            memory = StepwiseMemory.for_training(projected, memory_bank, self.backend)
-        if memory is None:  # values: the call's own memory_bank (held weakly by the cache)
-            return projected, None, None, projected
-        return memory.keys, memory.values, memory, projected
+        return step_memory(projected, memory_bank, self.backend, stepwise=stepwise, own_values=True)
 
     def forward(
         self,
@@ -82,16 +77,16 @@ class FusedGlobalAttention(FusedStandIn):
         one_step = source.dim() == 2
         source3 = source.unsqueeze(1) if one_step else source
         stepwise = source3.shape[1] == 1
-        keys, values, memory, _ = self.key_cache.get(
+        memory = self.key_cache.get(
             memory_bank,
             (self.linear_context.weight, stepwise),
             lambda: self._memory(memory_bank, stepwise),
-            watch=lambda entry: entry[3:],
+            watch=lambda m: (m.projection,),
         )
-        values = memory_bank if values is None else values
+        values = memory_bank if memory.values is None else memory.values
         context, align = attend(
-            self.backend, self.linear_query(source3), keys, values, self.v.weight[0],
-            lengths=lengths, stepwise=memory,
+            self.backend, self.linear_query(source3), memory.keys, values, self.v.weight[0],
+            lengths=lengths, stepwise=memory.stepwise,
         )  # fmt: skip
         attn_h = self.linear_out(torch.cat([context, source3], dim=2))
         if one_step:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -67,9 +67,8 @@ class FusedContentBasedAttention(FusedStandIn):
     gather_steps = True  # StepwiseMemory applies (the location-aware keys change every step)
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
-        super().__init__()
+        super().__init__(backend)
         adopt(self, original)
-        self.backend = check_backend(backend)
         self._stepwise: tuple[StepwiseMemory, Tensor] | None = None
 
     def reset(self) -> None:

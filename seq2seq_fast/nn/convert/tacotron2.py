@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import check_backend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -56,9 +55,8 @@ class FusedTacotron2Attention(FusedStandIn):
     layout = "tacotron2"
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
-        super().__init__()
+        super().__init__(backend)
         adopt(self, original)
-        self.backend = check_backend(backend)
 
     def forward(
         self,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend, check_backend
+from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -27,7 +27,7 @@ from seq2seq_fast.nn.convert._base import (
     register,
 )
 from seq2seq_fast.nn.keycache import ProjectionCache
-from seq2seq_fast.nn.stepwise import StepwiseMemory
+from seq2seq_fast.nn.stepwise import StepMemory, step_memory
 
 
 class FusedTutorialAttention(FusedStandIn):
@@ -44,9 +44,8 @@ class FusedTutorialAttention(FusedStandIn):
     layout = "tutorial"
 
     def __init__(self, Wa: nn.Linear, Ua: nn.Linear, Va: nn.Linear, backend: str = "auto") -> None:  # noqa: N803
-        super().__init__()
+        super().__init__(backend)
         self.Wa, self.Ua, self.Va = Wa, Ua, Va
-        self.backend = check_backend(backend)
         self.key_cache = ProjectionCache()
 
     def _plain(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
@@ -54,29 +53,26 @@ class FusedTutorialAttention(FusedStandIn):
         weights = F.softmax(scores, dim=-1)
         return torch.bmm(weights, keys), weights
 
-    def _memory(self, keys: Tensor) -> tuple[Tensor, Tensor, StepwiseMemory | None, Tensor]:
-        """(projected keys, values, stepwise memory or None, Ua(keys)) for one keys tensor; the
-        first two are the memory's aliases when there is one, else values is None."""
-        projected = self.Ua(keys)
-        memory = StepwiseMemory.for_training(projected, keys, self.backend)
-        if memory is None:  # values: the call's own keys (the cache holds them weakly) or,
-            # when they are a view such as nn.GRU(batch_first=True)'s output, one contiguous copy
-            # for all the steps instead of one per step inside the op
-            values = None if keys.is_contiguous() else keys.contiguous()
-            return projected, values, None, projected
-        return memory.keys, memory.values, memory, projected
+    def _memory(self, keys: Tensor) -> StepMemory:
+        """The steps' memory for one keys tensor: Ua(keys), and as values the call's own keys
+        (the cache holds them weakly) or, when they are a view such as nn.GRU(batch_first=True)'s
+        output, one contiguous copy for all the steps instead of one per step inside the op."""
+        own = keys.is_contiguous()
+        values = keys if own else keys.contiguous()
+        return step_memory(self.Ua(keys), values, self.backend, own_values=own)
 
     def forward(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
         if query.dim() != 3 or keys.dim() != 3 or query.shape[1] != 1:
             return self._plain(query, keys)
         ua = self.Ua
-        projected, values, memory, _ = self.key_cache.get(
-            keys, (ua.weight, ua.bias), lambda: self._memory(keys), watch=lambda entry: entry[3:]
+        memory = self.key_cache.get(
+            keys, (ua.weight, ua.bias), lambda: self._memory(keys), watch=lambda m: (m.projection,)
         )
-        values = keys if values is None else values
+        values = keys if memory.values is None else memory.values
         context, weights = attend(
-            self.backend, self.Wa(query), projected, values, self.Va.weight[0], stepwise=memory
-        )
+            self.backend, self.Wa(query), memory.keys, values, self.Va.weight[0],
+            stepwise=memory.stepwise,
+        )  # fmt: skip
         return context, weights
 
 

@@ -1,0 +1,157 @@
+"""The op library ``seq2seq_fast``: loading its kernels, and whether a fused kernel serves a tensor.
+
+    _C (csrc/ -> seq2seq_fast._C)         loaded here at import; registers the CPU kernels of
+                                          every op (and defines the ops only it implements)
+    _triton (triton_kernels/)             loaded by :func:`load_cuda_kernels` where torch sees a
+                                          CUDA device; registers the attention's CUDA kernels
+    CPU_KERNEL_ERROR, CUDA_KERNEL_ERROR   None when loaded, else why not
+
+The op schemas of the public attention are defined in Python (ops/additive_attention.py), so the
+package imports and serves CUDA tensors through Triton where ``_C`` was not built for the running
+torch. The dispatcher accepts ``_C``'s CPU kernels before those schemas are defined.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from seq2seq_fast.ops._autograd import traced_or_transformed
+
+LIBRARY = "seq2seq_fast"
+
+# bfloat16 on CPU: stored as such, computed in float32 inside the kernel (csrc/additive_attention.cpp).
+_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+_CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+try:  # the C++ extension registers the CPU kernels for the ops' schemas when it loads
+    from seq2seq_fast import _C  # noqa: F401
+
+    CPU_KERNEL_ERROR: str | None = None
+except ImportError as exc:  # not built, or built against another torch
+    CPU_KERNEL_ERROR = f"{type(exc).__name__}: {exc}"
+
+if CPU_KERNEL_ERROR is None:  # the extension's own library-wide op (csrc/extension.cpp)
+
+    @torch.library.register_fake("seq2seq_fast::_fast_tanh")
+    def _fast_tanh_fake(x, y, path):
+        return torch.empty_like(x)
+
+
+def load_cuda_kernels() -> str | None:
+    """Import the Triton kernels and register them as the ops' CUDA kernels (once).
+
+    Returns None when they are registered, else why not. Called at import only where torch sees a
+    CUDA device: on a CPU-only machine importing Triton would add ~0.5 s to every command's start-up
+    for kernels no tensor can reach.
+    """
+    global CUDA_KERNEL_ERROR, _cuda_kernels_loaded
+    if _cuda_kernels_loaded:
+        return CUDA_KERNEL_ERROR
+    _cuda_kernels_loaded = True
+    try:
+        from seq2seq_fast._triton import additive_attention as triton_attention
+    except ImportError as exc:  # Triton missing
+        CUDA_KERNEL_ERROR = f"{type(exc).__name__}: {exc}"
+        return CUDA_KERNEL_ERROR
+    for name in ("additive_attention_fwd", "additive_attention_bwd"):
+        torch.library.register_kernel(f"{LIBRARY}::{name}", "cuda", getattr(triton_attention, name))
+    CUDA_KERNEL_ERROR = None
+    return None
+
+
+_cuda_kernels_loaded = False
+CUDA_KERNEL_ERROR: str | None = "CUDA is not available to torch (the Triton kernels are not loaded)"
+
+
+def fused_unavailable_reason(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """None when a fused kernel serves tensors of this device and dtype, else why not."""
+    device_type = torch.device(device).type
+    if device_type == "cpu":
+        supported, error = _CPU_DTYPES, CPU_KERNEL_ERROR
+        what = "the C++ extension seq2seq_fast._C"
+    elif device_type == "cuda":
+        supported, error = _CUDA_DTYPES, CUDA_KERNEL_ERROR
+        what = "the Triton kernels (seq2seq_fast._triton)"
+    else:
+        return f"no fused kernel for device type {device_type!r} (cpu and cuda are served)"
+    if dtype not in supported:
+        names = ", ".join(str(d) for d in supported)
+        return f"no fused kernel for dtype {dtype} on {device_type} (supported: {names})"
+    if error is not None:
+        return f"{what} did not load ({error})"
+    return None
+
+
+def fused_available(device: torch.device | str, dtype: torch.dtype) -> bool:
+    return fused_unavailable_reason(device, dtype) is None
+
+
+# The kernels a caller may ask about, beyond the attention op itself: the CPU kernels whose
+# autograd keeps Python-side state (gathered step gradients), so they stay out of torch.compile's
+# tracing and torch.func transforms. Device type -> dtypes served; and what they do under autocast:
+# "same" serves only tensors already in the autocast dtype (the op would cast the others, and the
+# caller's state would miss them), "bf16" serves bfloat16 autocast (the op casts its inputs).
+_CPU_KERNELS = {
+    "attention_step": (_CPU_DTYPES, "same"),  # StepwiseMemory, GatheredValues: accumulating bwd
+    "location": ((torch.float32, torch.float64), "same"),  # location-aware step and convolution
+    "recurrent": (_CPU_DTYPES, "bf16"),  # GRU layer, GRU and LSTM cells
+}
+KERNELS = ("attention", *_CPU_KERNELS)
+
+
+def kernel_unavailable_reason(kernel: str, *tensors: Tensor) -> str | None:
+    """The one decision whether a fused kernel serves a call with these tensors: None when it
+    does, else why not. Everything above ``ops`` asks here instead of testing devices or dtypes.
+
+    kernel: "attention" (the op through AdditiveAttentionFunction: CPU or CUDA, any mode, by the
+    first tensor's device and dtype, as :func:`fused_unavailable_reason`), "attention_step" (a
+    decoder step whose key/value gradients are gathered: StepwiseMemory, GatheredValues),
+    "location" (the location-aware step and convolution) or "recurrent" (GRU/LSTM ops). The last
+    three: CPU tensors only, in the kernel's dtypes, the extension loaded, not inside
+    torch.compile's tracing or a torch.func transform, and autocast as the table above says.
+    """
+    if kernel == "attention":
+        return fused_unavailable_reason(tensors[0].device, tensors[0].dtype)
+    if kernel not in _CPU_KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    dtypes, under_autocast = _CPU_KERNELS[kernel]
+    if CPU_KERNEL_ERROR is not None:
+        return f"the C++ extension seq2seq_fast._C did not load ({CPU_KERNEL_ERROR})"
+    for t in tensors:
+        if t.device.type != "cpu":
+            return f"the {kernel} kernel serves CPU tensors only, got one on {t.device}"
+        if t.dtype not in dtypes:
+            return f"the {kernel} kernel does not serve dtype {t.dtype}"
+    if traced_or_transformed():
+        return (
+            f"the {kernel} kernel keeps Python-side autograd state: not under tracing or torch.func"
+        )
+    if torch.is_autocast_enabled("cpu"):
+        autocast = torch.get_autocast_dtype("cpu")
+        if under_autocast == "bf16" and autocast != torch.bfloat16:
+            return f"the {kernel} kernel does not run under {autocast} autocast"
+        if under_autocast == "same" and any(t.dtype != autocast for t in tensors):
+            return (
+                f"the {kernel} kernel serves only tensors already in the autocast dtype {autocast}"
+            )
+    return None
+
+
+def kernel_serves(kernel: str, *tensors: Tensor) -> bool:
+    """:func:`kernel_unavailable_reason` is None."""
+    return kernel_unavailable_reason(kernel, *tensors) is None
+
+
+_warned: set[tuple[str, torch.dtype]] = set()
+
+
+def warn_fallback_once(device: torch.device, dtype: torch.dtype, reason: str) -> None:
+    key = (torch.device(device).type, dtype)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(
+            f"seq2seq_fast: falling back to the reference attention: {reason}", stacklevel=3
+        )

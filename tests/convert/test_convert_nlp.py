@@ -1,0 +1,411 @@
+"""Converter layouts of NLP projects (the PyTorch tutorial, GNMT, concat, OpenNMT mlp
+GlobalAttention, JoeyNMT Bahdanau): each against its plain-PyTorch re-creation (tests/layouts.py)
+in a few decoder steps, with padding where the layout takes it."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from seq2seq_fast.nn import fuse_attention_report
+from seq2seq_fast.nn.convert import FusedStandIn
+from seq2seq_fast.ops import fused_available
+from tests import layouts
+
+pytestmark = pytest.mark.skipif(
+    not fused_available("cpu", torch.float64), reason="the C++ extension is not built"
+)
+
+B, S, STEPS = 3, 6, 4
+LENGTHS = torch.tensor([6, 4, 1])
+
+
+def _valid(lengths=LENGTHS, num_keys=S):
+    return torch.arange(num_keys).unsqueeze(0) < lengths.unsqueeze(1)  # [B, S], True = valid
+
+
+@dataclass
+class Family:
+    make: Callable[[], nn.Module]  # the original, float64 parameters are set by the test
+    layout: str
+    inputs: Callable[[torch.dtype], dict]  # leaf tensors (requires_grad) and constants
+    step: Callable[[nn.Module, dict, object], tuple]  # (outputs, new state)
+    start: Callable[[nn.Module, dict], object]  # first state
+    reorder: Callable[[dict, object, torch.Tensor], tuple]  # beam reordering of rows
+
+
+def _mix(dtype, rows, cols, seed=7):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=gen, dtype=dtype) / rows**0.5
+
+
+# --- the PyTorch tutorial and GNMT (one query per call here) -------------------------------------
+
+
+def _tutorial_inputs(dtype, hidden=5):
+    return {
+        "memory": torch.randn(B, S, hidden, dtype=dtype).requires_grad_(),
+        "hidden": torch.randn(B, hidden, dtype=dtype).requires_grad_(),
+        "mix": _mix(dtype, hidden, hidden),
+    }
+
+
+def _tutorial_step(module, x, hidden):
+    context, weights = module(hidden.unsqueeze(1), x["memory"])
+    return (context, weights), torch.tanh(hidden + context.squeeze(1) @ x["mix"])
+
+
+def _gnmt_inputs(dtype, hidden=5, key=4):
+    return {
+        "memory": torch.randn(S, B, key, dtype=dtype).requires_grad_(),  # time-major
+        "hidden": torch.randn(B, hidden, dtype=dtype).requires_grad_(),
+        "lengths": LENGTHS.clone(),
+        "mix": _mix(dtype, key, hidden),
+    }
+
+
+def _gnmt_step(module, x, hidden):
+    module.set_mask(x["lengths"], x["memory"])
+    context, weights = module(hidden, x["memory"])  # a [B, Dq] query stays batch-major
+    return (context, weights), torch.tanh(hidden + context @ x["mix"])
+
+
+def _gnmt_reorder(x, state, index):
+    x, state = _reorder_rows(x, state, index, 1)
+    x["lengths"] = x["lengths"].index_select(0, index)
+    return x, state
+
+
+# --- concat (bentrevett time-major / batch-first, chatbot) ----------------------------------------
+
+
+def _concat_inputs(dtype, enc=4, dec=5, time_major=True, masked=True):
+    memory = torch.randn(B, S, 2 * enc, dtype=dtype)
+    if time_major:
+        memory = memory.transpose(0, 1).contiguous()
+    return {
+        "memory": memory.requires_grad_(),
+        "hidden": torch.randn(B, dec, dtype=dtype).requires_grad_(),
+        "mask": _valid() if masked else None,
+        "mix": _mix(dtype, 2 * enc, dec),
+        "time_major": time_major,
+    }
+
+
+def _concat_step(module, x, hidden):
+    weights = (
+        module(hidden, x["memory"], x["mask"])
+        if x["mask"] is not None
+        else module(hidden, x["memory"])
+    )
+    memory = x["memory"].transpose(0, 1) if x["time_major"] else x["memory"]
+    context = torch.bmm(weights.unsqueeze(1), memory).squeeze(1)
+    return (weights, context), torch.tanh(hidden + context @ x["mix"])
+
+
+def _chatbot_step(module, x, hidden):
+    weights = module(hidden.unsqueeze(0), x["memory"])  # [B, 1, S]
+    context = torch.bmm(weights, x["memory"].transpose(0, 1)).squeeze(1)
+    return (weights, context), torch.tanh(hidden + context @ x["mix"])
+
+
+def _reorder_rows(x, state, index, memory_dim):
+    x = dict(x)
+    x["memory"] = x["memory"].index_select(memory_dim, index)
+    if x.get("mask") is not None:
+        x["mask"] = x["mask"].index_select(0, index)
+    return x, state.index_select(0, index)
+
+
+def _concat_reorder(x, state, index):
+    return _reorder_rows(x, state, index, 1 if x["time_major"] else 0)
+
+
+# --- OpenNMT GlobalAttention mlp (input feeding, one step at a time) ------------------------------
+
+
+def _onmt_inputs(dtype, dim=6):
+    return {
+        "memory": torch.randn(B, S, dim, dtype=dtype).requires_grad_(),
+        "source": torch.randn(B, dim, dtype=dtype).requires_grad_(),
+        "lengths": LENGTHS.clone(),
+    }
+
+
+def _onmt_step(module, x, source):
+    attn_h, align = module(source, x["memory"], x["lengths"])
+    return (attn_h, align), torch.tanh(attn_h + source)
+
+
+def _onmt_reorder(x, state, index):
+    x = dict(x)
+    x["memory"] = x["memory"].index_select(0, index)
+    x["lengths"] = x["lengths"].index_select(0, index)
+    return x, state.index_select(0, index)
+
+
+# --- JoeyNMT Bahdanau ------------------------------------------------------------------------------
+
+
+def _joey_inputs(dtype, key=4, query=5):
+    return {
+        "memory": torch.randn(B, S, key, dtype=dtype).requires_grad_(),
+        "query": torch.randn(B, 1, query, dtype=dtype).requires_grad_(),
+        "mask": _valid().unsqueeze(1),
+        "mix": _mix(dtype, key, query),
+    }
+
+
+def _joey_start(module, x):
+    module.compute_proj_keys(x["memory"])
+    return x["query"]
+
+
+def _joey_step(module, x, query):
+    module.compute_proj_keys(x["memory"])  # as JoeyNMT's search does, every step
+    context, alphas = module(query, x["mask"], x["memory"])
+    return (context, alphas), torch.tanh(query + context @ x["mix"])
+
+
+def _joey_reorder(x, state, index):
+    x = dict(x)
+    x["memory"] = x["memory"].index_select(0, index)
+    x["mask"] = x["mask"].index_select(0, index)
+    return x, state.index_select(0, index)
+
+
+FAMILIES = {
+    "tutorial": Family(
+        lambda: layouts.TutorialAttention(5), "tutorial", _tutorial_inputs, _tutorial_step,
+        lambda m, x: x["hidden"], lambda x, st, i: _reorder_rows(x, st, i, 0),
+    ),
+    "gnmt": Family(
+        lambda: layouts.GNMTAttention(5, 4, 7, normalize=True), "gnmt", _gnmt_inputs, _gnmt_step,
+        lambda m, x: x["hidden"], _gnmt_reorder,
+    ),
+    "concat": Family(
+        lambda: layouts.ConcatAttention(4, 5), "concat", _concat_inputs, _concat_step,
+        lambda m, x: x["hidden"], _concat_reorder,
+    ),
+    "concat-vector-nomask": Family(
+        lambda: layouts.ConcatAttention(4, 5, vector_score=True), "concat",
+        lambda dtype: _concat_inputs(dtype, masked=False), _concat_step,
+        lambda m, x: x["hidden"], _concat_reorder,
+    ),
+    "concat_batch_first": Family(
+        lambda: layouts.ConcatAttention(4, 5, batch_first=True), "concat_batch_first",
+        lambda dtype: _concat_inputs(dtype, time_major=False), _concat_step,
+        lambda m, x: x["hidden"], _concat_reorder,
+    ),
+    "chatbot_concat": Family(
+        lambda: layouts.ChatbotAttn("concat", 5), "chatbot_concat",
+        lambda dtype: _concat_inputs(dtype, enc=5, dec=5, masked=False) | {
+            "memory": torch.randn(S, B, 5, dtype=dtype).requires_grad_(),
+            "mix": _mix(dtype, 5, 5),
+        },
+        _chatbot_step, lambda m, x: x["hidden"], _concat_reorder,
+    ),
+    "opennmt_mlp": Family(
+        lambda: layouts.GlobalAttention(6, attn_type="mlp"), "opennmt_mlp", _onmt_inputs,
+        _onmt_step, lambda m, x: x["source"], _onmt_reorder,
+    ),
+    "opennmt_mlp_time_major": Family(
+        lambda: layouts.GlobalAttention(6, attn_type="mlp", old_release=True),
+        "opennmt_mlp_time_major", _onmt_inputs, _onmt_step, lambda m, x: x["source"],
+        _onmt_reorder,
+    ),
+    "joeynmt": Family(
+        lambda: layouts.BahdanauAttention(7, 4, 5), "joeynmt", _joey_inputs, _joey_step,
+        _joey_start, _joey_reorder,
+    ),
+}  # fmt: skip
+
+
+def _decode(family: Family, module: nn.Module, x: dict, reorder_at: int | None = None):
+    outputs, state = [], family.start(module, x)
+    for t in range(STEPS):
+        if t == reorder_at:
+            x, state = family.reorder(x, state, torch.tensor([2, 0, 0]))
+        out, state = family.step(module, x, state)
+        outputs += list(out)
+    return outputs
+
+
+def _loss(outputs):
+    gen = torch.Generator().manual_seed(11)
+    return sum((o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum() for o in outputs)
+
+
+def _pair(name: str, dtype: torch.dtype):
+    family = FAMILIES[name]
+    torch.manual_seed(0)
+    plain = nn.ModuleDict({"attn": family.make()}).to(dtype)
+    fused = copy.deepcopy(plain)
+    report = fuse_attention_report(fused)
+    assert [(r.path, r.layout) for r in report.replaced] == [("attn", family.layout)], report
+    return family, plain, fused
+
+
+def _leaves(x: dict) -> list[torch.Tensor]:
+    return [t for t in x.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _compare(family, plain, fused, dtype, reorder_at=None):
+    tol = dict(atol=1e-10, rtol=1e-9) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-4)
+    torch.manual_seed(1)
+    x = family.inputs(dtype)
+    results = []
+    for model in (plain, fused):
+        outputs = _decode(family, model["attn"], x, reorder_at)
+        _loss(outputs).backward()
+        # None: no gradient reached it (the tutorial's Va.bias, whose gradient is zero exactly)
+        grads = {
+            n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+            for n, p in model.named_parameters()
+        }
+        grads |= {f"input {i}": t.grad.clone() for i, t in enumerate(_leaves(x))}
+        for t in _leaves(x):
+            t.grad = None
+        results.append((outputs, grads))
+    for a, b in zip(results[0][0], results[1][0], strict=True):
+        torch.testing.assert_close(a, b, **tol)
+    assert results[0][1].keys() == results[1][1].keys()
+    for key, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][key], grad, **tol, msg=key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_steps_outputs_and_gradients_match(name, dtype):
+    family, plain, fused = _pair(name, dtype)
+    assert list(fused.state_dict()) == list(plain.state_dict())
+    _compare(family, plain, fused, dtype)
+    # the memory was projected once for the steps (JoeyNMT: compute_proj_keys every step)
+    cache = fused["attn"].key_cache
+    assert (cache.misses, cache.hits) == ((1, STEPS) if name == "joeynmt" else (1, STEPS - 1))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_state_dict_optimiser_and_beam_reordering(name):
+    family, plain, fused = _pair(name, torch.float64)
+    params_before = list(fused["attn"].parameters())
+    stand_in = fused["attn"]
+    assert isinstance(stand_in, FusedStandIn)
+    state = {k: v.clone() for k, v in fused.state_dict().items()}
+    # the original's module object was replaced, its Parameters were kept
+    assert [id(p) for p in stand_in.parameters()] == [id(p) for p in params_before]
+    fused.load_state_dict(state)  # loads back under the same keys
+    optimisers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (plain, fused)]
+    _compare(family, plain, fused, torch.float64)
+    for opt in optimisers:
+        opt.step()
+        opt.zero_grad()
+    for key, value in plain.state_dict().items():
+        # atol: Adam turns the tutorial's Va.bias rounding-noise gradient (1e-17) into ~1e-11
+        torch.testing.assert_close(fused.state_dict()[key], value, atol=1e-9, rtol=1e-7)
+    _compare(family, plain, fused, torch.float64, reorder_at=2)  # after the step, reordered
+
+
+@pytest.mark.parametrize("name", ["concat", "opennmt_mlp", "joeynmt"])
+def test_no_grad_decoding_matches(name):
+    family, plain, fused = _pair(name, torch.float32)
+    torch.manual_seed(2)
+    x = family.inputs(torch.float32)
+    with torch.no_grad():
+        expected = _decode(family, plain["attn"], x, reorder_at=1)
+        got = _decode(family, fused["attn"], x, reorder_at=1)
+    for a, b in zip(expected, got, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-4)
+
+
+def test_opennmt_whole_sequence_and_coverage():
+    family, plain, fused = _pair("opennmt_mlp", torch.float64)
+    torch.manual_seed(3)
+    source, memory = torch.randn(B, 5, 6, dtype=torch.float64), torch.randn(B, S, 6).double()
+    for a, b in zip(plain["attn"](source, memory, LENGTHS), fused["attn"](source, memory, LENGTHS),
+                    strict=True):  # fmt: skip
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
+    with pytest.raises(NotImplementedError, match="coverage"):
+        fused["attn"](source, memory, LENGTHS, torch.zeros(B, S, dtype=torch.float64))
+
+
+def test_opennmt_coverage_and_other_types_not_converted():
+    model = nn.ModuleDict(
+        {
+            "coverage": layouts.GlobalAttention(6, coverage=True, attn_type="mlp"),
+            "general": layouts.GlobalAttention(6, attn_type="general"),
+        }
+    )
+    report = fuse_attention_report(model)
+    assert report.count == 0
+    assert [(s.path, "coverage" in s.reason) for s in report.skipped] == [("coverage", True)]
+
+
+def test_chatbot_other_methods_not_converted():
+    model = nn.ModuleDict({m: layouts.ChatbotAttn(m, 4) for m in ("dot", "general")})
+    report = fuse_attention_report(model)
+    assert report.count == 0 and not report.skipped
+
+
+# --- look-alikes -----------------------------------------------------------------------------------
+
+
+class ConcatNoTanh(layouts.ConcatAttention):
+    def forward(self, hidden, encoder_outputs, mask=None):
+        encoder_outputs = encoder_outputs.permute(1, 0, 2)
+        hidden = hidden.unsqueeze(1).repeat(1, encoder_outputs.shape[1], 1)
+        energy = F.relu(self.attn(torch.cat((hidden, encoder_outputs), dim=2)))
+        return F.softmax(self.v(energy).squeeze(2), dim=1)
+
+
+class GlobalAttention(layouts.GlobalAttention):  # same class name, a temperature in its forward
+    def score(self, h_t, h_s):
+        return super().score(h_t, h_s) / 2.0
+
+
+class BahdanauAttention(layouts.BahdanauAttention):  # same class name, scores scaled
+    def forward(self, query, mask, values):
+        self.proj_keys = self.proj_keys * 1.5
+        return super().forward(query, mask, values)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: ConcatNoTanh(4, 5),
+        lambda: GlobalAttention(6, attn_type="mlp"),
+        lambda: BahdanauAttention(7, 4, 5),
+    ],
+    ids=["concat-relu", "opennmt-temperature", "joeynmt-scaled"],
+)
+def test_look_alikes_refused(make):
+    model = nn.ModuleDict({"attn": make()})
+    report = fuse_attention_report(model)
+    assert report.count == 0 and not isinstance(model["attn"], FusedStandIn)
+    assert report.skipped and "differs" in report.skipped[0].reason
+
+
+def test_compiled_converted_decoder_matches():
+    family, plain, fused = _pair("concat", torch.float32)
+    torch.manual_seed(4)
+    x = family.inputs(torch.float32)
+
+    def run(module, x):
+        outputs = _decode(family, module, x)
+        return _loss(outputs)
+
+    compiled = torch.compile(run, backend="aot_eager")
+    expected = run(plain["attn"], x)
+    got = compiled(fused["attn"], x)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    got.backward()
+    grad = x["memory"].grad.clone()
+    x["memory"].grad = None
+    expected.backward()
+    torch.testing.assert_close(grad, x["memory"].grad, atol=1e-4, rtol=1e-4)

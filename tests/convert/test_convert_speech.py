@@ -1,0 +1,563 @@
+"""fuse_attention on the attentions of speech and NLP toolkits: each converted module against its
+plain-PyTorch re-creation (tests/layouts_speech.py) over several decoding steps with state,
+padding and masks, in float64 and float32: outputs, every parameter's and input's gradient,
+state_dict, optimiser, reset between utterances; look-alikes refused, inexact variants skipped."""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from seq2seq_fast.nn.convert import FusedStandIn, fuse_attention, fuse_attention_report
+from seq2seq_fast.ops import fused_available
+from tests import layouts_speech as L
+
+requires_cpu_kernel = pytest.mark.skipif(
+    not fused_available("cpu", torch.float32), reason="the C++ extension is not built"
+)
+
+# --- drivers: a decoder's use of each module, two utterances with a reset between -----------------
+
+
+def _lengths(batch: int, frames: int) -> list[int]:
+    """Padding in every row but the first; every row keeps at least one frame."""
+    return [frames] + [max(1, frames - 2 - 2 * i) for i in range(batch - 1)]
+
+
+def _rand(gen: torch.Generator, dtype: torch.dtype, *shape: int) -> Tensor:
+    return torch.randn(shape, generator=gen, dtype=dtype)
+
+
+def drive_espnet(module, dtype, gen, inputs):
+    outs = []
+    for batch, frames in ((3, 7), (2, 5)):
+        module.reset()
+        enc = _rand(gen, dtype, batch, frames, module.eprojs).requires_grad_()
+        inputs.append(enc)
+        lengths, w = _lengths(batch, frames), None
+        for _ in range(3):
+            c, w = module(enc, lengths, _rand(gen, dtype, batch, module.dunits), w, scaling=1.7)
+            outs += [c, w]
+    return outs
+
+
+def drive_speechbrain(module, dtype, gen, inputs):
+    outs = []
+    for batch, frames in ((3, 7), (2, 5)):
+        module.reset()
+        enc = _rand(gen, dtype, batch, frames, module.mlp_enc.in_features).requires_grad_()
+        inputs.append(enc)
+        enc_len = torch.tensor(_lengths(batch, frames), dtype=dtype)
+        for step in range(3):
+            if step == 2 and hasattr(module, "prev_attn"):  # a beam searcher's permute_mem
+                module.prev_attn = module.prev_attn.index_select(0, torch.arange(batch).flip(0))
+            out, w = module(enc, enc_len, _rand(gen, dtype, batch, module.mlp_dec.in_features))
+            outs += [out, w]
+    if hasattr(module, "prev_attn"):
+        outs.append(module.prev_attn)
+    return outs
+
+
+def drive_fairseq_location(module, dtype, gen, inputs):
+    outs = []
+    for batch, frames in ((3, 7), (2, 5)):
+        module.clear_cache()
+        enc = _rand(gen, dtype, batch, frames, module.proj_enc.in_features).requires_grad_()
+        inputs.append(enc)
+        padding = L.espnet_pad_mask(_lengths(batch, frames))
+        prev = cum = torch.zeros(batch, frames, dtype=dtype)
+        for step in range(3):
+            state = torch.stack((prev, cum), dim=1)
+            dec = None if step == 0 else _rand(gen, dtype, batch, module.decoder_dim)
+            c, prev = module(enc, padding, dec, state)
+            cum = cum + prev
+            outs += [c, prev]
+    return outs
+
+
+def drive_tacotron2(module, dtype, gen, inputs):
+    outs = []
+    for batch, frames in ((3, 7), (2, 5)):
+        memory_layer = module.memory_layer
+        width_in = getattr(memory_layer, "linear_layer", memory_layer).in_features
+        memory = _rand(gen, dtype, batch, frames, width_in).requires_grad_()
+        inputs.append(memory)
+        processed = memory_layer(memory)
+        mask = L.espnet_pad_mask(_lengths(batch, frames))
+        prev = cum = torch.zeros(batch, frames, dtype=dtype)
+        query = getattr(module.query_layer, "linear_layer", module.query_layer)
+        for _ in range(3):
+            cat = torch.cat((prev.unsqueeze(1), cum.unsqueeze(1)), dim=1)
+            hidden = _rand(gen, dtype, batch, query.in_features)
+            c, prev = module(hidden, memory, processed, cat, mask)
+            cum = cum + prev
+            outs += [c, prev]
+    return outs
+
+
+def drive_coqui(module, dtype, gen, inputs):
+    outs = []
+    for batch, frames in ((3, 7), (2, 5)):
+        inputs_width = module.inputs_layer.linear_layer.in_features
+        enc = _rand(gen, dtype, batch, frames, inputs_width).requires_grad_()
+        inputs.append(enc)
+        module.init_states(enc)
+        module.attention_weights = module.attention_weights.to(dtype)
+        if module.location_attention:
+            module.attention_weights_cum = module.attention_weights_cum.to(dtype)
+        processed = module.preprocess_inputs(enc)
+        mask = ~L.espnet_pad_mask(_lengths(batch, frames))
+        query_width = module.query_layer.linear_layer.in_features
+        for _ in range(3):
+            outs.append(module(_rand(gen, dtype, batch, query_width), enc, processed, mask))
+            outs.append(module.attention_weights)
+        if module.location_attention:
+            outs.append(module.attention_weights_cum)
+    return outs
+
+
+def drive_fairseq_mlp(module, dtype, gen, inputs):
+    outs = []
+    for batch, src_len in ((3, 7), (2, 5)):  # a new source: the cached projection is replaced
+        source = _rand(gen, dtype, src_len, batch, module.context_dim).requires_grad_()
+        inputs.append(source)
+        padding = L.espnet_pad_mask(_lengths(batch, src_len)).t()
+        for step in range(3):
+            state = _rand(gen, dtype, batch, module.decoder_proj.in_features)
+            c, w = module(state, source, padding if step < 2 else None)
+            outs += [c, w]
+    return outs
+
+
+def drive_allennlp(module, dtype, gen, inputs):
+    outs = []
+    for batch, rows in ((3, 7), (2, 5)):
+        matrix = _rand(gen, dtype, batch, rows, module._u_matrix.shape[0]).requires_grad_()
+        inputs.append(matrix)
+        mask = ~L.espnet_pad_mask(_lengths(batch, rows))
+        mask[-1] = False  # a row with nothing kept: zeros in both
+        for step in range(3):
+            vector = _rand(gen, dtype, batch, module._w_matrix.shape[0])
+            outs.append(module(vector, matrix, mask if step != 1 else None))
+        outs.append(module(vector, matrix, mask.to(dtype)))  # a float mask: the plain path
+    return outs
+
+
+def drive_d2l(module, dtype, gen, inputs):
+    """d2l's Seq2SeqAttentionDecoder calls it with keys = values = the encoder outputs."""
+    outs = []
+    for batch, frames in ((3, 7), (2, 5)):
+        enc = _rand(gen, dtype, batch, frames, module.W_k.in_features).requires_grad_()
+        inputs.append(enc)
+        valid_lens = torch.tensor(_lengths(batch, frames))
+        valid_lens[-1] = 0  # d2l: uniform weights over all keys
+        for _ in range(3):
+            query = _rand(gen, dtype, batch, 1, module.W_q.in_features)
+            outs += [module(query, enc, enc, valid_lens), module.attention_weights]
+        per_query = torch.stack((valid_lens, valid_lens.clamp(max=2)), dim=1)  # differ: plain path
+        queries = _rand(gen, dtype, batch, 2, module.W_q.in_features)
+        values = _rand(gen, dtype, batch, frames, 3)
+        outs.append(module(queries, enc, values, per_query))
+        outs.append(module(queries, enc, values, valid_lens.to(dtype) - 0.5))
+    return outs
+
+
+@dataclass(frozen=True)
+class Case:
+    make: Callable[[], nn.Module]
+    drive: Callable
+    layout: str
+    # fairseq's MLPAttention rounds its scores to float32 and back when it masks (a float16
+    # guard), so in float64 it is only float32-close to any exact computation, the fused one too
+    rounds_to_float32: bool = False
+
+
+CASES = {
+    "espnet_att_add": Case(lambda: L.AttAdd(10, 6, 8), drive_espnet, "espnet_att_add"),
+    "espnet_att_loc": Case(lambda: L.AttLoc(10, 6, 8, 4, 2), drive_espnet, "espnet_att_loc"),
+    "speechbrain_content": Case(
+        lambda: L.ContentBasedAttention(10, 6, 8, 5, scaling=1.3),
+        drive_speechbrain,
+        "speechbrain_content",
+    ),
+    "speechbrain_location": Case(
+        lambda: L.LocationAwareAttention(10, 6, 8, 5, 3, 2),
+        drive_speechbrain,
+        "speechbrain_location",
+    ),
+    "fairseq_location": Case(
+        lambda: L.LocationAttention(8, 10, 6, 2, 4, 3), drive_fairseq_location, "fairseq_location"
+    ),
+    "tacotron2_nvidia": Case(
+        lambda: L.NvidiaTacotron2Attention(6, 10, 8, 4, 5), drive_tacotron2, "tacotron2"
+    ),
+    "tacotron2_torchaudio": Case(
+        lambda: L.TorchaudioTacotron2Attention(6, 10, 8, 4, 5), drive_tacotron2, "tacotron2"
+    ),
+    "coqui_location": Case(
+        lambda: L.CoquiOriginalAttention(
+            6, 10, 8, True, 4, 5, False, "softmax", False, False, False
+        ),
+        drive_coqui,
+        "coqui_original",
+    ),
+    "coqui_content": Case(
+        lambda: L.CoquiOriginalAttention(
+            6, 10, 8, False, 4, 5, False, "softmax", False, True, False
+        ),
+        drive_coqui,
+        "coqui_original",
+    ),
+    "fairseq_mlp": Case(
+        lambda: L.MLPAttention(6, 10, 8), drive_fairseq_mlp, "fairseq_mlp", rounds_to_float32=True
+    ),
+    "allennlp_additive": Case(
+        lambda: L.AllenNLPAdditiveAttention(6, 10), drive_allennlp, "allennlp_additive"
+    ),
+    "d2l_sized": Case(
+        lambda: L.D2LAdditiveAttentionSized(10, 6, 8, 0.0), drive_d2l, "d2l_additive"
+    ),
+    "d2l_dropout": Case(
+        lambda: L.D2LAdditiveAttentionSized(10, 6, 8, 0.3), drive_d2l, "d2l_additive"
+    ),
+}
+
+
+def _run(case: Case, model: nn.Module, dtype: torch.dtype, seed: int):
+    """Outputs, and gradients (parameters by name, then inputs) of a random projection of them."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs: list[Tensor] = []
+    torch.manual_seed(seed)  # the same dropout draws on both sides
+    outs = case.drive(model["attn"], dtype, gen, inputs)
+    loss = sum((o * _rand(gen, dtype, *o.shape)).sum() for o in outs if o.requires_grad)
+    named = list(model.named_parameters()) + [(f"input {i}", t) for i, t in enumerate(inputs)]
+    grads = torch.autograd.grad(loss, [t for _, t in named], allow_unused=True)
+    grads = {
+        n: torch.zeros_like(t) if g is None else g for (n, t), g in zip(named, grads, strict=True)
+    }
+    return [o.detach() for o in outs], grads
+
+
+def _pair(case: Case, dtype: torch.dtype, seed: int = 0):
+    torch.manual_seed(seed)
+    plain = nn.ModuleDict({"attn": case.make()}).to(dtype)
+    fused = copy.deepcopy(plain)
+    params_before = [id(p) for p in fused.parameters()]
+    report = fuse_attention_report(fused)
+    assert [r.layout for r in report.replaced] == [case.layout], str(report)
+    assert isinstance(fused["attn"], FusedStandIn)
+    assert [id(p) for p in fused.parameters()] == params_before  # the very Parameter objects
+    assert list(fused.state_dict()) == list(plain.state_dict())
+    return plain, fused
+
+
+@requires_cpu_kernel
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", list(CASES))
+def test_converted_matches_recreation(name, dtype):
+    case = CASES[name]
+    plain, fused = _pair(case, dtype)
+    tol = dict(atol=1e-10, rtol=1e-9) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-4)
+    if case.rounds_to_float32:
+        tol = dict(atol=2e-5, rtol=2e-4)
+    outs_a, grads_a = _run(case, plain, dtype, seed=1)
+    outs_b, grads_b = _run(case, fused, dtype, seed=1)
+    assert len(outs_a) == len(outs_b)
+    for i, (a, b) in enumerate(zip(outs_a, outs_b, strict=True)):
+        torch.testing.assert_close(b, a, **tol, msg=lambda m, i=i: f"output {i}: {m}")
+    assert grads_a.keys() == grads_b.keys()
+    for key, grad in grads_a.items():
+        unused = "bias" in key or ".ta." in key  # biases that cancel; Coqui's unused ta
+        assert grad.abs().sum() > 0 or unused, key  # every gradient is exercised
+        torch.testing.assert_close(grads_b[key], grad, **tol, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@requires_cpu_kernel
+@pytest.mark.parametrize(
+    "name", ["espnet_att_add", "speechbrain_location", "fairseq_mlp", "tacotron2_nvidia",
+             "coqui_location", "d2l_dropout"],
+)  # fmt: skip
+def test_parameters_state_dict_and_optimiser_kept(name):
+    case = CASES[name]
+    torch.manual_seed(0)
+    plain = nn.ModuleDict({"attn": case.make()}).double()
+    fused = copy.deepcopy(plain)
+    # SGD, not Adam: Adam would scale the rounding noise in the gradient of a bias that cancels in
+    # the softmax (the original computes one, the stand-in leaves it None) up to full steps.
+    optimiser = torch.optim.SGD(fused.parameters(), lr=0.1, momentum=0.9)  # before the conversion
+    reference_optimiser = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    params_before = [id(p) for p in fused.parameters()]
+    assert fuse_attention(fused) == 1
+    assert [id(p) for p in fused.parameters()] == params_before
+    assert list(fused.state_dict()) == list(plain.state_dict())
+    for _ in range(2):  # the optimiser's steps reach the stand-in's parameters
+        for model, opt in ((plain, reference_optimiser), (fused, optimiser)):
+            opt.zero_grad()
+            torch.manual_seed(5)
+            outs = case.drive(model["attn"], torch.float64, torch.Generator().manual_seed(2), [])
+            sum(o.square().sum() for o in outs if o.requires_grad).backward()
+            opt.step()
+    tol = 1e-5 if case.rounds_to_float32 else 1e-9
+    for (key, a), b in zip(plain.state_dict().items(), fused.state_dict().values(), strict=True):
+        torch.testing.assert_close(b, a, atol=tol, rtol=tol, msg=key)
+    plain.load_state_dict(fused.state_dict())  # and back
+
+
+# --- what is left alone ---------------------------------------------------------------------------
+
+
+class SharperAttLoc(L.AttLoc):
+    """A look-alike: ESPnet's parts and state, another temperature inside."""
+
+    def forward(self, enc_hs_pad, enc_hs_len, dec_z, att_prev, scaling=2.0):
+        return super().forward(enc_hs_pad, enc_hs_len, dec_z, att_prev, scaling=2 * scaling)
+
+
+class ReluTacotron2Attention(L.TorchaudioTacotron2Attention):
+    """A look-alike: Tacotron 2's parts, relu for tanh."""
+
+    def forward(
+        self, attention_hidden_state, memory, processed_memory, attention_weights_cat, mask
+    ):
+        query = self.query_layer(attention_hidden_state.unsqueeze(1))
+        keys = processed_memory + self.location_layer(attention_weights_cat)
+        energies = self.v(torch.relu(query + keys)).squeeze(-1).masked_fill(mask, -float("inf"))
+        weights = torch.softmax(energies, dim=1)
+        return torch.bmm(weights.unsqueeze(1), memory).squeeze(1), weights
+
+
+class NoMaskContentAttention(L.ContentBasedAttention):
+    """A look-alike: SpeechBrain's parts, the padding not masked."""
+
+    def forward(self, enc_states, enc_len, dec_states):
+        self.mask = torch.ones(enc_states.shape[:2], dtype=enc_len.dtype)
+        return super().forward(enc_states, torch.full_like(enc_len, enc_states.size(1)), dec_states)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: SharperAttLoc(10, 6, 8, 4, 2),
+        lambda: ReluTacotron2Attention(6, 10, 8, 4, 5),
+        lambda: NoMaskContentAttention(10, 6, 8, 5),
+    ],
+    ids=["espnet_temperature", "tacotron2_relu", "speechbrain_unmasked"],
+)
+def test_lookalikes_are_refused(make):
+    model = nn.ModuleDict({"attn": make()})
+    before = type(model["attn"])
+    report = fuse_attention_report(model)
+    assert report.count == 0 and type(model["attn"]) is before
+    assert len(report.skipped) == 1 and "differs" in report.skipped[0].reason, str(report)
+
+
+@pytest.mark.parametrize(
+    ("flags", "reason"),
+    [
+        (dict(norm="sigmoid"), "sigmoid"),
+        (dict(forward_attn=True), "forward attention"),
+        (dict(windowing=True), "windowing"),
+    ],
+)
+def test_coqui_inexact_variants_are_skipped_with_the_reason(flags, reason):
+    settings = dict(windowing=False, norm="softmax", forward_attn=False, trans_agent=False)
+    settings.update(flags)
+    attn = L.CoquiOriginalAttention(6, 10, 8, True, 4, 5, forward_attn_mask=False, **settings)
+    model = nn.ModuleDict({"attn": attn})
+    report = fuse_attention_report(model)
+    assert report.count == 0 and model["attn"] is attn
+    assert report.skipped[0].layouts == ("coqui_original",) and reason in report.skipped[0].reason
+
+
+class AttCovLoc(L.AttLoc):
+    """ESPnet's coverage + location attention: AttLoc's parts, but the location convolution reads
+    the sum of the list of all previous steps' weights."""
+
+    def forward(self, enc_hs_pad, enc_hs_len, dec_z, att_prev_list, scaling=2.0):
+        coverage = None if att_prev_list is None else sum(att_prev_list)
+        return super().forward(enc_hs_pad, enc_hs_len, dec_z, coverage, scaling=scaling)
+
+
+def test_espnet_coverage_is_skipped_with_the_reason():
+    attn = AttCovLoc(10, 6, 8, 4, 2)
+    model = nn.ModuleDict({"attn": attn})
+    report = fuse_attention_report(model)
+    assert report.count == 0 and model["attn"] is attn
+    assert report.skipped[0].layouts == ("espnet_att_loc",)
+    assert "coverage" in report.skipped[0].reason and "differs" not in report.skipped[0].reason
+
+
+@requires_cpu_kernel
+def test_espnet_monotonic_constraint_masks_like_the_original():
+    torch.manual_seed(3)
+    plain = nn.ModuleDict({"attn": L.AttLoc(10, 6, 8, 4, 2)}).double()
+    fused = copy.deepcopy(plain)
+    assert fuse_attention(fused) == 1
+    enc = torch.randn(1, 9, 10, dtype=torch.float64)
+    dec = torch.randn(1, 6, dtype=torch.float64)
+    for last in (0, 2, 4, 8):
+        results = []
+        for model in (plain, fused):
+            model["attn"].reset()
+            results.append(model["attn"](enc, [9], dec, None, last_attended_idx=last))
+        torch.testing.assert_close(results[1], results[0], atol=1e-12, rtol=1e-10)
+        assert (results[1][1] == 0).any()  # the window excluded frames
+    fused["attn"].reset()
+    with pytest.raises(NotImplementedError, match="Batch"):
+        fused["attn"](torch.randn(2, 9, 10).double(), [9, 9], None, None, last_attended_idx=3)
+
+
+@requires_cpu_kernel
+@pytest.mark.parametrize("name", ["fairseq_mlp", "allennlp_additive", "d2l_sized"])
+def test_fixed_memory_projected_once_and_reordering_projects_again(name):
+    """The decoder passes the same source every step: one projection per source tensor. A beam
+    search's reordering (index_select) makes a new tensor: projected again, results still equal."""
+    case = CASES[name]
+    plain, fused = _pair(case, torch.float64)
+    attn = fused["attn"]
+    time_major = name == "fairseq_mlp"
+    batch, length = 3, 6
+    gen = torch.Generator().manual_seed(4)
+    if name == "fairseq_mlp":
+        source = _rand(gen, torch.float64, length, batch, 10)
+        call = lambda m, src, q: m(q, src, None)[0]  # noqa: E731
+        query_shape = (batch, 6)
+    elif name == "allennlp_additive":
+        source = _rand(gen, torch.float64, batch, length, 10)
+        call = lambda m, src, q: m(q, src)  # noqa: E731
+        query_shape = (batch, 6)
+    else:
+        source = _rand(gen, torch.float64, batch, length, 10)
+        call = lambda m, src, q: m(q, src, src, None)  # noqa: E731
+        query_shape = (batch, 1, 6)
+    order = torch.tensor([2, 2, 0])
+    for step in range(4):
+        if step == 2:  # beam search reorders the memory
+            source = source.index_select(1 if time_major else 0, order)
+        query = _rand(gen, torch.float64, *query_shape)
+        torch.testing.assert_close(call(attn, source, query), call(plain["attn"], source, query))
+    assert (attn.key_cache.misses, attn.key_cache.hits) == (2, 2)
+    source.add_(1.0)  # changed in place: projected again
+    query = _rand(gen, torch.float64, *query_shape)
+    torch.testing.assert_close(call(attn, source, query), call(plain["attn"], source, query))
+    assert attn.key_cache.misses == 3
+
+
+@requires_cpu_kernel
+def test_converted_location_attention_compiles_as_one_graph():
+    """torch.compile of two Tacotron 2 steps through the stand-in: one graph, same results."""
+    case = CASES["tacotron2_torchaudio"]
+    plain, fused = _pair(case, torch.float32)
+    gen = torch.Generator().manual_seed(6)
+    memory = _rand(gen, torch.float32, 3, 7, 10).requires_grad_()
+    mask = L.espnet_pad_mask(_lengths(3, 7))
+    hidden = _rand(gen, torch.float32, 2, 3, 6)
+
+    def steps(attn, memory):
+        processed = attn.memory_layer(memory)
+        prev = cum = torch.zeros(3, 7)
+        outs = []
+        for t in range(2):
+            context, prev = attn(hidden[t], memory, processed, torch.stack((prev, cum), 1), mask)
+            cum = cum + prev
+            outs += [context, prev]
+        return outs
+
+    compiled = torch.compile(steps, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn, model in ((steps, plain), (compiled, fused)):
+        outs = fn(model["attn"], memory)
+        loss = sum((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() for o in outs)
+        grads = torch.autograd.grad(loss, [memory, *model.parameters()])
+        results.append((outs, grads))
+    expected, got = results[0][0] + list(results[0][1]), results[1][0] + list(results[1][1])
+    for a, b in zip(expected, got, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=2e-4)
+
+
+@requires_cpu_kernel
+def test_location_attention_backward_between_steps():
+    """A backward after each step (retain_graph, as a truncated loop would need for the shared
+    processed memory): the values' gradients gathered per backward, equal to the original's."""
+    case = CASES["tacotron2_nvidia"]
+    plain, fused = _pair(case, torch.float64)
+    grads = []
+    for model in (plain, fused):
+        gen = torch.Generator().manual_seed(8)
+        attn = model["attn"]
+        memory = _rand(gen, torch.float64, 3, 7, 10).requires_grad_()
+        processed = attn.memory_layer(memory)
+        prev = cum = torch.zeros(3, 7, dtype=torch.float64)
+        for _ in range(3):
+            hidden = _rand(gen, torch.float64, 3, 6)
+            context, prev = attn(hidden, memory, processed, torch.stack((prev, cum), 1), None)
+            (context * _rand(gen, torch.float64, 3, 10)).sum().backward(retain_graph=True)
+            prev = prev.detach()
+            cum = cum + prev
+        grads.append([memory.grad] + [p.grad for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-9)
+
+
+@requires_cpu_kernel
+def test_converted_stateless_layout_copies_and_saves_after_a_step():
+    """Tacotron 2's attention keeps no state; its stand-in's per-sequence helper must not stop a
+    deep copy (e.g. an EMA model) or torch.save of the model after a forward with gradients."""
+    _, fused = _pair(CASES["tacotron2_torchaudio"], torch.float32)
+    outs = drive_tacotron2(fused["attn"], torch.float32, torch.Generator().manual_seed(9), [])
+    copied = copy.deepcopy(fused)
+    buffer = io.BytesIO()
+    torch.save(fused, buffer)
+    assert list(copied.state_dict()) == list(fused.state_dict())
+    sum(o.sum() for o in outs).backward()  # the original graph still works
+
+
+@requires_cpu_kernel
+@pytest.mark.parametrize("name", ["tacotron2_torchaudio", "fairseq_location"])
+def test_location_steps_two_passes_over_one_memory_then_one_backward(name):
+    """Two decoding passes share one memory (and, for Tacotron 2, one processed memory) before a
+    single backward: the gradients gathered by the fused steps equal the original's."""
+    case = CASES[name]
+    plain, fused = _pair(case, torch.float64)
+    grads = []
+    for model in (plain, fused):
+        gen = torch.Generator().manual_seed(11)
+        attn = model["attn"]
+        inputs: list[Tensor] = []
+        outs = case.drive(attn, torch.float64, gen, inputs)
+        outs += case.drive(attn, torch.float64, torch.Generator().manual_seed(11), inputs)
+        loss = sum((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() for o in outs)
+        leaves = [*model.parameters(), *inputs]
+        found = torch.autograd.grad(loss, leaves, allow_unused=True)  # None: a bias that cancels
+        pairs = zip(leaves, found, strict=True)
+        grads.append([torch.zeros_like(t) if g is None else g for t, g in pairs])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-9)
+
+
+@requires_cpu_kernel
+@pytest.mark.parametrize("name", ["espnet_att_loc", "tacotron2_nvidia", "coqui_content"])
+def test_location_and_gathered_steps_train_under_autocast(name):
+    """Under CPU autocast (bfloat16) the gathered steps and the location term run forward and
+    backward (the dtypes of a step's saved tensors and of its incoming gradient differ there) and
+    give the original's gradients to bfloat16 precision."""
+    case = CASES[name]
+    plain, fused = _pair(case, torch.float32)
+    grads = []
+    for model in (plain, fused):
+        inputs: list[Tensor] = []
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs = case.drive(
+                model["attn"], torch.float32, torch.Generator().manual_seed(5), inputs
+            )
+            loss = sum(o.float().sum() for o in outs if o.requires_grad)
+        grads.append(torch.autograd.grad(loss, inputs))
+    for a, b in zip(*grads, strict=True):
+        assert b.dtype == a.dtype
+        torch.testing.assert_close(b, a, atol=3e-2 * float(a.abs().max()), rtol=0)
