@@ -25,18 +25,11 @@ from dataclasses import replace
 
 import torch
 
-from seq2seq_fast.seq2seq.cli import TASK_DEFAULTS
+from seq2seq_fast.seq2seq.builders import Clock, build_model, build_optimizer, build_task
+from seq2seq_fast.seq2seq.config import TASK_DEFAULTS, TrainConfig
 from seq2seq_fast.seq2seq.data import make_batch, padding_fractions
-from seq2seq_fast.seq2seq.train import (
-    Clock,
-    Dist,
-    Job,
-    TrainConfig,
-    build_model,
-    build_optimizer,
-    build_task,
-    train_step,
-)
+from seq2seq_fast.seq2seq.distributed import Dist
+from seq2seq_fast.seq2seq.train import Job, train_step
 
 
 def _job(config: TrainConfig, task, ctx: Dist) -> Job:

@@ -22,8 +22,9 @@ from seq2seq_fast.ops.additive_attention import CPU_KERNEL_ERROR
 from seq2seq_fast.seq2seq import canary
 from seq2seq_fast.seq2seq import train as train_module
 from seq2seq_fast.seq2seq.canary import FusedKernelError
+from seq2seq_fast.seq2seq.config import TrainConfig, TrainError
 from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig
-from seq2seq_fast.seq2seq.train import TrainConfig, TrainError, train
+from seq2seq_fast.seq2seq.train import train
 
 pytestmark = pytest.mark.skipif(CPU_KERNEL_ERROR is not None, reason="the C++ extension is needed")
 

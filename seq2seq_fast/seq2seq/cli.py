@@ -20,30 +20,6 @@ import sys
 from collections.abc import Sequence
 from dataclasses import fields
 
-# Defaults that differ per task; anything not listed uses TrainConfig's default (the reversal
-# main job's; it runs on torch's threads: on a quiet 2-core CPU 2 threads took 54 s, 1 took 79 s).
-TASK_DEFAULTS = {
-    "reverse": {},
-    "translate": {
-        "embed_size": 256,
-        "hidden_size": 256,
-        # 0.1, not 0.2: 8 minutes on 27.5k Tatoeba pairs (2 threads) gave test BLEU 33.1 against
-        # 31.1 (bench/RESULTS.md, "Side by side with OpenNMT-py"); more is for longer runs.
-        "dropout": 0.1,
-        "epochs": 10,
-        "batch_size": 64,
-        # 3 epochs (1,293 steps) on 27.5k Tatoeba pairs, valid BLEU: lr 1e-3 12.7, 2e-3 22.2,
-        # 3e-3 27.7, 4e-3 28.5, 6e-3 diverged (bench/RESULTS.md): 3e-3 keeps a 2x margin.
-        "lr": 3e-3,
-        "warmup_steps": 200,
-        "min_lr_ratio": 0.02,
-        "label_smoothing": 0.1,
-        "decoder": "gnmt",
-        "output_layer": "attentional",
-    },
-}
-
-
 # translate on CPU: batches decoded at once (Translator workers), at most this many.
 MAX_DECODE_WORKERS = 4
 
@@ -236,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args) -> int:
-    from seq2seq_fast.seq2seq.train import TrainConfig, train
+    from seq2seq_fast.seq2seq.config import TASK_DEFAULTS, TrainConfig
+    from seq2seq_fast.seq2seq.train import train
 
     values = dict(TASK_DEFAULTS[args.task])
     for f in fields(TrainConfig):
@@ -390,8 +367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from seq2seq_fast.seq2seq.checkpoint import CheckpointError
+    from seq2seq_fast.seq2seq.config import TrainError
     from seq2seq_fast.seq2seq.data import CorpusError
-    from seq2seq_fast.seq2seq.train import TrainError
 
     parser = build_parser()
     args = parser.parse_args(argv)
