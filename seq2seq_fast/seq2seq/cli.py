@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
+
+from seq2seq_fast.seq2seq.config import TRAIN_BACKENDS, TrainConfig
+from seq2seq_fast.seq2seq.decoding import DecodeOptions
 
 # translate on CPU: batches decoded at once (Translator workers), at most this many.
 MAX_DECODE_WORKERS = 4
@@ -64,8 +68,10 @@ def _add_train(sub) -> None:
     add("--out", help="output folder for model.pt and attention.png (default runs/<task>)")
     add("--resume", metavar="CHECKPOINT", help="continue this checkpoint exactly")
     add("--seed", type=int)
-    add("--backend", choices=["auto", "fused", "reference", "compile"],
-        help="attention backend; compile = torch.compile of the whole model, fused op inside")  # fmt: skip
+    add("--backend", choices=[*TRAIN_BACKENDS, "compile"],
+        help="attention backend (compile: the same as --compile, kept as an alias)")  # fmt: skip
+    add("--compile", action="store_true", default=None,
+        help="torch.compile the whole model, RNN layers and attention in one graph")  # fmt: skip
     g = p.add_argument_group("model")
     g.add_argument("--decoder", choices=["gnmt", "bahdanau"])
     g.add_argument("--cell", choices=["gru", "lstm"])
@@ -145,11 +151,15 @@ def _add_decode_options(p) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="model.pt written by seq2seq-fast train, or an exported model")  # fmt: skip
     p.add_argument("sentence", nargs="?", help="input sentence (default: read lines from stdin)")
-    p.add_argument("--beam", type=_beam, default=1, help="beam size (1 = greedy)")
-    p.add_argument("--alpha", type=float, default=0.6, help="length normalisation exponent")
-    p.add_argument("--beta", type=float, default=0.0, help="coverage penalty weight")
-    p.add_argument("--max-len-factor", type=_positive_factor, default=2.0,
-                   help="at most ceil(factor * source length) + 1 output tokens")  # fmt: skip
+    # No defaults here: DecodeOptions holds them (and builds the options from those given).
+    p.add_argument("--beam", type=_beam, help=f"beam size (default {DecodeOptions.beam}: greedy)")
+    p.add_argument("--alpha", type=float,
+                   help=f"length normalisation exponent (default {DecodeOptions.alpha})")  # fmt: skip
+    p.add_argument("--beta", type=float,
+                   help=f"coverage penalty weight (default {DecodeOptions.beta})")  # fmt: skip
+    p.add_argument("--max-len-factor", type=_positive_factor,
+                   help="at most ceil(factor * source length) + 1 output tokens (default "
+                   f"{DecodeOptions.max_len_factor})")  # fmt: skip
     p.add_argument("--backend", choices=["auto", "fused", "reference"], default="auto")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--threads", type=_positive_int,
@@ -211,15 +221,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The job ``seq2seq-fast train`` runs: the options given, every other field its task's
+    default (:class:`TrainConfig` resolves those, as it does in Python)."""
+    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)
+              if getattr(args, f.name, None) is not None}  # fmt: skip
+    if values.get("backend") == "compile":  # the old spelling of --compile
+        values["backend"], values["compile"] = "auto", True
+    return TrainConfig(**values)
+
+
 def _train(args) -> int:
-    from seq2seq_fast.seq2seq.config import TASK_DEFAULTS, TrainConfig
     from seq2seq_fast.seq2seq.train import train
 
-    values = dict(TASK_DEFAULTS[args.task])
-    for f in fields(TrainConfig):
-        given = getattr(args, f.name, None)
-        if given is not None:
-            values[f.name] = given
     if args.resume:
         # Only output and run-length options apply on resume; the rest comes from the checkpoint.
         config = TrainConfig(task="reverse")
@@ -230,7 +244,7 @@ def _train(args) -> int:
             config.progress = args.progress
         train(config, resume=args.resume)
     else:
-        train(TrainConfig(**values))
+        train(train_config(args))
     return 0
 
 
@@ -254,11 +268,19 @@ def _translator(args, **kwargs):
         torch.set_num_threads(threads // workers)
     elif args.threads is not None:
         torch.set_num_threads(args.threads)
-    return Translator.load(
-        args.checkpoint, backend=args.backend, device=args.device, beam=args.beam,
-        alpha=args.alpha, beta=args.beta, max_len_factor=args.max_len_factor, workers=workers,
-        **kwargs,
-    )  # fmt: skip
+    return Translator.load(args.checkpoint, backend=args.backend, device=args.device,
+                           options=decode_options(args), workers=workers, **kwargs)  # fmt: skip
+
+
+def decode_options(args: argparse.Namespace) -> DecodeOptions:
+    """The search the options ask for; a bad combination raises ValueError naming the flags."""
+    given = {name: getattr(args, name, None) for name in DecodeOptions.__dataclass_fields__}
+    try:
+        return DecodeOptions(**{name: value for name, value in given.items() if value is not None})
+    except ValueError as exc:
+        flags = re.sub(r"\b(n_best|beam|max_len_factor|alpha|beta)\b",
+                       lambda m: "--" + m.group(1).replace("_", "-"), str(exc))  # fmt: skip
+        raise ValueError(flags) from None
 
 
 def _warn(args, message: str) -> None:
@@ -281,12 +303,8 @@ def _translate(args) -> int:
 
     if args.sentence is not None and args.input is not None:
         raise ValueError("give either a sentence or --input FILE, not both")
-    if args.n_best is not None and args.n_best > args.beam:
-        raise ValueError(f"--n-best {args.n_best} needs --beam >= {args.n_best}, got {args.beam}")
-    translator = _translator(
-        args, n_best=args.n_best or 1, batch_size=args.batch_size, max_tokens=args.max_tokens,
-        max_source_tokens=args.max_source_tokens,
-    )  # fmt: skip
+    translator = _translator(args, batch_size=args.batch_size, max_tokens=args.max_tokens,
+                             max_source_tokens=args.max_source_tokens)  # fmt: skip
     if args.sentence is not None:
         result = translator.translate([args.sentence])[0]
         if not result.source_ids:

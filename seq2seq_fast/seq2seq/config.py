@@ -7,10 +7,25 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-# Defaults that differ per task; anything not listed uses TrainConfig's default (the reversal
-# main job's; it runs on torch's threads: on a quiet 2-core CPU 2 threads took 54 s, 1 took 79 s).
-TASK_DEFAULTS = {
-    "reverse": {},
+# The fields whose default depends on the task. A TrainConfig field left at None takes its
+# task's value from here, so that ``TrainConfig(task="translate", data=...)`` in Python and
+# ``seq2seq-fast train --task translate --data ...`` build the same job. The reversal main job
+# runs on torch's threads: on a quiet 2-core CPU 2 threads took 54 s, 1 took 79 s.
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "reverse": {
+        "embed_size": 64,
+        "hidden_size": 128,
+        "dropout": 0.0,
+        "epochs": 3,
+        "batch_size": 64,
+        "lr": 3e-3,
+        "warmup_steps": 100,
+        # 0.1: the reversal job ends at 100% held-out (0.02: 99.8%, seeds 0 and 1, 2 threads)
+        "min_lr_ratio": 0.1,
+        "label_smoothing": 0.0,
+        "decoder": "bahdanau",  # on reversal it needs ~2x fewer steps than gnmt for 99%
+        "output_layer": "concat",
+    },
     "translate": {
         "embed_size": 256,
         "hidden_size": 256,
@@ -30,8 +45,7 @@ TASK_DEFAULTS = {
     },
 }
 
-
-TRAIN_BACKENDS = ("auto", "fused", "reference", "compile")
+TRAIN_BACKENDS = ("auto", "fused", "reference")
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -41,38 +55,43 @@ class TrainError(RuntimeError):
 
 @dataclass
 class TrainConfig:
-    """One training job. Defaults are the reversal main job (``seq2seq-fast train``)."""
+    """One training job. Fields left at None marked "task default" take the value of
+    ``TASK_DEFAULTS[task]`` when the config is made (``TrainConfig.for_task("translate", ...)``
+    says the same); with no argument at all it is the reversal main job (``seq2seq-fast train``).
+    """
 
     task: str = "reverse"
     data: str | None = None
     out: str | None = None  # default runs/<task>
     seed: int = 0
-    backend: str = "auto"
+    backend: str = "auto"  # attention backend: auto, fused or reference
+    # torch.compile of the whole model (RNN layers and the attention inside one graph)
+    compile: bool = False
     # model
-    decoder: str = "bahdanau"  # on reversal it needs ~2x fewer steps than gnmt for 99%
+    decoder: str | None = None  # task default
     cell: str = "gru"
-    embed_size: int = 64
-    hidden_size: int = 128
+    embed_size: int | None = None  # task default
+    hidden_size: int | None = None  # task default
     attention_size: int | None = None
     encoder_layers: int = 1
     decoder_layers: int = 1
     bidirectional: bool = True
-    dropout: float = 0.0
-    output_layer: str = "concat"  # "attentional": tanh(W_a [s; c]) of hidden width, then softmax
+    dropout: float | None = None  # task default
+    # task default; "attentional": tanh(W_a [s; c]) of hidden width, then softmax
+    output_layer: str | None = None
     # optimisation
-    epochs: int = 3
+    epochs: int | None = None  # task default
     steps_per_epoch: int = 200  # reverse only; translate runs over the training split
-    batch_size: int = 64
+    batch_size: int | None = None  # task default
     # translate: batches of length-similar pairs of at most this many padded tokens
     # (pairs x max(source, target + 1) widths) instead of batch_size pairs; None: batch_size
     batch_tokens: int | None = None
-    lr: float = 3e-3
+    lr: float | None = None  # task default
     weight_decay: float = 0.01
-    warmup_steps: int = 100
-    # 0.1: the reversal job ends at 100% held-out (0.02: 99.8%, seeds 0 and 1, 2 threads)
-    min_lr_ratio: float = 0.1
+    warmup_steps: int | None = None  # task default
+    min_lr_ratio: float | None = None  # task default
     clip_norm: float = 1.0
-    label_smoothing: float = 0.0
+    label_smoothing: float | None = None  # task default
     # bf16: the forward under torch.autocast (bf16 products, fp32 master weights and optimiser);
     # falls back to fp32, saying why, where the hardware has no native bf16 products.
     precision: str = "fp32"
@@ -114,14 +133,22 @@ class TrainConfig:
     threads: int | None = None  # torch intra-op threads (None = torch's default)
 
     def __post_init__(self) -> None:
-        if self.task not in ("reverse", "translate"):
-            raise TrainError(f"task must be 'reverse' or 'translate', got {self.task!r}")
+        if self.task not in TASK_DEFAULTS:
+            raise TrainError(f"task must be one of {tuple(TASK_DEFAULTS)}, got {self.task!r}")
+        for name, value in TASK_DEFAULTS[self.task].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         if self.task == "translate" and not self.data:
             raise TrainError("--task translate needs --data PATH (a .txt/.tsv file or a .zip)")
         if self.test_data and not self.valid_data:
             raise TrainError("--test-data needs --valid-data (official splits come together)")
         if self.valid_data and self.task != "translate":
             raise TrainError("--valid-data and --test-data are for --task translate")
+        if self.backend == "compile":
+            raise TrainError(
+                "backend 'compile' is now a flag of its own: compile=True (--compile), with "
+                "backend 'auto'"
+            )
         if self.backend not in TRAIN_BACKENDS:
             raise TrainError(f"backend must be one of {TRAIN_BACKENDS}, got {self.backend!r}")
         if self.precision not in PRECISIONS:
@@ -152,6 +179,17 @@ class TrainConfig:
         return Path(self.out or f"runs/{self.task}")
 
     @classmethod
+    def for_task(cls, task: str, **overrides: Any) -> TrainConfig:
+        """The job of ``task`` with its defaults (TASK_DEFAULTS), ``overrides`` on top: the
+        config ``seq2seq-fast train --task TASK`` builds from the same options."""
+        return cls(task=task, **overrides)
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """A config stored in a checkpoint (``asdict``); keys of other versions are dropped, and
+        the old ``backend="compile"`` reads as ``compile=True`` with the "auto" backend."""
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        values = {k: v for k, v in data.items() if k in known}
+        if values.get("backend") == "compile":
+            values["backend"], values["compile"] = "auto", True
+        return cls(**values)

@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from seq2seq_fast.seq2seq.decoding import decode
+from seq2seq_fast.seq2seq.decoding import DecodeOptions, decode
 from seq2seq_fast.seq2seq.models import Seq2Seq
 
 
 def reverse_accuracy(model: Seq2Seq, pairs, device: torch.device) -> dict[str, float]:
-    hyps = decode(model, [s for s, _ in pairs], device=device, max_len_factor=1.0)
+    hyps = decode(model, [s for s, _ in pairs], DecodeOptions(max_len_factor=1.0), device=device)
     seq_ok = tok_ok = tok_total = 0
     for hyp, (_, ref) in zip(hyps, pairs, strict=True):
         seq_ok += hyp.tokens == ref
@@ -26,7 +26,8 @@ def bleu_score(
 ) -> float:
     import sacrebleu
 
-    hyps = decode(model, [src_vocab.encode(s) for s, _ in pairs], device=device, beam=beam)
+    sources = [src_vocab.encode(s) for s, _ in pairs]
+    hyps = decode(model, sources, DecodeOptions(beam=beam), device=device)
     outputs = [tgt_vocab.decode(h.tokens) for h in hyps]
     return float(sacrebleu.BLEU().corpus_score(outputs, [[t for _, t in pairs]]).score)
 

@@ -212,7 +212,7 @@ def train_step(job: Job, batch: Batch) -> float:
     rng = canary.forward_rng_state(job.ctx.device) if job.canary and config.dropout > 0 else None
     with torch.autocast(job.ctx.device.type, dtype=job.autocast or torch.bfloat16,
                         enabled=job.autocast is not None):  # fmt: skip
-        if config.backend == "compile":  # the loss outside the compiled graph, as before
+        if config.compile:  # the loss outside the compiled graph, as before
             logits, _ = job.run_model(batch.src, batch.src_lengths, batch.tgt_in)
             loss = sequence_loss(logits.float(), batch.tgt_out, config.label_smoothing)
         else:  # output layer + loss by chunks of rows (ops/linear_cross_entropy.py)
@@ -272,7 +272,7 @@ def _canary(job: Job, batch: Batch, loss: float, rng) -> canary.Rerun:
             reference.finite = None if verdict == CANARY_UNVERIFIED else False
             reference.error = reference.error or "on another rank"
         return reference
-    compiled = config.backend == "compile"
+    compiled = config.compile
     reproduced, served = canary.probe_fused_parts(model, batch, recurrent=not compiled, **options)
     parts = ("attention", "recurrent")
     flags = max_over_ranks(ctx, [float(p in reproduced) for p in parts]
@@ -293,7 +293,7 @@ def _canary(job: Job, batch: Batch, loss: float, rng) -> canary.Rerun:
         "reference_loss": reference.loss,
         "world_size": ctx.world_size,
         "ops": ops,
-        "backend": config.backend,
+        "backend": config.backend + (" --compile" if config.compile else ""),
         "reproduced_by": reproduced,
         "batch": canary.describe_batch(batch),
         "model": f"{config.decoder} decoder, {config.cell} {config.hidden_size}, attention "
@@ -382,7 +382,7 @@ def run_epoch(job: Job) -> bool:
     from tqdm import tqdm
 
     config, ctx, task = job.config, job.ctx, job.task
-    compiled = config.backend == "compile"
+    compiled = config.compile
     plan = task.epoch_plan(config, job.epoch, ctx)
     if plan is not None and len(plan) != task.steps_per_epoch:  # the schedule counted them once
         raise TrainError(f"epoch {job.epoch + 1} has {len(plan)} batches, the first had "
@@ -514,7 +514,7 @@ def build_job(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None, st
         job.run_model = nn.parallel.DistributedDataParallel(
             model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None
         )
-    if config.backend == "compile":
+    if config.compile:
         # one graph: RNN layers and the fused op inside
         job.run_model = compile_model(job.run_model)
     return job
@@ -541,7 +541,7 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
         log(
             f"task {config.task}: {config.decoder} decoder, {config.cell} {config.hidden_size}, "
             f"{params / 1e6:.2f}M parameters, attention backend "
-            f"{'compile+' if config.backend == 'compile' else ''}{job.attention_backend}, "
+            f"{'compile+' if config.compile else ''}{job.attention_backend}, "
             f"{ctx.world_size} process(es), {job.total_steps} steps"
             f"{', autocast bf16' if job.autocast is not None else ''}",
             ctx,
