@@ -72,6 +72,16 @@ class Task:
             return self.reverse.sample(self.generator, batch_size)
         return [self.corpus.train[i] for i in plan[position]]
 
+    def step_pairs(self, config: TrainConfig, plan: list[list[int]] | None, step: int) -> list:
+        """The id pairs of each of the ``accum_steps`` batches of the epoch's step ``step``
+        (translate: the plan's batches step * N ... step * N + N - 1, fewer at the epoch's end;
+        reverse: drawn fresh)."""
+        n = config.accum_steps
+        if self.reverse is not None:
+            return [self.pairs(config.batch_size, plan, step) for _ in range(n)]
+        return [self.pairs(config.batch_size, plan, i)
+                for i in range(step * n, min(len(plan), step * n + n))]  # fmt: skip
+
     def example(self) -> str:
         """The held-out sentence drawn in the final heatmap."""
         if self.reverse is not None:
@@ -123,7 +133,7 @@ def build_task(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None) -
         corpus=corpus,
     )  # fmt: skip
     plan = task.epoch_plan(config, 0, ctx)
-    task.steps_per_epoch = len(plan)
+    task.steps_per_epoch = -(-len(plan) // config.accum_steps)  # optimiser steps
     src_pad, tgt_pad = padding_fractions(corpus.train, plan)
     how = (f"of at most {config.batch_tokens} padded tokens" if config.batch_tokens is not None
            else f"of {config.batch_size} pairs")  # fmt: skip

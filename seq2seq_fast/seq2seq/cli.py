@@ -19,9 +19,9 @@ import math
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import asdict, fields
 
-from seq2seq_fast.seq2seq.config import TRAIN_BACKENDS, TrainConfig
+from seq2seq_fast.seq2seq.config import TASK_DEFAULTS, TRAIN_BACKENDS, TrainConfig
 from seq2seq_fast.seq2seq.decoding import DecodeOptions
 
 # translate on CPU: batches decoded at once (Translator workers), at most this many.
@@ -56,17 +56,28 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
-def _add_train(sub) -> None:
+def _add_config_options(p) -> None:
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML file of options (names as the flags'); flags given override it")  # fmt: skip
+    p.add_argument("--dump-config", action="store_true",
+                   help="print the resolved configuration as YAML and exit")  # fmt: skip
+
+
+def _add_train(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train",
         help="train a model (default: the built-in reversal task)",
         description="Train an attention seq2seq model. Without options: the reversal main job.",
     )
+    _add_config_options(p)
     add = p.add_argument
-    add("--task", choices=["reverse", "translate"], default="reverse")
+    add("--task", choices=list(TASK_DEFAULTS))
     add("--data", help="translate: parallel corpus, source<TAB>target lines (.txt/.tsv or .zip)")
     add("--out", help="output folder for model.pt and attention.png (default runs/<task>)")
     add("--resume", metavar="CHECKPOINT", help="continue this checkpoint exactly")
+    add("--init-from", metavar="CHECKPOINT",
+        help="fine-tune: start from this checkpoint's weights and vocabularies, with a fresh "
+        "optimiser and schedule (its model shape must match)")  # fmt: skip
     add("--seed", type=int)
     add("--backend", choices=[*TRAIN_BACKENDS, "compile"],
         help="attention backend (compile: the same as --compile, kept as an alias)")  # fmt: skip
@@ -91,6 +102,9 @@ def _add_train(sub) -> None:
     g.add_argument("--batch-tokens", type=int, metavar="N",
                    help="translate: instead, batches of length-similar pairs of at most N padded "
                    "tokens (pairs x max(source, target+1) widths)")  # fmt: skip
+    g.add_argument("--accum-steps", type=int, metavar="N",
+                   help="sum the gradients of N batches per optimiser step (a batch N times "
+                   "larger, in one batch's memory)")  # fmt: skip
     g.add_argument("--lr", type=float)
     g.add_argument("--weight-decay", type=float)
     g.add_argument("--warmup-steps", type=int)
@@ -135,6 +149,10 @@ def _add_train(sub) -> None:
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     g.add_argument("--no-heatmap", dest="heatmap", action="store_false", default=None)
     g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--tensorboard", metavar="DIR",
+                   help="also write the metrics as TensorBoard events to DIR (needs the "
+                   "tensorboard package; metrics.jsonl is always written)")  # fmt: skip
+    return p
 
 
 def _positive_int(text: str) -> int:
@@ -148,8 +166,8 @@ def _positive_int(text: str) -> int:
 
 
 def _add_decode_options(p) -> None:
-    p.add_argument("--checkpoint", required=True,
-                   help="model.pt written by seq2seq-fast train, or an exported model")  # fmt: skip
+    p.add_argument("--checkpoint",
+                   help="model.pt written by seq2seq-fast train, or an exported model (required)")  # fmt: skip
     p.add_argument("sentence", nargs="?", help="input sentence (default: read lines from stdin)")
     # No defaults here: DecodeOptions holds them (and builds the options from those given).
     p.add_argument("--beam", type=_beam, help=f"beam size (default {DecodeOptions.beam}: greedy)")
@@ -167,7 +185,7 @@ def _add_decode_options(p) -> None:
                    "batches at once, sharing the threads")  # fmt: skip
 
 
-def _add_translate(sub) -> None:
+def _add_translate(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "translate",
         help="translate sentences with a trained checkpoint",
@@ -176,6 +194,7 @@ def _add_translate(sub) -> None:
         "warning on stderr), sentences decoded in length-sorted batches.",
     )
     _add_decode_options(p)
+    _add_config_options(p)
     add = p.add_argument
     add("-i", "--input", help="file of sentences, one a line, UTF-8 (default: stdin)")
     add("-o", "--output", help="write translations here (default: stdout)")
@@ -188,6 +207,7 @@ def _add_translate(sub) -> None:
     add("--max-source-tokens", type=_positive_int, default=256,
         help="longer lines are skipped with a warning (default 256 subword tokens)")  # fmt: skip
     add("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return p
 
 
 def _add_export(sub) -> None:
@@ -210,8 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="seq2seq-fast", description="Attention seq2seq models on fused Bahdanau attention."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_train(sub)
-    _add_translate(sub)
+    parser.set_defaults(commands={"train": _add_train(sub), "translate": _add_translate(sub)})
     p = sub.add_parser("plot-attention", help="draw the attention heatmap of one sentence")
     _add_decode_options(p)
     p.add_argument(
@@ -219,6 +238,46 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_export(sub)
     return parser
+
+
+CONFIG_OPTIONS = ("config", "dump_config")
+
+
+def _given(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
+    """The options given on the command line (not left at their defaults): ``argv`` parsed
+    again with every default of the command's options suppressed."""
+    args = parser.parse_args(argv)
+    sub = args.commands[args.command]
+    saved = [(action, action.default) for action in sub._actions]
+    try:
+        for action, _ in saved:
+            action.default = argparse.SUPPRESS
+        given = parser.parse_args(argv)
+    finally:
+        for action, default in saved:
+            action.default = default
+    return set(vars(given)) - {"command", "commands"}
+
+
+def apply_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                      argv: Sequence[str] | None) -> None:  # fmt: skip
+    """Fill ``args`` from ``--config FILE``: every key of the file whose option was not given
+    on the command line (flags override the file). Unknown keys: ConfigFileError naming it."""
+    from seq2seq_fast.seq2seq.configfile import read_config_file
+
+    if getattr(args, "config", None) is None:
+        return
+    if args.command == "train":
+        if args.resume:
+            raise ValueError("--config is for new runs; --resume takes the checkpoint's options")
+        allowed = {f.name for f in fields(TrainConfig)}
+    else:
+        sub = args.commands[args.command]
+        allowed = {a.dest for a in sub._actions if a.dest not in ("help", *CONFIG_OPTIONS)}
+    given = _given(parser, argv)
+    for name, value in read_config_file(args.config, allowed).items():
+        if name not in given:
+            setattr(args, name, value)
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
@@ -234,6 +293,11 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 def _train(args) -> int:
     from seq2seq_fast.seq2seq.train import train
 
+    if args.dump_config:
+        from seq2seq_fast.seq2seq.configfile import dump_config
+
+        sys.stdout.write(dump_config(asdict(train_config(args))))
+        return 0
     if args.resume:
         # Only output and run-length options apply on resume; the rest comes from the checkpoint.
         config = TrainConfig(task="reverse")
@@ -252,6 +316,8 @@ def _translator(args, **kwargs):
     """Load the checkpoint once, on the device and thread count asked for."""
     import torch
 
+    if args.checkpoint is None:
+        raise ValueError(f"{args.command} needs --checkpoint PATH (or checkpoint: in --config)")
     from seq2seq_fast.seq2seq.translate import Translator
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -275,6 +341,7 @@ def _translator(args, **kwargs):
 def decode_options(args: argparse.Namespace) -> DecodeOptions:
     """The search the options ask for; a bad combination raises ValueError naming the flags."""
     given = {name: getattr(args, name, None) for name in DecodeOptions.__dataclass_fields__}
+    given.pop("max_len", None)  # no flag
     try:
         return DecodeOptions(**{name: value for name, value in given.items() if value is not None})
     except ValueError as exc:
@@ -298,9 +365,25 @@ def _output_lines(result, n_best: int | None) -> list[str]:
     return lines + [""] * (n_best - len(lines))
 
 
+def translate_settings(args: argparse.Namespace) -> dict:
+    """The resolved options of ``translate`` (what --dump-config prints), decoding options
+    with their defaults filled in."""
+    sub = args.commands["translate"]
+    values = {a.dest: getattr(args, a.dest, None) for a in sub._actions
+              if a.dest not in ("help", *CONFIG_OPTIONS)}  # fmt: skip
+    options = decode_options(args)
+    values.update({k: getattr(options, k) for k in values if hasattr(options, k)})
+    return values
+
+
 def _translate(args) -> int:
     from seq2seq_fast.seq2seq.translate import read_lines
 
+    if args.dump_config:
+        from seq2seq_fast.seq2seq.configfile import dump_config
+
+        sys.stdout.write(dump_config(translate_settings(args)))
+        return 0
     if args.sentence is not None and args.input is not None:
         raise ValueError("give either a sentence or --input FILE, not both")
     translator = _translator(args, batch_size=args.batch_size, max_tokens=args.max_tokens,
@@ -393,6 +476,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command in args.commands:
+        try:
+            apply_config_file(parser, args, argv)
+        except ValueError as exc:
+            print(f"seq2seq-fast {args.command}: error: {exc}", file=sys.stderr)
+            return 2
     handlers = {"train": _train, "translate": _translate, "plot-attention": _plot,
                 "export": _export}  # fmt: skip
     threads = torch.get_num_threads()

@@ -91,6 +91,13 @@ class TrainConfig:
     warmup_steps: int | None = None  # task default
     min_lr_ratio: float | None = None  # task default
     clip_norm: float = 1.0
+    # Gradients of this many batches summed (each weighted by its share of the target tokens)
+    # before one optimiser step: the step of a batch N times larger, in N batches' memory.
+    accum_steps: int = 1
+    # Fine-tuning: start from this checkpoint's weights (its vocabularies too), with a fresh
+    # optimiser and schedule; its model shape must be this config's. Not --resume (exact
+    # continuation).
+    init_from: str | None = None
     label_smoothing: float | None = None  # task default
     # bf16: the forward under torch.autocast (bf16 products, fp32 master weights and optimiser);
     # falls back to fp32, saying why, where the hardware has no native bf16 products.
@@ -131,6 +138,8 @@ class TrainConfig:
     progress: bool = True
     heatmap: bool = True
     threads: int | None = None  # torch intra-op threads (None = torch's default)
+    # Also write the metrics (metrics.jsonl, always written) as TensorBoard events here.
+    tensorboard: str | None = None
 
     def __post_init__(self) -> None:
         if self.task not in TASK_DEFAULTS:
@@ -162,6 +171,8 @@ class TrainConfig:
         for name in ("epochs", "steps_per_epoch", "batch_size", "heldout_size"):
             if getattr(self, name) < 1:
                 raise TrainError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not isinstance(self.accum_steps, int) or self.accum_steps < 1:
+            raise TrainError(f"accum_steps must be an int >= 1, got {self.accum_steps!r}")
         if self.keep_checkpoints < 0:
             raise TrainError(f"keep_checkpoints must be >= 0, got {self.keep_checkpoints}")
         if self.batch_tokens is not None:

@@ -36,6 +36,7 @@ The loop is here: ``build_job`` (seed, task, model, optimiser, a resumed checkpo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import random
@@ -47,7 +48,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from seq2seq_fast.seq2seq import canary
 from seq2seq_fast.seq2seq.builders import (
@@ -71,7 +72,8 @@ from seq2seq_fast.seq2seq.checkpoint import (
     write_snapshot,
 )
 from seq2seq_fast.seq2seq.config import TrainConfig, TrainError
-from seq2seq_fast.seq2seq.data import Batch, make_batch
+from seq2seq_fast.seq2seq.configfile import CONFIG_FILE, write_config
+from seq2seq_fast.seq2seq.data import PAD_ID, Batch, make_batch
 from seq2seq_fast.seq2seq.distributed import (
     Dist,
     log,
@@ -80,6 +82,8 @@ from seq2seq_fast.seq2seq.distributed import (
     synced_elapsed,
 )
 from seq2seq_fast.seq2seq.evaluation import bleu_signature, describe, evaluate, score_of
+from seq2seq_fast.seq2seq.finetune import init_from, load_init
+from seq2seq_fast.seq2seq.metrics import MetricsLog
 from seq2seq_fast.seq2seq.models import Seq2Seq, compile_model, sequence_loss
 
 
@@ -120,6 +124,8 @@ class Job:
     evals_since_best: int = 0
     scored_step: int | None = None  # the step whose model track_best scored last
     nonfinite_steps: int = 0  # steps in a row skipped for a non-finite gradient norm
+    ddp: Any = None  # the DistributedDataParallel wrapper under DDP (for no_sync)
+    metrics_log: MetricsLog | None = None  # metrics.jsonl (and TensorBoard), rank 0
 
     @property
     def canary(self) -> bool:
@@ -204,22 +210,62 @@ def save_snapshot(job: Job) -> None:
                    job.epoch, keep)  # fmt: skip
 
 
-def train_step(job: Job, batch: Batch) -> float:
-    """One optimiser step on ``batch``; -> its loss."""
+def merge_batches(batches: list[Batch]) -> Batch:
+    """One batch of the rows of ``batches`` (padded to the widest), in order."""
+
+    def cat(tensors: list[Tensor]) -> Tensor:
+        width = max(t.shape[1] for t in tensors)
+        return torch.cat([nn.functional.pad(t, (0, width - t.shape[1]), value=PAD_ID)
+                          for t in tensors])  # fmt: skip
+
+    return Batch(cat([b.src for b in batches]), torch.cat([b.src_lengths for b in batches]),
+                 cat([b.tgt_in for b in batches]), cat([b.tgt_out for b in batches]))  # fmt: skip
+
+
+def _loss(job: Job, batch: Batch) -> Tensor:
+    """The forward of one batch: its loss, the mean over its target tokens."""
     config = job.config
-    # The dropout masks' generator state, for the canary's re-run of a non-finite step (a 5 KB
-    # copy, only with dropout and fused kernels).
-    rng = canary.forward_rng_state(job.ctx.device) if job.canary and config.dropout > 0 else None
     with torch.autocast(job.ctx.device.type, dtype=job.autocast or torch.bfloat16,
                         enabled=job.autocast is not None):  # fmt: skip
         if config.compile:  # the loss outside the compiled graph, as before
             logits, _ = job.run_model(batch.src, batch.src_lengths, batch.tgt_in)
-            loss = sequence_loss(logits.float(), batch.tgt_out, config.label_smoothing)
-        else:  # output layer + loss by chunks of rows (ops/linear_cross_entropy.py)
-            loss, _ = job.run_model(batch.src, batch.src_lengths, batch.tgt_in, batch.tgt_out,
-                                    label_smoothing=config.label_smoothing)  # fmt: skip
+            return sequence_loss(logits.float(), batch.tgt_out, config.label_smoothing)
+        # output layer + loss by chunks of rows (ops/linear_cross_entropy.py)
+        loss, _ = job.run_model(batch.src, batch.src_lengths, batch.tgt_in, batch.tgt_out,
+                                label_smoothing=config.label_smoothing)  # fmt: skip
+        return loss
+
+
+def _accumulate(job: Job, batches: list[Batch]) -> Tensor:
+    """Forward and backward of several batches into one gradient: each loss weighted by its
+    batch's share of the target tokens, so that the sum is the gradient of the mean loss over
+    all their tokens (what one batch of them all gives). Under DDP the gradients are
+    all-reduced once, with the last batch's backward (no_sync before). -> the weighted loss."""
+    total = sum(b.num_target_tokens for b in batches)
+    loss_sum = torch.zeros((), device=job.ctx.device)
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        with contextlib.nullcontext() if last or job.ddp is None else job.ddp.no_sync():
+            loss = _loss(job, batch) * (batch.num_target_tokens / total)
+            loss.backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def train_step(job: Job, batch: Batch | list[Batch]) -> float:
+    """One optimiser step on ``batch`` (a list: its gradients accumulated, ``accum_steps``);
+    -> its loss."""
+    config = job.config
+    # The dropout masks' generator state, for the canary's re-run of a non-finite step (a 5 KB
+    # copy, only with dropout and fused kernels).
+    rng = canary.forward_rng_state(job.ctx.device) if job.canary and config.dropout > 0 else None
     job.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    if isinstance(batch, list):
+        loss = _accumulate(job, batch)
+        batch = merge_batches(batch)  # what the canary re-runs, should the step be non-finite
+    else:
+        loss = _loss(job, batch)
+        loss.backward()
     # The norm of the (all-reduced) gradient, the same on every rank: a non-finite one skips
     # the update, so that one bad batch does not turn every weight into NaN -- after the canary
     # (with fused kernels) re-ran the batch on plain PyTorch and found it non-finite too.
@@ -384,8 +430,9 @@ def run_epoch(job: Job) -> bool:
     config, ctx, task = job.config, job.ctx, job.task
     compiled = config.compile
     plan = task.epoch_plan(config, job.epoch, ctx)
-    if plan is not None and len(plan) != task.steps_per_epoch:  # the schedule counted them once
-        raise TrainError(f"epoch {job.epoch + 1} has {len(plan)} batches, the first had "
+    steps = None if plan is None else -(-len(plan) // config.accum_steps)
+    if steps is not None and steps != task.steps_per_epoch:  # the schedule counted them once
+        raise TrainError(f"epoch {job.epoch + 1} has {steps} steps, the first had "
                          f"{task.steps_per_epoch}")  # fmt: skip
     job.model.train()
     bar = tqdm(
@@ -397,25 +444,29 @@ def run_epoch(job: Job) -> bool:
         leave=False,
         file=sys.stderr,
     )
-    window_tokens, window_start = 0, time.perf_counter()
+    window_tokens, window_losses, window_start = 0, [], time.perf_counter()
     try:
         while job.batch_in_epoch < task.steps_per_epoch:
-            batch = make_batch(
-                task.pairs(config.batch_size, plan, job.batch_in_epoch),
-                src_pad_to=task.pad_src if compiled else None,
-                tgt_pad_to=task.pad_tgt if compiled else None,
-            ).to(ctx.device)
-            loss_value = train_step(job, batch)
-            window_tokens += batch.num_target_tokens * ctx.world_size
+            batches = [
+                make_batch(pairs, src_pad_to=task.pad_src if compiled else None,
+                           tgt_pad_to=task.pad_tgt if compiled else None).to(ctx.device)
+                for pairs in task.step_pairs(config, plan, job.batch_in_epoch)
+            ]  # fmt: skip
+            loss_value = train_step(job, batches if len(batches) > 1 else batches[0])
+            window_tokens += sum(b.num_target_tokens for b in batches) * ctx.world_size
+            window_losses.append(loss_value)
             bar.update(1)
             if job.step % 10 == 0 or job.batch_in_epoch == task.steps_per_epoch:
                 now = time.perf_counter()
-                bar.set_postfix(
-                    loss=f"{loss_value:.3f}",
-                    tok_s=f"{window_tokens / max(now - window_start, 1e-9):,.0f}",
-                    lr=f"{job.scheduler.get_last_lr()[0]:.1e}",
-                )
-                window_tokens, window_start = 0, now
+                tokens_per_s = window_tokens / max(now - window_start, 1e-9)
+                lr = job.scheduler.get_last_lr()[0]
+                bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_s:,.0f}",
+                                lr=f"{lr:.1e}")  # fmt: skip
+                if job.metrics_log is not None:
+                    loss_mean = sum(window_losses) / len(window_losses)
+                    job.metrics_log.write("train", job.step, {"loss": loss_mean, "lr": lr,
+                                                              "tokens_per_s": tokens_per_s})  # fmt: skip
+                window_tokens, window_losses, window_start = 0, [], now
             if _should_stop(job):
                 return True
             at_epoch_end = job.batch_in_epoch == task.steps_per_epoch
@@ -459,6 +510,8 @@ def _evaluate_now(job: Job) -> bool:
     """The interval evaluation inside an epoch; -> True to stop early."""
     if job.ctx.is_main:
         job.metrics = evaluate(job)
+        if job.metrics_log is not None:
+            job.metrics_log.write("valid", job.step, job.metrics)
     log(f"step {job.step}: {describe(job.metrics)}", job.ctx)
     job.model.train()
     return track_best(job)
@@ -494,13 +547,17 @@ def _resume_config(config: TrainConfig, resume: str | Path) -> tuple[TrainConfig
     return saved, payload
 
 
-def build_job(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None, started: float):
+def build_job(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None, started: float,
+              init: dict[str, Any] | None = None):  # fmt: skip
     """Seed, build the task, the model and its optimiser (in this order: the seeded RNG streams
-    depend on it), and restore ``payload`` when resuming."""
+    depend on it), and restore ``payload`` when resuming. ``init``: the checkpoint of
+    ``--init-from``, whose vocabularies the task takes and whose weights the model starts from."""
     torch.manual_seed(config.seed)
     random.seed(config.seed)
-    task = build_task(config, ctx, payload)
+    task = build_task(config, ctx, payload if payload is not None else init)
     model, attention_backend = build_model(config, task, ctx)
+    if init is not None:
+        init_from(model, task.src_vocab, task.tgt_vocab, init, config.init_from)
     clock = Clock(started, config.time_budget_min)
     optimizer, scheduler = build_optimizer(
         config, model, config.epochs * task.steps_per_epoch, clock
@@ -511,7 +568,7 @@ def build_job(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None, st
     if payload is not None:
         job.restore(payload)
     if ctx.enabled:
-        job.run_model = nn.parallel.DistributedDataParallel(
+        job.run_model = job.ddp = nn.parallel.DistributedDataParallel(
             model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None
         )
     if config.compile:
@@ -528,7 +585,13 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
         config, payload = _resume_config(config, resume)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    job = build_job(config, ctx, payload, started)
+    init = load_init(config.init_from) if config.init_from and payload is None else None
+    metrics_log = MetricsLog(config.out_dir, started=started, tensorboard_dir=config.tensorboard,
+                             fresh=resume is None, enabled=ctx.is_main)  # fmt: skip
+    if ctx.is_main:  # the resolved configuration, beside the checkpoint (which stores it too)
+        write_config(asdict(config), config.out_dir / CONFIG_FILE)
+    job = build_job(config, ctx, payload, started, init)
+    job.metrics_log = metrics_log
     if resume is None and config.keep_checkpoints and ctx.is_main:
         stale = snapshots(job.checkpoint_path.parent)  # not this run's: they would mix in
         for path in stale:
@@ -553,6 +616,7 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
             job.epoch, job.batch_in_epoch = job.epoch + 1, 0
             if ctx.is_main:
                 job.metrics = evaluate(job)
+                metrics_log.write("valid", job.step, job.metrics)
             log(
                 f"epoch {job.epoch}/{config.epochs} step {job.step}: loss {job.losses[-1]:.4f}, "
                 f"{describe(job.metrics)} [{time.perf_counter() - started:.0f}s]",
@@ -625,6 +689,9 @@ def finish(job: Job, payload: dict[str, Any] | None, stopped_early: bool) -> Tra
             plot_translation(final.model, job.task.src_vocab, job.task.tgt_vocab,
                              job.task.example(), heatmap_path, device=ctx.device)  # fmt: skip
         _record_final(job, final, payload)
+        if job.metrics_log is not None:
+            job.metrics_log.write("final", final.step, job.metrics)
+            job.metrics_log.close()
     if ctx.enabled:
         dist.barrier()
     seconds = time.perf_counter() - job.clock.started
