@@ -59,7 +59,6 @@ from seq2seq_fast.seq2seq.builders import (
     build_optimizer,
     build_task,
 )
-from seq2seq_fast.seq2seq.canary import FusedKernelError
 from seq2seq_fast.seq2seq.checkpoint import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
@@ -77,7 +76,6 @@ from seq2seq_fast.seq2seq.data import PAD_ID, Batch, make_batch
 from seq2seq_fast.seq2seq.distributed import (
     Dist,
     log,
-    max_over_ranks,
     setup_distributed,
     synced_elapsed,
 )
@@ -275,7 +273,7 @@ def train_step(job: Job, batch: Batch | list[Batch]) -> float:
         job.optimizer.step()
         job.nonfinite_steps = 0
     else:
-        verdict = _canary(job, batch, float(loss.detach()), rng) if job.canary else None
+        verdict = canary.check_step(job, batch, float(loss.detach()), rng) if job.canary else None
         _skip_nonfinite_step(job, float(loss.detach()), verdict)
     if config.time_budget_min is not None:
         job.clock.elapsed = synced_elapsed(job.clock.started, job.ctx)
@@ -289,101 +287,6 @@ def train_step(job: Job, batch: Batch | list[Batch]) -> float:
 
 # Steps in a row with a non-finite gradient norm after which a run counts as diverged.
 MAX_NONFINITE_STEPS = 20
-
-# The canary's verdicts on a non-finite step, ordered so that the largest over ranks decides.
-CANARY_FUSED_FAULT, CANARY_DIVERGED, CANARY_UNVERIFIED = 0, 1, 2
-
-
-def _canary(job: Job, batch: Batch, loss: float, rng) -> canary.Rerun:
-    """A non-finite step on fused kernels: the batch again on plain PyTorch (seq2seq/canary.py).
-    Finite on every rank: raise FusedKernelError, the batch and weights written beside the
-    checkpoint. Otherwise -> the rank's reference re-run (``finite`` False: the model itself
-    diverged on some rank; None: the re-run could not run), and the step is skipped.
-
-    Under DDP every rank re-runs its own batch on the bare module (no gradient all-reduce), and
-    the verdicts are combined with one all_reduce (MAX), so every rank decides the same."""
-    model, ctx, config = job.model, job.ctx, job.config
-    # What the fused path got wrong, then its gradients freed: the re-runs need the memory, and
-    # the skipped update never reads them (the next step sets them to None anyway).
-    nonfinite = [n for n, p in model.named_parameters()
-                 if p.grad is not None and not bool(torch.isfinite(p.grad).all())]  # fmt: skip
-    for p in model.parameters():
-        p.grad = None
-    options = dict(label_smoothing=config.label_smoothing, autocast=job.autocast, rng_state=rng)
-    reference, pre = canary.reference_rerun(model, batch, **options)
-    code = {True: CANARY_FUSED_FAULT, False: CANARY_DIVERGED, None: CANARY_UNVERIFIED}
-    verdict = max_over_ranks(ctx, [code[reference.finite]])[0]
-    if verdict != CANARY_FUSED_FAULT:
-        if verdict != code[reference.finite]:  # another rank decided
-            reference.finite = None if verdict == CANARY_UNVERIFIED else False
-            reference.error = reference.error or "on another rank"
-        return reference
-    compiled = config.compile
-    reproduced, served = canary.probe_fused_parts(model, batch, recurrent=not compiled, **options)
-    parts = ("attention", "recurrent")
-    flags = max_over_ranks(ctx, [float(p in reproduced) for p in parts]
-                            + [float(bool(served)), *pre.values()])  # fmt: skip
-    reproduced = [p for p, flag in zip(parts, flags, strict=False) if flag]
-    pre = dict(zip(pre, flags[3:], strict=True))
-    step = job.step + 1
-    ops = [canary.attention_ops(ctx.device, config.decoder)]
-    if served:
-        ops.append("recurrent " + ", ".join(sorted(served)) + " (C++ CPU kernels)")
-    elif flags[2]:
-        ops.append("recurrent GRU/LSTM ops (C++ CPU kernels, on another rank)")
-    if compiled:
-        ops[0] += " inside torch.compile's graph"
-    details = {
-        "step": step,
-        "fused_loss": loss,
-        "reference_loss": reference.loss,
-        "world_size": ctx.world_size,
-        "ops": ops,
-        "backend": config.backend + (" --compile" if config.compile else ""),
-        "reproduced_by": reproduced,
-        "batch": canary.describe_batch(batch),
-        "model": f"{config.decoder} decoder, {config.cell} {config.hidden_size}, attention "
-        f"{config.attention_size or config.hidden_size}",
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")
-        + (
-            f" under autocast {str(job.autocast).removeprefix('torch.')}"
-            if job.autocast
-            else " (no autocast)"
-        ),
-        "device": str(ctx.device),
-        "isa": canary.cpu_isa(),
-        "torch": str(torch.__version__),
-        "preactivation": pre,
-        "nonfinite_params": nonfinite,
-    }
-    batches = [canary.batch_tensors(batch)]
-    if ctx.enabled:
-        batches = [None] * ctx.world_size
-        dist.all_gather_object(batches, canary.batch_tensors(batch))
-    path = config.out_dir / f"fused-failure-step{step}.pt"
-    written: Path | None = path
-    if ctx.is_main:
-        payload = {
-            **details,
-            "model_config": model.config.to_dict(),
-            "train_config": asdict(config),
-            "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-            "batch": batches[0],
-            "rank_batches": batches,
-            "forward_rng": rng,
-            "training": model.training,
-            "autocast": None if job.autocast is None else str(job.autocast).split(".")[-1],
-            "label_smoothing": config.label_smoothing,
-        }
-        try:
-            canary.write_failure(path, payload)
-        except OSError as exc:
-            written, details["write_error"] = None, f"{type(exc).__name__}: {exc}"
-    if ctx.enabled:
-        dist.barrier()  # the file is complete before any rank stops
-    details["path"] = str(written) if written else None
-    raise FusedKernelError(canary.failure_message(details), written, details)
-
 
 def _skip_nonfinite_step(job: Job, loss: float, reference: canary.Rerun | None = None) -> None:
     """A step whose gradient norm is inf or NaN: no update (the weights stay finite). One is
