@@ -42,7 +42,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -486,6 +486,7 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
     payload = None
     if resume is not None:
         config, payload = _resume_config(config, resume)
+    config = replace(config, out=str(config.out_dir))  # resolved: config.yaml names the folder
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     init = load_init(config.init_from) if config.init_from and payload is None else None

@@ -197,3 +197,29 @@ def test_init_from_a_different_shape_says_what_differs(run, tmp_path, capsys):
 def test_init_from_a_missing_file_is_a_clean_error(tmp_path, capsys):
     code = main(["train", "--out", str(tmp_path), "--init-from", str(tmp_path / "nope.pt")])
     assert code == 2 and "nope.pt" in capsys.readouterr().err
+
+
+def test_fine_tuning_a_translate_model_on_new_data_keeps_its_vocabularies(tmp_path):
+    """--init-from on a new corpus: the checkpoint's sentencepiece models (not ones trained on
+    the new data), its weights, and (with --accum-steps 2) half as many optimiser steps."""
+    from tests.test_train import _toy_corpus, tiny_config
+
+    first = train(tiny_config(tmp_path / "a", task="translate", data=str(_toy_corpus(tmp_path /
+                  "a.tsv")), epochs=1, spm_vocab_size=40, valid_fraction=0.1,
+                  test_fraction=0.1, eval_size=10))  # fmt: skip
+    new_corpus = tmp_path / "b.tsv"
+    lines = (tmp_path / "a.tsv").read_text(encoding="utf-8").splitlines()
+    new_corpus.write_text("\n".join(line.upper() for line in lines[:120]) + "\n", encoding="utf-8")
+    config = tiny_config(tmp_path / "b", task="translate", data=str(new_corpus), epochs=1,
+                         spm_vocab_size=40, valid_fraction=0.1, test_fraction=0.1, eval_size=10,
+                         lr=0.0, init_from=str(first.checkpoint))  # fmt: skip
+    plain = train(replace_config(config, out=str(tmp_path / "c")))  # same job, no accumulation
+    accumulated = train(replace_config(config, accum_steps=2))
+    old, new = load_checkpoint(first.checkpoint), load_checkpoint(accumulated.checkpoint)
+    assert new["src_vocab"] == old["src_vocab"] and new["tgt_vocab"] == old["tgt_vocab"]
+    assert all(torch.equal(old["model"][k], new["model"][k]) for k in old["model"])
+    assert accumulated.step == -(-plain.step // 2) and plain.step > 2
+
+
+def replace_config(config: TrainConfig, **changes) -> TrainConfig:
+    return TrainConfig(**asdict(config) | changes)
