@@ -296,7 +296,13 @@ def _train(args) -> int:
     if args.dump_config:
         from seq2seq_fast.seq2seq.configfile import dump_config
 
-        sys.stdout.write(dump_config(asdict(train_config(args))))
+        if args.resume:  # what the run continues with: the checkpoint's options
+            from seq2seq_fast.seq2seq.checkpoint import load_checkpoint
+
+            values = dict(load_checkpoint(args.resume).get("train_config") or {})
+        else:
+            values = asdict(train_config(args))
+        sys.stdout.write(dump_config(values))
         return 0
     if args.resume:
         # Only output and run-length options apply on resume; the rest comes from the checkpoint.

@@ -5,8 +5,9 @@ line (``seq2seq-fast train``) is a thin wrapper around it. One job:
 
 - builds the task (reverse: sequences drawn fresh from a seeded generator; translate: a corpus
   file split with a fixed seed, sentencepiece vocabularies trained on the training split),
-- trains with AdamW, gradient clipping and a warmup + cosine learning-rate schedule, a tqdm bar
-  showing loss and target tokens/s,
+- trains with AdamW, gradient clipping and a warmup + cosine learning-rate schedule (with
+  ``accum_steps`` N: the gradients of N batches per step), a tqdm bar showing loss and target
+  tokens/s, the same every 10 steps in ``metrics.jsonl`` (and TensorBoard with ``tensorboard``),
 - skips the update of a step whose gradient is non-finite, after the canary (fused kernels in
   use: :mod:`seq2seq_fast.seq2seq.canary`) re-ran its batch on plain PyTorch and found that
   non-finite too (the model itself diverged; 20 such steps in a row stop the run); a finite
@@ -31,7 +32,11 @@ The loop is here: ``build_job`` (seed, task, model, optimiser, a resumed checkpo
     evaluation.py    held-out accuracy, sacreBLEU, the metrics' log line
     distributed.py   DDP set-up (torchrun), the collectives the loop uses, rank-0 logging
     checkpoint.py    checkpoint files, RNG states, epoch snapshots and their rotation
-    decoding.py      greedy and beam search
+    canary.py        the verdict on a non-finite step (re-run on plain PyTorch)
+    configfile.py    --config files, config.yaml (the resolved config, beside the checkpoint)
+    metrics.py       metrics.jsonl and TensorBoard events
+    finetune.py      --init-from: a trained model's weights, checked against the new model
+    decoding.py      search: greedy or beam
 """
 
 from __future__ import annotations

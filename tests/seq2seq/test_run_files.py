@@ -223,3 +223,10 @@ def test_fine_tuning_a_translate_model_on_new_data_keeps_its_vocabularies(tmp_pa
 
 def replace_config(config: TrainConfig, **changes) -> TrainConfig:
     return TrainConfig(**asdict(config) | changes)
+
+
+def test_dump_config_of_a_resumed_run_is_the_checkpoints(run, capsys):
+    assert main(["train", "--resume", str(run.checkpoint), "--dump-config"]) == 0
+    assert (
+        yaml.safe_load(capsys.readouterr().out) == load_checkpoint(run.checkpoint)["train_config"]
+    )
