@@ -25,18 +25,11 @@ from dataclasses import replace
 
 import torch
 
-from seq2seq_fast.seq2seq.cli import TASK_DEFAULTS
+from seq2seq_fast.seq2seq.builders import Clock, build_model, build_optimizer, build_task
+from seq2seq_fast.seq2seq.config import TrainConfig
 from seq2seq_fast.seq2seq.data import make_batch, padding_fractions
-from seq2seq_fast.seq2seq.train import (
-    Clock,
-    Dist,
-    Job,
-    TrainConfig,
-    build_model,
-    build_optimizer,
-    build_task,
-    train_step,
-)
+from seq2seq_fast.seq2seq.distributed import Dist
+from seq2seq_fast.seq2seq.train import Job, train_step
 
 
 def _job(config: TrainConfig, task, ctx: Dist) -> Job:
@@ -89,11 +82,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="split, vocabularies, init, batches")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    base = TrainConfig(**TASK_DEFAULTS["translate"] | {
-        "task": "translate", "data": args.data, "max_pairs": args.max_pairs,
-        "direction": args.direction, "spm_vocab_size": args.spm_vocab_size,
-        "batch_size": args.batch_size, "seed": args.seed, "progress": False, "heatmap": False,
-    })  # fmt: skip
+    base = TrainConfig.for_task(
+        "translate", data=args.data, max_pairs=args.max_pairs, direction=args.direction,
+        spm_vocab_size=args.spm_vocab_size, batch_size=args.batch_size, seed=args.seed,
+        progress=False, heatmap=False,
+    )  # fmt: skip
     ctx = Dist()
     task = build_task(base, ctx, None)
     modes = {f"--batch-size {args.batch_size}": base}

@@ -2,8 +2,8 @@
 
 A fused kernel that returns NaN for some inputs looks, from the training loop, exactly like a
 model that diverged: the gradient norm is NaN. So when a step's gradient is non-finite and fused
-kernels are in use, :func:`train_step <seq2seq_fast.seq2seq.train.train_step>` runs that batch
-once more (same weights, same dropout masks, model in the same mode and under the same autocast)
+kernels are in use, :func:`train_step <seq2seq_fast.seq2seq.train.train_step>` calls
+:func:`check_step`, which runs that batch once more (same weights, same dropout masks, model in the same mode and under the same autocast)
 on the plain-PyTorch path (:func:`plain_pytorch`: the reference attention and PyTorch's own
 GRU/LSTM ops), and, when that is finite, twice more to say which fused part reproduces the fault
 on its own (:func:`probe_fused_parts`). Finite steps pay nothing: the loop's finiteness check
@@ -26,12 +26,15 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from seq2seq_fast.seq2seq.data import Batch
 
 FAILURE_FORMAT = "seq2seq-fast-fused-failure"
 FAILURE_VERSION = 1
@@ -385,3 +388,105 @@ def replay(path: str | Path, *, device: str = "cpu") -> dict[str, Any]:
     fused = rerun(model, batch, **options)
     reference, pre = reference_rerun(model, batch, **options)
     return {"fused": fused, "reference": reference, "preactivation": pre}
+
+
+# --- the verdict on a training step ---------------------------------------------------------
+
+
+# The canary's verdicts on a non-finite step, ordered so that the largest over ranks decides.
+CANARY_FUSED_FAULT, CANARY_DIVERGED, CANARY_UNVERIFIED = 0, 1, 2
+
+
+def check_step(job: Any, batch: Batch, loss: float, rng) -> Rerun:
+    """A non-finite step on fused kernels: the batch again on plain PyTorch (this module).
+    Finite on every rank: raise FusedKernelError, the batch and weights written beside the
+    checkpoint. Otherwise -> the rank's reference re-run (``finite`` False: the model itself
+    diverged on some rank; None: the re-run could not run), and the step is skipped.
+
+    Under DDP every rank re-runs its own batch on the bare module (no gradient all-reduce), and
+    the verdicts are combined with one all_reduce (MAX), so every rank decides the same."""
+    import torch.distributed as dist
+
+    from seq2seq_fast.seq2seq.distributed import max_over_ranks
+
+    model, ctx, config = job.model, job.ctx, job.config
+    # What the fused path got wrong, then its gradients freed: the re-runs need the memory, and
+    # the skipped update never reads them (the next step sets them to None anyway).
+    nonfinite = [n for n, p in model.named_parameters()
+                 if p.grad is not None and not bool(torch.isfinite(p.grad).all())]  # fmt: skip
+    for p in model.parameters():
+        p.grad = None
+    options = dict(label_smoothing=config.label_smoothing, autocast=job.autocast, rng_state=rng)
+    reference, pre = reference_rerun(model, batch, **options)
+    code = {True: CANARY_FUSED_FAULT, False: CANARY_DIVERGED, None: CANARY_UNVERIFIED}
+    verdict = max_over_ranks(ctx, [code[reference.finite]])[0]
+    if verdict != CANARY_FUSED_FAULT:
+        if verdict != code[reference.finite]:  # another rank decided
+            reference.finite = None if verdict == CANARY_UNVERIFIED else False
+            reference.error = reference.error or "on another rank"
+        return reference
+    compiled = config.compile
+    reproduced, served = probe_fused_parts(model, batch, recurrent=not compiled, **options)
+    parts = ("attention", "recurrent")
+    flags = max_over_ranks(ctx, [float(p in reproduced) for p in parts]
+                            + [float(bool(served)), *pre.values()])  # fmt: skip
+    reproduced = [p for p, flag in zip(parts, flags, strict=False) if flag]
+    pre = dict(zip(pre, flags[3:], strict=True))
+    step = job.step + 1
+    ops = [attention_ops(ctx.device, config.decoder)]
+    if served:
+        ops.append("recurrent " + ", ".join(sorted(served)) + " (C++ CPU kernels)")
+    elif flags[2]:
+        ops.append("recurrent GRU/LSTM ops (C++ CPU kernels, on another rank)")
+    if compiled:
+        ops[0] += " inside torch.compile's graph"
+    details = {
+        "step": step,
+        "fused_loss": loss,
+        "reference_loss": reference.loss,
+        "world_size": ctx.world_size,
+        "ops": ops,
+        "backend": config.backend + (" --compile" if config.compile else ""),
+        "reproduced_by": reproduced,
+        "batch": describe_batch(batch),
+        "model": f"{config.decoder} decoder, {config.cell} {config.hidden_size}, attention "
+        f"{config.attention_size or config.hidden_size}",
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")
+        + (
+            f" under autocast {str(job.autocast).removeprefix('torch.')}"
+            if job.autocast
+            else " (no autocast)"
+        ),
+        "device": str(ctx.device),
+        "isa": cpu_isa(),
+        "torch": str(torch.__version__),
+        "preactivation": pre,
+        "nonfinite_params": nonfinite,
+    }
+    batches = [batch_tensors(batch)]
+    if ctx.enabled:
+        batches = [None] * ctx.world_size
+        dist.all_gather_object(batches, batch_tensors(batch))
+    path = config.out_dir / f"fused-failure-step{step}.pt"
+    written: Path | None = path
+    if ctx.is_main:
+        payload = {
+            **details,
+            "model_config": model.config.to_dict(),
+            "train_config": asdict(config),
+            "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+            "batch": batches[0],
+            "rank_batches": batches,
+            "forward_rng": rng,
+            "training": model.training,
+            "autocast": None if job.autocast is None else str(job.autocast).split(".")[-1],
+            "label_smoothing": config.label_smoothing,
+        }
+        try:
+            write_failure(path, payload)
+        except OSError as exc:
+            written, details["write_error"] = None, f"{type(exc).__name__}: {exc}"
+    if ctx.enabled:
+        dist.barrier()  # the file is complete before any rank stops
+    details["path"] = str(written) if written else None
+    raise FusedKernelError(failure_message(details), written, details)

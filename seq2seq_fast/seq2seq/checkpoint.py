@@ -9,6 +9,8 @@ position (see :mod:`seq2seq_fast.seq2seq.train`).
 from __future__ import annotations
 
 import os
+import random
+import re
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -252,3 +254,46 @@ def export_inference(
         exported["metrics"] = {}
     save_checkpoint(exported, output)
     return output.stat().st_size, Path(paths[-1]).stat().st_size
+
+
+# --- training state: RNG streams, epoch snapshots -------------------------------------------------
+
+
+def rng_state(data_generator: torch.Generator | None) -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if data_generator is not None:
+        state["data"] = data_generator.get_state()
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any], data_generator: torch.Generator | None) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if data_generator is not None and "data" in state:
+        data_generator.set_state(state["data"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+SNAPSHOT = re.compile(r"model\.epoch(\d+)\.pt")
+
+
+def snapshots(folder: Path) -> list[Path]:
+    """The epoch snapshots (model.epochE.pt) in ``folder``, oldest epoch first."""
+    epochs = {}
+    for path in folder.glob("model.epoch*.pt"):
+        match = SNAPSHOT.fullmatch(path.name)
+        if match:
+            epochs[path] = int(match.group(1))
+    return sorted(epochs, key=epochs.__getitem__)
+
+
+def write_snapshot(header: dict[str, Any], weights: dict[str, Any], folder: Path, epoch: int,
+                   keep: int) -> None:
+    """The weights at an epoch's end as model.epochE.pt in ``folder`` (weights and vocabularies
+    only, as ``export`` writes them), then the snapshots older than the last ``keep`` removed."""
+    save_checkpoint(inference_payload(header, weights, "float32"), folder / f"model.epoch{epoch}.pt")
+    for old in snapshots(folder)[:-keep]:
+        old.unlink(missing_ok=True)

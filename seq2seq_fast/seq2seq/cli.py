@@ -16,33 +16,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import asdict, fields
 
-# Defaults that differ per task; anything not listed uses TrainConfig's default (the reversal
-# main job's; it runs on torch's threads: on a quiet 2-core CPU 2 threads took 54 s, 1 took 79 s).
-TASK_DEFAULTS = {
-    "reverse": {},
-    "translate": {
-        "embed_size": 256,
-        "hidden_size": 256,
-        # 0.1, not 0.2: 8 minutes on 27.5k Tatoeba pairs (2 threads) gave test BLEU 33.1 against
-        # 31.1 (bench/RESULTS.md, "Side by side with OpenNMT-py"); more is for longer runs.
-        "dropout": 0.1,
-        "epochs": 10,
-        "batch_size": 64,
-        # 3 epochs (1,293 steps) on 27.5k Tatoeba pairs, valid BLEU: lr 1e-3 12.7, 2e-3 22.2,
-        # 3e-3 27.7, 4e-3 28.5, 6e-3 diverged (bench/RESULTS.md): 3e-3 keeps a 2x margin.
-        "lr": 3e-3,
-        "warmup_steps": 200,
-        "min_lr_ratio": 0.02,
-        "label_smoothing": 0.1,
-        "decoder": "gnmt",
-        "output_layer": "attentional",
-    },
-}
-
+from seq2seq_fast.seq2seq.config import TASK_DEFAULTS, TRAIN_BACKENDS, TrainConfig
+from seq2seq_fast.seq2seq.decoding import DecodeOptions
 
 # translate on CPU: batches decoded at once (Translator workers), at most this many.
 MAX_DECODE_WORKERS = 4
@@ -76,20 +56,33 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
-def _add_train(sub) -> None:
+def _add_config_options(p) -> None:
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML file of options (names as the flags'); flags given override it")  # fmt: skip
+    p.add_argument("--dump-config", action="store_true",
+                   help="print the resolved configuration as YAML and exit")  # fmt: skip
+
+
+def _add_train(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train",
         help="train a model (default: the built-in reversal task)",
         description="Train an attention seq2seq model. Without options: the reversal main job.",
     )
+    _add_config_options(p)
     add = p.add_argument
-    add("--task", choices=["reverse", "translate"], default="reverse")
+    add("--task", choices=list(TASK_DEFAULTS))
     add("--data", help="translate: parallel corpus, source<TAB>target lines (.txt/.tsv or .zip)")
     add("--out", help="output folder for model.pt and attention.png (default runs/<task>)")
     add("--resume", metavar="CHECKPOINT", help="continue this checkpoint exactly")
+    add("--init-from", metavar="CHECKPOINT",
+        help="fine-tune: start from this checkpoint's weights and vocabularies, with a fresh "
+        "optimiser and schedule (its model shape must match)")  # fmt: skip
     add("--seed", type=int)
-    add("--backend", choices=["auto", "fused", "reference", "compile"],
-        help="attention backend; compile = torch.compile of the whole model, fused op inside")  # fmt: skip
+    add("--backend", choices=[*TRAIN_BACKENDS, "compile"],
+        help="attention backend (compile: the same as --compile, kept as an alias)")  # fmt: skip
+    add("--compile", action="store_true", default=None,
+        help="torch.compile the whole model, RNN layers and attention in one graph")  # fmt: skip
     g = p.add_argument_group("model")
     g.add_argument("--decoder", choices=["gnmt", "bahdanau"])
     g.add_argument("--cell", choices=["gru", "lstm"])
@@ -109,6 +102,9 @@ def _add_train(sub) -> None:
     g.add_argument("--batch-tokens", type=int, metavar="N",
                    help="translate: instead, batches of length-similar pairs of at most N padded "
                    "tokens (pairs x max(source, target+1) widths)")  # fmt: skip
+    g.add_argument("--accum-steps", type=int, metavar="N",
+                   help="sum the gradients of N batches per optimiser step (a batch N times "
+                   "larger, in one batch's memory)")  # fmt: skip
     g.add_argument("--lr", type=float)
     g.add_argument("--weight-decay", type=float)
     g.add_argument("--warmup-steps", type=int)
@@ -153,6 +149,10 @@ def _add_train(sub) -> None:
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     g.add_argument("--no-heatmap", dest="heatmap", action="store_false", default=None)
     g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--tensorboard", metavar="DIR",
+                   help="also write the metrics as TensorBoard events to DIR (needs the "
+                   "tensorboard package; metrics.jsonl is always written)")  # fmt: skip
+    return p
 
 
 def _positive_int(text: str) -> int:
@@ -166,14 +166,18 @@ def _positive_int(text: str) -> int:
 
 
 def _add_decode_options(p) -> None:
-    p.add_argument("--checkpoint", required=True,
-                   help="model.pt written by seq2seq-fast train, or an exported model")  # fmt: skip
+    p.add_argument("--checkpoint",
+                   help="model.pt written by seq2seq-fast train, or an exported model (required)")  # fmt: skip
     p.add_argument("sentence", nargs="?", help="input sentence (default: read lines from stdin)")
-    p.add_argument("--beam", type=_beam, default=1, help="beam size (1 = greedy)")
-    p.add_argument("--alpha", type=float, default=0.6, help="length normalisation exponent")
-    p.add_argument("--beta", type=float, default=0.0, help="coverage penalty weight")
-    p.add_argument("--max-len-factor", type=_positive_factor, default=2.0,
-                   help="at most ceil(factor * source length) + 1 output tokens")  # fmt: skip
+    # No defaults here: DecodeOptions holds them (and builds the options from those given).
+    p.add_argument("--beam", type=_beam, help=f"beam size (default {DecodeOptions.beam}: greedy)")
+    p.add_argument("--alpha", type=float,
+                   help=f"length normalisation exponent (default {DecodeOptions.alpha})")  # fmt: skip
+    p.add_argument("--beta", type=float,
+                   help=f"coverage penalty weight (default {DecodeOptions.beta})")  # fmt: skip
+    p.add_argument("--max-len-factor", type=_positive_factor,
+                   help="at most ceil(factor * source length) + 1 output tokens (default "
+                   f"{DecodeOptions.max_len_factor})")  # fmt: skip
     p.add_argument("--backend", choices=["auto", "fused", "reference"], default="auto")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--threads", type=_positive_int,
@@ -181,7 +185,7 @@ def _add_decode_options(p) -> None:
                    "batches at once, sharing the threads")  # fmt: skip
 
 
-def _add_translate(sub) -> None:
+def _add_translate(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "translate",
         help="translate sentences with a trained checkpoint",
@@ -190,6 +194,7 @@ def _add_translate(sub) -> None:
         "warning on stderr), sentences decoded in length-sorted batches.",
     )
     _add_decode_options(p)
+    _add_config_options(p)
     add = p.add_argument
     add("-i", "--input", help="file of sentences, one a line, UTF-8 (default: stdin)")
     add("-o", "--output", help="write translations here (default: stdout)")
@@ -202,6 +207,7 @@ def _add_translate(sub) -> None:
     add("--max-source-tokens", type=_positive_int, default=256,
         help="longer lines are skipped with a warning (default 256 subword tokens)")  # fmt: skip
     add("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return p
 
 
 def _add_export(sub) -> None:
@@ -224,8 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="seq2seq-fast", description="Attention seq2seq models on fused Bahdanau attention."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_train(sub)
-    _add_translate(sub)
+    parser.set_defaults(commands={"train": _add_train(sub), "translate": _add_translate(sub)})
     p = sub.add_parser("plot-attention", help="draw the attention heatmap of one sentence")
     _add_decode_options(p)
     p.add_argument(
@@ -235,14 +240,70 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _train(args) -> int:
-    from seq2seq_fast.seq2seq.train import TrainConfig, train
+CONFIG_OPTIONS = ("config", "dump_config")
 
-    values = dict(TASK_DEFAULTS[args.task])
-    for f in fields(TrainConfig):
-        given = getattr(args, f.name, None)
-        if given is not None:
-            values[f.name] = given
+
+def _given(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
+    """The options given on the command line (not left at their defaults): ``argv`` parsed
+    again with every default of the command's options suppressed."""
+    args = parser.parse_args(argv)
+    sub = args.commands[args.command]
+    saved = [(action, action.default) for action in sub._actions]
+    try:
+        for action, _ in saved:
+            action.default = argparse.SUPPRESS
+        given = parser.parse_args(argv)
+    finally:
+        for action, default in saved:
+            action.default = default
+    return set(vars(given)) - {"command", "commands"}
+
+
+def apply_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                      argv: Sequence[str] | None) -> None:  # fmt: skip
+    """Fill ``args`` from ``--config FILE``: every key of the file whose option was not given
+    on the command line (flags override the file). Unknown keys: ConfigFileError naming it."""
+    from seq2seq_fast.seq2seq.configfile import read_config_file
+
+    if getattr(args, "config", None) is None:
+        return
+    if args.command == "train":
+        if args.resume:
+            raise ValueError("--config is for new runs; --resume takes the checkpoint's options")
+        allowed = {f.name for f in fields(TrainConfig)}
+    else:
+        sub = args.commands[args.command]
+        allowed = {a.dest for a in sub._actions if a.dest not in ("help", *CONFIG_OPTIONS)}
+    given = _given(parser, argv)
+    for name, value in read_config_file(args.config, allowed).items():
+        if name not in given:
+            setattr(args, name, value)
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The job ``seq2seq-fast train`` runs: the options given, every other field its task's
+    default (:class:`TrainConfig` resolves those, as it does in Python)."""
+    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)
+              if getattr(args, f.name, None) is not None}  # fmt: skip
+    if values.get("backend") == "compile":  # the old spelling of --compile
+        values["backend"], values["compile"] = "auto", True
+    return TrainConfig(**values)
+
+
+def _train(args) -> int:
+    from seq2seq_fast.seq2seq.train import train
+
+    if args.dump_config:
+        from seq2seq_fast.seq2seq.configfile import dump_config
+
+        if args.resume:  # what the run continues with: the checkpoint's options
+            from seq2seq_fast.seq2seq.checkpoint import load_checkpoint
+
+            values = dict(load_checkpoint(args.resume).get("train_config") or {})
+        else:
+            values = asdict(train_config(args))
+        sys.stdout.write(dump_config(values))
+        return 0
     if args.resume:
         # Only output and run-length options apply on resume; the rest comes from the checkpoint.
         config = TrainConfig(task="reverse")
@@ -253,7 +314,7 @@ def _train(args) -> int:
             config.progress = args.progress
         train(config, resume=args.resume)
     else:
-        train(TrainConfig(**values))
+        train(train_config(args))
     return 0
 
 
@@ -261,6 +322,8 @@ def _translator(args, **kwargs):
     """Load the checkpoint once, on the device and thread count asked for."""
     import torch
 
+    if args.checkpoint is None:
+        raise ValueError(f"{args.command} needs --checkpoint PATH (or checkpoint: in --config)")
     from seq2seq_fast.seq2seq.translate import Translator
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -277,11 +340,20 @@ def _translator(args, **kwargs):
         torch.set_num_threads(threads // workers)
     elif args.threads is not None:
         torch.set_num_threads(args.threads)
-    return Translator.load(
-        args.checkpoint, backend=args.backend, device=args.device, beam=args.beam,
-        alpha=args.alpha, beta=args.beta, max_len_factor=args.max_len_factor, workers=workers,
-        **kwargs,
-    )  # fmt: skip
+    return Translator.load(args.checkpoint, backend=args.backend, device=args.device,
+                           options=decode_options(args), workers=workers, **kwargs)  # fmt: skip
+
+
+def decode_options(args: argparse.Namespace) -> DecodeOptions:
+    """The search the options ask for; a bad combination raises ValueError naming the flags."""
+    given = {name: getattr(args, name, None) for name in DecodeOptions.__dataclass_fields__}
+    given.pop("max_len", None)  # no flag
+    try:
+        return DecodeOptions(**{name: value for name, value in given.items() if value is not None})
+    except ValueError as exc:
+        flags = re.sub(r"\b(n_best|beam|max_len_factor|alpha|beta)\b",
+                       lambda m: "--" + m.group(1).replace("_", "-"), str(exc))  # fmt: skip
+        raise ValueError(flags) from None
 
 
 def _warn(args, message: str) -> None:
@@ -299,17 +371,29 @@ def _output_lines(result, n_best: int | None) -> list[str]:
     return lines + [""] * (n_best - len(lines))
 
 
+def translate_settings(args: argparse.Namespace) -> dict:
+    """The resolved options of ``translate`` (what --dump-config prints), decoding options
+    with their defaults filled in."""
+    sub = args.commands["translate"]
+    values = {a.dest: getattr(args, a.dest, None) for a in sub._actions
+              if a.dest not in ("help", *CONFIG_OPTIONS)}  # fmt: skip
+    options = decode_options(args)
+    values.update({k: getattr(options, k) for k in values if hasattr(options, k)})
+    return values
+
+
 def _translate(args) -> int:
     from seq2seq_fast.seq2seq.translate import read_lines
 
+    if args.dump_config:
+        from seq2seq_fast.seq2seq.configfile import dump_config
+
+        sys.stdout.write(dump_config(translate_settings(args)))
+        return 0
     if args.sentence is not None and args.input is not None:
         raise ValueError("give either a sentence or --input FILE, not both")
-    if args.n_best is not None and args.n_best > args.beam:
-        raise ValueError(f"--n-best {args.n_best} needs --beam >= {args.n_best}, got {args.beam}")
-    translator = _translator(
-        args, n_best=args.n_best or 1, batch_size=args.batch_size, max_tokens=args.max_tokens,
-        max_source_tokens=args.max_source_tokens,
-    )  # fmt: skip
+    translator = _translator(args, batch_size=args.batch_size, max_tokens=args.max_tokens,
+                             max_source_tokens=args.max_source_tokens)  # fmt: skip
     if args.sentence is not None:
         result = translator.translate([args.sentence])[0]
         if not result.source_ids:
@@ -390,14 +474,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from seq2seq_fast.seq2seq.checkpoint import CheckpointError
+    from seq2seq_fast.seq2seq.config import TrainError
     from seq2seq_fast.seq2seq.data import CorpusError
-    from seq2seq_fast.seq2seq.train import TrainError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command in args.commands:
+        try:
+            apply_config_file(parser, args, argv)
+        except ValueError as exc:
+            print(f"seq2seq-fast {args.command}: error: {exc}", file=sys.stderr)
+            return 2
     handlers = {"train": _train, "translate": _translate, "plot-attention": _plot,
                 "export": _export}  # fmt: skip
     threads = torch.get_num_threads()

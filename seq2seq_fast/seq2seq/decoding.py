@@ -2,10 +2,12 @@
 beam search (GNMT scoring), both returning the attention matrices, and batched decoding of id
 sequences and of text.
 
-    greedy_decode          src [B, S], src_lengths [B] -> B hypotheses
-    beam_search            the same with a beam; ``beam_search_nbest`` gives the n best per row
+    DecodeOptions          how to search: beam (1 = greedy), n_best, alpha, beta, length limit
+    search                 src [B, S], src_lengths [B], options -> B lists of hypotheses, best
+                           first: the one entry, greedy or beam as ``options.beam`` says
+    greedy_search          the greedy search itself: -> B hypotheses
+    beam_search            the beam search itself: -> B lists of the n best hypotheses
     decode                 id sequences in length-sorted batches, results in input order
-    translate_text         one sentence of text (normalised as the corpus was)
 
 Both searches run every sentence of the batch at once (B rows, or B x beam rows) and drop a
 sentence's rows from the batch as soon as it is finished, so the batch shrinks as it goes. Rows
@@ -19,11 +21,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from seq2seq_fast.seq2seq.data import BOS_ID, EOS_ID, PAD_ID, make_batch, normalize_text
+from seq2seq_fast.seq2seq.data import BOS_ID, EOS_ID, PAD_ID, make_batch
 from seq2seq_fast.seq2seq.models import Memory, Seq2Seq, map_state
 
 
@@ -36,6 +39,49 @@ class Hypothesis:
     tokens: list[int]
     attention: Tensor
     score: float
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How to search; the one place that holds the defaults. ``beam`` 1 = greedy; ``n_best``
+    (<= beam) hypotheses per sentence, best first; ``alpha``/``beta`` GNMT's length and coverage
+    penalties (beam only); at most ceil(max_len_factor * source length) + 1 output steps, and at
+    most ``max_len`` when set."""
+
+    beam: int = 1
+    n_best: int = 1
+    alpha: float = 0.6
+    beta: float = 0.0
+    max_len_factor: float = 2.0
+    max_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam, int) or self.beam < 1:
+            raise ValueError(f"beam must be an int >= 1, got {self.beam!r}")
+        if not isinstance(self.n_best, int) or self.n_best < 1:
+            raise ValueError(f"n_best must be an int >= 1, got {self.n_best!r}")
+        if self.n_best > self.beam:
+            raise ValueError(f"n_best {self.n_best} needs beam >= {self.n_best}, got {self.beam}")
+        if not (math.isfinite(self.max_len_factor) and self.max_len_factor > 0):
+            raise ValueError(f"max_len_factor must be finite and > 0, got {self.max_len_factor!r}")
+        if self.max_len is not None and (not isinstance(self.max_len, int) or self.max_len < 1):
+            raise ValueError(f"max_len must be an int >= 1 or None, got {self.max_len!r}")
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> DecodeOptions:
+        """Options from the entries of ``kwargs`` named as fields, which are removed from it."""
+        return cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in cls.__dataclass_fields__})
+
+
+def search(
+    model: Seq2Seq, src: Tensor, src_lengths: Tensor, options: DecodeOptions = DecodeOptions()
+) -> list[list[Hypothesis]]:
+    """Decode a batch, src [B, S] int64 and src_lengths [B]: -> B lists of up to
+    ``options.n_best`` hypotheses, best first; greedy when ``options.beam`` is 1, else beam
+    search."""
+    if options.beam == 1:
+        return [[hyp] for hyp in greedy_search(model, src, src_lengths, options)]
+    return beam_search(model, src, src_lengths, options)
 
 
 def max_output_lengths(src_lengths: Tensor, max_len_factor: float, max_len: int | None) -> Tensor:
@@ -77,15 +123,11 @@ class _Rows:
 
 
 @torch.no_grad()
-def greedy_decode(
-    model: Seq2Seq,
-    src: Tensor,
-    src_lengths: Tensor,
-    *,
-    max_len_factor: float = 2.0,
-    max_len: int | None = None,
+def greedy_search(
+    model: Seq2Seq, src: Tensor, src_lengths: Tensor, options: DecodeOptions = DecodeOptions()
 ) -> list[Hypothesis]:
-    """Batched greedy decoding: src [B, S] int64, src_lengths [B] -> B hypotheses with attention.
+    """Batched greedy decoding: src [B, S] int64, src_lengths [B] -> B hypotheses with attention
+    (of ``options``, only the length limit applies).
 
     A row leaves the batch when it produces </s> (at the latest at its length limit).
     """
@@ -94,7 +136,7 @@ def greedy_decode(
     try:
         memory, state = model.encode(src, src_lengths)
         batch, device = src.shape[0], src.device
-        limits = max_output_lengths(memory.lengths, max_len_factor, max_len)
+        limits = max_output_lengths(memory.lengths, options.max_len_factor, options.max_len)
         steps = int(limits.max())
         tokens = torch.full((batch, steps), PAD_ID, dtype=torch.long, device=device)
         weights = torch.zeros(batch, steps, src.shape[1], device=device)
@@ -145,58 +187,27 @@ def coverage_penalty(attention_sum: Tensor, beta: float) -> Tensor:
 
 @torch.no_grad()
 def beam_search(
-    model: Seq2Seq,
-    src: Tensor,
-    src_lengths: Tensor,
-    *,
-    beam_size: int = 5,
-    alpha: float = 0.6,
-    beta: float = 0.0,
-    max_len_factor: float = 2.0,
-    max_len: int | None = None,
-) -> list[Hypothesis]:
-    """Batched beam search with GNMT scoring: log p / lp(len) + cp, over B*K rows at once.
+    model: Seq2Seq, src: Tensor, src_lengths: Tensor, options: DecodeOptions
+) -> list[list[Hypothesis]]:
+    """Batched beam search with GNMT scoring, log p / lp(len) + cp, over B*K rows at once (K =
+    ``options.beam``): -> for each row of src [B, S] the ``options.n_best`` best finished
+    hypotheses, best first.
 
     A hypothesis ending in </s> is scored (log p / ((5+len)/6)^alpha + beta * sum log min(cov, 1))
-    and set aside; a sentence stops (and leaves the batch) when it holds ``beam_size`` finished
-    hypotheses or hits its length limit (ceil(max_len_factor * src_len) + 1 steps). With
-    beam_size=1 this is greedy decoding. -> the best hypothesis per row of src [B, S].
+    and set aside; a sentence stops (and leaves the batch) when it holds K finished hypotheses or
+    hits its length limit (ceil(max_len_factor * src_len) + 1 steps). With K=1 this is greedy
+    decoding.
     """
-    nbest = beam_search_nbest(
-        model, src, src_lengths, beam_size=beam_size, n_best=1, alpha=alpha, beta=beta,
-        max_len_factor=max_len_factor, max_len=max_len,
-    )  # fmt: skip
-    return [hyps[0] for hyps in nbest]
-
-
-@torch.no_grad()
-def beam_search_nbest(
-    model: Seq2Seq,
-    src: Tensor,
-    src_lengths: Tensor,
-    *,
-    beam_size: int = 5,
-    n_best: int = 1,
-    alpha: float = 0.6,
-    beta: float = 0.0,
-    max_len_factor: float = 2.0,
-    max_len: int | None = None,
-) -> list[list[Hypothesis]]:
-    """:func:`beam_search` keeping the ``n_best`` (<= beam_size) best finished hypotheses of each
-    row, best first: -> B lists of up to n_best hypotheses."""
-    if not isinstance(beam_size, int) or beam_size < 1:
-        raise ValueError(f"beam_size must be an int >= 1, got {beam_size!r}")
-    if not isinstance(n_best, int) or not 1 <= n_best <= beam_size:
-        raise ValueError(f"n_best must be an int in [1, beam_size={beam_size}], got {n_best!r}")
     was_training = model.training
     model.eval()
     try:
-        limits = max_output_lengths(src_lengths, max_len_factor, max_len)
-        search = _BeamSearch(model, src, src_lengths, limits, beam_size, alpha, beta)
+        limits = max_output_lengths(src_lengths, options.max_len_factor, options.max_len)
+        search = _BeamSearch(model, src, src_lengths, limits, options.beam, options.alpha,
+                             options.beta)  # fmt: skip
         search.run()
     finally:
         model.train(was_training)
-    return search.results(n_best)
+    return search.results(options.n_best)
 
 
 class _BeamSearch:
@@ -302,55 +313,18 @@ class _BeamSearch:
 def decode(
     model: Seq2Seq,
     sources: Sequence[Sequence[int]],
+    options: DecodeOptions = DecodeOptions(),
     *,
     device: torch.device | str = "cpu",
-    beam: int = 1,
     batch_size: int = 256,
-    max_len_factor: float = 2.0,
-    alpha: float = 0.6,
-    beta: float = 0.0,
 ) -> list[Hypothesis]:
-    """Decode id sequences in length-sorted batches; results in input order."""
+    """Decode id sequences in length-sorted batches: -> the best hypothesis of each, in input
+    order."""
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     results: list[Hypothesis | None] = [None] * len(sources)
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
         batch = make_batch([(sources[i] or [0], [0]) for i in idx]).to(device)
-        if beam == 1:
-            hyps = greedy_decode(model, batch.src, batch.src_lengths, max_len_factor=max_len_factor)
-        else:
-            hyps = beam_search(
-                model, batch.src, batch.src_lengths, beam_size=beam,
-                max_len_factor=max_len_factor, alpha=alpha, beta=beta,
-            )  # fmt: skip
-        for i, hyp in zip(idx, hyps, strict=True):
-            results[i] = hyp
+        for i, hyps in zip(idx, search(model, batch.src, batch.src_lengths, options), strict=True):
+            results[i] = hyps[0]
     return results  # type: ignore[return-value]
-
-
-def translate_text(
-    model: Seq2Seq,
-    src_vocab,
-    tgt_vocab,
-    text: str,
-    *,
-    beam: int = 1,
-    alpha: float = 0.6,
-    beta: float = 0.0,
-    max_len_factor: float = 2.0,
-    device: torch.device | str = "cpu",
-) -> tuple[Hypothesis, list[int]]:
-    """Translate one sentence (normalised as the training corpus was): -> (hypothesis, source ids)."""
-    ids = src_vocab.encode(normalize_text(text))
-    if not ids:
-        raise ValueError("the input sentence is empty")
-    src = torch.tensor([ids], dtype=torch.long, device=device)
-    lengths = torch.tensor([len(ids)], dtype=torch.long, device=device)
-    if beam <= 1:
-        hyp = greedy_decode(model, src, lengths, max_len_factor=max_len_factor)[0]
-    else:
-        hyp = beam_search(
-            model, src, lengths, beam_size=beam, alpha=alpha, beta=beta,
-            max_len_factor=max_len_factor,
-        )[0]  # fmt: skip
-    return hyp, ids

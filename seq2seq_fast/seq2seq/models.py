@@ -581,22 +581,3 @@ def sequence_loss(logits: Tensor, tgt_out: Tensor, label_smoothing: float = 0.0)
         ignore_index=PAD_ID,
         label_smoothing=label_smoothing,
     )
-
-
-_DECODING_NAMES = (
-    "Hypothesis",
-    "beam_search",
-    "coverage_penalty",
-    "greedy_decode",
-    "length_penalty",
-    "max_output_lengths",
-)
-
-
-def __getattr__(name: str) -> Any:
-    """The decoding names moved to :mod:`seq2seq_fast.seq2seq.decoding`; still importable here."""
-    if name in _DECODING_NAMES:
-        from seq2seq_fast.seq2seq import decoding
-
-        return getattr(decoding, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

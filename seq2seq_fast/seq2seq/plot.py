@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from seq2seq_fast.seq2seq.decoding import translate_text  # noqa: F401 (re-exported)
+from seq2seq_fast.seq2seq.decoding import DecodeOptions
 from seq2seq_fast.seq2seq.models import Seq2Seq
-from seq2seq_fast.seq2seq.translate import DecodeOptions, Translation, Translator
+from seq2seq_fast.seq2seq.translate import Translation, Translator
 
 
 def plot_attention(

@@ -5,8 +5,9 @@ line (``seq2seq-fast train``) is a thin wrapper around it. One job:
 
 - builds the task (reverse: sequences drawn fresh from a seeded generator; translate: a corpus
   file split with a fixed seed, sentencepiece vocabularies trained on the training split),
-- trains with AdamW, gradient clipping and a warmup + cosine learning-rate schedule, a tqdm bar
-  showing loss and target tokens/s,
+- trains with AdamW, gradient clipping and a warmup + cosine learning-rate schedule (with
+  ``accum_steps`` N: the gradients of N batches per step), a tqdm bar showing loss and target
+  tokens/s, the same every 10 steps in ``metrics.jsonl`` (and TensorBoard with ``tensorboard``),
 - skips the update of a step whose gradient is non-finite, after the canary (fused kernels in
   use: :mod:`seq2seq_fast.seq2seq.canary`) re-ran its batch on plain PyTorch and found that
   non-finite too (the model itself diverged; 20 such steps in a row stop the run); a finite
@@ -22,184 +23,71 @@ line (``seq2seq-fast train``) is a thin wrapper around it. One job:
 Under ``torchrun`` (WORLD_SIZE > 1) it trains with DistributedDataParallel: gloo on CPU, nccl on
 CUDA; every rank draws its own batches, rank 0 evaluates and writes the files.
 
-The parts: ``build_task`` (vocabularies, batches, held-out data), ``build_model`` and
-``build_optimizer`` (put together, with a resumed checkpoint restored, by ``build_job``),
-``run_epoch`` (``train_step`` per batch), ``evaluate``, ``save_job`` (the checkpoint) and
-``finish`` (final evaluation, heatmap, report). Checkpoint files are read and written by
-:mod:`seq2seq_fast.seq2seq.checkpoint`, decoding is :mod:`seq2seq_fast.seq2seq.decoding`.
+The loop is here: ``build_job`` (seed, task, model, optimiser, a resumed checkpoint restored),
+``run_epoch`` (``train_step`` per batch), ``track_best``, ``save_job`` (the checkpoint) and
+``finish`` (final evaluation, heatmap, report). The rest lives beside it:
+
+    config.py        TrainConfig (with the per-task defaults), TrainError
+    builders.py      the task (vocabularies, batches, held-out data), model, optimiser, schedule
+    evaluation.py    held-out accuracy, sacreBLEU, the metrics' log line
+    distributed.py   DDP set-up (torchrun), the collectives the loop uses, rank-0 logging
+    checkpoint.py    checkpoint files, RNG states, epoch snapshots and their rotation
+    canary.py        the verdict on a non-finite step (re-run on plain PyTorch)
+    configfile.py    --config files, config.yaml (the resolved config, beside the checkpoint)
+    metrics.py       metrics.jsonl and TensorBoard events
+    finetune.py      --init-from: a trained model's weights, checked against the new model
+    decoding.py      search: greedy or beam
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-import os
 import random
-import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from seq2seq_fast.seq2seq import canary
-from seq2seq_fast.seq2seq.canary import FusedKernelError  # noqa: F401 (raised here)
-from seq2seq_fast.seq2seq.checkpoint import (  # noqa: F401 (re-exported: the names' old home)
+from seq2seq_fast.seq2seq.builders import (
+    Clock,
+    Task,
+    autocast_dtype,
+    build_model,
+    build_optimizer,
+    build_task,
+)
+from seq2seq_fast.seq2seq.checkpoint import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
-    CheckpointError,
-    inference_payload,
     is_inference_only,
     load_checkpoint,
-    load_model,
+    rng_state,
     save_checkpoint,
+    set_rng_state,
+    snapshots,
+    write_snapshot,
 )
-from seq2seq_fast.seq2seq.data import (
-    Batch,
-    ReverseTask,
-    TranslationData,
-    epoch_batches,
-    make_batch,
-    padding_fractions,
-    token_batches,
-    vocab_from_state,
+from seq2seq_fast.seq2seq.config import TrainConfig, TrainError
+from seq2seq_fast.seq2seq.configfile import CONFIG_FILE, write_config
+from seq2seq_fast.seq2seq.data import PAD_ID, Batch, make_batch
+from seq2seq_fast.seq2seq.distributed import (
+    Dist,
+    log,
+    setup_distributed,
+    synced_elapsed,
 )
-from seq2seq_fast.seq2seq.decoding import Hypothesis, decode  # noqa: F401 (re-exported)
-from seq2seq_fast.seq2seq.models import (
-    Seq2Seq,
-    Seq2SeqConfig,
-    compile_model,
-    sequence_loss,
-)
-
-TRAIN_BACKENDS = ("auto", "fused", "reference", "compile")
-PRECISIONS = ("fp32", "bf16")
-
-
-class TrainError(RuntimeError):
-    """A training job that cannot run as configured."""
-
-
-@dataclass
-class TrainConfig:
-    """One training job. Defaults are the reversal main job (``seq2seq-fast train``)."""
-
-    task: str = "reverse"
-    data: str | None = None
-    out: str | None = None  # default runs/<task>
-    seed: int = 0
-    backend: str = "auto"
-    # model
-    decoder: str = "bahdanau"  # on reversal it needs ~2x fewer steps than gnmt for 99%
-    cell: str = "gru"
-    embed_size: int = 64
-    hidden_size: int = 128
-    attention_size: int | None = None
-    encoder_layers: int = 1
-    decoder_layers: int = 1
-    bidirectional: bool = True
-    dropout: float = 0.0
-    output_layer: str = "concat"  # "attentional": tanh(W_a [s; c]) of hidden width, then softmax
-    # optimisation
-    epochs: int = 3
-    steps_per_epoch: int = 200  # reverse only; translate runs over the training split
-    batch_size: int = 64
-    # translate: batches of length-similar pairs of at most this many padded tokens
-    # (pairs x max(source, target + 1) widths) instead of batch_size pairs; None: batch_size
-    batch_tokens: int | None = None
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    warmup_steps: int = 100
-    # 0.1: the reversal job ends at 100% held-out (0.02: 99.8%, seeds 0 and 1, 2 threads)
-    min_lr_ratio: float = 0.1
-    clip_norm: float = 1.0
-    label_smoothing: float = 0.0
-    # bf16: the forward under torch.autocast (bf16 products, fp32 master weights and optimiser);
-    # falls back to fp32, saying why, where the hardware has no native bf16 products.
-    precision: str = "fp32"
-    # reverse task
-    vocab_size: int = 32
-    min_len: int = 8
-    max_len: int = 24
-    heldout_size: int = 1000
-    # translate task
-    direction: str = "1-2"  # "1-2": column 1 -> column 2; "2-1": the other way
-    max_words: int | None = None  # None: keep every pair (the drop is reported when set)
-    max_pairs: int | None = None
-    spm_vocab_size: int = 4000
-    normalization: str = "NFKC"
-    valid_fraction: float = 0.02
-    test_fraction: float = 0.03
-    # Official splits, used as given (then ``data`` is the training split, not split again).
-    valid_data: str | None = None
-    test_data: str | None = None  # needs valid_data; none: no test BLEU
-    eval_size: int = 500  # valid pairs scored with BLEU after each epoch
-    eval_beam: int = 1  # beam for the final test BLEU
-    # Also evaluate every N steps (0: at epoch ends only). Each evaluation that beats the best so
-    # far (valid BLEU; reverse: held-out sequence accuracy) writes best.pt beside model.pt.
-    eval_every: int = 0
-    patience: int = 0  # stop after this many evaluations without a new best (0: never)
-    # Stop training (then evaluate) after this many minutes; the learning-rate decay then follows
-    # the clock too. Such a run depends on the machine's speed: not reproducible, resume not exact.
-    time_budget_min: float | None = None
-    # bookkeeping
-    save_every: int = 0  # also checkpoint every N steps (0 = at epoch ends only)
-    # Keep the weights of the last N epoch ends as model.epochE.pt (inference-only files, to
-    # average with ``seq2seq-fast export --checkpoint model.epoch*.pt``); 0: none.
-    keep_checkpoints: int = 0
-    stop_after_steps: int | None = (
-        None  # stop (checkpoint) early, schedule unchanged: simulates a kill
-    )
-    progress: bool = True
-    heatmap: bool = True
-    threads: int | None = None  # torch intra-op threads (None = torch's default)
-
-    def __post_init__(self) -> None:
-        if self.task not in ("reverse", "translate"):
-            raise TrainError(f"task must be 'reverse' or 'translate', got {self.task!r}")
-        if self.task == "translate" and not self.data:
-            raise TrainError("--task translate needs --data PATH (a .txt/.tsv file or a .zip)")
-        if self.test_data and not self.valid_data:
-            raise TrainError("--test-data needs --valid-data (official splits come together)")
-        if self.valid_data and self.task != "translate":
-            raise TrainError("--valid-data and --test-data are for --task translate")
-        if self.backend not in TRAIN_BACKENDS:
-            raise TrainError(f"backend must be one of {TRAIN_BACKENDS}, got {self.backend!r}")
-        if self.precision not in PRECISIONS:
-            raise TrainError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.output_layer not in ("concat", "attentional"):
-            raise TrainError(
-                f"output_layer must be 'concat' or 'attentional', got {self.output_layer!r}"
-            )
-        if self.direction not in ("1-2", "2-1"):
-            raise TrainError(f"direction must be '1-2' or '2-1', got {self.direction!r}")
-        for name in ("epochs", "steps_per_epoch", "batch_size", "heldout_size"):
-            if getattr(self, name) < 1:
-                raise TrainError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.keep_checkpoints < 0:
-            raise TrainError(f"keep_checkpoints must be >= 0, got {self.keep_checkpoints}")
-        if self.batch_tokens is not None:
-            if self.task != "translate":
-                raise TrainError("--batch-tokens is for --task translate")
-            if self.batch_tokens < 1:
-                raise TrainError(f"batch_tokens must be >= 1, got {self.batch_tokens}")
-        if not 0.0 <= self.label_smoothing < 1.0:  # also rejects nan
-            raise TrainError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if not (math.isfinite(self.clip_norm) and self.clip_norm >= 0):
-            raise TrainError(f"clip_norm must be finite and >= 0 (0 = off), got {self.clip_norm}")
-
-    @property
-    def out_dir(self) -> Path:
-        return Path(self.out or f"runs/{self.task}")
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+from seq2seq_fast.seq2seq.evaluation import bleu_signature, describe, evaluate, score_of
+from seq2seq_fast.seq2seq.finetune import init_from, load_init
+from seq2seq_fast.seq2seq.metrics import MetricsLog
+from seq2seq_fast.seq2seq.models import Seq2Seq, compile_model, sequence_loss
 
 
 @dataclass
@@ -215,315 +103,6 @@ class TrainResult:
     # the run wrote one, else model.pt (the last state); and its step.
     final_checkpoint: Path | None = None
     final_step: int = 0
-
-
-# --- distributed ---------------------------------------------------------------------------------
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world_size: int = 1
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-
-def setup_distributed() -> Dist:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size <= 1:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return Dist(0, 1, device)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
-    return Dist(dist.get_rank(), dist.get_world_size(), device)
-
-
-# --- evaluation ------------------------------------------------------------------------------------
-
-
-def reverse_accuracy(model: Seq2Seq, pairs, device: torch.device) -> dict[str, float]:
-    hyps = decode(model, [s for s, _ in pairs], device=device, max_len_factor=1.0)
-    seq_ok = tok_ok = tok_total = 0
-    for hyp, (_, ref) in zip(hyps, pairs, strict=True):
-        seq_ok += hyp.tokens == ref
-        tok_ok += sum(a == b for a, b in zip(hyp.tokens, ref, strict=False))
-        tok_total += len(ref)
-    return {"seq_acc": seq_ok / len(pairs), "tok_acc": tok_ok / tok_total}
-
-
-def bleu_score(
-    model: Seq2Seq, pairs: list[tuple[str, str]], src_vocab, tgt_vocab, device, beam: int = 1
-) -> float:
-    import sacrebleu
-
-    hyps = decode(model, [src_vocab.encode(s) for s, _ in pairs], device=device, beam=beam)
-    outputs = [tgt_vocab.decode(h.tokens) for h in hyps]
-    return float(sacrebleu.BLEU().corpus_score(outputs, [[t for _, t in pairs]]).score)
-
-
-def bleu_signature() -> str:
-    """sacreBLEU's signature of the BLEU that :func:`bleu_score` computes (one reference)."""
-    import sacrebleu
-
-    metric = sacrebleu.BLEU()
-    metric.corpus_score(["a"], [["a"]])  # the signature counts the references of the last call
-    return str(metric.get_signature())
-
-
-def describe(metrics: dict[str, float]) -> str:
-    """One line for the log: accuracies for reverse, BLEU scores for translate."""
-    if "seq_acc" in metrics:
-        return (
-            f"held-out sequence accuracy {metrics['seq_acc']:.2%} (token {metrics['tok_acc']:.2%})"
-        )
-    return ", ".join(f"{k} {v:.2f}" for k, v in metrics.items())
-
-
-# --- the training job ------------------------------------------------------------------------------
-
-
-def _lr_lambda(warmup: int, total: int, min_ratio: float, time_progress=None):
-    """Linear warmup, then cosine decay to ``min_ratio``. With ``time_progress`` (a callable giving
-    the elapsed fraction of a time budget) the decay follows whichever is further along, steps or
-    time, so a time-budgeted run still ends at a low learning rate."""
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if time_progress is not None:
-            progress = max(progress, min(1.0, time_progress()))
-        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def _rng_state(data_generator: torch.Generator | None) -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if data_generator is not None:
-        state["data"] = data_generator.get_state()
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any], data_generator: torch.Generator | None) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if data_generator is not None and "data" in state:
-        data_generator.set_state(state["data"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _synced_elapsed(started: float, ctx: Dist) -> float:
-    """Seconds since ``started``; under DDP the maximum over ranks, so all ranks agree."""
-    elapsed = time.perf_counter() - started
-    if not ctx.enabled:
-        return elapsed
-    value = torch.tensor([elapsed], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value.item())
-
-
-def _log(message: str, rank: Dist) -> None:
-    if rank.is_main:
-        from tqdm import tqdm
-
-        tqdm.write(message, file=sys.stdout)
-
-
-@dataclass
-class Task:
-    """What the training loop needs from a task: vocabularies, batches, held-out data."""
-
-    kind: str
-    src_vocab: Any
-    tgt_vocab: Any
-    steps_per_epoch: int
-    pad_src: int  # padded widths under torch.compile
-    pad_tgt: int
-    info: dict[str, Any]  # stored in the checkpoint
-    reverse: ReverseTask | None = None
-    heldout: list | None = None  # reverse: held-out id pairs
-    generator: torch.Generator | None = None  # reverse: draws the training batches
-    corpus: TranslationData | None = None  # translate: the encoded splits
-
-    def epoch_plan(self, config: TrainConfig, epoch: int, ctx: Dist) -> list[list[int]] | None:
-        """translate: this rank's batches (index lists) of one epoch; reverse: None."""
-        if self.corpus is None:
-            return None
-        if config.batch_tokens is not None:
-            return token_batches(self.corpus.train, config.batch_tokens, seed=config.seed,
-                                 epoch=epoch, rank=ctx.rank, world_size=ctx.world_size)  # fmt: skip
-        return epoch_batches(self.corpus.train, config.batch_size, seed=config.seed, epoch=epoch,
-                             rank=ctx.rank, world_size=ctx.world_size)  # fmt: skip
-
-    def pairs(self, batch_size: int, plan: list[list[int]] | None, position: int) -> list:
-        """The id pairs of the batch at ``position`` of the epoch (reverse: drawn fresh)."""
-        if self.reverse is not None:
-            return self.reverse.sample(self.generator, batch_size)
-        return [self.corpus.train[i] for i in plan[position]]
-
-    def example(self) -> str:
-        """The held-out sentence drawn in the final heatmap."""
-        if self.reverse is not None:
-            return self.src_vocab.decode(self.heldout[0][0])
-        return (self.corpus.test or self.corpus.valid)[0][0]
-
-
-def build_task(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None) -> Task:
-    """The reversal task, or the translation corpus with its vocabularies (a checkpoint's on
-    resume, else trained on the training split)."""
-    if config.task == "reverse":
-        reverse = ReverseTask(
-            config.vocab_size, config.min_len, config.max_len, config.seed, config.heldout_size
-        )
-        return Task(
-            "reverse", reverse.vocab, reverse.vocab, config.steps_per_epoch,
-            config.max_len, config.max_len + 1,
-            {"kind": "reverse", "vocab_size": config.vocab_size, "min_len": config.min_len,
-             "max_len": config.max_len},
-            reverse=reverse, heldout=reverse.heldout(),
-            generator=torch.Generator().manual_seed(config.seed * 7919 + 17 + ctx.rank),
-        )  # fmt: skip
-    vocabs = None
-    if payload is not None:  # on resume, the vocabularies the model was trained with
-        vocabs = (vocab_from_state(payload["src_vocab"]), vocab_from_state(payload["tgt_vocab"]))
-    corpus = TranslationData.load(
-        config.data, swap=config.direction == "2-1", max_words=config.max_words,
-        max_pairs=config.max_pairs, vocab_size=config.spm_vocab_size,
-        normalization=config.normalization, valid_fraction=config.valid_fraction,
-        test_fraction=config.test_fraction, seed=config.seed, vocabs=vocabs,
-        valid_path=config.valid_data, test_path=config.test_data,
-    )  # fmt: skip
-    _log(corpus.report.summary(), ctx)
-    if corpus.report.too_long:
-        share = corpus.report.too_long / max(1, corpus.report.too_long + corpus.report.pairs)
-        _log(f"--max-words {config.max_words} dropped {corpus.report.too_long} pairs "
-             f"({share:.0%} of the usable ones)", ctx)  # fmt: skip
-    _log(
-        f"{'official splits' if config.valid_data else 'split'}: {len(corpus.train)} train / "
-        f"{len(corpus.valid)} valid / {len(corpus.test)} test pairs; subword vocab "
-        f"{len(corpus.src_vocab)} source, {len(corpus.tgt_vocab)} target",
-        ctx,
-    )
-    task = Task(
-        "translate", corpus.src_vocab, corpus.tgt_vocab, 0,
-        max(len(s) for s, _ in corpus.train), max(len(t) for _, t in corpus.train) + 1,
-        {"kind": "translate", "data": str(config.data), "direction": config.direction,
-         "valid_data": config.valid_data, "test_data": config.test_data},
-        corpus=corpus,
-    )  # fmt: skip
-    plan = task.epoch_plan(config, 0, ctx)
-    task.steps_per_epoch = len(plan)
-    src_pad, tgt_pad = padding_fractions(corpus.train, plan)
-    how = (f"of at most {config.batch_tokens} padded tokens" if config.batch_tokens is not None
-           else f"of {config.batch_size} pairs")  # fmt: skip
-    _log(f"batches {how}: {len(plan)} per epoch and process, "
-         f"{sum(map(len, plan)) / max(1, len(plan)):.1f} pairs each on average, padding "
-         f"{src_pad:.1%} of source and {tgt_pad:.1%} of target positions", ctx)  # fmt: skip
-    return task
-
-
-def build_model(config: TrainConfig, task: Task, ctx: Dist) -> tuple[Seq2Seq, str]:
-    """-> (the model on ctx.device, its attention backend). ``--backend compile`` runs the "auto"
-    attention inside the compiled graph."""
-    from seq2seq_fast.ops.additive_attention import fused_unavailable_reason
-
-    attention_backend = "auto" if config.backend == "compile" else config.backend
-    if attention_backend == "fused":
-        reason = fused_unavailable_reason(ctx.device, torch.float32)
-        if reason is not None:
-            raise TrainError(f"--backend fused is not available: {reason}")
-    model_config = Seq2SeqConfig(
-        src_vocab_size=len(task.src_vocab),
-        tgt_vocab_size=len(task.tgt_vocab),
-        embed_size=config.embed_size,
-        hidden_size=config.hidden_size,
-        attention_size=config.attention_size,
-        encoder_layers=config.encoder_layers,
-        decoder_layers=config.decoder_layers,
-        cell=config.cell,
-        bidirectional=config.bidirectional,
-        decoder=config.decoder,
-        dropout=config.dropout,
-        backend=attention_backend,
-        output_layer=config.output_layer,
-    )
-    return Seq2Seq(model_config).to(ctx.device), attention_backend
-
-
-def bf16_unavailable_reason(device: torch.device) -> str | None:
-    """None when ``device`` runs bf16 matrix products natively (CUDA with bf16, or a CPU with
-    AVX512-BF16 or AMX through oneDNN), else why not."""
-    if device.type == "cuda":
-        return None if torch.cuda.is_bf16_supported() else "this GPU has no bf16 support"
-    if device.type != "cpu":
-        return f"bf16 training is not set up for {device.type} devices"
-    native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    if native is not None and native():
-        return None
-    return (
-        f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has neither AVX512-BF16 nor AMX: "
-        "bf16 products would be emulated, slower than fp32"
-    )
-
-
-def autocast_dtype(config: TrainConfig, ctx: Dist) -> torch.dtype | None:
-    """The autocast dtype the steps run under (None = fp32), after the hardware check."""
-    if config.precision == "fp32":
-        return None
-    reason = bf16_unavailable_reason(ctx.device)
-    if reason is not None:
-        _log(f"--precision bf16: {reason}; training in fp32", ctx)
-        return None
-    return torch.bfloat16
-
-
-class Clock:
-    """Seconds since the job started, the same on every rank (max over ranks), against the time
-    budget; updated once per step only when there is a budget."""
-
-    def __init__(self, started: float, budget_min: float | None) -> None:
-        self.started = started
-        self.budget_s = 60 * budget_min if budget_min is not None else math.inf
-        self.elapsed = 0.0
-
-    def progress(self) -> float:
-        return self.elapsed / self.budget_s
-
-    @property
-    def expired(self) -> bool:
-        return self.elapsed >= self.budget_s
-
-
-def build_optimizer(config: TrainConfig, model: nn.Module, total_steps: int, clock: Clock):
-    """-> (AdamW, LambdaLR with linear warmup and cosine decay, following the clock too when
-    there is a time budget)."""
-    # fused: one kernel over all parameters (CPU and CUDA), ~4x faster than the per-tensor loop
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, weight_decay=config.weight_decay, fused=True
-    )
-    time_progress = None if config.time_budget_min is None else clock.progress
-    schedule = _lr_lambda(config.warmup_steps, total_steps, config.min_lr_ratio, time_progress)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-
 
 @dataclass
 class Job:
@@ -548,6 +127,8 @@ class Job:
     evals_since_best: int = 0
     scored_step: int | None = None  # the step whose model track_best scored last
     nonfinite_steps: int = 0  # steps in a row skipped for a non-finite gradient norm
+    ddp: Any = None  # the DistributedDataParallel wrapper under DDP (for no_sync)
+    metrics_log: MetricsLog | None = None  # metrics.jsonl (and TensorBoard), rank 0
 
     @property
     def canary(self) -> bool:
@@ -575,7 +156,7 @@ class Job:
         self.evals_since_best = best.get("evals_since", 0)
         rng = payload["rng"]
         rng = rng[self.ctx.rank] if isinstance(rng, list) else rng
-        _set_rng_state(rng, self.task.generator)
+        set_rng_state(rng, self.task.generator)
 
 
 def _model_header(job: Job) -> dict[str, Any]:
@@ -596,11 +177,11 @@ def save_job(job: Job, path: Path | None = None) -> None:
     """Checkpoint the job at its position (to ``path``, default model.pt). Every rank's RNG state
     is gathered (so a resumed DDP run continues exactly too); rank 0 writes."""
     ctx = job.ctx
-    rng_state = _rng_state(job.task.generator)
+    rng = rng_state(job.task.generator)
     if ctx.enabled:
         states = [None] * ctx.world_size
-        dist.all_gather_object(states, rng_state)
-        rng_state = states
+        dist.all_gather_object(states, rng)
+        rng = states
     if ctx.is_main:
         save_checkpoint(
             {
@@ -610,7 +191,7 @@ def save_job(job: Job, path: Path | None = None) -> None:
                 "model": job.model.state_dict(),
                 "optimizer": job.optimizer.state_dict(),
                 "scheduler": job.scheduler.state_dict(),
-                "rng": rng_state,
+                "rng": rng,
                 "epoch": job.epoch,
                 "batch_in_epoch": job.batch_in_epoch,
                 "world_size": ctx.world_size,
@@ -621,20 +202,6 @@ def save_job(job: Job, path: Path | None = None) -> None:
     if ctx.enabled:
         dist.barrier()
 
-
-SNAPSHOT = re.compile(r"model\.epoch(\d+)\.pt")
-
-
-def snapshots(folder: Path) -> list[Path]:
-    """The epoch snapshots (model.epochE.pt) in ``folder``, oldest epoch first."""
-    epochs = {}
-    for path in folder.glob("model.epoch*.pt"):
-        match = SNAPSHOT.fullmatch(path.name)
-        if match:
-            epochs[path] = int(match.group(1))
-    return sorted(epochs, key=epochs.__getitem__)
-
-
 def save_snapshot(job: Job) -> None:
     """``keep_checkpoints`` N > 0: the weights at this epoch's end as model.epochE.pt beside
     model.pt (weights and vocabularies only, as ``export`` writes them), then the snapshots
@@ -642,47 +209,66 @@ def save_snapshot(job: Job) -> None:
     keep = job.config.keep_checkpoints
     if not keep or not job.ctx.is_main:
         return
-    folder = job.checkpoint_path.parent
-    save_checkpoint(
-        inference_payload(_model_header(job), job.model.state_dict(), "float32"),
-        folder / f"model.epoch{job.epoch}.pt",
-    )
-    for old in snapshots(folder)[:-keep]:
-        old.unlink(missing_ok=True)
+    write_snapshot(_model_header(job), job.model.state_dict(), job.checkpoint_path.parent,
+                   job.epoch, keep)  # fmt: skip
 
 
-def evaluate(job: Job, final: bool = False, model: Seq2Seq | None = None) -> dict[str, float]:
-    """reverse: held-out accuracies; translate: valid BLEU (``eval_size`` pairs, greedy), or with
-    ``final`` the test BLEU (beam ``eval_beam``). Of ``model``, default the job's (last) model."""
-    config, task, device = job.config, job.task, job.ctx.device
-    model = job.model if model is None else model
-    if task.reverse is not None:
-        return reverse_accuracy(model, task.heldout, device)
-    if final:
-        if not task.corpus.test:  # official splits without a test file
-            return {}
-        return {"test_bleu": bleu_score(model, task.corpus.test, task.src_vocab,
-                                        task.tgt_vocab, device, beam=config.eval_beam)}  # fmt: skip
-    return {"valid_bleu": bleu_score(model, task.corpus.valid[: config.eval_size],
-                                     task.src_vocab, task.tgt_vocab, device)}  # fmt: skip
+def merge_batches(batches: list[Batch]) -> Batch:
+    """One batch of the rows of ``batches`` (padded to the widest), in order."""
+
+    def cat(tensors: list[Tensor]) -> Tensor:
+        width = max(t.shape[1] for t in tensors)
+        return torch.cat([nn.functional.pad(t, (0, width - t.shape[1]), value=PAD_ID)
+                          for t in tensors])  # fmt: skip
+
+    return Batch(cat([b.src for b in batches]), torch.cat([b.src_lengths for b in batches]),
+                 cat([b.tgt_in for b in batches]), cat([b.tgt_out for b in batches]))  # fmt: skip
 
 
-def train_step(job: Job, batch: Batch) -> float:
-    """One optimiser step on ``batch``; -> its loss."""
+def _loss(job: Job, batch: Batch) -> Tensor:
+    """The forward of one batch: its loss, the mean over its target tokens."""
+    config = job.config
+    with torch.autocast(job.ctx.device.type, dtype=job.autocast or torch.bfloat16,
+                        enabled=job.autocast is not None):  # fmt: skip
+        if config.compile:  # the loss outside the compiled graph, as before
+            logits, _ = job.run_model(batch.src, batch.src_lengths, batch.tgt_in)
+            return sequence_loss(logits.float(), batch.tgt_out, config.label_smoothing)
+        # output layer + loss by chunks of rows (ops/linear_cross_entropy.py)
+        loss, _ = job.run_model(batch.src, batch.src_lengths, batch.tgt_in, batch.tgt_out,
+                                label_smoothing=config.label_smoothing)  # fmt: skip
+        return loss
+
+
+def _accumulate(job: Job, batches: list[Batch]) -> Tensor:
+    """Forward and backward of several batches into one gradient: each loss weighted by its
+    batch's share of the target tokens, so that the sum is the gradient of the mean loss over
+    all their tokens (what one batch of them all gives). Under DDP the gradients are
+    all-reduced once, with the last batch's backward (no_sync before). -> the weighted loss."""
+    total = sum(b.num_target_tokens for b in batches)
+    loss_sum = torch.zeros((), device=job.ctx.device)
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        with contextlib.nullcontext() if last or job.ddp is None else job.ddp.no_sync():
+            loss = _loss(job, batch) * (batch.num_target_tokens / total)
+            loss.backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def train_step(job: Job, batch: Batch | list[Batch]) -> float:
+    """One optimiser step on ``batch`` (a list: its gradients accumulated, ``accum_steps``);
+    -> its loss."""
     config = job.config
     # The dropout masks' generator state, for the canary's re-run of a non-finite step (a 5 KB
     # copy, only with dropout and fused kernels).
     rng = canary.forward_rng_state(job.ctx.device) if job.canary and config.dropout > 0 else None
-    with torch.autocast(job.ctx.device.type, dtype=job.autocast or torch.bfloat16,
-                        enabled=job.autocast is not None):  # fmt: skip
-        if config.backend == "compile":  # the loss outside the compiled graph, as before
-            logits, _ = job.run_model(batch.src, batch.src_lengths, batch.tgt_in)
-            loss = sequence_loss(logits.float(), batch.tgt_out, config.label_smoothing)
-        else:  # output layer + loss by chunks of rows (ops/linear_cross_entropy.py)
-            loss, _ = job.run_model(batch.src, batch.src_lengths, batch.tgt_in, batch.tgt_out,
-                                    label_smoothing=config.label_smoothing)  # fmt: skip
     job.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    if isinstance(batch, list):
+        loss = _accumulate(job, batch)
+        batch = merge_batches(batch)  # what the canary re-runs, should the step be non-finite
+    else:
+        loss = _loss(job, batch)
+        loss.backward()
     # The norm of the (all-reduced) gradient, the same on every rank: a non-finite one skips
     # the update, so that one bad batch does not turn every weight into NaN -- after the canary
     # (with fused kernels) re-ran the batch on plain PyTorch and found it non-finite too.
@@ -692,10 +278,10 @@ def train_step(job: Job, batch: Batch) -> float:
         job.optimizer.step()
         job.nonfinite_steps = 0
     else:
-        verdict = _canary(job, batch, float(loss.detach()), rng) if job.canary else None
+        verdict = canary.check_step(job, batch, float(loss.detach()), rng) if job.canary else None
         _skip_nonfinite_step(job, float(loss.detach()), verdict)
     if config.time_budget_min is not None:
-        job.clock.elapsed = _synced_elapsed(job.clock.started, job.ctx)
+        job.clock.elapsed = synced_elapsed(job.clock.started, job.ctx)
     job.scheduler.step()
     job.step += 1
     job.batch_in_epoch += 1
@@ -706,110 +292,6 @@ def train_step(job: Job, batch: Batch) -> float:
 
 # Steps in a row with a non-finite gradient norm after which a run counts as diverged.
 MAX_NONFINITE_STEPS = 20
-
-# The canary's verdicts on a non-finite step, ordered so that the largest over ranks decides.
-CANARY_FUSED_FAULT, CANARY_DIVERGED, CANARY_UNVERIFIED = 0, 1, 2
-
-
-def _canary(job: Job, batch: Batch, loss: float, rng) -> canary.Rerun:
-    """A non-finite step on fused kernels: the batch again on plain PyTorch (seq2seq/canary.py).
-    Finite on every rank: raise FusedKernelError, the batch and weights written beside the
-    checkpoint. Otherwise -> the rank's reference re-run (``finite`` False: the model itself
-    diverged on some rank; None: the re-run could not run), and the step is skipped.
-
-    Under DDP every rank re-runs its own batch on the bare module (no gradient all-reduce), and
-    the verdicts are combined with one all_reduce (MAX), so every rank decides the same."""
-    model, ctx, config = job.model, job.ctx, job.config
-    # What the fused path got wrong, then its gradients freed: the re-runs need the memory, and
-    # the skipped update never reads them (the next step sets them to None anyway).
-    nonfinite = [n for n, p in model.named_parameters()
-                 if p.grad is not None and not bool(torch.isfinite(p.grad).all())]  # fmt: skip
-    for p in model.parameters():
-        p.grad = None
-    options = dict(label_smoothing=config.label_smoothing, autocast=job.autocast, rng_state=rng)
-    reference, pre = canary.reference_rerun(model, batch, **options)
-    code = {True: CANARY_FUSED_FAULT, False: CANARY_DIVERGED, None: CANARY_UNVERIFIED}
-    verdict = _max_over_ranks(ctx, [code[reference.finite]])[0]
-    if verdict != CANARY_FUSED_FAULT:
-        if verdict != code[reference.finite]:  # another rank decided
-            reference.finite = None if verdict == CANARY_UNVERIFIED else False
-            reference.error = reference.error or "on another rank"
-        return reference
-    compiled = config.backend == "compile"
-    reproduced, served = canary.probe_fused_parts(model, batch, recurrent=not compiled, **options)
-    parts = ("attention", "recurrent")
-    flags = _max_over_ranks(ctx, [float(p in reproduced) for p in parts]
-                            + [float(bool(served)), *pre.values()])  # fmt: skip
-    reproduced = [p for p, flag in zip(parts, flags, strict=False) if flag]
-    pre = dict(zip(pre, flags[3:], strict=True))
-    step = job.step + 1
-    ops = [canary.attention_ops(ctx.device, config.decoder)]
-    if served:
-        ops.append("recurrent " + ", ".join(sorted(served)) + " (C++ CPU kernels)")
-    elif flags[2]:
-        ops.append("recurrent GRU/LSTM ops (C++ CPU kernels, on another rank)")
-    if compiled:
-        ops[0] += " inside torch.compile's graph"
-    details = {
-        "step": step,
-        "fused_loss": loss,
-        "reference_loss": reference.loss,
-        "world_size": ctx.world_size,
-        "ops": ops,
-        "backend": config.backend,
-        "reproduced_by": reproduced,
-        "batch": canary.describe_batch(batch),
-        "model": f"{config.decoder} decoder, {config.cell} {config.hidden_size}, attention "
-        f"{config.attention_size or config.hidden_size}",
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")
-        + (
-            f" under autocast {str(job.autocast).removeprefix('torch.')}"
-            if job.autocast
-            else " (no autocast)"
-        ),
-        "device": str(ctx.device),
-        "isa": canary.cpu_isa(),
-        "torch": str(torch.__version__),
-        "preactivation": pre,
-        "nonfinite_params": nonfinite,
-    }
-    batches = [canary.batch_tensors(batch)]
-    if ctx.enabled:
-        batches = [None] * ctx.world_size
-        dist.all_gather_object(batches, canary.batch_tensors(batch))
-    path = config.out_dir / f"fused-failure-step{step}.pt"
-    written: Path | None = path
-    if ctx.is_main:
-        payload = {
-            **details,
-            "model_config": model.config.to_dict(),
-            "train_config": asdict(config),
-            "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-            "batch": batches[0],
-            "rank_batches": batches,
-            "forward_rng": rng,
-            "training": model.training,
-            "autocast": None if job.autocast is None else str(job.autocast).split(".")[-1],
-            "label_smoothing": config.label_smoothing,
-        }
-        try:
-            canary.write_failure(path, payload)
-        except OSError as exc:
-            written, details["write_error"] = None, f"{type(exc).__name__}: {exc}"
-    if ctx.enabled:
-        dist.barrier()  # the file is complete before any rank stops
-    details["path"] = str(written) if written else None
-    raise FusedKernelError(canary.failure_message(details), written, details)
-
-
-def _max_over_ranks(ctx: Dist, values: list[float]) -> list[float]:
-    """``values`` unchanged in one process; under DDP the elementwise maximum over ranks."""
-    if not ctx.enabled:
-        return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
-
 
 def _skip_nonfinite_step(job: Job, loss: float, reference: canary.Rerun | None = None) -> None:
     """A step whose gradient norm is inf or NaN: no update (the weights stay finite). One is
@@ -827,7 +309,7 @@ def _skip_nonfinite_step(job: Job, loss: float, reference: canary.Rerun | None =
         cause = (f"not verified (the plain-PyTorch reference re-run could not run: "
                  f"{reference.error}; a fused-kernel fault is not ruled out)")  # fmt: skip
     if job.nonfinite_steps == 1:
-        _log(f"step {job.step + 1}: non-finite gradient (loss {loss}), update skipped: {cause}",
+        log(f"step {job.step + 1}: non-finite gradient (loss {loss}), update skipped: {cause}",
              job.ctx)  # fmt: skip
     if job.nonfinite_steps >= MAX_NONFINITE_STEPS:
         save_job(job)
@@ -844,7 +326,7 @@ def _should_stop(job: Job) -> bool:
     if job.config.stop_after_steps is not None and job.step >= job.config.stop_after_steps:
         return True
     if job.clock.expired:
-        _log(f"time budget of {job.config.time_budget_min} min reached at step {job.step}", job.ctx)
+        log(f"time budget of {job.config.time_budget_min} min reached at step {job.step}", job.ctx)
         return True
     return False
 
@@ -854,10 +336,11 @@ def run_epoch(job: Job) -> bool:
     from tqdm import tqdm
 
     config, ctx, task = job.config, job.ctx, job.task
-    compiled = config.backend == "compile"
+    compiled = config.compile
     plan = task.epoch_plan(config, job.epoch, ctx)
-    if plan is not None and len(plan) != task.steps_per_epoch:  # the schedule counted them once
-        raise TrainError(f"epoch {job.epoch + 1} has {len(plan)} batches, the first had "
+    steps = None if plan is None else -(-len(plan) // config.accum_steps)
+    if steps is not None and steps != task.steps_per_epoch:  # the schedule counted them once
+        raise TrainError(f"epoch {job.epoch + 1} has {steps} steps, the first had "
                          f"{task.steps_per_epoch}")  # fmt: skip
     job.model.train()
     bar = tqdm(
@@ -869,25 +352,29 @@ def run_epoch(job: Job) -> bool:
         leave=False,
         file=sys.stderr,
     )
-    window_tokens, window_start = 0, time.perf_counter()
+    window_tokens, window_losses, window_start = 0, [], time.perf_counter()
     try:
         while job.batch_in_epoch < task.steps_per_epoch:
-            batch = make_batch(
-                task.pairs(config.batch_size, plan, job.batch_in_epoch),
-                src_pad_to=task.pad_src if compiled else None,
-                tgt_pad_to=task.pad_tgt if compiled else None,
-            ).to(ctx.device)
-            loss_value = train_step(job, batch)
-            window_tokens += batch.num_target_tokens * ctx.world_size
+            batches = [
+                make_batch(pairs, src_pad_to=task.pad_src if compiled else None,
+                           tgt_pad_to=task.pad_tgt if compiled else None).to(ctx.device)
+                for pairs in task.step_pairs(config, plan, job.batch_in_epoch)
+            ]  # fmt: skip
+            loss_value = train_step(job, batches if len(batches) > 1 else batches[0])
+            window_tokens += sum(b.num_target_tokens for b in batches) * ctx.world_size
+            window_losses.append(loss_value)
             bar.update(1)
             if job.step % 10 == 0 or job.batch_in_epoch == task.steps_per_epoch:
                 now = time.perf_counter()
-                bar.set_postfix(
-                    loss=f"{loss_value:.3f}",
-                    tok_s=f"{window_tokens / max(now - window_start, 1e-9):,.0f}",
-                    lr=f"{job.scheduler.get_last_lr()[0]:.1e}",
-                )
-                window_tokens, window_start = 0, now
+                tokens_per_s = window_tokens / max(now - window_start, 1e-9)
+                lr = job.scheduler.get_last_lr()[0]
+                bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_s:,.0f}",
+                                lr=f"{lr:.1e}")  # fmt: skip
+                if job.metrics_log is not None:
+                    loss_mean = sum(window_losses) / len(window_losses)
+                    job.metrics_log.write("train", job.step, {"loss": loss_mean, "lr": lr,
+                                                              "tokens_per_s": tokens_per_s})  # fmt: skip
+                window_tokens, window_losses, window_start = 0, [], now
             if _should_stop(job):
                 return True
             at_epoch_end = job.batch_in_epoch == task.steps_per_epoch
@@ -901,8 +388,6 @@ def run_epoch(job: Job) -> bool:
         bar.close()
 
 
-def _score(metrics: dict[str, float]) -> float | None:
-    return metrics.get("valid_bleu", metrics.get("seq_acc"))
 
 
 def track_best(job: Job) -> bool:
@@ -910,7 +395,7 @@ def track_best(job: Job) -> bool:
     ``patience`` evaluations in a row brought nothing better (early stop). Rank 0's metrics
     decide, for every rank."""
     job.scored_step = job.step
-    score = _score(job.metrics) if job.ctx.is_main else None
+    score = score_of(job.metrics) if job.ctx.is_main else None
     if job.ctx.enabled:
         box = [score]
         dist.broadcast_object_list(box, src=0)
@@ -923,7 +408,7 @@ def track_best(job: Job) -> bool:
         return False
     job.evals_since_best += 1
     if job.config.patience and job.evals_since_best >= job.config.patience:
-        _log(f"early stop at step {job.step}: {job.evals_since_best} evaluations without a "
+        log(f"early stop at step {job.step}: {job.evals_since_best} evaluations without a "
              f"better score than {job.best_score:.4g} (best.pt)", job.ctx)  # fmt: skip
         return True
     return False
@@ -933,7 +418,9 @@ def _evaluate_now(job: Job) -> bool:
     """The interval evaluation inside an epoch; -> True to stop early."""
     if job.ctx.is_main:
         job.metrics = evaluate(job)
-    _log(f"step {job.step}: {describe(job.metrics)}", job.ctx)
+        if job.metrics_log is not None:
+            job.metrics_log.write("valid", job.step, job.metrics)
+    log(f"step {job.step}: {describe(job.metrics)}", job.ctx)
     job.model.train()
     return track_best(job)
 
@@ -968,13 +455,17 @@ def _resume_config(config: TrainConfig, resume: str | Path) -> tuple[TrainConfig
     return saved, payload
 
 
-def build_job(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None, started: float):
+def build_job(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None, started: float,
+              init: dict[str, Any] | None = None):  # fmt: skip
     """Seed, build the task, the model and its optimiser (in this order: the seeded RNG streams
-    depend on it), and restore ``payload`` when resuming."""
+    depend on it), and restore ``payload`` when resuming. ``init``: the checkpoint of
+    ``--init-from``, whose vocabularies the task takes and whose weights the model starts from."""
     torch.manual_seed(config.seed)
     random.seed(config.seed)
-    task = build_task(config, ctx, payload)
+    task = build_task(config, ctx, payload if payload is not None else init)
     model, attention_backend = build_model(config, task, ctx)
+    if init is not None:
+        init_from(model, task.src_vocab, task.tgt_vocab, init, config.init_from)
     clock = Clock(started, config.time_budget_min)
     optimizer, scheduler = build_optimizer(
         config, model, config.epochs * task.steps_per_epoch, clock
@@ -985,10 +476,10 @@ def build_job(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None, st
     if payload is not None:
         job.restore(payload)
     if ctx.enabled:
-        job.run_model = nn.parallel.DistributedDataParallel(
+        job.run_model = job.ddp = nn.parallel.DistributedDataParallel(
             model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None
         )
-    if config.backend == "compile":
+    if config.compile:
         # one graph: RNN layers and the fused op inside
         job.run_model = compile_model(job.run_model)
     return job
@@ -1000,22 +491,29 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
     payload = None
     if resume is not None:
         config, payload = _resume_config(config, resume)
+    config = replace(config, out=str(config.out_dir))  # resolved: config.yaml names the folder
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    job = build_job(config, ctx, payload, started)
+    init = load_init(config.init_from) if config.init_from and payload is None else None
+    metrics_log = MetricsLog(config.out_dir, started=started, tensorboard_dir=config.tensorboard,
+                             fresh=resume is None, enabled=ctx.is_main)  # fmt: skip
+    if ctx.is_main:  # the resolved configuration, beside the checkpoint (which stores it too)
+        write_config(asdict(config), config.out_dir / CONFIG_FILE)
+    job = build_job(config, ctx, payload, started, init)
+    job.metrics_log = metrics_log
     if resume is None and config.keep_checkpoints and ctx.is_main:
         stale = snapshots(job.checkpoint_path.parent)  # not this run's: they would mix in
         for path in stale:
             path.unlink(missing_ok=True)
         if stale:
-            _log(f"removed {len(stale)} epoch snapshot(s) of an earlier run: "
+            log(f"removed {len(stale)} epoch snapshot(s) of an earlier run: "
                  f"{', '.join(p.name for p in stale)}", ctx)  # fmt: skip
     if ctx.is_main:
         params = sum(p.numel() for p in job.model.parameters())
-        _log(
+        log(
             f"task {config.task}: {config.decoder} decoder, {config.cell} {config.hidden_size}, "
             f"{params / 1e6:.2f}M parameters, attention backend "
-            f"{'compile+' if config.backend == 'compile' else ''}{job.attention_backend}, "
+            f"{'compile+' if config.compile else ''}{job.attention_backend}, "
             f"{ctx.world_size} process(es), {job.total_steps} steps"
             f"{', autocast bf16' if job.autocast is not None else ''}",
             ctx,
@@ -1027,7 +525,8 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
             job.epoch, job.batch_in_epoch = job.epoch + 1, 0
             if ctx.is_main:
                 job.metrics = evaluate(job)
-            _log(
+                metrics_log.write("valid", job.step, job.metrics)
+            log(
                 f"epoch {job.epoch}/{config.epochs} step {job.step}: loss {job.losses[-1]:.4f}, "
                 f"{describe(job.metrics)} [{time.perf_counter() - started:.0f}s]",
                 ctx,
@@ -1068,7 +567,7 @@ def final_model(job: Job) -> FinalModel:
         return last
     payload = load_checkpoint(path)
     if payload.get("best", {}).get("score") != job.best_score:
-        _log(f"{path} holds another run's best (score {payload.get('best', {}).get('score')}, "
+        log(f"{path} holds another run's best (score {payload.get('best', {}).get('score')}, "
              f"this run's {job.best_score}): evaluating the last model", job.ctx)  # fmt: skip
         return last
     model = job.model
@@ -1099,17 +598,20 @@ def finish(job: Job, payload: dict[str, Any] | None, stopped_early: bool) -> Tra
             plot_translation(final.model, job.task.src_vocab, job.task.tgt_vocab,
                              job.task.example(), heatmap_path, device=ctx.device)  # fmt: skip
         _record_final(job, final, payload)
+        if job.metrics_log is not None:
+            job.metrics_log.write("final", final.step, job.metrics)
+            job.metrics_log.close()
     if ctx.enabled:
         dist.barrier()
     seconds = time.perf_counter() - job.clock.started
     if ctx.is_main:
-        _log(f"{describe(job.metrics)} ({final})", ctx)
+        log(f"{describe(job.metrics)} ({final})", ctx)
         if config.task == "translate":
-            _log(f"BLEU: sacreBLEU {bleu_signature()}", ctx)
-        _log(f"checkpoint: {job.checkpoint_path}", ctx)
+            log(f"BLEU: sacreBLEU {bleu_signature()}", ctx)
+        log(f"checkpoint: {job.checkpoint_path}", ctx)
         if heatmap_path is not None:
-            _log(f"attention heatmap: {heatmap_path}", ctx)
-        _log(f"trained {job.step} steps in {seconds:.0f}s", ctx)
+            log(f"attention heatmap: {heatmap_path}", ctx)
+        log(f"trained {job.step} steps in {seconds:.0f}s", ctx)
     return TrainResult(
         job.checkpoint_path, heatmap_path, job.metrics, job.losses, job.step, job.epoch, seconds,
         final_checkpoint=job.checkpoint_path.with_name(final.name) if final else None,

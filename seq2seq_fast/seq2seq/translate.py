@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from seq2seq_fast.seq2seq.data import make_batch, normalize_text
-from seq2seq_fast.seq2seq.decoding import Hypothesis, beam_search_nbest, greedy_decode
+from seq2seq_fast.seq2seq.decoding import DecodeOptions, Hypothesis, search
 from seq2seq_fast.seq2seq.models import Seq2Seq
 
 # Decoder rows per batch by default (sentences x beam). Fewer rows make the per-step products
@@ -50,28 +50,6 @@ class Translation:
     def tokens(self) -> int:
         """Output tokens of the best hypothesis."""
         return len(self.hypotheses[0].tokens) if self.hypotheses else 0
-
-
-@dataclass
-class DecodeOptions:
-    """How to search: beam 1 = greedy; ``n_best`` <= beam; ``alpha``/``beta`` GNMT's length and
-    coverage penalties (beam only); at most ceil(max_len_factor * source length) + 1 steps."""
-
-    beam: int = 1
-    n_best: int = 1
-    alpha: float = 0.6
-    beta: float = 0.0
-    max_len_factor: float = 2.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.beam, int) or self.beam < 1:
-            raise ValueError(f"beam must be an int >= 1, got {self.beam!r}")
-        if not isinstance(self.n_best, int) or not 1 <= self.n_best <= self.beam:
-            raise ValueError(
-                f"n_best must be between 1 and the beam size ({self.beam}), got {self.n_best!r}"
-            )
-        if not self.max_len_factor > 0:
-            raise ValueError(f"max_len_factor must be > 0, got {self.max_len_factor!r}")
 
 
 class Translator:
@@ -122,17 +100,17 @@ class Translator:
         cls, path: str | Path, *, backend: str = "auto", device: str = "cpu", **kwargs
     ) -> Translator:
         """Load a checkpoint (training or exported) once; ``kwargs`` as for the constructor, and
-        ``beam``, ``n_best``, ``alpha``, ``beta``, ``max_len_factor`` for :class:`DecodeOptions`."""
+        ``options``, or the :class:`DecodeOptions` fields (``beam``, ``n_best``, ``alpha``...)."""
         from seq2seq_fast.seq2seq.checkpoint import load_model
 
-        option_names = DecodeOptions.__dataclass_fields__
-        options = DecodeOptions(**{k: kwargs.pop(k) for k in list(kwargs) if k in option_names})
+        if "options" not in kwargs:
+            kwargs["options"] = DecodeOptions.from_kwargs(kwargs)
         model, src_vocab, tgt_vocab, payload = load_model(path, backend=backend, device=device)
         normalization = payload.get("normalization") or dict(payload.get("train_config") or {}).get(
             "normalization", "NFKC"
         )
-        return cls(model, src_vocab, tgt_vocab, options=options, device=device,
-                   normalization=normalization, **kwargs)  # fmt: skip
+        return cls(model, src_vocab, tgt_vocab, device=device, normalization=normalization,
+                   **kwargs)  # fmt: skip
 
     def encode(self, texts: Sequence[str]) -> list[Translation]:
         """Encode every input; empty and over-long ones get their warning (line = position + 1)."""
@@ -216,16 +194,8 @@ class Translator:
 
     def _decode(self, sources: list[list[int]]) -> list[list[Hypothesis]]:
         batch = make_batch([(s, [0]) for s in sources])
-        src = batch.src.to(self.device)
-        lengths = batch.src_lengths.to(self.device)
-        o = self.options
-        if o.beam == 1:
-            hyps = greedy_decode(self.model, src, lengths, max_len_factor=o.max_len_factor)
-            return [[h] for h in hyps]
-        return beam_search_nbest(
-            self.model, src, lengths, beam_size=o.beam, n_best=o.n_best, alpha=o.alpha,
-            beta=o.beta, max_len_factor=o.max_len_factor,
-        )  # fmt: skip
+        src, lengths = batch.src.to(self.device), batch.src_lengths.to(self.device)
+        return search(self.model, src, lengths, self.options)
 
 
 class InputError(ValueError):

@@ -58,8 +58,10 @@ def assert_same_weights(path_a: Path, path_b: Path) -> None:
 
 
 def leftovers(folder: Path) -> list[str]:
-    # best.pt: the best evaluation so far, a checkpoint of its own (not a leftover)
-    return sorted(p.name for p in folder.iterdir() if p.name not in ("model.pt", "best.pt"))
+    # best.pt: the best evaluation so far, a checkpoint of its own (not a leftover); the run's
+    # configuration and metrics log are the run's files too
+    files = ("model.pt", "best.pt", "config.yaml", "metrics.jsonl")
+    return sorted(p.name for p in folder.iterdir() if p.name not in files)
 
 
 class DiskFull(OSError):

@@ -22,8 +22,9 @@ from seq2seq_fast.ops._library import CPU_KERNEL_ERROR
 from seq2seq_fast.seq2seq import canary
 from seq2seq_fast.seq2seq import train as train_module
 from seq2seq_fast.seq2seq.canary import FusedKernelError
+from seq2seq_fast.seq2seq.config import TrainConfig, TrainError
 from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig
-from seq2seq_fast.seq2seq.train import TrainConfig, TrainError, train
+from seq2seq_fast.seq2seq.train import train
 
 pytestmark = pytest.mark.skipif(CPU_KERNEL_ERROR is not None, reason="the C++ extension is needed")
 
@@ -179,7 +180,7 @@ def test_the_canary_leaves_the_training_random_stream_alone(tmp_path, monkeypatc
     config = dict(TINY, dropout=0.2, heldout_size=5)
     with_canary = train(TrainConfig(**config, out=str(tmp_path / "a"))).losses
     monkeypatch.setattr(
-        train_module, "_canary", lambda job, batch, loss, rng: canary.Rerun(math.nan, False)
+        canary, "check_step", lambda job, batch, loss, rng: canary.Rerun(math.nan, False)
     )
     without = train(TrainConfig(**config, out=str(tmp_path / "b"))).losses
     assert math.isnan(with_canary[2]) and math.isnan(without[2])
@@ -221,6 +222,8 @@ DDP_SCRIPT = """
 import os, sys
 import seq2seq_fast.nn.attention as att
 from seq2seq_fast.seq2seq import train as tm
+from seq2seq_fast.seq2seq.canary import FusedKernelError
+from seq2seq_fast.seq2seq.config import TrainConfig
 
 real_attend, real_step, state = att.attend, tm.train_step, {"step": 0}
 bad_rank = os.environ["RANK"] == "1"  # the fault on one rank only
@@ -237,12 +240,12 @@ def train_step(job, batch):
     return real_step(job, batch)
 
 att.attend, tm.train_step = attend, train_step
-config = tm.TrainConfig(out=sys.argv[1], epochs=1, steps_per_epoch=5, batch_size=16,
+config = TrainConfig(out=sys.argv[1], epochs=1, steps_per_epoch=5, batch_size=16,
     hidden_size=16, embed_size=8, vocab_size=6, min_len=2, max_len=4, heldout_size=20,
     backend="auto", progress=False, heatmap=False, threads=1)
 try:
     tm.train(config)
-except tm.FusedKernelError as exc:
+except FusedKernelError as exc:
     print(f"rank {os.environ['RANK']}: FusedKernelError", exc.path, flush=True)
     sys.exit(3)
 print(f"rank {os.environ['RANK']}: trained on", flush=True)

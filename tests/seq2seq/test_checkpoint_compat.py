@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from seq2seq_fast.seq2seq.checkpoint import load_model
-from seq2seq_fast.seq2seq.decoding import translate_text
+from seq2seq_fast.seq2seq.decoding import DecodeOptions
+from seq2seq_fast.seq2seq.translate import Translator
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 EXPECTED = json.loads((FIXTURES / "checkpoints-0.1.0.json").read_text())
@@ -30,6 +31,7 @@ def test_old_checkpoint_loads_and_decodes_the_same(name):
     assert set(expected["payload_keys"]) <= set(payload.keys())
     for key, want in expected["outputs"].items():
         text, beam = key.rsplit("|", 1)
-        hyp, _ = translate_text(model, src_vocab, tgt_vocab, text, beam=int(beam))
+        translator = Translator(model, src_vocab, tgt_vocab, options=DecodeOptions(beam=int(beam)))
+        hyp = translator.translate([text])[0].hypotheses[0]
         assert list(map(int, hyp.tokens)) == want["tokens"], key
         assert tgt_vocab.decode(hyp.tokens) == want["text"], key

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from seq2seq_fast.ops import fused_available
 from seq2seq_fast.seq2seq.decoding import (
+    DecodeOptions,
     beam_search,
     coverage_penalty,
-    greedy_decode,
+    greedy_search,
     length_penalty,
+    search,
 )
 from seq2seq_fast.seq2seq.models import (
     EOS_ID,
@@ -88,10 +92,10 @@ def test_keys_projected_once_per_batch(decoder):
     model(src, lengths, tgt_in)
     assert len(calls) == 1
     calls.clear()
-    greedy_decode(model, src, lengths)
+    greedy_search(model, src, lengths)
     assert len(calls) == 1
     calls.clear()
-    beam_search(model, src, lengths, beam_size=3)
+    beam_search(model, src, lengths, DecodeOptions(beam=3))
     assert len(calls) == 1
 
 
@@ -108,9 +112,10 @@ def test_gnmt_attends_all_target_steps_in_one_call():
 def test_beam_one_equals_greedy(overrides):
     model = _model(**overrides)
     src, lengths, _, _ = _batch()
-    greedy = greedy_decode(model, src, lengths, max_len_factor=1.5)
-    beam = beam_search(model, src, lengths, beam_size=1, max_len_factor=1.5)
-    for g, b in zip(greedy, beam, strict=True):
+    greedy = greedy_search(model, src, lengths, DecodeOptions(max_len_factor=1.5))
+    beam = beam_search(model, src, lengths, DecodeOptions(beam=1, max_len_factor=1.5))
+    assert [[h.tokens] for h in greedy] == [[h[0].tokens] for h in beam]
+    for g, (b,) in zip(greedy, beam, strict=True):
         assert g.tokens == b.tokens
         torch.testing.assert_close(g.attention, b.attention)
         assert g.score == pytest.approx(b.score * length_penalty(b.attention.shape[0], 0.6))
@@ -119,8 +124,8 @@ def test_beam_one_equals_greedy(overrides):
 def test_beam_search_outputs():
     model = _model(decoder="gnmt")
     src, lengths, _, _ = _batch()
-    for hyp, n in zip(beam_search(model, src, lengths, beam_size=4, beta=0.2), lengths.tolist(),
-                      strict=True):  # fmt: skip
+    for (hyp,), n in zip(beam_search(model, src, lengths, DecodeOptions(beam=4, beta=0.2)),
+                         lengths.tolist(), strict=True):  # fmt: skip
         assert EOS_ID not in hyp.tokens and PAD_ID not in hyp.tokens
         assert len(hyp.tokens) <= 2 * n + 1
         assert hyp.attention.shape[1] == n
@@ -131,9 +136,9 @@ def test_beam_search_finds_a_better_sequence_than_greedy():
     """With the length penalty off, beam search's best log-probability is never below greedy's."""
     model = _model(decoder="bahdanau", seed=3)
     src, lengths, _, _ = _batch(seed=5)
-    greedy = greedy_decode(model, src, lengths)
-    beam = beam_search(model, src, lengths, beam_size=5, alpha=0.0)
-    for g, b in zip(greedy, beam, strict=True):
+    greedy = greedy_search(model, src, lengths)
+    beam = beam_search(model, src, lengths, DecodeOptions(beam=5, alpha=0.0))
+    for g, (b,) in zip(greedy, beam, strict=True):
         if g.attention.shape[0] > len(g.tokens):  # greedy finished with </s>
             assert b.score >= g.score - 1e-9
 
@@ -308,3 +313,33 @@ def test_no_graph_break_in_attention_and_decoder_step():
     )
     assert explained.graph_break_count == 0, explained.break_reasons
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(("beam", "n_best"), [(1, 1), (3, 1), (3, 2)])
+def test_search_is_greedy_at_beam_one_and_the_beam_search_above(beam, n_best):
+    model = _model(decoder="gnmt")
+    src, lengths, _, _ = _batch()
+    options = DecodeOptions(beam=beam, n_best=n_best, beta=0.1)
+    found = search(model, src, lengths, options)
+    if beam == 1:
+        expected = [[h] for h in greedy_search(model, src, lengths, options)]
+    else:
+        expected = beam_search(model, src, lengths, options)
+    assert [len(h) for h in found] == [n_best] * src.shape[0]
+    assert [[(h.tokens, h.score) for h in row] for row in found] == [
+        [(h.tokens, h.score) for h in row] for row in expected
+    ]
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (dict(beam=0), "beam must be an int >= 1, got 0"),
+        (dict(beam=2, n_best=3), "n_best 3 needs beam >= 3, got 2"),
+        (dict(max_len_factor=0.0), "max_len_factor must be finite and > 0, got 0.0"),
+        (dict(max_len=0), "max_len must be an int >= 1 or None, got 0"),
+    ],
+)
+def test_bad_decode_options_are_named(options, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        DecodeOptions(**options)

@@ -9,15 +9,18 @@ import pytest
 import torch
 
 from seq2seq_fast.seq2seq import train as train_module
+from seq2seq_fast.seq2seq.builders import build_task
 from seq2seq_fast.seq2seq.checkpoint import load_checkpoint
 from seq2seq_fast.seq2seq.cli import build_parser
+from seq2seq_fast.seq2seq.config import TrainConfig, TrainError
 from seq2seq_fast.seq2seq.data import (
     epoch_batches,
     padded_width,
     padding_fractions,
     token_batches,
 )
-from seq2seq_fast.seq2seq.train import TrainConfig, TrainError, train
+from seq2seq_fast.seq2seq.distributed import Dist
+from seq2seq_fast.seq2seq.train import train
 from tests.seq2seq.test_train import SAME, _toy_corpus, tiny_config
 
 
@@ -110,7 +113,7 @@ def test_training_by_tokens_resumes_exactly_with_the_full_schedule(tmp_path, mon
                          dropout=0.1, batch_tokens=90, warmup_steps=2)  # fmt: skip
     full = train(config)
     full_sizes, sizes[:] = list(sizes), []
-    task = train_module.build_task(config, train_module.Dist(), None)
+    task = build_task(config, Dist(), None)
     plans = [token_batches(task.corpus.train, 90, seed=0, epoch=e) for e in range(2)]
     assert len(plans[0]) == len(plans[1]) == task.steps_per_epoch and full.step == 2 * len(plans[0])
     assert full_sizes == [len(b) for plan in plans for b in plan]

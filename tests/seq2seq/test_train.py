@@ -17,7 +17,8 @@ from seq2seq_fast.seq2seq.checkpoint import (
     load_model,
     save_checkpoint,
 )
-from seq2seq_fast.seq2seq.train import TrainConfig, TrainError, train
+from seq2seq_fast.seq2seq.config import TrainConfig, TrainError
+from seq2seq_fast.seq2seq.train import train
 
 TINY = dict(
     vocab_size=6, min_len=2, max_len=5, heldout_size=100, embed_size=16, hidden_size=32,
@@ -120,7 +121,7 @@ def test_atomic_save_keeps_the_old_file_when_writing_fails(tmp_path):
 
 def test_fused_backend_without_kernel_is_a_clear_error(tmp_path, monkeypatch):
     from seq2seq_fast.ops import _library as ops
-    from seq2seq_fast.seq2seq.train import TrainError
+    from seq2seq_fast.seq2seq.config import TrainError
 
     monkeypatch.setattr(ops, "CPU_KERNEL_ERROR", "ImportError: not built (test)")
     with pytest.raises(TrainError, match="--backend fused is not available"):

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from seq2seq_fast.seq2seq import builders, evaluation
 from seq2seq_fast.seq2seq import train as train_module
 from seq2seq_fast.seq2seq.checkpoint import load_checkpoint, load_model
-from seq2seq_fast.seq2seq.train import TrainConfig, TrainError, train
+from seq2seq_fast.seq2seq.config import TrainConfig, TrainError
+from seq2seq_fast.seq2seq.train import train
 
 TINY = dict(
     vocab_size=6, min_len=2, max_len=5, heldout_size=50, embed_size=16, hidden_size=32,
@@ -17,7 +19,7 @@ TINY = dict(
 
 
 def test_bf16_without_hardware_support_says_so_and_trains_in_fp32(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(train_module, "bf16_unavailable_reason", lambda device: "no bf16 here")
+    monkeypatch.setattr(builders, "bf16_unavailable_reason", lambda device: "no bf16 here")
     result = train(TrainConfig(**TINY, out=str(tmp_path), precision="bf16"))
     out = capsys.readouterr().out
     assert "--precision bf16: no bf16 here; training in fp32" in out
@@ -26,7 +28,7 @@ def test_bf16_without_hardware_support_says_so_and_trains_in_fp32(tmp_path, monk
 
 
 def test_bf16_autocast_trains_with_fp32_master_weights(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(train_module, "bf16_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(builders, "bf16_unavailable_reason", lambda device: None)
     result = train(TrainConfig(**TINY, out=str(tmp_path), precision="bf16"))
     assert "autocast bf16" in capsys.readouterr().out
     losses = torch.tensor(result.losses)
@@ -45,7 +47,7 @@ def test_attentional_output_layer_learns_and_reloads(tmp_path):
 
 
 def test_bf16_reason_on_this_machine_is_none_or_names_the_missing_instructions():
-    reason = train_module.bf16_unavailable_reason(torch.device("cpu"))
+    reason = builders.bf16_unavailable_reason(torch.device("cpu"))
     assert reason is None or ("AVX512-BF16" in reason and "AMX" in reason)
 
 
@@ -96,7 +98,7 @@ def test_final_test_bleu_and_heatmap_are_of_the_best_checkpoint(tmp_path, monkey
         return 50.0 - len(calls)
 
     drawn = []
-    monkeypatch.setattr(train_module, "bleu_score", fake_bleu)
+    monkeypatch.setattr(evaluation, "bleu_score", fake_bleu)
     monkeypatch.setattr(
         plot, "plot_translation", lambda model, *a, **k: drawn.append(_state(model))
     )
@@ -135,7 +137,7 @@ def test_a_time_budget_spent_between_evaluations_scores_the_last_model(tmp_path,
     """Evaluations every 5 steps, the budget spent at step 7: the last model is scored too, and
     being the best (scores rise with the step here) it, not step 5's best.pt, is the final one."""
     ticks = iter(range(1000))
-    monkeypatch.setattr(train_module, "_synced_elapsed", lambda started, ctx: 10.0 * next(ticks))
+    monkeypatch.setattr(train_module, "synced_elapsed", lambda started, ctx: 10.0 * next(ticks))
     monkeypatch.setattr(
         train_module,
         "evaluate",

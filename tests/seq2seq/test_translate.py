@@ -19,9 +19,9 @@ from seq2seq_fast.seq2seq.checkpoint import (
 )
 from seq2seq_fast.seq2seq.cli import main
 from seq2seq_fast.seq2seq.data import BOS_ID, EOS_ID, SymbolVocab, make_batch, reverse_symbols
-from seq2seq_fast.seq2seq.decoding import beam_search_nbest, greedy_decode
+from seq2seq_fast.seq2seq.decoding import DecodeOptions, beam_search, greedy_search
 from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig
-from seq2seq_fast.seq2seq.translate import DecodeOptions, Translator, split_lines
+from seq2seq_fast.seq2seq.translate import Translator, split_lines
 
 FUSED = "fused" if fused_available("cpu", torch.float32) else "reference"
 # (backend, model options): both decoders, both cells, the fused op where it is built
@@ -78,7 +78,7 @@ def _assert_same(a, b, what):
 def test_batched_greedy_equals_one_sentence_at_a_time(backend, overrides):
     model, _ = _model(backend, **overrides)
     sources = _sources()
-    alone, batched = _alone_and_batched(lambda s, n: greedy_decode(model, s, n), sources)
+    alone, batched = _alone_and_batched(lambda s, n: greedy_search(model, s, n), sources)
     lengths = {len(h.tokens) for h in batched}
     assert len(lengths) > 1, "the rows should finish at different steps (the batch shrinks)"
     for i, (a, b) in enumerate(zip(alone, batched, strict=True)):
@@ -91,7 +91,7 @@ def test_batched_beam_search_equals_per_sentence(backend, overrides):
     sources = _sources(seed=3)
 
     def search(src, lengths):
-        return beam_search_nbest(model, src, lengths, beam_size=4, n_best=3, beta=0.2)
+        return beam_search(model, src, lengths, DecodeOptions(beam=4, n_best=3, beta=0.2))
 
     alone, batched = _alone_and_batched(search, sources)
     for i, (a, b) in enumerate(zip(alone, batched, strict=True)):
@@ -146,8 +146,8 @@ def test_beam_search_equals_a_plain_search(beam, eos_bias):
     sources = _sources(count=6, seed=5)
     batch = make_batch([(s, [0]) for s in sources])
     with torch.no_grad():
-        batched = beam_search_nbest(model, batch.src, batch.src_lengths, beam_size=beam,
-                                    n_best=beam)  # fmt: skip
+        options = DecodeOptions(beam=beam, n_best=beam)
+        batched = beam_search(model, batch.src, batch.src_lengths, options)
         for i, ids in enumerate(sources):
             plain = _plain_beam_search(model, ids, beam, n_best=beam)
             assert [h.tokens for h in batched[i]] == [tokens for _, tokens in plain], i
@@ -174,9 +174,6 @@ def test_padded_rows_encode_and_attend_exactly():
 
 
 def test_beam_n_best_must_fit_the_beam():
-    model, _ = _model()
-    with pytest.raises(ValueError, match="n_best"):
-        beam_search_nbest(model, torch.tensor([[4, 5]]), torch.tensor([2]), beam_size=2, n_best=3)
     with pytest.raises(ValueError, match="n_best"):
         DecodeOptions(beam=2, n_best=3)
 

@@ -1,0 +1,66 @@
+"""TrainConfig: the per-task defaults resolved in Python as on the command line, --compile."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+
+from seq2seq_fast.seq2seq.cli import build_parser, train_config
+from seq2seq_fast.seq2seq.config import TASK_DEFAULTS, TrainConfig, TrainError
+
+
+def cli_config(*args: str) -> TrainConfig:
+    return train_config(build_parser().parse_args(["train", *args]))
+
+
+@pytest.mark.parametrize("task", ["reverse", "translate"])
+def test_python_and_cli_build_the_same_job(task):
+    data = ["--data", "corpus.tsv"] if task == "translate" else []
+    kwargs = {"data": "corpus.tsv"} if task == "translate" else {}
+    from_cli = cli_config("--task", task, *data)
+    assert TrainConfig(task=task, **kwargs) == from_cli
+    assert TrainConfig.for_task(task, **kwargs) == from_cli
+    for name, value in TASK_DEFAULTS[task].items():
+        assert getattr(from_cli, name) == value, name
+
+
+def test_the_task_defaults_differ_and_each_task_gets_its_own():
+    reverse, translate = TrainConfig(), TrainConfig.for_task("translate", data="c.tsv")
+    differing = {k for k in TASK_DEFAULTS["translate"]
+                 if TASK_DEFAULTS["translate"][k] != TASK_DEFAULTS["reverse"][k]}  # fmt: skip
+    assert differing  # else the test below checks nothing
+    for name in differing:
+        assert getattr(translate, name) != getattr(reverse, name), name
+
+
+def test_an_option_given_beats_the_task_default():
+    assert TrainConfig.for_task(
+        "translate", data="c.tsv", lr=1e-3, decoder="bahdanau"
+    ) == cli_config(
+        "--task", "translate", "--data", "c.tsv", "--lr", "1e-3", "--decoder", "bahdanau"
+    )
+    config = cli_config("--task", "translate", "--data", "c.tsv", "--dropout", "0")
+    assert config.dropout == 0.0 != TASK_DEFAULTS["translate"]["dropout"]
+
+
+def test_a_stored_config_reads_back_unchanged():
+    config = TrainConfig.for_task("translate", data="c.tsv", hidden_size=48)
+    assert TrainConfig.from_dict(asdict(config)) == config
+
+
+def test_compile_is_a_flag_and_backend_compile_an_alias():
+    flag = cli_config("--compile")
+    assert flag.compile and flag.backend == "auto"
+    assert cli_config("--backend", "compile") == flag
+    assert cli_config("--compile", "--backend", "reference").backend == "reference"
+    # a checkpoint written when compile was a backend
+    old = asdict(TrainConfig()) | {"backend": "compile"}
+    assert TrainConfig.from_dict(old) == flag
+    with pytest.raises(TrainError, match=r"compile=True \(--compile\)"):
+        TrainConfig(backend="compile")
+
+
+def test_an_unknown_task_is_named():
+    with pytest.raises(TrainError, match="'summarise'"):
+        TrainConfig(task="summarise")
