@@ -457,6 +457,7 @@ class TranslationData:
         vocabs: tuple[SentencePieceVocab, SentencePieceVocab] | None = None,
         valid_path: str | Path | None = None,
         test_path: str | Path | None = None,
+        max_held_out: int | None = MAX_HELD_OUT,
     ) -> TranslationData:
         """Read, filter, split; train the two subword vocabularies on the training split (or use
         ``vocabs``, e.g. a checkpoint's, when resuming) and encode the training pairs.
@@ -472,7 +473,9 @@ class TranslationData:
         if max_pairs is not None and len(pairs) > max_pairs:
             pairs = random.Random(seed).sample(pairs, max_pairs)
         if valid_path is None:
-            train, valid, test = split_by_source(pairs, valid_fraction, test_fraction, seed)
+            train, valid, test = split_by_source(
+                pairs, valid_fraction, test_fraction, seed, max_held_out
+            )
         else:
             train, test = pairs, []
             valid = read_parallel_corpus(valid_path, normalization=normalization, swap=swap)[0]
@@ -515,6 +518,21 @@ def epoch_batches(
     batches = [batches[i] for i in shuffle]
     per_rank = len(batches) // world_size if world_size > 1 else len(batches)
     return batches[rank::world_size][:per_rank]
+
+
+def max_lengths(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[int, int]:
+    """-> (longest source, longest target) of the pairs (a token store: from its index)."""
+    lengths = _store_lengths(pairs)
+    if lengths is not None:
+        return int(lengths[:, 0].max()), int(lengths[:, 1].max())
+    return max(len(s) for s, _ in pairs), max(len(t) for _, t in pairs)
+
+
+def shared_vocab(holder) -> bool:
+    """Whether ``holder``'s (a task's or a corpus's) two vocabularies are one: the same object
+    or the same content (a checkpoint's, read back as two)."""
+    src, tgt = holder.src_vocab, holder.tgt_vocab
+    return src is tgt or src.to_state() == tgt.to_state()
 
 
 def padded_width(pair: tuple[Sequence[int], Sequence[int]]) -> int:

@@ -407,21 +407,21 @@ def build_store(
                 out.flush()
                 os.fsync(out.fileno())
         pair_lengths = np.concatenate(lengths) if lengths else np.zeros((0, 2), np.int32)
-        report.pairs = len(pair_lengths)
-        if report.pairs == 0:
+        valid, test = heldout[0], heldout[1]
+        report.pairs = len(pair_lengths) + len(valid) + len(test)
+        if len(pair_lengths) == 0:
             raise CorpusError(f"no usable sentence pairs in {report.summary()}")
-        offsets = np.zeros((report.pairs, 2), np.int64)
+        offsets = np.zeros((len(pair_lengths), 2), np.int64)
         np.cumsum(pair_lengths[:-1], axis=0, out=offsets[1:])
         _save_npy(tmp / "offsets.npy", offsets)
         _save_npy(tmp / "lengths.npy", pair_lengths)
-        valid, test = heldout[0], heldout[1]
         _fsync_write(tmp / "heldout.json", json.dumps(
             {"valid": valid, "test": test, "dropped_over_cap": dropped,
              "encoded_empty": empty}, ensure_ascii=False).encode())  # fmt: skip
         files_sizes = {p.name: p.stat().st_size for p in tmp.iterdir()}
         manifest = {
             "format": STORE_FORMAT, "version": STORE_VERSION, "key": key, "identity": identity,
-            "pairs": report.pairs, "dtype": dtype.name, "src_tokens": totals[0],
+            "pairs": len(pair_lengths), "dtype": dtype.name, "src_tokens": totals[0],
             "tgt_tokens": totals[1], "valid": len(valid), "test": len(test),
             "files": files_sizes, "report": asdict(report),
         }  # fmt: skip
@@ -640,3 +640,115 @@ def load_store_corpus(
     elif not held_valid:
         raise CorpusError(f"{files.name}: too few lines ({lines}) to carve a validation set")
     return TranslationData(vocabs[0], vocabs[1], store, held_valid, held_test, store.report())
+
+
+# --- the training configuration's side (TrainConfig, duck-typed: no import of train.py) -------------
+
+_TOKENIZER_OPTIONS = ("spm", "src_spm", "tgt_spm", "src_vocab_file", "tgt_vocab_file")
+_FLAG = {"src_vocab_file": "--src-vocab", "tgt_vocab_file": "--tgt-vocab"}
+
+
+def _flag(name: str) -> str:
+    return _FLAG.get(name, "--" + name.replace("_", "-"))
+
+
+def uses_token_store(config) -> bool:
+    """The token store is used for a two-file corpus and with any tokenizer option; --data alone
+    reads the corpus in memory as before; ``token_store`` True/False forces either."""
+    if config.token_store is not None:
+        return bool(config.token_store)
+    return bool(config.src or config.share_vocab or config.cache_dir
+                or any(getattr(config, n) for n in _TOKENIZER_OPTIONS))  # fmt: skip
+
+
+def check_data_options(config) -> None:
+    """ValueError naming the options when the data options do not go together."""
+    given = [n for n in ("src", "tgt", "valid_src", "valid_tgt", "test_src", "test_tgt",
+                         *_TOKENIZER_OPTIONS, "share_vocab", "cache_dir", "token_store")
+             if getattr(config, n) not in (None, False)]  # fmt: skip
+    if config.task != "translate" and given:
+        raise ValueError(f"{', '.join(_flag(n) for n in given)}: for --task translate")
+    for a, b in (("src", "tgt"), ("valid_src", "valid_tgt"), ("test_src", "test_tgt")):
+        if bool(getattr(config, a)) != bool(getattr(config, b)):
+            have, lack = (a, b) if getattr(config, a) else (b, a)
+            raise ValueError(f"{_flag(have)} needs {_flag(lack)} (a two-file corpus: one file "
+                             "a side)")  # fmt: skip
+    if config.src and config.data:
+        raise ValueError("--data and --src/--tgt both given: one training corpus")
+    if config.valid_src and config.valid_data:
+        raise ValueError("--valid-data and --valid-src/--valid-tgt both given: one validation set")
+    if config.test_src and config.test_data:
+        raise ValueError("--test-data and --test-src/--test-tgt both given: one test set")
+    if config.test_src and not (config.valid_src or config.valid_data):
+        raise ValueError("--test-src/--test-tgt need a validation split too (--valid-src/"
+                         "--valid-tgt or --valid-data)")  # fmt: skip
+    if config.spm and (config.src_spm or config.tgt_spm):
+        raise ValueError("--spm (one model for both sides) and --src-spm/--tgt-spm both given")
+    for side in ("src", "tgt"):
+        if (config.spm or getattr(config, f"{side}_spm")) and getattr(config, f"{side}_vocab_file"):
+            raise ValueError(f"{_flag(side + '_vocab_file')} and a sentencepiece model both "
+                             f"given for the {side} side: one tokenizer a side")  # fmt: skip
+    if config.token_store is False and (config.src or any(
+            getattr(config, n) for n in _TOKENIZER_OPTIONS)):  # fmt: skip
+        raise ValueError("--token-store off: two-file corpora and tokenizer files are read "
+                         "through the token store")  # fmt: skip
+    if config.spm_sample_size < 0:
+        raise ValueError(f"spm_sample_size must be >= 0, got {config.spm_sample_size}")
+    if config.max_held_out < 1:
+        raise ValueError(f"max_held_out must be >= 1, got {config.max_held_out}")
+
+
+def tokenizer_spec(config) -> TokenizerSpec:
+    return TokenizerSpec(
+        src_spm=config.spm or config.src_spm, tgt_spm=config.spm or config.tgt_spm,
+        src_vocab=config.src_vocab_file, tgt_vocab=config.tgt_vocab_file,
+        share=bool(config.share_vocab or config.spm), vocab_size=config.spm_vocab_size,
+        sample_size=config.spm_sample_size or 1 << 62,
+    )  # fmt: skip
+
+
+def open_store_corpus(config, *, vocabs=None, rank: int = 0, world_size: int = 1,
+                      log: Log = print) -> TranslationData:  # fmt: skip
+    """The training job's corpus through the token store (see :func:`load_store_corpus`)."""
+    swap = config.direction == "2-1"
+    if config.src:
+        files = CorpusFiles(config.tgt, config.src) if swap else CorpusFiles(config.src, config.tgt)
+    else:
+        files = CorpusFiles(config.data, swap=swap)
+
+    def pair(a: str | None, b: str | None) -> tuple[str | None, str | None]:
+        return (b, a) if swap and b is not None else (a, b)
+
+    valid = pair(config.valid_src, config.valid_tgt) if config.valid_src else (config.valid_data,
+                                                                               None)  # fmt: skip
+    test = pair(config.test_src, config.test_tgt) if config.test_src else (config.test_data, None)
+    options = Options(
+        normalization=config.normalization, max_words=config.max_words,
+        max_pairs=config.max_pairs, seed=config.seed, valid_fraction=config.valid_fraction,
+        test_fraction=config.test_fraction, max_held_out=config.max_held_out,
+    )  # fmt: skip
+    barrier = None
+    if world_size > 1:
+        import torch.distributed as dist
+
+        barrier = dist.barrier
+    cache_dir = Path(config.cache_dir) if config.cache_dir else config.out_dir / "data-cache"
+    return load_store_corpus(files, tokenizer_spec(config), options, cache_dir, vocabs=vocabs,
+                             valid=valid, test=test, rank=rank, barrier=barrier,
+                             progress=config.progress, log=log)  # fmt: skip
+
+
+def check_tokenizers_fit(config, payload: dict, checkpoint: str) -> None:
+    """Tokenizer files given together with a checkpoint (``--resume``; fine-tuning) must be the
+    vocabularies its model was trained with: CorpusError naming the file and what differs."""
+    from seq2seq_fast.seq2seq.vocab import check_vocab_fits
+
+    if not any(getattr(config, n, None) for n in _TOKENIZER_OPTIONS):
+        return
+    spec = tokenizer_spec(config)
+    given = _given(spec)
+    sources = (spec.src_spm or spec.src_vocab, spec.tgt_spm or spec.tgt_vocab)
+    for side, vocab, source, key in zip(("source", "target"), given, sources,
+                                        ("src_vocab", "tgt_vocab"), strict=True):  # fmt: skip
+        if vocab is not None:
+            check_vocab_fits(vocab, payload[key], side=side, source=source, checkpoint=checkpoint)

@@ -64,7 +64,9 @@ from seq2seq_fast.seq2seq.data import (
     TranslationData,
     epoch_batches,
     make_batch,
+    max_lengths,
     padding_fractions,
+    shared_vocab,
     token_batches,
     vocab_from_state,
 )
@@ -137,6 +139,28 @@ class TrainConfig:
     # Official splits, used as given (then ``data`` is the training split, not split again).
     valid_data: str | None = None
     test_data: str | None = None  # needs valid_data; none: no test BLEU
+    # Their own data (seq2seq/store.py, seq2seq/vocab.py): a two-file corpus (one sentence a
+    # line), official splits as two files, tokenizers (an existing sentencepiece model per side,
+    # or one shared; or vocabulary files for pre-tokenised text), tied embeddings, and the on-disk
+    # token store (on for --src/--tgt and with any tokenizer option; --data alone: in memory).
+    src: str | None = None
+    tgt: str | None = None
+    valid_src: str | None = None
+    valid_tgt: str | None = None
+    test_src: str | None = None
+    test_tgt: str | None = None
+    spm: str | None = None  # one sentencepiece model for both sides (a shared vocabulary)
+    src_spm: str | None = None
+    tgt_spm: str | None = None
+    src_vocab_file: str | None = None  # one token a line, or token<TAB>count
+    tgt_vocab_file: str | None = None
+    share_vocab: bool = False  # one vocabulary for both sides (trained on both when not given)
+    # decoder input embedding = output projection; with a shared vocabulary the encoder's too
+    tie_embeddings: bool = False
+    token_store: bool | None = None  # None: as above; True/False force it on/off
+    cache_dir: str | None = None  # token stores and trained tokenizers (default <out>/data-cache)
+    spm_sample_size: int = 100_000  # pairs the sentencepiece models are trained on (0: all)
+    max_held_out: int = 3000  # at most this many pairs each in valid and test carved from a file
     eval_size: int = 500  # valid pairs scored with BLEU after each epoch
     eval_beam: int = 1  # beam for the final test BLEU
     # Also evaluate every N steps (0: at epoch ends only). Each evaluation that beats the best so
@@ -161,8 +185,15 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.task not in ("reverse", "translate"):
             raise TrainError(f"task must be 'reverse' or 'translate', got {self.task!r}")
-        if self.task == "translate" and not self.data:
-            raise TrainError("--task translate needs --data PATH (a .txt/.tsv file or a .zip)")
+        if self.task == "translate" and not (self.data or self.src or self.tgt):
+            raise TrainError("--task translate needs --data PATH (a .txt/.tsv file or a .zip) "
+                             "or --src FILE --tgt FILE (one sentence a line)")  # fmt: skip
+        from seq2seq_fast.seq2seq.store import check_data_options
+
+        try:
+            check_data_options(self)
+        except ValueError as exc:
+            raise TrainError(str(exc)) from None
         if self.test_data and not self.valid_data:
             raise TrainError("--test-data needs --valid-data (official splits come together)")
         if self.valid_data and self.task != "translate":
@@ -195,6 +226,12 @@ class TrainConfig:
     @property
     def out_dir(self) -> Path:
         return Path(self.out or f"runs/{self.task}")
+
+    @property
+    def uses_token_store(self) -> bool:
+        from seq2seq_fast.seq2seq.store import uses_token_store
+
+        return uses_token_store(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
@@ -405,13 +442,20 @@ def build_task(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None) -
     vocabs = None
     if payload is not None:  # on resume, the vocabularies the model was trained with
         vocabs = (vocab_from_state(payload["src_vocab"]), vocab_from_state(payload["tgt_vocab"]))
-    corpus = TranslationData.load(
-        config.data, swap=config.direction == "2-1", max_words=config.max_words,
-        max_pairs=config.max_pairs, vocab_size=config.spm_vocab_size,
-        normalization=config.normalization, valid_fraction=config.valid_fraction,
-        test_fraction=config.test_fraction, seed=config.seed, vocabs=vocabs,
-        valid_path=config.valid_data, test_path=config.test_data,
-    )  # fmt: skip
+    if config.uses_token_store:  # streamed into an on-disk token store (seq2seq/store.py)
+        from seq2seq_fast.seq2seq.store import open_store_corpus
+
+        corpus = open_store_corpus(config, vocabs=vocabs, rank=ctx.rank,
+                                   world_size=ctx.world_size, log=lambda m: _log(m, ctx))  # fmt: skip
+    else:
+        corpus = TranslationData.load(
+            config.data, swap=config.direction == "2-1", max_words=config.max_words,
+            max_pairs=config.max_pairs, vocab_size=config.spm_vocab_size,
+            normalization=config.normalization, valid_fraction=config.valid_fraction,
+            test_fraction=config.test_fraction, seed=config.seed, vocabs=vocabs,
+            valid_path=config.valid_data, test_path=config.test_data,
+            max_held_out=config.max_held_out,
+        )  # fmt: skip
     _log(corpus.report.summary(), ctx)
     if corpus.report.too_long:
         share = corpus.report.too_long / max(1, corpus.report.too_long + corpus.report.pairs)
@@ -423,11 +467,12 @@ def build_task(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None) -
         f"{len(corpus.src_vocab)} source, {len(corpus.tgt_vocab)} target",
         ctx,
     )
+    longest_src, longest_tgt = max_lengths(corpus.train)
     task = Task(
-        "translate", corpus.src_vocab, corpus.tgt_vocab, 0,
-        max(len(s) for s, _ in corpus.train), max(len(t) for _, t in corpus.train) + 1,
+        "translate", corpus.src_vocab, corpus.tgt_vocab, 0, longest_src, longest_tgt + 1,
         {"kind": "translate", "data": str(config.data), "direction": config.direction,
-         "valid_data": config.valid_data, "test_data": config.test_data},
+         "valid_data": config.valid_data, "test_data": config.test_data,
+         "src": config.src, "tgt": config.tgt, "shared_vocab": shared_vocab(corpus)},
         corpus=corpus,
     )  # fmt: skip
     plan = task.epoch_plan(config, 0, ctx)
@@ -465,8 +510,14 @@ def build_model(config: TrainConfig, task: Task, ctx: Dist) -> tuple[Seq2Seq, st
         dropout=config.dropout,
         backend=attention_backend,
         output_layer=config.output_layer,
+        tie_embeddings=config.tie_embeddings,
+        share_embeddings=config.tie_embeddings and shared_vocab(task),
     )
-    return Seq2Seq(model_config).to(ctx.device), attention_backend
+    try:
+        model = Seq2Seq(model_config)
+    except ValueError as exc:  # e.g. tied embeddings with a projection of another width
+        raise TrainError(str(exc).replace("tie_embeddings", "--tie-embeddings")) from None
+    return model.to(ctx.device), attention_backend
 
 
 def bf16_unavailable_reason(device: torch.device) -> str | None:
@@ -956,6 +1007,9 @@ def _resume_config(config: TrainConfig, resume: str | Path) -> tuple[TrainConfig
             f"{resume} is an exported inference model (weights and vocabularies, no optimiser "
             "state): it cannot be resumed; resume from the training checkpoint instead"
         )
+    from seq2seq_fast.seq2seq.store import check_tokenizers_fit
+
+    check_tokenizers_fit(config, payload, str(resume))  # tokenizer files given with --resume
     saved = TrainConfig.from_dict(dict(payload.get("train_config", {})))
     # Everything comes from the checkpoint, except where the files go and how long to run.
     saved.out = config.out if config.out is not None else str(Path(resume).parent)
