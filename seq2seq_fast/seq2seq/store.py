@@ -210,13 +210,16 @@ def _kept_lines(lines: int, options: Options) -> np.ndarray | None:
 
 def clean_pairs(
     files: CorpusFiles, lines: int, options: Options, rule: SplitRule, report: CorpusReport,
-    progress: bool = False, desc: str = "reading",
+    progress: bool = False, desc: str = "reading", only: np.ndarray | None = None,
 ) -> Iterator[tuple[int, str, str]]:  # fmt: skip
     """(split side, source, target) of every usable pair, normalised, in file order; malformed
-    and over-long lines counted in ``report`` (the first ones listed with their numbers)."""
+    and over-long lines counted in ``report`` (the first ones listed with their numbers).
+    ``only``: a bool mask by line number; the other lines are skipped unread (a sample)."""
     from tqdm import tqdm
 
     keep = _kept_lines(lines, options)
+    if only is not None:
+        keep = only if keep is None else keep & only
     form, max_words = options.normalization, options.max_words
     with tqdm(total=lines, unit=" lines", unit_scale=True, leave=False, desc=desc,
               disable=not progress, file=sys.stderr, mininterval=0.5) as bar:  # fmt: skip
@@ -265,21 +268,18 @@ class TokenStore:
             "src_tokens"] else np.zeros(0, dtype)  # fmt: skip
         self.tgt_ids = np.memmap(folder / "tgt.bin", dtype=dtype, mode="r") if manifest[
             "tgt_tokens"] else np.zeros(0, dtype)  # fmt: skip
+        # 16 + 8 bytes a pair; read with numpy, never turned into Python lists (at 10M pairs
+        # those would take more memory than the whole store)
         self.offsets = np.load(folder / "offsets.npy", mmap_mode="r")
-        self.lengths = np.load(folder / "lengths.npy")  # 8 bytes a pair: in memory
-        self._src_off = np.ascontiguousarray(self.offsets[:, 0]).tolist()
-        self._tgt_off = np.ascontiguousarray(self.offsets[:, 1]).tolist()
-        self._src_len = self.lengths[:, 0].tolist()
-        self._tgt_len = self.lengths[:, 1].tolist()
+        self.lengths = np.load(folder / "lengths.npy")
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def __getitem__(self, index) -> tuple[list[int], list[int]]:
-        i = int(index)
-        s, t = self._src_off[i], self._tgt_off[i]
-        return (self.src_ids[s : s + self._src_len[i]].tolist(),
-                self.tgt_ids[t : t + self._tgt_len[i]].tolist())  # fmt: skip
+        s, t = self.offsets[index].tolist()
+        n, m = self.lengths[index].tolist()
+        return self.src_ids[s : s + n].tolist(), self.tgt_ids[t : t + m].tolist()
 
     def heldout(self) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
         data = json.loads((self.folder / "heldout.json").read_text(encoding="utf-8"))
@@ -456,9 +456,9 @@ def sample_sentences(files: CorpusFiles, lines: int, options: Options, rule: Spl
         chosen[1 + rng.choice(lines, size=size, replace=False)] = True
     sources, targets = [], []
     report = CorpusReport(files.name)
-    for side, src, tgt in clean_pairs(files, lines, options, rule, report, progress, "sampling"):
-        # report.lines: the number of the line just read
-        if side == 0 and (chosen is None or chosen[report.lines]):
+    for side, src, tgt in clean_pairs(files, lines, options, rule, report, progress, "sampling",
+                                      only=chosen):  # fmt: skip
+        if side == 0:
             sources.append(src)
             targets.append(tgt)
     return sources, targets
