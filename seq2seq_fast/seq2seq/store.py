@@ -31,8 +31,10 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import shutil
 import sys
+import unicodedata
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -46,7 +48,6 @@ from seq2seq_fast.seq2seq.data import (
     CorpusReport,
     SentencePieceVocab,
     TranslationData,
-    normalize_text,
     read_parallel_corpus,
 )
 
@@ -132,23 +133,52 @@ def file_identity(path: Path) -> dict:
             "head_tail_sha256": digest.hexdigest()}  # fmt: skip
 
 
-def raw_pairs(files: CorpusFiles) -> Iterator[tuple[int, bytes, bytes | None]]:
-    """(line number, source bytes, target bytes) of every line; one file: target None when the
-    line has no tab."""
+def raw_blocks(files: CorpusFiles, size: int) -> Iterator[tuple[list[bytes], list]]:
+    """The corpus's lines by blocks of ``size``: (source lines, target lines) as bytes; one file:
+    its columns, target None for a line without a tab."""
     if files.tgt is not None:
         with open(files.src, "rb") as src, open(files.tgt, "rb") as tgt:
-            for number, (s, t) in enumerate(zip(src, tgt, strict=True), start=1):
-                yield number, s, t
+            while src_block := list(itertools.islice(src, size)):
+                yield src_block, list(itertools.islice(tgt, size))
         return
     with open(files.src, "rb") as handle:
-        for number, line in enumerate(handle, start=1):
-            columns = line.rstrip(b"\r\n").split(b"\t", 2)
-            if len(columns) < 2:
-                yield number, line, None
-            elif files.swap:
-                yield number, columns[1], columns[0]
-            else:
-                yield number, columns[0], columns[1]
+        while block := list(itertools.islice(handle, size)):
+            columns = [line.split(b"\t", 2) for line in block]
+            first = [c[0] if len(c) > 1 else line for c, line in zip(columns, block, strict=True)]
+            second = [c[1] if len(c) > 1 else None for c in columns]
+            yield (second, first) if files.swap else (first, second)
+
+
+_SPACES = re.compile(r"[^\S\n]+")  # runs of whitespace within a line (U+00A0, U+202F included)
+
+
+def normalize_block(lines: list, form: str) -> tuple[list, dict[int, str]]:
+    """:func:`~seq2seq_fast.seq2seq.data.normalize_text` of many lines at once (one decode, one
+    Unicode normalisation, one regex over the block: what costs per line in Python is the
+    call) -> (texts, {index: why} of the lines that are not valid UTF-8; their text is None).
+    None lines stay None."""
+    texts: list = []
+    bad: dict[int, str] = {}
+    present = [line if line is not None else b"" for line in lines]
+    blob = b"\n".join(line.rstrip(b"\n") for line in present)
+    try:
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError:
+        decoded = []
+        for i, line in enumerate(present):
+            try:
+                decoded.append(line.rstrip(b"\n").decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                bad[i] = f"not valid UTF-8 ({exc.reason} at byte {exc.start})"
+                decoded.append("")
+        text = "\n".join(decoded)
+    if not text.isascii():
+        text = unicodedata.normalize(form, text)
+    texts = [line.strip(" ") for line in _SPACES.sub(" ", text).split("\n")]
+    for i, line in enumerate(lines):
+        if line is None or i in bad:
+            texts[i] = None
+    return texts, bad
 
 
 # --- splitting -------------------------------------------------------------------------------------
@@ -174,11 +204,11 @@ class SplitRule:
 
         return cls(seed, share(valid_fraction), share(test_fraction), max_held_out)
 
-    def side(self, source: bytes) -> int:
-        """0 train, 1 valid, 2 test."""
+    def side(self, source: str) -> int:
+        """0 train, 1 valid, 2 test (of the normalised source sentence)."""
         if not (self.valid_share or self.test_share):
             return 0
-        u = zlib.crc32(source.strip(), self.seed * 2654435761 % (1 << 32)) / 4294967296.0
+        u = zlib.crc32(source.encode(), self.seed * 2654435761 % (1 << 32)) / 4294967296.0
         if u < self.valid_share:
             return 1
         return 2 if u < self.valid_share + self.test_share else 0
@@ -221,37 +251,42 @@ def clean_pairs(
     if only is not None:
         keep = only if keep is None else keep & only
     form, max_words = options.normalization, options.max_words
+    number = 0
+
+    def malformed(line: int, why: str) -> None:
+        if len(report.malformed) < MALFORMED_LISTED:
+            report.malformed.append((line, why))
+        else:
+            report.more_malformed += 1
+
     with tqdm(total=lines, unit=" lines", unit_scale=True, leave=False, desc=desc,
               disable=not progress, file=sys.stderr, mininterval=0.5) as bar:  # fmt: skip
-        for number, src_raw, tgt_raw in raw_pairs(files):
-            if number % 16384 == 0:
-                bar.update(16384)
-            report.lines += 1
-            if keep is not None and not keep[number]:
-                continue
-            why = None
-            if tgt_raw is None:
-                why = "empty line" if not src_raw.strip() else "no tab-separated target column"
+        for src_block, tgt_block in raw_blocks(files, CHUNK_PAIRS):
+            first, count = number + 1, len(src_block)
+            number += count
+            report.lines += count
+            bar.update(count)
+            if keep is not None:
+                kept = np.flatnonzero(keep[first : first + count]).tolist()
+                src_block = [src_block[i] for i in kept]
+                tgt_block = [tgt_block[i] for i in kept]
             else:
-                try:
-                    src, tgt = src_raw.decode("utf-8"), tgt_raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    why = f"not valid UTF-8 ({exc.reason} at byte {exc.start})"
-                else:
-                    src = normalize_text(src, form)
-                    tgt = normalize_text(tgt, form)
-                    if not src or not tgt:
-                        why = "empty source or target"
-            if why is not None:
-                if len(report.malformed) < MALFORMED_LISTED:
-                    report.malformed.append((number, why))
-                else:
-                    report.more_malformed += 1
-                continue
-            if max_words is not None and max(src.count(" "), tgt.count(" ")) + 1 > max_words:
-                report.too_long += 1
-                continue
-            yield rule.side(src_raw), src, tgt
+                kept = range(count)
+            src_texts, src_bad = normalize_block(src_block, form)
+            tgt_texts, tgt_bad = normalize_block(tgt_block, form)
+            for k, (src, tgt) in enumerate(zip(src_texts, tgt_texts, strict=True)):
+                if not src or not tgt:
+                    if tgt_block[k] is None:  # one file, no tab
+                        why = ("empty line" if not src_block[k].strip()
+                               else "no tab-separated target column")  # fmt: skip
+                    else:
+                        why = src_bad.get(k) or tgt_bad.get(k) or "empty source or target"
+                    malformed(first + kept[k], why)
+                    continue
+                if max_words is not None and max(src.count(" "), tgt.count(" ")) + 1 > max_words:
+                    report.too_long += 1
+                    continue
+                yield rule.side(src), src, tgt
 
 
 # --- the store -------------------------------------------------------------------------------------

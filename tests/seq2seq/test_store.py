@@ -389,3 +389,16 @@ def test_pretokenised_corpus_with_vocabulary_files(tmp_path, monkeypatch):
         load(src, tgt, tmp_path / "cache", spec=TokenizerSpec(
             src_vocab=str(tmp_path / "src.vocab"), tgt_vocab=str(tmp_path / "tgt.vocab"),
             share=True))  # fmt: skip
+
+
+def test_block_normalisation_equals_normalize_text():
+    rng = random.Random(0)
+    alphabet = list("ab Z\t\r\x0b\x0c\x1c\x1f\x85\u00a0\u202f\u2028\u3000\ufb01é") + ["e\u0301"]
+    lines = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12))) for _ in range(3000)]
+    raw = [(line + "\n").encode() for line in lines]
+    texts, bad = store.normalize_block(raw, "NFKC")
+    assert not bad and texts == [normalize_text(line) for line in lines]
+    raw[7] = b"bad \xff\n"
+    texts, bad = store.normalize_block(raw + [None], "NFC")
+    assert set(bad) == {7} and texts[7] is None and texts[-1] is None
+    assert texts[8] == normalize_text(lines[8], "NFC")
