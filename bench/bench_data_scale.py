@@ -89,6 +89,8 @@ def child(spec: dict) -> None:
         step = job.step
         if step == 1:
             state["first_step_s"] = time.time() - spawned
+            usage = resource.getrusage(resource.RUSAGE_SELF)  # all threads of the process
+            state["first_step_cpu_s"] = usage.ru_utime + usage.ru_stime
             state["rss_first_step_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         if step == spec["warmup"]:
             state["wall"], state["cpu"] = time.perf_counter(), time.process_time()
@@ -104,7 +106,17 @@ def child(spec: dict) -> None:
             os._exit(0)
         return loss
 
+    build_task = train_module.build_task
+
+    def timed_build_task(*args, **kwargs):  # the data part: corpus, tokenizers, store, batches
+        started = time.time()
+        task = build_task(*args, **kwargs)
+        state["data_s"] = time.time() - started
+        state["data_ready_s"] = time.time() - spawned
+        return task
+
     train_module.train_step = watched
+    train_module.build_task = timed_build_task
     main(["train", *spec["args"]])
     print("RESULT " + json.dumps({"error": "training ended before the last measured step"}))
 
@@ -125,7 +137,15 @@ def measure(args: list[str], steps: int, warmup: int) -> dict:
 
 
 def _show(name: str, result: dict) -> None:
-    fields = ("first_step_s", "peak_rss_mb_wait4", "tok_per_s", "tok_per_cpu_s")
+    fields = (
+        "data_s",
+        "data_ready_s",
+        "first_step_s",
+        "first_step_cpu_s",
+        "peak_rss_mb_wait4",
+        "tok_per_s",
+        "tok_per_cpu_s",
+    )
     print(f"{name}: " + ", ".join(f"{k} {result[k]:,.1f}" for k in fields if k in result))
 
 
