@@ -153,3 +153,27 @@ def test_tsv_through_the_store_both_directions(tmp_path):
         assert any(
             p.name.startswith("store-") for p in (tmp_path / direction / "data-cache").iterdir()
         )
+
+
+def test_ddp_ranks_share_one_store(tmp_path):
+    """torchrun --nproc_per_node=2 (gloo): rank 0 builds the store and trains the tokenizers,
+    rank 1 waits and opens them; both train from it."""
+    import os
+    import shutil
+    import subprocess
+
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    src, tgt = write_corpus(tmp_path, lines=300)
+    out = tmp_path / "ddp"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    command = [torchrun, "--standalone", "--nproc_per_node=2", "-m", "seq2seq_fast", "train",
+               *TINY, "--src", str(src), "--tgt", str(tgt), "--out", str(out),
+               "--stop-after-steps", "3"]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "2 process(es)" in proc.stdout and proc.stdout.count("token store: encoding") == 1
+    payload = load_checkpoint(out / "model.pt")
+    assert payload["world_size"] == 2 and payload["step"] == 3
+    assert len(list((out / "data-cache").glob("store-*"))) == 1
