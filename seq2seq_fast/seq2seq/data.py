@@ -99,21 +99,12 @@ class SentencePieceVocab:
             self._to_ours, self._to_spm = to_ours, to_spm
 
     @classmethod
-    def train(
-        cls, sentences: Iterable[str], vocab_size: int, *, sample_size: int = 0
-    ) -> SentencePieceVocab:
-        """Train on ``sentences`` (any iterable, read once); ``sample_size`` > 0: on a random
-        sample of that many sentences (sentencepiece's reservoir sampling, seeded), so that a big
-        corpus streams through without being held."""
+    def train(cls, sentences: Iterable[str], vocab_size: int) -> SentencePieceVocab:
+        """Train on ``sentences`` (any iterable, read once; seq2seq/store.py passes a sample)."""
         import sentencepiece as spm
 
         model = io.BytesIO()
-        sampling = {}
-        if sample_size > 0:
-            sampling = dict(input_sentence_size=sample_size, shuffle_input_sentence=True,
-                            random_seed=1)  # fmt: skip
         spm.SentencePieceTrainer.train(
-            **sampling,
             sentence_iterator=iter(sentences),
             model_writer=model,
             vocab_size=vocab_size,

@@ -103,13 +103,18 @@ def count_lines(path: Path, progress: bool = False) -> int:
     return lines + (last != b"\n")
 
 
-def corpus_lines(files: CorpusFiles, progress: bool = False) -> int:
-    """The corpus's line count; two files with different counts are an error naming both."""
+def check_files(files: CorpusFiles) -> None:
+    """CorpusError naming a corpus file that is missing, a folder, or a .zip."""
     for path, side in zip(files.paths(), ("source", "target"), strict=False):
         _check_file(path, f"{side} corpus file" if files.tgt else "corpus file")
         if path.suffix.lower() == ".zip":
             raise CorpusError(f"{path}: a .zip corpus is read in memory: use --data without "
                               "the token store options, or unzip it")  # fmt: skip
+
+
+def corpus_lines(files: CorpusFiles, progress: bool = False) -> int:
+    """The corpus's line count; two files with different counts are an error naming both."""
+    check_files(files)
     counts = [count_lines(path, progress) for path in files.paths()]
     if len(counts) == 2 and counts[0] != counts[1]:
         raise CorpusError(
@@ -534,12 +539,12 @@ def _given(spec: TokenizerSpec):
 
 
 def resolve_tokenizers(
-    spec: TokenizerSpec, files: CorpusFiles, lines: int, options: Options, cache_dir: Path,
-    identity: dict, *, progress: bool = False, log: Log = print,
+    spec: TokenizerSpec, files: CorpusFiles, count: Callable[[], int], options: Options,
+    cache_dir: Path, identity: dict, *, progress: bool = False, log: Log = print,
 ):  # fmt: skip
     """-> (source vocabulary, target vocabulary); the same object twice when shared. Trained
     sentencepiece models are cached beside the stores (keyed like them), so a second run neither
-    re-reads the corpus nor trains again."""
+    re-reads the corpus nor trains again. ``count()``: the corpus's line count."""
     from seq2seq_fast.seq2seq.vocab import vocab_digest
 
     src, tgt = _given(spec)
@@ -563,6 +568,7 @@ def resolve_tokenizers(
             trained[w] = SentencePieceVocab(p.read_bytes())
         log(f"sentencepiece model(s) from the cache: {', '.join(str(p) for p in paths.values())}")
     else:
+        lines = count()
         rule = SplitRule.make(lines, options.valid_fraction, options.test_fraction, options.seed,
                               options.max_held_out, options.carve)  # fmt: skip
         sources, targets = sample_sentences(files, lines, options, rule, spec.sample_size,
@@ -633,16 +639,23 @@ def load_store_corpus(
     if test[0] is not None and valid[0] is None:
         raise CorpusError("a test split needs a validation split too (--valid-src/--valid-tgt "
                           "or --valid-data)")  # fmt: skip
-    lines = corpus_lines(files, progress and rank == 0)
+    check_files(files)
     identity = {"files": [file_identity(p) for p in files.paths()], "swap": files.swap}
+    counted: list[int] = []
+
+    def count() -> int:  # counted (and the two files' counts compared) only to build
+        if not counted:
+            counted.append(corpus_lines(files, progress and rank == 0))
+        return counted[0]
+
     if vocabs is None:
         if rank == 0:
-            vocabs = resolve_tokenizers(spec, files, lines, options, cache_dir, identity,
+            vocabs = resolve_tokenizers(spec, files, count, options, cache_dir, identity,
                                         progress=progress, log=log)  # fmt: skip
         if barrier is not None:
             barrier()
         if rank != 0:
-            vocabs = resolve_tokenizers(spec, files, lines, options, cache_dir, identity,
+            vocabs = resolve_tokenizers(spec, files, count, options, cache_dir, identity,
                                         progress=False, log=lambda _: None)  # fmt: skip
     from seq2seq_fast.seq2seq.vocab import vocab_digest
 
@@ -659,7 +672,7 @@ def load_store_corpus(
             if why:
                 log(f"token store {folder}: {why}; rebuilding it")
             log(f"token store: encoding {files.name} into {folder}")
-            store = build_store(folder, key, identity, files, lines, options, vocabs,
+            store = build_store(folder, key, identity, files, count(), options, vocabs,
                                 progress=progress, log=log)  # fmt: skip
     if barrier is not None:
         barrier()
@@ -673,7 +686,8 @@ def load_store_corpus(
         held_valid = _read_official(valid[0], valid[1], options, files.swap, "validation")
         held_test = _read_official(test[0], test[1], options, files.swap, "test")
     elif not held_valid:
-        raise CorpusError(f"{files.name}: too few lines ({lines}) to carve a validation set")
+        raise CorpusError(f"{files.name}: too few usable pairs ({store.report().pairs}) to "
+                          "carve a validation set")  # fmt: skip
     return TranslationData(vocabs[0], vocabs[1], store, held_valid, held_test, store.report())
 
 
