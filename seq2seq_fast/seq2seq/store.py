@@ -447,6 +447,7 @@ def build_store(
                 out.flush()
                 os.fsync(out.fileno())
         pair_lengths = np.concatenate(lengths) if lengths else np.zeros((0, 2), np.int32)
+        del lengths[:]  # the chunks: as big as pair_lengths
         valid, test = heldout[0], heldout[1]
         report.pairs = len(pair_lengths) + len(valid) + len(test)
         if len(pair_lengths) == 0:
