@@ -211,7 +211,7 @@ def main() -> None:
                 sto = np.median([x[key] for x in results["store"]])
                 print(f"{key}: store / in-memory = {sto / mem:.3f} (medians {sto:,.0f} / "
                       f"{mem:,.0f})")  # fmt: skip
-        out = Path("bench/results/data_scale.json")
+        out = Path(f"bench/results/data_scale_{args.pairs}.json")
         out.parent.mkdir(exist_ok=True)
         slim = json.loads(json.dumps(results))
         for value in slim.values():

@@ -402,3 +402,15 @@ def test_block_normalisation_equals_normalize_text():
     texts, bad = store.normalize_block(raw + [None], "NFC")
     assert set(bad) == {7} and texts[7] is None and texts[-1] is None
     assert texts[8] == normalize_text(lines[8], "NFC")
+
+
+def test_bench_corpus_generator_writes_aligned_files(tmp_path):
+    from bench.bench_data_scale import generate
+
+    src, tgt = generate(tmp_path, 250, seed=3, tsv=True)
+    src_lines, tgt_lines = src.read_text().splitlines(), tgt.read_text().splitlines()
+    assert len(src_lines) == len(tgt_lines) == 250
+    pairs = list(zip(src_lines, tgt_lines, strict=True))
+    assert all(3 <= len(s.split()) == len(t.split()) <= 20 for s, t in pairs)
+    rows = (tmp_path / "corpus.tsv").read_text().splitlines()
+    assert rows == [f"{s}\t{t}" for s, t in zip(src_lines, tgt_lines, strict=True)]
