@@ -177,3 +177,19 @@ def test_ddp_ranks_share_one_store(tmp_path):
     payload = load_checkpoint(out / "model.pt")
     assert payload["world_size"] == 2 and payload["step"] == 3
     assert len(list((out / "data-cache").glob("store-*"))) == 1
+
+
+def test_big_data_file_goes_through_the_store(tmp_path, monkeypatch):
+    from seq2seq_fast.seq2seq import store
+
+    src, tgt = write_corpus(tmp_path, lines=50)
+    tsv = tmp_path / "corpus.tsv"
+    tsv.write_text("".join(f"{s}\t{t}\n" for s, t in zip(src.read_text().splitlines(),
+                                                          tgt.read_text().splitlines(),
+                                                          strict=True)))  # fmt: skip
+    config = TrainConfig(**TINY_CONFIG, data=str(tsv))
+    assert not config.uses_token_store
+    monkeypatch.setattr(store, "BIG_CORPUS_BYTES", tsv.stat().st_size - 1)
+    assert config.uses_token_store
+    assert not TrainConfig(**TINY_CONFIG, data=str(tsv), token_store=False).uses_token_store
+    assert TrainConfig(**TINY_CONFIG, src=str(src), tgt=str(tgt)).uses_token_store
