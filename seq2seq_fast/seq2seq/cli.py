@@ -164,7 +164,8 @@ def _add_train(sub) -> None:
                    help="the decoder's output projection is its input embedding; with a shared "
                    "vocabulary the encoder's embedding too")  # fmt: skip
     g.add_argument("--token-store", type=_bool, metavar="BOOL",
-                   help="force the on-disk token store on (e.g. for a big --data file) or off")  # fmt: skip
+                   help="the on-disk token store on or off (default: on for --src/--tgt, with a "
+                   "tokenizer option, and for a --data file over 100 MB)")  # fmt: skip
     g.add_argument("--cache-dir", metavar="DIR",
                    help="where token stores and trained tokenizers are kept (default "
                    "<out>/data-cache)")  # fmt: skip
