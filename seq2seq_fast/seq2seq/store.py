@@ -298,28 +298,50 @@ def clean_pairs(
 
 
 class TokenStore:
-    """A built store, memory-mapped: ``store[i]`` -> (source ids, target ids) as lists; what the
-    batching of :mod:`seq2seq_fast.seq2seq.data` reads is ``lengths`` (int32 [N, 2])."""
+    """A built store: ``src_ids``, ``tgt_ids`` and ``offsets`` memory-mapped (np.memmap), the
+    length index ``lengths`` (int32 [N, 2], 8 bytes a pair) in memory; what the batching of
+    :mod:`seq2seq_fast.seq2seq.data` reads is ``lengths``.
+
+    ``store[i]`` -> (source ids, target ids) as lists, read with ``os.pread``: a page fault on a
+    memory map brings in its neighbours too (the kernel's fault-around, 64 KB), and those count as
+    the process's resident memory, so batches of random pairs read through the maps grew the RSS
+    by ~150 KB a pair (600 MB per 4,000 pairs at 10M pairs); a read brings in what it asks for."""
 
     def __init__(self, folder: Path, manifest: dict) -> None:
         self.folder, self.manifest = folder, manifest
-        dtype = np.dtype(manifest["dtype"])
+        self.dtype = dtype = np.dtype(manifest["dtype"])
         self.src_ids = np.memmap(folder / "src.bin", dtype=dtype, mode="r") if manifest[
             "src_tokens"] else np.zeros(0, dtype)  # fmt: skip
         self.tgt_ids = np.memmap(folder / "tgt.bin", dtype=dtype, mode="r") if manifest[
             "tgt_tokens"] else np.zeros(0, dtype)  # fmt: skip
-        # 16 + 8 bytes a pair; read with numpy, never turned into Python lists (at 10M pairs
-        # those would take more memory than the whole store)
+        # numpy arrays, never Python lists (at 10M pairs those would outweigh the store)
         self.offsets = np.load(folder / "offsets.npy", mmap_mode="r")
         self.lengths = np.load(folder / "lengths.npy")
+        self._offsets_at = self.offsets.offset  # the .npy header's length
+        self._fds = {name: os.open(folder / name, os.O_RDONLY)
+                     for name in ("src.bin", "tgt.bin", "offsets.npy")}  # fmt: skip
+
+    def __del__(self) -> None:
+        for fd in getattr(self, "_fds", {}).values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def __getitem__(self, index) -> tuple[list[int], list[int]]:
-        s, t = self.offsets[index].tolist()
-        n, m = self.lengths[index].tolist()
-        return self.src_ids[s : s + n].tolist(), self.tgt_ids[t : t + m].tolist()
+        i = int(index)
+        if not 0 <= i < len(self.lengths):
+            raise IndexError(f"pair {index} of a store of {len(self.lengths)}")
+        fds, size = self._fds, self.dtype.itemsize
+        s, t = np.frombuffer(os.pread(fds["offsets.npy"], 16, self._offsets_at + 16 * i),
+                             np.int64).tolist()  # fmt: skip
+        n, m = self.lengths[i].tolist()
+        src = np.frombuffer(os.pread(fds["src.bin"], n * size, s * size), self.dtype)
+        tgt = np.frombuffer(os.pread(fds["tgt.bin"], m * size, t * size), self.dtype)
+        return src.tolist(), tgt.tolist()
 
     def heldout(self) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
         data = json.loads((self.folder / "heldout.json").read_text(encoding="utf-8"))
