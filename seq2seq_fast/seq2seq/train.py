@@ -400,16 +400,26 @@ class Task:
     heldout: list | None = None  # reverse: held-out id pairs
     generator: torch.Generator | None = None  # reverse: draws the training batches
     corpus: TranslationData | None = None  # translate: the encoded splits
+    last_plan: tuple | None = None  # (its key, the plan) of epoch_plan's last call
 
     def epoch_plan(self, config: TrainConfig, epoch: int, ctx: Dist) -> list[list[int]] | None:
-        """translate: this rank's batches (index lists) of one epoch; reverse: None."""
+        """translate: this rank's batches (index lists) of one epoch; reverse: None. The last
+        plan is kept: build_task counts epoch 0's batches, the first epoch then uses them (over
+        millions of pairs a plan takes seconds)."""
         if self.corpus is None:
             return None
+        key = (epoch, ctx.rank, ctx.world_size, config.seed, config.batch_tokens,
+               config.batch_size)  # fmt: skip
+        if self.last_plan is not None and self.last_plan[0] == key:
+            return self.last_plan[1]
         if config.batch_tokens is not None:
-            return token_batches(self.corpus.train, config.batch_tokens, seed=config.seed,
+            plan = token_batches(self.corpus.train, config.batch_tokens, seed=config.seed,
                                  epoch=epoch, rank=ctx.rank, world_size=ctx.world_size)  # fmt: skip
-        return epoch_batches(self.corpus.train, config.batch_size, seed=config.seed, epoch=epoch,
-                             rank=ctx.rank, world_size=ctx.world_size)  # fmt: skip
+        else:
+            plan = epoch_batches(self.corpus.train, config.batch_size, seed=config.seed,
+                                 epoch=epoch, rank=ctx.rank, world_size=ctx.world_size)  # fmt: skip
+        self.last_plan = (key, plan)
+        return plan
 
     def pairs(self, batch_size: int, plan: list[list[int]] | None, position: int) -> list:
         """The id pairs of the batch at ``position`` of the epoch (reverse: drawn fresh)."""
