@@ -11,7 +11,8 @@ given, one normalises, filters, splits and encodes in chunks. The store is a fol
     heldout.json         the validation and test pairs carved from the file (text, capped)
     manifest.json        written last: format, key, counts, dtype, file sizes, the corpus report
 
-memory-mapped when training, so only the batches read are paged in. It is keyed by the corpus
+read when training a pair at a time (``os.pread``: only what the batches need is read; the
+length index alone is held in memory, 8 bytes a pair). It is keyed by the corpus
 files (resolved path, size, mtime and a hash of their first and last MiB), the tokenizers (a
 hash of each) and the options that change its content, and lives in ``cache_dir`` (default
 ``<run folder>/data-cache``): a second run with the same key opens it at once. It is built in a
@@ -400,7 +401,18 @@ def verify_store(folder: Path, key: str) -> tuple[dict | None, str | None]:
         if not path.exists() or path.stat().st_size != size:
             actual = path.stat().st_size if path.exists() else "missing"
             return None, f"{name} is {actual} bytes, the manifest says {size}"
+    # the index the batches are cut from (read whole anyway; 8 bytes a pair)
+    if _file_sha256(folder / "lengths.npy") != manifest.get("lengths_sha256"):
+        return None, "lengths.npy does not match the manifest's hash"
     return manifest, None
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _encoded_chunks(vocabs, pairs: Iterator[tuple[int, str, str]], heldout: list[list],
@@ -482,11 +494,12 @@ def build_store(
             {"valid": valid, "test": test, "dropped_over_cap": dropped,
              "encoded_empty": empty}, ensure_ascii=False).encode())  # fmt: skip
         files_sizes = {p.name: p.stat().st_size for p in tmp.iterdir()}
+        index_hash = _file_sha256(tmp / "lengths.npy")
         manifest = {
             "format": STORE_FORMAT, "version": STORE_VERSION, "key": key, "identity": identity,
             "pairs": len(pair_lengths), "dtype": dtype.name, "src_tokens": totals[0],
             "tgt_tokens": totals[1], "valid": len(valid), "test": len(test),
-            "files": files_sizes, "report": asdict(report),
+            "files": files_sizes, "lengths_sha256": index_hash, "report": asdict(report),
         }  # fmt: skip
         _fsync_write(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)

@@ -142,7 +142,8 @@ class TrainConfig:
     # Their own data (seq2seq/store.py, seq2seq/vocab.py): a two-file corpus (one sentence a
     # line), official splits as two files, tokenizers (an existing sentencepiece model per side,
     # or one shared; or vocabulary files for pre-tokenised text), tied embeddings, and the on-disk
-    # token store (on for --src/--tgt and with any tokenizer option; --data alone: in memory).
+    # token store (on for --src/--tgt, with any tokenizer option and for a --data file over
+    # 100 MB; a smaller --data alone: in memory, as before).
     src: str | None = None
     tgt: str | None = None
     valid_src: str | None = None

@@ -122,7 +122,9 @@ def test_changed_corpus_gets_a_new_store(tmp_path):
     assert second.report.lines == 401
 
 
-@pytest.mark.parametrize("damage", ["no manifest", "truncated ids", "foreign manifest"])
+@pytest.mark.parametrize(
+    "damage", ["no manifest", "truncated ids", "foreign manifest", "overwritten index"]
+)
 def test_incomplete_or_corrupt_store_is_rebuilt(tmp_path, damage):
     src, tgt = write_corpus(tmp_path)
     first, _ = load(src, tgt, tmp_path / "cache")
@@ -134,6 +136,10 @@ def test_incomplete_or_corrupt_store_is_rebuilt(tmp_path, damage):
     elif damage == "truncated ids":
         data_bytes = (folder / "src.bin").read_bytes()
         (folder / "src.bin").write_bytes(data_bytes[: len(data_bytes) // 2])
+    elif damage == "overwritten index":  # same size, other content
+        index = bytearray((folder / "lengths.npy").read_bytes())
+        index[-8:] = bytes(8)
+        (folder / "lengths.npy").write_bytes(bytes(index))
     else:
         manifest = json.loads((folder / "manifest.json").read_text())
         manifest["key"] = "0" * 20
