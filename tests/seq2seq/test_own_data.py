@@ -66,6 +66,12 @@ def test_shared_vocabulary_file_and_tied_embeddings(tmp_path):
     assert "encoder.embedding.weight" in names and "decoder.output.weight" not in names
     state = payload["model"]
     assert torch.equal(state["decoder.output.weight"], state["encoder.embedding.weight"])
+    # translate needs nothing but the checkpoint: its words come from the vocabulary file
+    from seq2seq_fast.seq2seq.translate import Translator
+
+    (translation,) = Translator.load(result.checkpoint).translate(["red  cat"])
+    assert set(translation.text.split()) <= set(src_vocab.itos)
+    assert translation.source_ids == [src_vocab.stoi["red"], src_vocab.stoi["cat"]]
     # It trained: the shared table moved away from its initial values.
     init = TrainConfig(**TINY_CONFIG, src=str(src), tgt=str(tgt), out=str(tmp_path / "zero"),
                        src_vocab_file=str(vocab), tgt_vocab_file=str(vocab), share_vocab=True,
