@@ -1,6 +1,6 @@
 // Torch-free check of the CPU kernel tables (csrc/kernels/kernels.h) against plain double loops.
 //
-// Built and run by tests/test_portability.py: natively (every table this CPU supports) and, cross-
+// Built and run by tests/reliability/test_portability.py: natively (every table this CPU supports) and, cross-
 // compiled for aarch64 with Zig, under qemu-aarch64 (the portable tables: what an aarch64 build of
 // the extension runs). Prints one line per table and check; exits 1 on the first failure.
 //

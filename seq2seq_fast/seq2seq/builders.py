@@ -15,7 +15,9 @@ from seq2seq_fast.seq2seq.data import (
     ReverseTask,
     TranslationData,
     epoch_batches,
+    max_lengths,
     padding_fractions,
+    shared_vocab,
     token_batches,
     vocab_from_state,
 )
@@ -55,16 +57,26 @@ class Task:
     heldout: list | None = None  # reverse: held-out id pairs
     generator: torch.Generator | None = None  # reverse: draws the training batches
     corpus: TranslationData | None = None  # translate: the encoded splits
+    last_plan: tuple | None = None  # (its key, the plan) of epoch_plan's last call
 
     def epoch_plan(self, config: TrainConfig, epoch: int, ctx: Dist) -> list[list[int]] | None:
-        """translate: this rank's batches (index lists) of one epoch; reverse: None."""
+        """translate: this rank's batches (index lists) of one epoch; reverse: None. The last
+        plan is kept: build_task counts epoch 0's batches, the first epoch then uses them (over
+        millions of pairs a plan takes seconds)."""
         if self.corpus is None:
             return None
+        key = (epoch, ctx.rank, ctx.world_size, config.seed, config.batch_tokens,
+               config.batch_size)  # fmt: skip
+        if self.last_plan is not None and self.last_plan[0] == key:
+            return self.last_plan[1]
         if config.batch_tokens is not None:
-            return token_batches(self.corpus.train, config.batch_tokens, seed=config.seed,
+            plan = token_batches(self.corpus.train, config.batch_tokens, seed=config.seed,
                                  epoch=epoch, rank=ctx.rank, world_size=ctx.world_size)  # fmt: skip
-        return epoch_batches(self.corpus.train, config.batch_size, seed=config.seed, epoch=epoch,
-                             rank=ctx.rank, world_size=ctx.world_size)  # fmt: skip
+        else:
+            plan = epoch_batches(self.corpus.train, config.batch_size, seed=config.seed,
+                                 epoch=epoch, rank=ctx.rank, world_size=ctx.world_size)  # fmt: skip
+        self.last_plan = (key, plan)
+        return plan
 
     def pairs(self, batch_size: int, plan: list[list[int]] | None, position: int) -> list:
         """The id pairs of the batch at ``position`` of the epoch (reverse: drawn fresh)."""
@@ -107,13 +119,20 @@ def build_task(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None) -
     vocabs = None
     if payload is not None:  # on resume, the vocabularies the model was trained with
         vocabs = (vocab_from_state(payload["src_vocab"]), vocab_from_state(payload["tgt_vocab"]))
-    corpus = TranslationData.load(
-        config.data, swap=config.direction == "2-1", max_words=config.max_words,
-        max_pairs=config.max_pairs, vocab_size=config.spm_vocab_size,
-        normalization=config.normalization, valid_fraction=config.valid_fraction,
-        test_fraction=config.test_fraction, seed=config.seed, vocabs=vocabs,
-        valid_path=config.valid_data, test_path=config.test_data,
-    )  # fmt: skip
+    if config.uses_token_store:  # streamed into an on-disk token store (seq2seq/store.py)
+        from seq2seq_fast.seq2seq.store import open_store_corpus
+
+        corpus = open_store_corpus(config, vocabs=vocabs, rank=ctx.rank,
+                                   world_size=ctx.world_size, log=lambda m: _log(m, ctx))  # fmt: skip
+    else:
+        corpus = TranslationData.load(
+            config.data, swap=config.direction == "2-1", max_words=config.max_words,
+            max_pairs=config.max_pairs, vocab_size=config.spm_vocab_size,
+            normalization=config.normalization, valid_fraction=config.valid_fraction,
+            test_fraction=config.test_fraction, seed=config.seed, vocabs=vocabs,
+            valid_path=config.valid_data, test_path=config.test_data,
+            max_held_out=config.max_held_out,
+        )  # fmt: skip
     _log(corpus.report.summary(), ctx)
     if corpus.report.too_long:
         share = corpus.report.too_long / max(1, corpus.report.too_long + corpus.report.pairs)
@@ -125,11 +144,12 @@ def build_task(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None) -
         f"{len(corpus.src_vocab)} source, {len(corpus.tgt_vocab)} target",
         ctx,
     )
+    longest_src, longest_tgt = max_lengths(corpus.train)
     task = Task(
-        "translate", corpus.src_vocab, corpus.tgt_vocab, 0,
-        max(len(s) for s, _ in corpus.train), max(len(t) for _, t in corpus.train) + 1,
+        "translate", corpus.src_vocab, corpus.tgt_vocab, 0, longest_src, longest_tgt + 1,
         {"kind": "translate", "data": str(config.data), "direction": config.direction,
-         "valid_data": config.valid_data, "test_data": config.test_data},
+         "valid_data": config.valid_data, "test_data": config.test_data,
+         "src": config.src, "tgt": config.tgt, "shared_vocab": shared_vocab(corpus)},
         corpus=corpus,
     )  # fmt: skip
     plan = task.epoch_plan(config, 0, ctx)
@@ -167,8 +187,14 @@ def build_model(config: TrainConfig, task: Task, ctx: Dist) -> tuple[Seq2Seq, st
         dropout=config.dropout,
         backend=attention_backend,
         output_layer=config.output_layer,
+        tie_embeddings=config.tie_embeddings,
+        share_embeddings=config.tie_embeddings and shared_vocab(task),
     )
-    return Seq2Seq(model_config).to(ctx.device), attention_backend
+    try:
+        model = Seq2Seq(model_config)
+    except ValueError as exc:  # e.g. tied embeddings with a projection of another width
+        raise TrainError(str(exc).replace("tie_embeddings", "--tie-embeddings")) from None
+    return model.to(ctx.device), attention_backend
 
 
 def bf16_unavailable_reason(device: torch.device) -> str | None:

@@ -134,6 +134,44 @@ def _add_train(sub) -> argparse.ArgumentParser:
                    "training split (not split again)")  # fmt: skip
     g.add_argument("--test-data", metavar="PATH",
                    help="official test split (with --valid-data): the final test BLEU")  # fmt: skip
+    g = p.add_argument_group(
+        "own data and tokenizers",
+        "A two-file corpus (one sentence a line, line i of one translating line i of the other) "
+        "and any tokenizer option are read through an on-disk token store: encoded once, "
+        "memory-mapped, reused by the next run with the same files and tokenizers.")
+    g.add_argument("--src", metavar="FILE", help="training source sentences, one a line")
+    g.add_argument("--tgt", metavar="FILE", help="training target sentences, line by line")
+    g.add_argument("--valid-src", metavar="FILE", help="official validation split, source side")
+    g.add_argument("--valid-tgt", metavar="FILE", help="official validation split, target side")
+    g.add_argument("--test-src", metavar="FILE", help="official test split, source side")
+    g.add_argument("--test-tgt", metavar="FILE", help="official test split, target side")
+    g.add_argument("--spm", metavar="MODEL",
+                   help="an existing sentencepiece model for both sides (a shared vocabulary)")  # fmt: skip
+    g.add_argument("--src-spm", metavar="MODEL", help="an existing sentencepiece model, source")
+    g.add_argument("--tgt-spm", metavar="MODEL", help="an existing sentencepiece model, target")
+    g.add_argument("--src-vocab", dest="src_vocab_file", metavar="FILE",
+                   help="pre-tokenised source text: its vocabulary, one token a line (or "
+                   "token<TAB>count)")  # fmt: skip
+    g.add_argument("--tgt-vocab", dest="tgt_vocab_file", metavar="FILE",
+                   help="pre-tokenised target text: its vocabulary file")  # fmt: skip
+    g.add_argument("--share-vocab", action="store_true", default=None,
+                   help="one vocabulary for both sides (trained on both when not given)")  # fmt: skip
+    g.add_argument("--tie-embeddings", action="store_true", default=None,
+                   help="the decoder's output projection is its input embedding; with a shared "
+                   "vocabulary the encoder's embedding too")  # fmt: skip
+    g.add_argument("--token-store", type=_bool, metavar="BOOL",
+                   help="the on-disk token store on or off (default: on for --src/--tgt, with a "
+                   "tokenizer option, and for a --data file over 100 MB)")  # fmt: skip
+    g.add_argument("--cache-dir", metavar="DIR",
+                   help="where token stores and trained tokenizers are kept (default "
+                   "<out>/data-cache)")  # fmt: skip
+    g.add_argument("--spm-sample-size", type=int, metavar="N",
+                   help="train sentencepiece on a random sample of N pairs (default 100000; "
+                   "0: all)")  # fmt: skip
+    g.add_argument("--max-held-out", type=int, metavar="N",
+                   help="valid and test sets carved from one file: at most N pairs each "
+                   "(default 3000)")  # fmt: skip
+    g = p.add_argument_group("evaluation")
     g.add_argument("--eval-size", type=int, help="valid pairs scored after each epoch")
     g.add_argument("--eval-beam", type=int, help="beam size for the final test BLEU")
     g.add_argument("--eval-every", type=int,
@@ -310,6 +348,8 @@ def _train(args) -> int:
         config.out = args.out
         config.stop_after_steps = args.stop_after_steps
         config.threads = args.threads
+        for name in ("spm", "src_spm", "tgt_spm", "src_vocab_file", "tgt_vocab_file"):
+            setattr(config, name, getattr(args, name))  # checked against the checkpoint's
         if args.progress is not None:
             config.progress = args.progress
         train(config, resume=args.resume)

@@ -118,6 +118,29 @@ class TrainConfig:
     # Official splits, used as given (then ``data`` is the training split, not split again).
     valid_data: str | None = None
     test_data: str | None = None  # needs valid_data; none: no test BLEU
+    # Their own data (seq2seq/store.py, seq2seq/vocab.py): a two-file corpus (one sentence a
+    # line), official splits as two files, tokenizers (an existing sentencepiece model per side,
+    # or one shared; or vocabulary files for pre-tokenised text), tied embeddings, and the on-disk
+    # token store (on for --src/--tgt, with any tokenizer option and for a --data file over
+    # 100 MB; a smaller --data alone: in memory, as before).
+    src: str | None = None
+    tgt: str | None = None
+    valid_src: str | None = None
+    valid_tgt: str | None = None
+    test_src: str | None = None
+    test_tgt: str | None = None
+    spm: str | None = None  # one sentencepiece model for both sides (a shared vocabulary)
+    src_spm: str | None = None
+    tgt_spm: str | None = None
+    src_vocab_file: str | None = None  # one token a line, or token<TAB>count
+    tgt_vocab_file: str | None = None
+    share_vocab: bool = False  # one vocabulary for both sides (trained on both when not given)
+    # decoder input embedding = output projection; with a shared vocabulary the encoder's too
+    tie_embeddings: bool = False
+    token_store: bool | None = None  # None: as above; True/False force it on/off
+    cache_dir: str | None = None  # token stores and trained tokenizers (default <out>/data-cache)
+    spm_sample_size: int = 100_000  # pairs the sentencepiece models are trained on (0: all)
+    max_held_out: int = 3000  # at most this many pairs each in valid and test carved from a file
     eval_size: int = 500  # valid pairs scored with BLEU after each epoch
     eval_beam: int = 1  # beam for the final test BLEU
     # Also evaluate every N steps (0: at epoch ends only). Each evaluation that beats the best so
@@ -147,8 +170,15 @@ class TrainConfig:
         for name, value in TASK_DEFAULTS[self.task].items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
-        if self.task == "translate" and not self.data:
-            raise TrainError("--task translate needs --data PATH (a .txt/.tsv file or a .zip)")
+        if self.task == "translate" and not (self.data or self.src or self.tgt):
+            raise TrainError("--task translate needs --data PATH (a .txt/.tsv file or a .zip) "
+                             "or --src FILE --tgt FILE (one sentence a line)")  # fmt: skip
+        from seq2seq_fast.seq2seq.store import check_data_options
+
+        try:
+            check_data_options(self)
+        except ValueError as exc:
+            raise TrainError(str(exc)) from None
         if self.test_data and not self.valid_data:
             raise TrainError("--test-data needs --valid-data (official splits come together)")
         if self.valid_data and self.task != "translate":
@@ -188,6 +218,12 @@ class TrainConfig:
     @property
     def out_dir(self) -> Path:
         return Path(self.out or f"runs/{self.task}")
+
+    @property
+    def uses_token_store(self) -> bool:
+        from seq2seq_fast.seq2seq.store import uses_token_store
+
+        return uses_token_store(self)
 
     @classmethod
     def for_task(cls, task: str, **overrides: Any) -> TrainConfig:

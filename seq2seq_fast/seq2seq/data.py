@@ -12,7 +12,7 @@ import math
 import random
 import unicodedata
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,9 +78,29 @@ class SentencePieceVocab:
 
         self.model_proto = bytes(model_proto)
         self.sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
+        # A model trained elsewhere (unk=0, bos=1, eos=2, no pad, as sentencepiece's defaults
+        # are) is used as is: its ids mapped onto ours, its own specials onto ours, every other
+        # piece after them in its order. None: the ids are ours already.
+        self._to_ours: list[int] | None = None
+        self._to_spm: list[int] | None = None
+        sp = self.sp
+        if (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()) != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+            specials = {sp.pad_id(): PAD_ID, sp.unk_id(): UNK_ID, sp.bos_id(): BOS_ID,
+                        sp.eos_id(): EOS_ID}  # fmt: skip
+            specials.pop(-1, None)
+            to_ours, to_spm = [], [sp.unk_id()] * len(SPECIALS)
+            for i in range(sp.get_piece_size()):
+                if i in specials:
+                    to_ours.append(specials[i])
+                    to_spm[specials[i]] = i
+                else:
+                    to_ours.append(len(to_spm))
+                    to_spm.append(i)
+            self._to_ours, self._to_spm = to_ours, to_spm
 
     @classmethod
-    def train(cls, sentences: Sequence[str], vocab_size: int) -> SentencePieceVocab:
+    def train(cls, sentences: Iterable[str], vocab_size: int) -> SentencePieceVocab:
+        """Train on ``sentences`` (any iterable, read once; seq2seq/store.py passes a sample)."""
         import sentencepiece as spm
 
         model = io.BytesIO()
@@ -101,16 +121,36 @@ class SentencePieceVocab:
         return cls(model.getvalue())
 
     def __len__(self) -> int:
-        return self.sp.get_piece_size()
+        return self.sp.get_piece_size() if self._to_spm is None else len(self._to_spm)
 
     def encode(self, text: str) -> list[int]:
-        return self.sp.encode(text, out_type=int)
+        ids = self.sp.encode(text, out_type=int)
+        if self._to_ours is not None:
+            to_ours = self._to_ours
+            ids = [to_ours[i] for i in ids]
+        return ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``encode`` of many sentences in one call (sentencepiece's C++ loop)."""
+        rows = self.sp.encode(list(texts), out_type=int)
+        if self._to_ours is not None:
+            to_ours = self._to_ours
+            rows = [[to_ours[i] for i in row] for row in rows]
+        return rows
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.sp.decode([int(i) for i in ids])
+        ids = [int(i) for i in ids]
+        if self._to_spm is not None:  # our specials other than <unk> are not text
+            to_spm = self._to_spm
+            ids = [to_spm[i] for i in ids if i == UNK_ID or len(SPECIALS) <= i < len(to_spm)]
+        return self.sp.decode(ids)
 
     def pieces(self, ids: Sequence[int]) -> list[str]:
-        return [self.sp.id_to_piece(int(i)) for i in ids]
+        if self._to_spm is None:
+            return [self.sp.id_to_piece(int(i)) for i in ids]
+        return [SPECIALS[i] if 0 <= i < len(SPECIALS) else
+                self.sp.id_to_piece(self._to_spm[i]) if i < len(self._to_spm) else "<unk>"
+                for i in map(int, ids)]  # fmt: skip
 
     def to_state(self) -> dict:
         return {"kind": self.kind, "model": self.model_proto}
@@ -122,6 +162,10 @@ def vocab_from_state(state: dict) -> SymbolVocab | SentencePieceVocab:
         return SymbolVocab(state["symbols"])
     if kind == SentencePieceVocab.kind:
         return SentencePieceVocab(state["model"])
+    if kind == "words":  # pre-tokenised text with a vocabulary file (seq2seq/vocab.py)
+        from seq2seq_fast.seq2seq.vocab import WordVocab
+
+        return WordVocab(state["tokens"])
     raise ValueError(f"unknown vocabulary kind {kind!r}")
 
 
@@ -248,15 +292,17 @@ class CorpusReport:
     pairs: int = 0
     malformed: list[tuple[int, str]] = field(default_factory=list)
     too_long: int = 0
+    more_malformed: int = 0  # malformed lines counted beyond those listed (big corpora)
 
     def summary(self, shown: int = 5) -> str:
+        malformed = len(self.malformed) + self.more_malformed
         text = (
             f"{self.path}: {self.lines} lines, {self.pairs} pairs kept, "
-            f"{len(self.malformed)} malformed, {self.too_long} over the length limit"
+            f"{malformed} malformed, {self.too_long} over the length limit"
         )
         if self.malformed:
             examples = "; ".join(f"line {n}: {why}" for n, why in self.malformed[:shown])
-            more = len(self.malformed) - shown
+            more = malformed - shown
             text += f" (malformed {examples}{f'; and {more} more' if more > 0 else ''})"
         return text
 
@@ -341,11 +387,21 @@ def read_parallel_corpus(
     return pairs, report
 
 
+# Validation and test sets carved from one corpus file hold at most this many source sentences
+# each (NMT toolkits use a few thousand; 3% of a 2M-pair corpus was 60k test pairs).
+MAX_HELD_OUT = 3000
+
+
 def split_by_source(
-    pairs: Sequence[tuple[str, str]], valid_fraction: float, test_fraction: float, seed: int
+    pairs: Sequence[tuple[str, str]],
+    valid_fraction: float,
+    test_fraction: float,
+    seed: int,
+    max_held_out: int | None = MAX_HELD_OUT,
 ) -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[tuple[str, str]]]:
     """Fixed-seed train/valid/test split that keeps every translation of one source sentence in the
-    same split (Tatoeba repeats sources), so held-out sources are never seen in training."""
+    same split (Tatoeba repeats sources), so held-out sources are never seen in training. The
+    valid and test sets take their fraction of the sources, at most ``max_held_out`` each."""
     groups: dict[str, list[tuple[str, str]]] = {}
     for pair in pairs:
         groups.setdefault(pair[0], []).append(pair)
@@ -353,6 +409,8 @@ def split_by_source(
     random.Random(seed).shuffle(sources)
     n_valid = max(1, round(len(sources) * valid_fraction)) if valid_fraction > 0 else 0
     n_test = max(1, round(len(sources) * test_fraction)) if test_fraction > 0 else 0
+    if max_held_out is not None:
+        n_valid, n_test = min(n_valid, max_held_out), min(n_test, max_held_out)
     if n_valid + n_test >= len(sources):
         raise CorpusError(
             f"too few distinct source sentences ({len(sources)}) for a train/valid/test split"
@@ -390,6 +448,7 @@ class TranslationData:
         vocabs: tuple[SentencePieceVocab, SentencePieceVocab] | None = None,
         valid_path: str | Path | None = None,
         test_path: str | Path | None = None,
+        max_held_out: int | None = MAX_HELD_OUT,
     ) -> TranslationData:
         """Read, filter, split; train the two subword vocabularies on the training split (or use
         ``vocabs``, e.g. a checkpoint's, when resuming) and encode the training pairs.
@@ -405,7 +464,9 @@ class TranslationData:
         if max_pairs is not None and len(pairs) > max_pairs:
             pairs = random.Random(seed).sample(pairs, max_pairs)
         if valid_path is None:
-            train, valid, test = split_by_source(pairs, valid_fraction, test_fraction, seed)
+            train, valid, test = split_by_source(
+                pairs, valid_fraction, test_fraction, seed, max_held_out
+            )
         else:
             train, test = pairs, []
             valid = read_parallel_corpus(valid_path, normalization=normalization, swap=swap)[0]
@@ -435,6 +496,9 @@ def epoch_batches(
     by length within buckets of ``bucket`` batches (less padding), batch order shuffled again.
     Every rank gets the same number of batches."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    lengths = _store_lengths(pairs)
+    if lengths is not None:  # a token store: the same batches, from its length index
+        return _epoch_batches_indexed(lengths, batch_size, generator, rank, world_size, bucket)
     order = torch.randperm(len(pairs), generator=generator).tolist()
     chunk = batch_size * bucket
     batches = []
@@ -445,6 +509,21 @@ def epoch_batches(
     batches = [batches[i] for i in shuffle]
     per_rank = len(batches) // world_size if world_size > 1 else len(batches)
     return batches[rank::world_size][:per_rank]
+
+
+def max_lengths(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[int, int]:
+    """-> (longest source, longest target) of the pairs (a token store: from its index)."""
+    lengths = _store_lengths(pairs)
+    if lengths is not None:
+        return int(lengths[:, 0].max()), int(lengths[:, 1].max())
+    return max(len(s) for s, _ in pairs), max(len(t) for _, t in pairs)
+
+
+def shared_vocab(holder) -> bool:
+    """Whether ``holder``'s (a task's or a corpus's) two vocabularies are one: the same object
+    or the same content (a checkpoint's, read back as two)."""
+    src, tgt = holder.src_vocab, holder.tgt_vocab
+    return src is tgt or src.to_state() == tgt.to_state()
 
 
 def padded_width(pair: tuple[Sequence[int], Sequence[int]]) -> int:
@@ -474,6 +553,9 @@ def token_batches(
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    lengths = _store_lengths(pairs)
+    if lengths is not None:
+        return _token_batches_indexed(lengths, max_tokens, generator, rank, world_size)
     order = torch.randperm(len(pairs), generator=generator).tolist()
     order.sort(key=lambda i: (len(pairs[i][1]), len(pairs[i][0])))  # stable: random among ties
     batches: list[list[int]] = []
@@ -498,6 +580,18 @@ def padding_fractions(
     pairs: Sequence[tuple[Sequence[int], Sequence[int]]], batches: Sequence[Sequence[int]]
 ) -> tuple[float, float]:
     """-> (source, target) share of padding positions in these batches (target with </s>)."""
+    lengths = _store_lengths(pairs)
+    if lengths is not None and batches:
+        import numpy as np
+
+        sizes = np.fromiter(map(len, batches), np.int64, len(batches))
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        widths = lengths[np.concatenate(batches)]  # int32 [N, 2]: a copy, changed in place
+        widths[:, 1] += 1  # target with </s>
+        real = widths.sum(axis=0, dtype=np.int64)
+        padded = (np.maximum.reduceat(widths, starts, axis=0) * sizes[:, None]).sum(axis=0)
+        src_pad, tgt_pad = (1.0 - r / p if p else 0.0 for r, p in zip(real, padded, strict=True))
+        return float(src_pad), float(tgt_pad)
     real = [0, 0]
     padded = [0, 0]
     for batch in batches:
@@ -508,6 +602,89 @@ def padding_fractions(
             padded[side] += max(lengths) * len(lengths)
     src_pad, tgt_pad = (1.0 - r / p if p else 0.0 for r, p in zip(real, padded, strict=True))
     return src_pad, tgt_pad
+
+
+# --- batches from a length index (a token store: seq2seq/store.py) ---------------------------------
+#
+# The batching above reads len(pairs[i]) for every pair: over a memory-mapped store of millions of
+# pairs that is millions of reads and Python lists. These read the store's int32 [N, 2] length
+# index instead, with numpy, and give batches of the same kind.
+
+
+def _store_lengths(pairs):
+    """The int32 [N, 2] (source, target) length index of a token store, else None."""
+    return getattr(pairs, "lengths", None)
+
+
+def _rank_share(batches: list, rank: int, world_size: int) -> list:
+    per_rank = len(batches) // world_size if world_size > 1 else len(batches)
+    return batches[rank::world_size][:per_rank]
+
+
+def _epoch_batches_indexed(lengths, batch_size: int, generator: torch.Generator, rank: int,
+                           world_size: int, bucket: int) -> list:  # fmt: skip
+    """epoch_batches over a length index: the same draws and sorts, so the same batches."""
+    import numpy as np
+
+    order = torch.randperm(len(lengths), generator=generator).numpy()
+    chunk = batch_size * bucket
+    # sort by source length within each chunk of the shuffled order (stable, as sorted() is);
+    # one int64 key, built in place: at 10M pairs every temporary array is 80 MB
+    key = np.arange(len(order), dtype=np.int64)
+    key //= chunk
+    key *= int(lengths[:, 0].max()) + 1
+    key += lengths[order, 0]
+    order = order[np.argsort(key, kind="stable")]
+    del key
+    batches = np.split(order, np.arange(batch_size, len(order), batch_size))
+    # a chunk that is not a multiple of batch_size is only the last one: the cuts agree
+    shuffle = torch.randperm(len(batches), generator=generator).tolist()
+    return _rank_share([batches[i] for i in shuffle], rank, world_size)
+
+
+def _token_batches_indexed(lengths, max_tokens: int, generator: torch.Generator, rank: int,
+                           world_size: int) -> list:  # fmt: skip
+    """token_batches over a length index: pairs sorted by (padded width, target, source), ties in
+    a fresh seeded order every epoch, cut greedily at ``max_tokens`` padded tokens. Sorted by
+    width first, the width of a batch is that of its last pair, so a cut is found per batch (not
+    per pair) from the boundaries of the runs of equal width."""
+    import numpy as np
+
+    # one int64 key (width, target, source), 21 bits each, sorted stably after a seeded shuffle:
+    # fewer big temporaries than a lexsort of three gathered columns
+    if int(lengths.max()) >= 1 << 20:
+        raise ValueError(f"a sentence of {int(lengths.max())} tokens: at most 2^20 - 1 here")
+    key = np.maximum(lengths[:, 0], lengths[:, 1] + 1).astype(np.int64)
+    key <<= 21
+    key |= lengths[:, 1]
+    key <<= 21
+    key |= lengths[:, 0]
+    order = torch.randperm(len(lengths), generator=generator).numpy()
+    order = order[np.argsort(key[order], kind="stable")]
+    sorted_width = (key[order] >> 42).astype(np.int32)
+    del key
+    run_starts = np.flatnonzero(np.diff(sorted_width, prepend=-1))
+    run_widths = sorted_width[run_starts].tolist()
+    run_ends = np.append(run_starts[1:], len(order)).tolist()
+    run_starts = run_starts.tolist()
+    cuts, start, run, total = [0], 0, 0, len(order)
+    while start < total:
+        while run_ends[run] <= start:
+            run += 1
+        end, r = start + 1, run  # a pair wider than max_tokens gets a batch of its own
+        while r < len(run_starts):
+            fit = start + max_tokens // run_widths[r]  # the batch may end before this index
+            if fit <= run_starts[r]:
+                break
+            end = max(end, min(fit, run_ends[r]))
+            if fit < run_ends[r]:
+                break
+            r += 1
+        cuts.append(end)
+        start = end
+    batches = [order[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    shuffle = torch.randperm(len(batches), generator=generator).tolist()
+    return _rank_share([batches[i] for i in shuffle], rank, world_size)
 
 
 def chunks(items: Sequence, size: int) -> Iterator[Sequence]:

@@ -13,7 +13,7 @@ Both searches run every sentence of the batch at once (B rows, or B x beam rows)
 sentence's rows from the batch as soon as it is finished, so the batch shrinks as it goes. Rows
 never interact: padding is masked in the encoder (packed sequences or per-row reversal) and in the
 attention (source lengths), so a sentence decodes to the same tokens, and the same scores up to
-float rounding, in any batch (tests/test_translate.py checks it against one sentence at a time).
+float rounding, in any batch (tests/seq2seq/test_translate.py checks it against one sentence at a time).
 """
 
 from __future__ import annotations

@@ -66,6 +66,12 @@ class Seq2SeqConfig:
     normalize_attention: bool = True
     backend: str = "auto"  # attention backend: "auto", "fused" or "reference"
     output_layer: str = "concat"  # see OUTPUT_LAYERS; "concat" is every older checkpoint's
+    # Tied embeddings (Press & Wolf 2017): the decoder's output projection is its input embedding
+    # (needs the projection's input width to be embed_size: output_layer "attentional" then
+    # projects to embed_size); share_embeddings: the encoder's embedding is the decoder's too
+    # (one vocabulary for both sides). Both off: every older checkpoint's parameters and keys.
+    tie_embeddings: bool = False
+    share_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.output_layer not in OUTPUT_LAYERS:
@@ -84,6 +90,11 @@ class Seq2SeqConfig:
             raise ValueError("encoder_layers and decoder_layers must be >= 1")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
+            raise ValueError(
+                f"share_embeddings needs one vocabulary for both sides, got src_vocab_size "
+                f"{self.src_vocab_size} and tgt_vocab_size {self.tgt_vocab_size}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -146,9 +157,18 @@ def _add_output_layer(decoder: nn.Module, config: Seq2SeqConfig, features: int) 
     """decoder.output: the vocabulary projection of ``features``-wide vectors; with
     output_layer "attentional" first decoder.attentional (W_a [hidden, features], no bias)."""
     if config.output_layer == "attentional":
-        decoder.attentional = nn.Linear(features, config.hidden_size, bias=False)
-        features = config.hidden_size
+        width = config.embed_size if config.tie_embeddings else config.hidden_size
+        decoder.attentional = nn.Linear(features, width, bias=False)
+        features = width
     decoder.output = nn.Linear(features, config.tgt_vocab_size)
+    if config.tie_embeddings:
+        if features != config.embed_size:
+            raise ValueError(
+                f"tie_embeddings needs the output projection's input ({features} wide with "
+                f"output_layer {config.output_layer!r}) to be embed_size ({config.embed_size}) "
+                "wide: use output_layer 'attentional'"
+            )
+        decoder.output.weight = decoder.embedding.weight
 
 
 def _output_input(decoder: nn.Module, features: Tensor) -> Tensor:
@@ -512,6 +532,10 @@ class Seq2Seq(nn.Module):
         self.encoder = Encoder(config)
         decoder_cls = BahdanauDecoder if config.decoder == "bahdanau" else GNMTDecoder
         self.decoder = decoder_cls(config, self.encoder.output_size)
+        if config.share_embeddings:  # one table for the encoder, decoder input (and output)
+            self.decoder.embedding.weight = self.encoder.embedding.weight
+            if config.tie_embeddings:
+                self.decoder.output.weight = self.encoder.embedding.weight
         # s_0 = tanh(W summary), as the paper initialises from the backward encoder state.
         self.bridge = nn.Linear(
             self.encoder.output_size, config.hidden_size * config.decoder_layers

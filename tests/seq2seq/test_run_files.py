@@ -202,7 +202,7 @@ def test_init_from_a_missing_file_is_a_clean_error(tmp_path, capsys):
 def test_fine_tuning_a_translate_model_on_new_data_keeps_its_vocabularies(tmp_path):
     """--init-from on a new corpus: the checkpoint's sentencepiece models (not ones trained on
     the new data), its weights, and (with --accum-steps 2) half as many optimiser steps."""
-    from tests.test_train import _toy_corpus, tiny_config
+    from tests.seq2seq.test_train import _toy_corpus, tiny_config
 
     first = train(tiny_config(tmp_path / "a", task="translate", data=str(_toy_corpus(tmp_path /
                   "a.tsv")), epochs=1, spm_vocab_size=40, valid_fraction=0.1,
