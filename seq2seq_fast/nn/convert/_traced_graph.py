@@ -1,0 +1,547 @@
+"""Additive attention found in a traced graph by what it computes, and replaced by the fused op.
+
+A torch.fx graph (TorchDynamo's, torch-level: ``linear``, ``tanh``, ``add``, ``softmax`` and tensor
+methods, with example values carrying shapes) is searched for::
+
+    X = t_1 + t_2 + ... (+ linear(cat([a, b]), W, c), split into a W_a + b W_b + c)   [..., H]
+    e = project(tanh(X)) onto a vector v      (linear(., w[1, H]), matmul(., v), (. * v).sum(-1))
+    e -> shape-only ops (squeeze, unsqueeze, transpose, permute, view, reshape, contiguous),
+         scale (e * c, e / c), masks (masked_fill(m, very negative), + float mask), in any order
+    w = softmax(e, dim=memory axis)
+
+The terms are sorted by their shapes: those that vary along the softmax's axis are the keys, those
+that do not (but vary along some axis) the query, those that vary along none the bias inside the
+tanh. Axes along which the keys vary are batch axes, the others query axes. A term varying along
+a query axis and the memory axis, or a mask varying along a query axis, is not the op's form:
+no match. Only the subgraph from the sum to the softmax is replaced (by :func:`traced_weights`,
+whose weights go back through the same shape ops); the rest of the graph (the context, residuals,
+output layers) is kept as it is. The names of modules and parameters play no part.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx
+
+from seq2seq_fast.nn.attention import attend
+
+# a masked_fill value at or below this takes the position out of the softmax exactly (exp underflows
+# to zero in float32 and float64 below about -104 and -745)
+MASK_FILL_MAX = -1e4
+
+_ADDS = {operator.add, operator.iadd, torch.add, "add", "add_", "__add__", "__radd__"}
+_TANH = {torch.tanh, F.tanh, "tanh"}
+_SOFTMAX = {F.softmax, torch.softmax, torch.nn.functional.softmax, "softmax"}
+_LINEAR = {torch._C._nn.linear, F.linear}
+_MATMUL = {torch.matmul, operator.matmul, "matmul", "__matmul__"}
+_MUL = {operator.mul, torch.mul, "mul", "__mul__", "__rmul__"}
+_DIV = {operator.truediv, torch.div, torch.true_divide, "div", "__truediv__"}
+_SUM = {torch.sum, "sum"}
+_CAT = {torch.cat, torch.concat, torch.concatenate}
+_SHAPE_OPS = {"squeeze", "unsqueeze", "transpose", "permute", "view", "reshape", "contiguous",
+              torch.squeeze, torch.unsqueeze, torch.transpose, torch.permute, torch.reshape}  # fmt: skip
+_MASKED_FILL = {"masked_fill", torch.masked_fill}
+_REPEATS = {"repeat", "expand", "expand_as"}
+
+
+class NoMatch(Exception):
+    """The graph around a tanh is not the op's form; the message says where it differs."""
+
+
+def _is(node: object, targets: set) -> bool:
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+        return False
+    try:
+        return node.target in targets
+    except TypeError:  # an unhashable target
+        return False
+
+
+def _value(node: object):
+    return node.meta.get("example_value") if isinstance(node, fx.Node) else node
+
+
+def _static(size):
+    """A size as an int where it is known (TorchDynamo's sizes are SymInts, some of them fixed)."""
+    if isinstance(size, torch.SymInt):
+        known = size.node.maybe_as_int()
+        return size if known is None else known
+    return size
+
+
+def _shape(node: object) -> tuple | None:
+    value = _value(node)
+    return tuple(map(_static, value.shape)) if isinstance(value, Tensor) else None
+
+
+def _is_one(size) -> bool:
+    return isinstance(size, int) and size == 1
+
+
+def _same(a, b) -> bool:
+    return str(a) == str(b)
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _single_user(node: fx.Node, what: str) -> fx.Node:
+    users = list(node.users)
+    if len(users) != 1:
+        raise NoMatch(f"{what} is used {len(users)} times (the fused op gives only the weights)")
+    return users[0]
+
+
+# --- the sum inside the tanh ----------------------------------------------------------------------
+
+
+def _terms(node: fx.Node) -> list[fx.Node]:
+    """Leaves of the add tree at ``node`` (an add used elsewhere is a leaf)."""
+    if _is(node, _ADDS) and len(node.args) == 2 and not node.kwargs:
+        a, b = node.args
+        if isinstance(a, fx.Node) and isinstance(b, fx.Node):
+            parts = []
+            for part in (a, b):
+                parts += _terms(part) if len(part.users) == 1 else [part]
+            return parts
+    return [node]
+
+
+def _peel_repeat(node: fx.Node) -> fx.Node:
+    """The tensor a repeat/expand along leading axes only was made from (a linear map commutes)."""
+    while _is(node, _REPEATS) and isinstance(node.args[0], fx.Node):
+        source, out = _shape(node.args[0]), _shape(node)
+        if source is None or out is None or not source or not _same(source[-1], out[-1]):
+            break
+        if len(source) != len(out):
+            break
+        node = node.args[0]
+    return node
+
+
+def _split_concat_linear(graph: fx.Graph, node: fx.Node) -> list[fx.Node] | None:
+    """linear(cat([a, b, ...], -1), W, c) -> [linear(a', W_a), linear(b', W_b), ..., c] as new
+    nodes (a' the tensor a repeat/expand was made from), or None."""
+    if not _is(node, _LINEAR):
+        return None
+    source, weight = _arg(node, 0, "input"), _arg(node, 1, "weight")
+    bias = _arg(node, 2, "bias")
+    if not _is(source, _CAT) or len(source.users) != 1:
+        return None
+    parts, dim = _arg(source, 0, "tensors"), _arg(source, 1, "dim", 0)
+    shape = _shape(source)
+    if shape is None or not isinstance(parts, (list, tuple)) or dim not in (-1, len(shape) - 1):
+        return None
+    terms, start = [], 0
+    with graph.inserting_before(node):
+        for part in parts:
+            width = _shape(part)[-1] if _shape(part) else None
+            if not isinstance(width, int):
+                return None
+            columns = graph.call_function(
+                operator.getitem, (weight, (slice(None), slice(start, start + width)))
+            )
+            columns.meta["example_value"] = _value(weight)[:, start : start + width]
+            peeled = _peel_repeat(part)
+            term = graph.call_function(torch._C._nn.linear, (peeled, columns))
+            term.meta["example_value"] = F.linear(_value(peeled), _value(columns))
+            terms.append(term)
+            start += width
+    if bias is not None:
+        terms.append(bias)
+    return terms
+
+
+# --- from the tanh to the softmax -----------------------------------------------------------------
+
+
+def _projection(tanh: fx.Node, width) -> tuple[fx.Node, fx.Node, bool]:
+    """(scores node, vector node, scores keep a trailing 1-axis) of tanh's projection."""
+    user = _single_user(tanh, "the tanh")
+    if _is(user, _LINEAR) and _arg(user, 0, "input") is tanh:
+        weight = _arg(user, 1, "weight")
+        shape = _shape(weight)
+        if shape is None or len(shape) != 2 or not _is_one(shape[0]) or not _same(shape[1], width):
+            raise NoMatch(f"the tanh goes into a linear map of weight {shape}, not onto a vector")
+        return user, weight, True
+    if _is(user, _MATMUL) and user.args[0] is tanh:
+        vector = user.args[1]
+        shape = _shape(vector)
+        if shape == (width,) or (shape is not None and _same(shape, (width,))):
+            return user, vector, False
+        if shape is not None and len(shape) == 2 and _same(shape[0], width) and _is_one(shape[1]):
+            return user, vector, True
+        raise NoMatch(f"the tanh is multiplied by a matrix of shape {shape}, not a vector")
+    if _is(user, _MUL) and len(user.args) == 2 and tanh in user.args:
+        vector = user.args[1] if user.args[0] is tanh else user.args[0]
+        shape = _shape(vector)
+        if shape is None or not _same(shape[-1], width) or not all(map(_is_one, shape[:-1])):
+            raise NoMatch(f"the tanh is multiplied by a tensor of shape {shape}, not a vector")
+        total = _single_user(user, "the product with the vector")
+        rank = len(_shape(tanh))
+        dim = _arg(total, 1, "dim")
+        dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+        if not _is(total, _SUM) or dim not in (-1, rank - 1):
+            raise NoMatch("the product with the vector is not summed over the last axis")
+        if _arg(total, 3, "dtype") is not None:
+            raise NoMatch("the sum over the hidden axis changes the dtype")
+        return total, vector, bool(_arg(total, 2, "keepdim", False))
+    raise NoMatch(f"the tanh goes into {user.target!r}, not a projection onto a vector")
+
+
+def _permuted(origin: tuple, dims: list[int]) -> tuple:
+    return tuple(origin[d] for d in dims)
+
+
+def _shape_op_origin(node: fx.Node, origin: tuple) -> tuple:
+    """Which axis of the pre-activation's leading axes each axis of ``node``'s output is (None: an
+    inserted 1), given the same for its input."""
+    before, after = _shape(node.args[0]), _shape(node)
+    rank = len(before)
+    name = node.target if isinstance(node.target, str) else node.target.__name__
+    if name in ("transpose",):
+        a, b = (d % rank for d in node.args[1:3])
+        dims = list(range(rank))
+        dims[a], dims[b] = dims[b], dims[a]
+        return _permuted(origin, dims)
+    if name == "permute":
+        dims = node.args[1:]
+        if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+            dims = dims[0]
+        dims = node.kwargs.get("dims", dims)
+        return _permuted(origin, [d % rank for d in dims])
+    if name == "contiguous":
+        return origin
+    # squeeze, unsqueeze, view, reshape: allowed only when they remove or insert 1-axes
+    kept_before = [(s, o) for s, o in zip(before, origin, strict=True) if not _is_one(s)]
+    kept_after = [i for i, s in enumerate(after) if not _is_one(s)]
+    if len(kept_before) != len(kept_after) or not all(
+        _same(s, after[i]) for (s, _), i in zip(kept_before, kept_after, strict=True)
+    ):
+        raise NoMatch(f"{name} {list(before)} -> {list(after)} mixes axes")
+    new = [None] * len(after)
+    for (_, o), i in zip(kept_before, kept_after, strict=True):
+        new[i] = o
+    return tuple(new)
+
+
+def _number(value) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+@dataclass
+class Match:
+    """One additive attention found in a graph (see the module docstring)."""
+
+    tanh: fx.Node
+    softmax: fx.Node
+    query_terms: list[fx.Node]
+    key_terms: list[fx.Node]
+    bias_terms: list[fx.Node]
+    vector: fx.Node
+    rank: int  # of the pre-activation, hidden axis included
+    batch_axes: tuple[int, ...]
+    query_axes: tuple[int, ...]
+    memory_axis: int
+    trailing: bool
+    steps: list[tuple] = field(default_factory=list)  # ("scale", op, node|number), ("fill", ...)
+    shape_ops: list[fx.Node] = field(default_factory=list)
+    split_nodes: list[fx.Node] = field(default_factory=list)
+
+    def describe(self) -> str:
+        kinds = [s[0] + (f"({s[1]})" if s[0] == "scale" else "") for s in self.steps]
+        return (
+            f"{len(self.query_terms)} query and {len(self.key_terms)} key term(s)"
+            + (", a bias" if self.bias_terms else "")
+            + (f", then {', '.join(kinds)}" if kinds else "")
+        )
+
+
+def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
+    inner = tanh.args[0] if tanh.args else tanh.kwargs.get("input")
+    shape = _shape(tanh)
+    if not isinstance(inner, fx.Node) or shape is None or len(shape) < 2:
+        raise NoMatch("the tanh's input is not a tensor of rank 2 or more")
+    rank, width = len(shape), shape[-1]
+    terms, split_nodes = _terms(inner), []
+    if len(terms) == 1:
+        split = _split_concat_linear(graph, terms[0])
+        if split is None:
+            raise NoMatch("the tanh's input is not a sum of two or more terms")
+        split_nodes = [n for n in split if n.op == "call_function" and n.target is not None]
+        terms = split
+    node = tanh
+    scores, vector, trailing = _projection(tanh, width)
+    origin = tuple(range(rank - 1)) + ((None,) if trailing else ())
+    steps, shape_ops = [], []
+    node = scores
+    while True:
+        user = _single_user(node, "the scores")
+        if _is(user, _SOFTMAX):
+            break
+        if _is(user, _SHAPE_OPS):
+            if user.args[0] is not node:
+                raise NoMatch("a shape op takes the scores as other than its input")
+            origin = _shape_op_origin(user, origin)
+            shape_ops.append(user)
+        elif _is(user, _MASKED_FILL):
+            if user.args[0] is not node:
+                raise NoMatch("masked_fill takes the scores as its mask")
+            value = _number(_arg(user, 2, "value"))
+            if value is None or not value <= MASK_FILL_MAX:
+                raise NoMatch(
+                    f"masked_fill with {_arg(user, 2, 'value')!r}, not a very negative value"
+                )
+            steps.append(("fill", _arg(user, 1, "mask"), value, origin, _shape(node)))
+        elif _is(user, _ADDS) and len(user.args) == 2:
+            other = user.args[1] if user.args[0] is node else user.args[0]
+            if not isinstance(other, fx.Node) or _shape(other) is None:
+                raise NoMatch("a number is added to the scores")
+            steps.append(("add", other, None, origin, _shape(node)))
+        elif (_is(user, _DIV) or _is(user, _MUL)) and len(user.args) == 2 and not user.kwargs:
+            if user.args[0] is not node and _is(user, _DIV):
+                raise NoMatch("the scores divide something")
+            other = user.args[1] if user.args[0] is node else user.args[0]
+            number = _number(other)
+            if number is not None and not number > 0:
+                raise NoMatch(f"the scores are scaled by {number}")
+            if number is None:
+                if not isinstance(other, fx.Node) or _shape(other) is None:
+                    raise NoMatch("the scores are scaled by something that is not a number")
+                if math.prod(_value(other).shape) != 1:
+                    raise NoMatch(f"the scores are scaled by a tensor of shape {_shape(other)}")
+            steps.append(("scale", "div" if _is(user, _DIV) else "mul", other))
+        else:
+            raise NoMatch(f"the scores go into {user.target!r} before any softmax")
+        node = user
+    softmax = user
+    if softmax.args[0] is not node:
+        raise NoMatch("the softmax takes the scores as other than its input")
+    dim = _arg(softmax, 1, "dim")
+    if not isinstance(dim, int) or _arg(softmax, 3 if softmax.op == "call_function" else 2,
+                                         "dtype") is not None:  # fmt: skip
+        raise NoMatch("softmax without an int dim, or with a dtype")
+    memory_axis = origin[dim % len(origin)]
+    if memory_axis is None:
+        raise NoMatch("the softmax runs over an axis of size 1")
+    padded = {}
+    for term in terms:
+        term_shape = _shape(term)
+        if term_shape is None or len(term_shape) > rank or not _same(term_shape[-1], width):
+            raise NoMatch(f"a term of shape {term_shape} in a sum of shape {list(shape)}")
+        padded[term] = (1,) * (rank - len(term_shape)) + term_shape
+    varies = {t: {a for a in range(rank - 1) if not _is_one(s[a])} for t, s in padded.items()}
+    keys = [t for t in terms if memory_axis in varies[t]]
+    queries = [t for t in terms if memory_axis not in varies[t] and varies[t]]
+    biases = [t for t in terms if not varies[t]]
+    if not keys or not queries:
+        raise NoMatch("no term of the sum varies along the softmax's axis, or none along another")
+    batch_axes = sorted(set().union(*(varies[t] for t in keys)) - {memory_axis})
+    query_axes = [a for a in range(rank - 1) if a != memory_axis and a not in batch_axes]
+    for step in steps:
+        if step[0] in ("fill", "add"):
+            _check_mask(step, query_axes)
+    return Match(
+        tanh, softmax, queries, keys, biases, vector, rank, tuple(batch_axes), tuple(query_axes),
+        memory_axis, trailing, steps, shape_ops, split_nodes,
+    )  # fmt: skip
+
+
+def _check_mask(step: tuple, query_axes: list[int]) -> None:
+    _, mask, _, origin, at_shape = step
+    mask_shape = _shape(mask)
+    if mask_shape is None or len(mask_shape) > len(origin):
+        raise NoMatch(f"a mask of shape {mask_shape} on scores of shape {list(at_shape)}")
+    mask_shape = (1,) * (len(origin) - len(mask_shape)) + mask_shape
+    for size, axis in zip(mask_shape, origin, strict=True):
+        if axis in query_axes and not _is_one(size):
+            raise NoMatch("the mask varies along a query axis")
+
+
+def find_matches(graph: fx.Graph) -> tuple[list[Match], list[str]]:
+    """(matches, why each other tanh over a sum is not one)."""
+    matches, misses = [], []
+    for node in list(graph.nodes):
+        if not _is(node, _TANH):
+            continue
+        try:
+            matches.append(_match_at(graph, node))
+        except NoMatch as exc:
+            misses.append(str(exc))
+    return matches, misses
+
+
+# --- the replacement ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`traced_weights` needs to know of a match besides its tensors."""
+
+    rank: int
+    batch_axes: tuple[int, ...]
+    query_axes: tuple[int, ...]
+    memory_axis: int
+    trailing: bool
+    steps: tuple  # ("scale", "mul"|"div") | ("fill", value, origin) | ("add", None, origin)
+    backend: str
+
+
+def _pad(t: Tensor, rank: int) -> Tensor:
+    return t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)) if t.dim() < rank else t
+
+
+def _mask_to_rows(mask: Tensor, origin: tuple, plan: Plan, full: tuple) -> Tensor:
+    """A mask on the scores (in their layout at that step) -> [B', S] over the op's rows."""
+    mask = _pad(mask, len(origin))
+    index = tuple(0 if axis is None else slice(None) for axis in origin)
+    mask = mask[index]  # the inserted 1-axes dropped
+    axes = [axis for axis in origin if axis is not None]
+    leading = plan.rank - 1
+    order = [axes.index(a) if a in axes else None for a in range(leading)]
+    shape = [mask.shape[o] if o is not None else 1 for o in order]
+    mask = mask.permute([o for o in order if o is not None]).reshape(shape)
+    target = [1 if a in plan.query_axes else full[a] for a in range(leading)]
+    rows = plan.batch_axes + plan.query_axes + (plan.memory_axis,)
+    mask = mask.expand(target).permute(rows)
+    return mask.reshape(-1, full[plan.memory_axis])
+
+
+def _plain_scores(query, keys, bias, v):
+    pre = query.unsqueeze(2) + keys.unsqueeze(1)
+    if bias is not None:
+        pre = pre + bias
+    return torch.tanh(pre) @ v
+
+
+class TracedWeights:
+    """The callable that replaces a match's sum ... softmax in the graph (see :func:`rewrite`):
+    the weights in the pre-activation's leading layout (a trailing 1-axis where the projection
+    kept one)."""
+
+    __name__ = "traced_weights"
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+
+    def __call__(self, queries, keys, biases, vector, scales, masks):
+        plan = self.plan
+        rank = plan.rank
+        queries = [_pad(t, rank) for t in queries]
+        keys = [_pad(t, rank) for t in keys]
+        full = torch.broadcast_shapes(*(t.shape for t in queries + keys))
+        width = full[-1]
+        rows = plan.batch_axes + plan.query_axes + (plan.memory_axis, rank - 1)
+        batch = math.prod(full[a] for a in plan.batch_axes)
+        steps_q = math.prod(full[a] for a in plan.query_axes)
+        frames = full[plan.memory_axis]
+        key = keys[0]
+        for t in keys[1:]:
+            key = key + t
+        key_shape = [1 if a in plan.query_axes else full[a] for a in range(rank)]
+        key = key.expand(key_shape).permute(rows).reshape(batch, frames, width)
+        query = queries[0]
+        for t in queries[1:]:
+            query = query + t
+        query_shape = [1 if a == plan.memory_axis else full[a] for a in range(rank)]
+        query = query.expand(query_shape).permute(rows).reshape(batch, steps_q, width)
+        bias = None
+        for t in biases:
+            t = t.reshape(width)
+            bias = t if bias is None else bias + t
+        v = vector.reshape(width)
+        plain = False
+        v_eff = v
+        scale_index, mask_index = 0, 0
+        canonical_masks = []
+        for step in plan.steps:
+            if step[0] == "scale":
+                factor = scales[scale_index]
+                scale_index += 1
+                if isinstance(factor, Tensor):
+                    factor = factor.reshape(())
+                    plain |= not bool(factor > 0)
+                v_eff = v_eff * factor if step[1] == "mul" else v_eff / factor
+            else:
+                mask = _mask_to_rows(masks[mask_index], step[2], plan, full)
+                mask_index += 1
+                if step[0] == "add":
+                    pure = (mask == 0) | (mask <= MASK_FILL_MAX)
+                    plain |= not bool(pure.all())
+                    canonical_masks.append(mask != 0)
+                else:
+                    canonical_masks.append(mask.to(torch.bool))
+        invalid = None
+        for m in canonical_masks:
+            invalid = m if invalid is None else invalid | m
+        if invalid is not None:
+            plain |= bool(invalid.all(dim=1).any())  # a row without a valid frame
+        if plain:
+            weights = self._plain(query, key, bias, v, scales, masks, full)
+        else:
+            values = key.new_zeros(batch, frames, 1)  # the graph forms the context: a placeholder
+            valid = None if invalid is None else ~invalid
+            _, weights = attend(plan.backend, query, key, values, v_eff, bias, mask=valid)
+        weights = weights.reshape(
+            [full[a] for a in plan.batch_axes + plan.query_axes] + [frames]
+        ).permute([rows.index(a) for a in range(rank - 1)])
+        return weights.unsqueeze(-1) if plan.trailing else weights
+
+    def _plain(self, query, key, bias, v, scales, masks, full):
+        """The original's math in the op's layout, step by step (a row without a valid frame, a
+        float mask that is not a mask, a scale that is not positive)."""
+        plan = self.plan
+        scores = _plain_scores(query, key, bias, v)  # [B', T', S]
+        scale_index, mask_index = 0, 0
+        for step in plan.steps:
+            if step[0] == "scale":
+                factor = scales[scale_index]
+                scale_index += 1
+                scores = scores * factor if step[1] == "mul" else scores / factor
+            else:
+                mask = _mask_to_rows(masks[mask_index], step[2], plan, full).unsqueeze(1)
+                mask_index += 1
+                if step[0] == "add":
+                    scores = scores + mask
+                else:
+                    scores = scores.masked_fill(mask.to(torch.bool), step[1])
+        return torch.softmax(scores, dim=-1)
+
+
+def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
+    """Replace ``match``'s sum ... softmax by one :class:`TracedWeights` call (the shape ops between
+    the scores and the softmax applied again to its weights)."""
+    plan_steps, scales, masks = [], [], []
+    for step in match.steps:
+        if step[0] == "scale":
+            plan_steps.append(("scale", step[1]))
+            scales.append(step[2])
+        elif step[0] == "fill":
+            plan_steps.append(("fill", step[2], step[3]))
+            masks.append(step[1])
+        else:
+            plan_steps.append(("add", None, step[3]))
+            masks.append(step[1])
+    plan = Plan(
+        match.rank, match.batch_axes, match.query_axes, match.memory_axis, match.trailing,
+        tuple(plan_steps), backend,
+    )  # fmt: skip
+    with graph.inserting_before(match.softmax):
+        node = graph.call_function(
+            TracedWeights(plan),
+            (match.query_terms, match.key_terms, match.bias_terms, match.vector, scales, masks),
+        )
+        for op in match.shape_ops:
+            node = graph.node_copy(op, lambda n, prev=node, src=op: prev if n is src.args[0] else n)
+    match.softmax.replace_all_uses_with(node)
+    graph.erase_node(match.softmax)
