@@ -95,13 +95,7 @@ class _Watcher(TorchFunctionMode):
         kind = None
         first = self.marks.get(id(inputs[0])) if inputs else None
         first_kind = first[2] if first is not None and first[0] is inputs[0] else None
-        if name in _ADD_NAMES and len(inputs) >= 2:
-            kind = "sum"
-        elif name in _CAT_NAMES and len(inputs) >= 2:
-            kind = "joined"
-        elif name == "linear" and first_kind == "joined":
-            kind = "sum"
-        elif name in ("tanh", "tanh_") and first_kind == "sum":
+        if name in ("tanh", "tanh_") and first_kind == "sum":
             event = next(_events)
             events = events | {event}
             for recording in _stack():
@@ -109,6 +103,14 @@ class _Watcher(TorchFunctionMode):
         elif name in _SOFTMAX_NAMES and events:
             for recording in _stack():
                 recording.softmaxed |= events
+        elif name in _ADD_NAMES and len(inputs) >= 2:
+            kind = "sum"
+        elif name in _CAT_NAMES and len(inputs) >= 2:
+            kind = "joined"
+        elif name == "linear" and first_kind == "joined":
+            kind = "sum"
+        elif first_kind == "sum" and isinstance(out, Tensor) and out.shape == inputs[0].shape:
+            kind = "sum"  # e.g. a sum scaled or dropped out before the tanh: still reported
         if isinstance(out, Tensor) and (events or kind):
             self.marks[id(out)] = (out, events, kind)
         return out
@@ -282,7 +284,7 @@ def traced_class(cls: type, backend: str) -> type:
     key = (cls, backend)
     if key not in _CLASSES:
         rewriter = _Rewriter(backend)
-        compiled = torch.compile(cls.forward, backend=rewriter, dynamic=True)
+        compiled = torch.compile(cls.forward, backend=rewriter)
 
         def forward(self, *args, **kwargs):
             return compiled(self, *args, **kwargs)

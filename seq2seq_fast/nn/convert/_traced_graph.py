@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx
 
 from seq2seq_fast.nn.attention import attend
+from seq2seq_fast.nn.convert._speech import masking
 
 # a masked_fill value at or below this takes the position out of the softmax exactly (exp underflows
 # to zero in float32 and float64 below about -104 and -745)
@@ -233,6 +234,20 @@ def _shape_op_origin(node: fx.Node, origin: tuple) -> tuple:
     return tuple(new)
 
 
+def _hint(value):
+    """A number as the trace saw it (TorchDynamo passes a module's float attribute as a node)."""
+    if isinstance(value, fx.Node):
+        value = _value(value)
+    if isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return value.node.hint
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.requires_grad:
+        try:
+            return value.item()
+        except Exception:  # noqa: BLE001 - a fake tensor
+            return None
+    return value
+
+
 def _number(value) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
@@ -297,11 +312,10 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
         elif _is(user, _MASKED_FILL):
             if user.args[0] is not node:
                 raise NoMatch("masked_fill takes the scores as its mask")
-            value = _number(_arg(user, 2, "value"))
-            if value is None or not value <= MASK_FILL_MAX:
-                raise NoMatch(
-                    f"masked_fill with {_arg(user, 2, 'value')!r}, not a very negative value"
-                )
+            value = _arg(user, 2, "value")
+            known = _number(_hint(value))
+            if known is None or not known <= MASK_FILL_MAX:
+                raise NoMatch(f"masked_fill with {_hint(value)!r}, not a very negative value")
             steps.append(("fill", _arg(user, 1, "mask"), value, origin, _shape(node)))
         elif _is(user, _ADDS) and len(user.args) == 2:
             other = user.args[1] if user.args[0] is node else user.args[0]
@@ -430,11 +444,13 @@ class TracedWeights:
     kept one)."""
 
     __name__ = "traced_weights"
+    calls = 0  # how many times a converted module ran the replacement (for tests)
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
 
-    def __call__(self, queries, keys, biases, vector, scales, masks):
+    def __call__(self, queries, keys, biases, vector, scales, masks, fills):
+        TracedWeights.calls += 1
         plan = self.plan
         rank = plan.rank
         queries = [_pad(t, rank) for t in queries]
@@ -462,8 +478,8 @@ class TracedWeights:
         v = vector.reshape(width)
         plain = False
         v_eff = v
-        scale_index, mask_index = 0, 0
-        canonical_masks = []
+        scale_index, mask_index, fill_index = 0, 0, 0
+        canonical_masks, graded = [], []
         for step in plan.steps:
             if step[0] == "scale":
                 factor = scales[scale_index]
@@ -479,30 +495,39 @@ class TracedWeights:
                     pure = (mask == 0) | (mask <= MASK_FILL_MAX)
                     plain |= not bool(pure.all())
                     canonical_masks.append(mask != 0)
+                    if mask.requires_grad:
+                        graded.append(mask)
                 else:
                     canonical_masks.append(mask.to(torch.bool))
+                    plain |= not float(fills[fill_index]) <= MASK_FILL_MAX
+                    fill_index += 1
         invalid = None
         for m in canonical_masks:
             invalid = m if invalid is None else invalid | m
         if invalid is not None:
             plain |= bool(invalid.all(dim=1).any())  # a row without a valid frame
         if plain:
-            weights = self._plain(query, key, bias, v, scales, masks, full)
+            weights = self._plain(query, key, bias, v, scales, masks, fills, full)
         else:
             values = key.new_zeros(batch, frames, 1)  # the graph forms the context: a placeholder
             valid = None if invalid is None else ~invalid
-            _, weights = attend(plan.backend, query, key, values, v_eff, bias, mask=valid)
+            _, weights = attend(plan.backend, query, key, values, v_eff, bias, **masking(valid))
+            if graded:  # a float mask's gradient: the softmax's Jacobian, by a term worth zero
+                shift = sum(m - m.detach() for m in graded).unsqueeze(1)
+                fixed = weights.detach()
+                moved = fixed * shift
+                weights = weights + moved - fixed * moved.sum(-1, keepdim=True)
         weights = weights.reshape(
             [full[a] for a in plan.batch_axes + plan.query_axes] + [frames]
         ).permute([rows.index(a) for a in range(rank - 1)])
         return weights.unsqueeze(-1) if plan.trailing else weights
 
-    def _plain(self, query, key, bias, v, scales, masks, full):
+    def _plain(self, query, key, bias, v, scales, masks, fills, full):
         """The original's math in the op's layout, step by step (a row without a valid frame, a
         float mask that is not a mask, a scale that is not positive)."""
         plan = self.plan
         scores = _plain_scores(query, key, bias, v)  # [B', T', S]
-        scale_index, mask_index = 0, 0
+        scale_index, mask_index, fill_index = 0, 0, 0
         for step in plan.steps:
             if step[0] == "scale":
                 factor = scales[scale_index]
@@ -514,21 +539,23 @@ class TracedWeights:
                 if step[0] == "add":
                     scores = scores + mask
                 else:
-                    scores = scores.masked_fill(mask.to(torch.bool), step[1])
+                    scores = scores.masked_fill(mask.to(torch.bool), fills[fill_index])
+                    fill_index += 1
         return torch.softmax(scores, dim=-1)
 
 
 def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
     """Replace ``match``'s sum ... softmax by one :class:`TracedWeights` call (the shape ops between
     the scores and the softmax applied again to its weights)."""
-    plan_steps, scales, masks = [], [], []
+    plan_steps, scales, masks, fills = [], [], [], []
     for step in match.steps:
         if step[0] == "scale":
             plan_steps.append(("scale", step[1]))
             scales.append(step[2])
         elif step[0] == "fill":
-            plan_steps.append(("fill", step[2], step[3]))
+            plan_steps.append(("fill", None, step[3]))
             masks.append(step[1])
+            fills.append(step[2])
         else:
             plan_steps.append(("add", None, step[3]))
             masks.append(step[1])
@@ -539,7 +566,15 @@ def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
     with graph.inserting_before(match.softmax):
         node = graph.call_function(
             TracedWeights(plan),
-            (match.query_terms, match.key_terms, match.bias_terms, match.vector, scales, masks),
+            (
+                match.query_terms,
+                match.key_terms,
+                match.bias_terms,
+                match.vector,
+                scales,
+                masks,
+                fills,
+            ),  # fmt: skip
         )
         for op in match.shape_ops:
             node = graph.node_copy(op, lambda n, prev=node, src=op: prev if n is src.args[0] else n)
