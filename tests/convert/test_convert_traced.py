@@ -97,3 +97,108 @@ def test_converted_or_left_alone(case, dtype):
         _assert_close(got[1], want[1], dtype, "gradients")
         if case.converts is not None:
             assert TracedWeights.calls > calls  # the fused op computed the weights
+
+
+def _steps(model, args, count):
+    """``count`` calls on the same tensors (a decoder's steps over one memory): outputs and the
+    gradients of the summed projections, as :func:`_run` gives them."""
+    args = pytree.tree_map(
+        lambda t: (
+            t.clone().requires_grad_()
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+            else t
+        ),
+        args,
+    )
+    gen = torch.Generator().manual_seed(5)
+    outs, loss = [], 0
+    for _ in range(count):
+        out = [t for t in pytree.tree_leaves(model(*args)) if isinstance(t, torch.Tensor)]
+        outs += out
+        loss = loss + sum(
+            (t * torch.randn(t.shape, generator=gen, dtype=t.dtype)).sum() for t in out
+        )
+    named = sorted(model.named_parameters())
+    inputs = [
+        t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
+    grads = torch.autograd.grad(loss, [p for _, p in named] + inputs, allow_unused=True)
+    return outs, grads
+
+
+CONVERTED = [case for case in CASES if case.converts is not None]
+
+
+@pytest.mark.parametrize("case", CONVERTED, ids=[case.name for case in CONVERTED])
+def test_steps_over_one_memory_and_weight_updates(case):
+    """Several calls on one memory (the key projection cached, its gradient gathered once per
+    sequence), then an in-place update of every parameter (the cache must see it)."""
+    dtype = torch.float64
+    torch.manual_seed(0)
+    original = case.make().to(dtype)
+    model = copy.deepcopy(original)
+    fuse_attention_report(model)
+    torch.manual_seed(1)
+    model(*case.inputs(2, 4, dtype))  # the first call converts
+    args = case.inputs(3, 6, dtype)
+    for _ in range(2):
+        got, want = _steps(model, args, 3), _steps(original, args, 3)
+        _assert_close(got[0], want[0], dtype, "outputs")
+        _assert_close(got[1], want[1], dtype, "gradients")
+        with torch.no_grad():
+            for a, b in zip(model.parameters(), original.parameters(), strict=True):
+                a.add_(0.05)
+                b.add_(0.05)
+
+
+def test_rows_without_a_valid_frame_follow_the_original():
+    """A row with every frame masked: -inf fills give NaN weights in the original, finite ones
+    uniform weights; the converted module gives the same (through the plain path)."""
+    from tests.convert.layouts_traced import Pointer, Tempered, _Call, _Holder
+
+    dtype = torch.float64
+    for make, call in (
+        (lambda: _Holder(Pointer()), lambda b, t, pad: (torch.randn(b, t, 6, dtype=dtype),
+                                                        torch.randn(b, 5, dtype=dtype), pad)),
+        (lambda: _Call(Tempered()), lambda b, t, pad: (torch.randn(b, 5, dtype=dtype),
+                                                       torch.randn(b, t, 6, dtype=dtype), ~pad)),
+    ):  # fmt: skip
+        torch.manual_seed(0)
+        original = make().to(dtype)
+        model = copy.deepcopy(original)
+        report = fuse_attention_report(model)
+        pad = torch.zeros(3, 5, dtype=torch.bool)
+        model(*call(3, 5, pad))
+        assert report.count == 1, str(report)
+        pad[1] = True
+        args = call(3, 5, pad)
+        got, want = _run(model, args), _run(original, args)
+        _assert_close(got[0], want[0], dtype, "outputs")
+        _assert_close(got[1], want[1], dtype, "gradients")
+
+
+def test_report_names_the_energy_module_and_converts_its_caller():
+    from tests.convert.layouts_traced import AttentiveCell, _Holder
+
+    model = _Holder(AttentiveCell()).double()
+    report = fuse_attention_report(model)
+    assert set(report.watching) == {"(model)", "att", "att.energy"}
+    b, t = 2, 4
+    model(torch.randn(b, 5, dtype=torch.float64), torch.randn(b, 5, dtype=torch.float64),
+          torch.randn(b, t, 6, dtype=torch.float64), torch.ones(b, t, dtype=torch.bool))  # fmt: skip
+    assert [r.path for r in report.replaced] == ["att"]
+    assert [s.path for s in report.skipped] == ["att.energy"]
+    assert "caller" in report.skipped[0].reason
+    assert report.watching == []
+    assert "traced" in str(report)
+
+
+def test_traced_false_watches_nothing():
+    from tests.convert.layouts_traced import Pointer, _Holder
+
+    model = _Holder(Pointer())
+    report = fuse_attention_report(model, traced=False)
+    assert report.watching == []
+    model(torch.randn(2, 3, 6), torch.randn(2, 5), torch.zeros(2, 3, dtype=torch.bool))
+    assert report.count == 0 and not report.skipped
+    assert not model._forward_pre_hooks and not model.att._forward_pre_hooks

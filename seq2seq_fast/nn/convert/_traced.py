@@ -149,6 +149,8 @@ def _post_hook(module: nn.Module, args, kwargs, output):
     stack = _stack()
     if recording in stack:
         stack.remove(recording)
+    if recording.path in watch.report.watching:
+        watch.report.watching.remove(recording.path)
     _decide(recording, watch)
     if not stack and _state.mode is not None:
         mode, _state.mode = _state.mode, None
@@ -368,5 +370,3 @@ def _convert(recording: _Recording, watch: _Watch) -> None:
     else:
         report.skipped.append(Skipped(recording.path, (LAYOUT,), name, reason))
         logger.debug("fuse_attention: left %s (%s): %s", recording.path, name, reason)
-    if recording.path in report.watching:
-        report.watching.remove(recording.path)

@@ -30,6 +30,8 @@ from torch import Tensor, fx
 
 from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._speech import masking
+from seq2seq_fast.nn.keycache import ProjectionCache
+from seq2seq_fast.nn.stepwise import StepwiseMemory
 
 # a masked_fill value at or below this takes the position out of the softmax exactly (exp underflows
 # to zero in float32 and float64 below about -104 and -745)
@@ -154,6 +156,7 @@ def _split_concat_linear(graph: fx.Graph, node: fx.Node) -> list[fx.Node] | None
             peeled = _peel_repeat(part)
             term = graph.call_function(torch._C._nn.linear, (peeled, columns))
             term.meta["example_value"] = F.linear(_value(peeled), _value(columns))
+            term.meta["traced_split"] = (peeled, weight, start, start + width)
             terms.append(term)
             start += width
     if bias is not None:
@@ -288,7 +291,7 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
     if not isinstance(inner, fx.Node) or shape is None or len(shape) < 2:
         raise NoMatch("the tanh's input is not a tensor of rank 2 or more")
     rank, width = len(shape), shape[-1]
-    terms, split_nodes = _terms(inner), []
+    terms, split_nodes = [_peel_repeat(t) for t in _terms(inner)], []
     if len(terms) == 1:
         split = _split_concat_linear(graph, terms[0])
         if split is None:
@@ -448,24 +451,42 @@ class TracedWeights:
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
+        self.cache = ProjectionCache()
 
     def __call__(self, queries, keys, biases, vector, scales, masks, fills):
         TracedWeights.calls += 1
         plan = self.plan
         rank = plan.rank
         queries = [_pad(t, rank) for t in queries]
-        keys = [_pad(t, rank) for t in keys]
-        full = torch.broadcast_shapes(*(t.shape for t in queries + keys))
+        projections = [k for k in keys if isinstance(k, tuple)]
+        moving = [_pad(k, rank) for k in keys if not isinstance(k, tuple)]
+        shapes = [t.shape for t in queries + moving]
+        for source, weight, *_ in projections:
+            shape = tuple(source.shape[:-1]) + (weight.shape[0],)
+            shapes.append((1,) * (rank - len(shape)) + shape)
+        full = torch.broadcast_shapes(*shapes)
         width = full[-1]
         rows = plan.batch_axes + plan.query_axes + (plan.memory_axis, rank - 1)
         batch = math.prod(full[a] for a in plan.batch_axes)
         steps_q = math.prod(full[a] for a in plan.query_axes)
         frames = full[plan.memory_axis]
-        key = keys[0]
-        for t in keys[1:]:
-            key = key + t
         key_shape = [1 if a in plan.query_axes else full[a] for a in range(rank)]
-        key = key.expand(key_shape).permute(rows).reshape(batch, frames, width)
+
+        def canonical(parts):
+            total = parts[0]
+            for t in parts[1:]:
+                total = total + t
+            return total.expand(key_shape).permute(rows).reshape(batch, frames, width)
+
+        memory = None
+        if projections:
+            key, values, memory = self._fixed_keys(projections, canonical, full, rank)
+        if moving:
+            memory = None  # keys that change every call: no memory to gather into
+            key = canonical(moving) if not projections else key + canonical(moving)
+            values = None
+        if values is None:
+            values = key.new_zeros(batch, frames, 1)  # the graph forms the context: a placeholder
         query = queries[0]
         for t in queries[1:]:
             query = query + t
@@ -509,9 +530,10 @@ class TracedWeights:
         if plain:
             weights = self._plain(query, key, bias, v, scales, masks, fills, full)
         else:
-            values = key.new_zeros(batch, frames, 1)  # the graph forms the context: a placeholder
             valid = None if invalid is None else ~invalid
-            _, weights = attend(plan.backend, query, key, values, v_eff, bias, **masking(valid))
+            _, weights = attend(
+                plan.backend, query, key, values, v_eff, bias, **masking(valid), stepwise=memory
+            )
             if graded:  # a float mask's gradient: the softmax's Jacobian, by a term worth zero
                 shift = sum(m - m.detach() for m in graded).unsqueeze(1)
                 fixed = weights.detach()
@@ -521,6 +543,32 @@ class TracedWeights:
             [full[a] for a in plan.batch_axes + plan.query_axes] + [frames]
         ).permute([rows.index(a) for a in range(rank - 1)])
         return weights.unsqueeze(-1) if plan.trailing else weights
+
+    def _fixed_keys(self, projections, canonical, full, rank):
+        """(keys [B', S, H], values placeholder or None, StepwiseMemory or None) of the key terms
+        that are linear maps: computed once per memory tensor and weights while they stay the
+        same (a decoder's steps), their gradients gathered once per sequence in training."""
+
+        def compute():
+            parts = []
+            for source, weight, bias, start, stop in projections:
+                if start is not None:
+                    weight = weight[:, start:stop]
+                parts.append(_pad(F.linear(source, weight, bias), rank))
+            key = canonical(parts).contiguous()
+            values = key.new_zeros(key.shape[0], key.shape[1], 1)
+            memory = StepwiseMemory.for_training(key, values, self.plan.backend)
+            if memory is None:
+                return key, values, None, key
+            return memory.keys, memory.values, memory, key
+
+        if len(projections) != 1:
+            return compute()[:3]
+        source, weight, bias, start, stop = projections[0]
+        entry = self.cache.get(
+            source, (weight, bias, start, stop, tuple(full)), compute, watch=lambda e: e[3:]
+        )
+        return entry[:3]
 
     def _plain(self, query, key, bias, v, scales, masks, fills, full):
         """The original's math in the op's layout, step by step (a row without a valid frame, a
@@ -544,6 +592,19 @@ class TracedWeights:
         return torch.softmax(scores, dim=-1)
 
 
+def _projection_source(term: fx.Node):
+    """A key term that is a linear map of some tensor, as (input, weight, bias, columns from,
+    columns to) for the replacement to compute (and cache: the memory is often the same tensor
+    at every step); any other term as it is."""
+    split = term.meta.get("traced_split")
+    if split is not None:
+        source, weight, start, stop = split
+        return (source, weight, None, start, stop)
+    if _is(term, _LINEAR) and len(term.users) == 1:
+        return (_arg(term, 0, "input"), _arg(term, 1, "weight"), _arg(term, 2, "bias"), None, None)
+    return term
+
+
 def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
     """Replace ``match``'s sum ... softmax by one :class:`TracedWeights` call (the shape ops between
     the scores and the softmax applied again to its weights)."""
@@ -559,6 +620,7 @@ def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
         else:
             plan_steps.append(("add", None, step[3]))
             masks.append(step[1])
+    key_terms = [_projection_source(term) for term in match.key_terms]
     plan = Plan(
         match.rank, match.batch_axes, match.query_axes, match.memory_axis, match.trailing,
         tuple(plan_steps), backend,
@@ -566,15 +628,7 @@ def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
     with graph.inserting_before(match.softmax):
         node = graph.call_function(
             TracedWeights(plan),
-            (
-                match.query_terms,
-                match.key_terms,
-                match.bias_terms,
-                match.vector,
-                scales,
-                masks,
-                fills,
-            ),  # fmt: skip
+            (match.query_terms, key_terms, match.bias_terms, match.vector, scales, masks, fills),
         )
         for op in match.shape_ops:
             node = graph.node_copy(op, lambda n, prev=node, src=op: prev if n is src.args[0] else n)
