@@ -101,7 +101,12 @@ def _matches(layout: Layout, module: nn.Module) -> bool:
 
 
 def fuse_attention_report(
-    model: nn.Module, *, backend: str = "auto", check: bool = True, traced: bool = True
+    model: nn.Module,
+    *,
+    backend: str = "auto",
+    check: bool = True,
+    traced: bool = True,
+    named: bool = True,
 ) -> ConversionReport:
     """Replace, in place, every recognised additive-attention submodule of ``model`` by a fused
     stand-in, and say what was replaced and what matched a layout but was left alone, and why.
@@ -117,6 +122,8 @@ def fuse_attention_report(
             of the call, the pattern found in its graph, a float64 probe of outputs and
             gradients on that call's input decides). They are added to the report as they are
             called; ``report.watching`` lists those not called yet.
+        named: try the named layouts first (``registered_layouts()``); ``named=False`` leaves
+            everything to the general path (to compare the two).
 
     The stand-ins keep the original Parameter objects (optimisers keep working, ``state_dict``
     keys are unchanged), the call signature and the return values. A module reached by two
@@ -127,9 +134,10 @@ def fuse_attention_report(
     check_backend(backend)
     if not isinstance(check, bool):
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
-    if not isinstance(traced, bool):
-        raise TypeError(f"traced must be a bool, got {type(traced).__name__}")
-    if any(_matches(layout, model) for layout in registered_layouts()) and not isinstance(
+    for flag, value in (("traced", traced), ("named", named)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
+    if named and any(_matches(layout, model) for layout in registered_layouts()) and not isinstance(
         model, FusedStandIn
     ):
         raise ValueError(
@@ -139,7 +147,7 @@ def fuse_attention_report(
     report = ConversionReport()
     # id(original) -> (original, its stand-in or None); the original is held so its id stays its own
     done: dict[int, tuple[nn.Module, nn.Module | None]] = {}
-    queue = deque([(model, "")])
+    queue = deque([(model, "")] if named else [])
     while queue:
         parent, prefix = queue.popleft()
         for name, child in list(parent.named_children()):

@@ -32,6 +32,7 @@ import itertools
 import logging
 import threading
 import warnings
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -57,15 +58,37 @@ LAYOUT = "traced"
 _ADD_NAMES = {"add", "__add__", "__radd__", "add_", "__iadd__"}
 _CAT_NAMES = {"cat", "concat", "concatenate"}
 _SOFTMAX_NAMES = {"softmax", "_softmax", "log_softmax"}
+# ops through which energies stay energies on their way to a softmax (a projection, shape ops,
+# scale, masks, a dtype change); anything else ends them
+_CARRIES = {
+    "linear", "matmul", "__matmul__", "bmm", "einsum", "mul", "__mul__", "__rmul__", "sum",
+    "squeeze", "unsqueeze", "view", "reshape", "permute", "transpose", "contiguous", "flatten",
+    "masked_fill", "masked_fill_", "where", "add", "__add__", "__radd__", "add_", "sub",
+    "__sub__", "div", "__truediv__", "div_", "float", "double", "to", "type_as", "__getitem__",
+    "tanh", "dropout", "new_full",
+}  # fmt: skip
 _state = threading.local()
 _events = itertools.count()
 _claimed: set[int] = set()  # tanh events a module has taken (tried to convert)
 
 
+_decided: weakref.WeakSet = weakref.WeakSet()  # modules that took their events: and later ones
+
+
 def _stack() -> list:
     if not hasattr(_state, "stack"):
         _state.stack, _state.pending, _state.mode = [], [], None
+        _state.calls, _state.global_hooks = [], None
     return _state.stack
+
+
+def _enter_call(module, args) -> None:
+    _state.calls.append(module)
+
+
+def _leave_call(module, args, output) -> None:
+    if _state.calls and _state.calls[-1] is module:
+        _state.calls.pop()
 
 
 class _Recording:
@@ -97,20 +120,26 @@ class _Watcher(TorchFunctionMode):
         first_kind = first[2] if first is not None and first[0] is inputs[0] else None
         if name in ("tanh", "tanh_") and first_kind == "sum":
             event = next(_events)
-            events = events | {event}
+            events = frozenset({event})  # an energy of its own (not of what made its inputs)
+            if any(call in _decided for call in _state.calls):
+                _claimed.add(event)  # inside a module that has taken its attention already
             for recording in _stack():
                 recording.events.add(event)
         elif name in _SOFTMAX_NAMES and events:
             for recording in _stack():
                 recording.softmaxed |= events
-        elif name in _ADD_NAMES and len(inputs) >= 2:
-            kind = "sum"
-        elif name in _CAT_NAMES and len(inputs) >= 2:
-            kind = "joined"
-        elif name == "linear" and first_kind == "joined":
-            kind = "sum"
-        elif first_kind == "sum" and isinstance(out, Tensor) and out.shape == inputs[0].shape:
-            kind = "sum"  # e.g. a sum scaled or dropped out before the tanh: still reported
+            events = frozenset()
+        else:
+            if name not in _CARRIES:
+                events = frozenset()  # e.g. an RNN over a tanh's output: no longer its energies
+            if name in _ADD_NAMES and len(inputs) >= 2:
+                kind = "sum"
+            elif name in _CAT_NAMES and len(inputs) >= 2:
+                kind = "joined"
+            elif name == "linear" and first_kind == "joined":
+                kind = "sum"
+            elif first_kind == "sum" and isinstance(out, Tensor) and out.shape == inputs[0].shape:
+                kind = "sum"  # e.g. a sum scaled or dropped out before the tanh: still reported
         if isinstance(out, Tensor) and (events or kind):
             self.marks[id(out)] = (out, events, kind)
         return out
@@ -136,6 +165,12 @@ def _pre_hook(module: nn.Module, args, kwargs):
     if _state.mode is None:
         _state.mode = _Watcher()
         _state.mode.__enter__()
+        # which module each event happens in (only while a first call is watched)
+        _state.calls = [r.module for r in stack]
+        _state.global_hooks = (
+            torch.nn.modules.module.register_module_forward_pre_hook(_enter_call),
+            torch.nn.modules.module.register_module_forward_hook(_leave_call, always_call=True),
+        )
     return None
 
 
@@ -155,6 +190,9 @@ def _post_hook(module: nn.Module, args, kwargs, output):
     if not stack and _state.mode is not None:
         mode, _state.mode = _state.mode, None
         mode.__exit__(None, None, None)
+        for handle in _state.global_hooks:
+            handle.remove()
+        _state.global_hooks, _state.calls = None, []
         pending, _state.pending = _state.pending, []
         for recording, watch in pending:
             _convert(recording, watch)
@@ -178,6 +216,7 @@ def _decide(recording: _Recording, watch: _Watch) -> None:
         )  # fmt: skip
         return
     _claimed.update(mine)
+    _decided.add(recording.module)
     _state.pending.append((recording, watch))
 
 
@@ -325,6 +364,10 @@ def _probe(module: nn.Module, recording: _Recording, backend: str) -> tuple[str 
     for copy_ in (original, candidate):
         _strip_watches(copy_)
         copy_.train(module.training)
+        for sub in copy_.modules():  # state kept from earlier calls (a cached projection)
+            for key, value in list(vars(sub).items()):
+                if isinstance(value, Tensor) and value.is_floating_point():
+                    setattr(sub, key, value.detach().to("cpu", torch.float64))
     probe_backend = backend
     if backend != "reference" and not fused_available("cpu", torch.float64):
         probe_backend = "reference"
@@ -332,14 +375,20 @@ def _probe(module: nn.Module, recording: _Recording, backend: str) -> tuple[str 
     candidate.__class__ = cls
     results = []
     before = len(cls.rewriter.found)
+    default_dtype = torch.get_default_dtype()
     with torch.enable_grad(), torch.inference_mode(False), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for mod in (original, candidate):
-            args, kwargs, inputs = _leaves_for_grad(recording.args, recording.kwargs)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(1)
-                out = mod(*args, **kwargs)
-            results.append((out, _gradients(mod, out, inputs, 2)))
+        # tensors the forward makes itself (zeros for a state, a mask) in float64 too
+        torch.set_default_dtype(torch.float64)
+        try:
+            for mod in (original, candidate):
+                args, kwargs, inputs = _leaves_for_grad(recording.args, recording.kwargs)
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(1)
+                    out = mod(*args, **kwargs)
+                results.append((out, _gradients(mod, out, inputs, 2)))
+        finally:
+            torch.set_default_dtype(default_dtype)
     found = cls.rewriter.found[before:] or cls.rewriter.found[-1:]
     matched = [d for described, _ in found for d in described]
     misses = [m for _, missed in found for m in missed]

@@ -50,6 +50,8 @@ _SHAPE_OPS = {"squeeze", "unsqueeze", "transpose", "permute", "view", "reshape",
               torch.squeeze, torch.unsqueeze, torch.transpose, torch.permute, torch.reshape}  # fmt: skip
 _MASKED_FILL = {"masked_fill", torch.masked_fill}
 _REPEATS = {"repeat", "expand", "expand_as"}
+_WHERE = {torch.where}
+_NEW_FULL = {"new_full"}
 
 
 class NoMatch(Exception):
@@ -275,6 +277,7 @@ class Match:
     steps: list[tuple] = field(default_factory=list)  # ("scale", op, node|number), ("fill", ...)
     shape_ops: list[fx.Node] = field(default_factory=list)
     split_nodes: list[fx.Node] = field(default_factory=list)
+    helpers: list[fx.Node] = field(default_factory=list)  # new_full(scores, ...): dtype only
 
     def describe(self) -> str:
         kinds = [s[0] + (f"({s[1]})" if s[0] == "scale" else "") for s in self.steps]
@@ -303,8 +306,16 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
     origin = tuple(range(rank - 1)) + ((None,) if trailing else ())
     steps, shape_ops = [], []
     node = scores
+    helpers: list[fx.Node] = []  # scores.new_full(...) for a where: the scores' dtype only
     while True:
-        user = _single_user(node, "the scores")
+        users = [u for u in node.users if u not in helpers]
+        extra = [u for u in users if _is(u, _NEW_FULL) and u.args[0] is node]
+        helpers += extra
+        if len(users) - len(extra) != 1:
+            raise NoMatch(
+                f"the scores are used {len(users)} times (the fused op gives only the weights)"
+            )
+        user = next(u for u in users if u not in extra)
         if _is(user, _SOFTMAX):
             break
         if _is(user, _SHAPE_OPS):
@@ -319,12 +330,22 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
             known = _number(_hint(value))
             if known is None or not known <= MASK_FILL_MAX:
                 raise NoMatch(f"masked_fill with {_hint(value)!r}, not a very negative value")
-            steps.append(("fill", _arg(user, 1, "mask"), value, origin, _shape(node)))
+            steps.append(("fill", _peel_repeat(_arg(user, 1, "mask")), value, origin, _shape(node)))
+        elif _is(user, _WHERE) and len(user.args) == 3 and user.args[1] is node:
+            value = user.args[2]
+            if isinstance(value, fx.Node) and _is(value, _NEW_FULL) and value.args[0] is node:
+                helpers.append(value)
+                value = _arg(value, 2, "fill_value")
+            known = _number(_hint(value))
+            if known is None or not known <= MASK_FILL_MAX:
+                raise NoMatch(f"where(mask, scores, {_hint(value)!r}): not a very negative value")
+            condition = user.args[0]
+            steps.append(("keep", _peel_repeat(condition), value, origin, _shape(node)))
         elif _is(user, _ADDS) and len(user.args) == 2:
             other = user.args[1] if user.args[0] is node else user.args[0]
             if not isinstance(other, fx.Node) or _shape(other) is None:
                 raise NoMatch("a number is added to the scores")
-            steps.append(("add", other, None, origin, _shape(node)))
+            steps.append(("add", _peel_repeat(other), None, origin, _shape(node)))
         elif (_is(user, _DIV) or _is(user, _MUL)) and len(user.args) == 2 and not user.kwargs:
             if user.args[0] is not node and _is(user, _DIV):
                 raise NoMatch("the scores divide something")
@@ -366,11 +387,11 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
     batch_axes = sorted(set().union(*(varies[t] for t in keys)) - {memory_axis})
     query_axes = [a for a in range(rank - 1) if a != memory_axis and a not in batch_axes]
     for step in steps:
-        if step[0] in ("fill", "add"):
+        if step[0] in ("fill", "add", "keep"):
             _check_mask(step, query_axes)
     return Match(
         tanh, softmax, queries, keys, biases, vector, rank, tuple(batch_axes), tuple(query_axes),
-        memory_axis, trailing, steps, shape_ops, split_nodes,
+        memory_axis, trailing, steps, shape_ops, split_nodes, helpers,
     )  # fmt: skip
 
 
@@ -432,6 +453,10 @@ def _mask_to_rows(mask: Tensor, origin: tuple, plan: Plan, full: tuple) -> Tenso
     rows = plan.batch_axes + plan.query_axes + (plan.memory_axis,)
     mask = mask.expand(target).permute(rows)
     return mask.reshape(-1, full[plan.memory_axis])
+
+
+def _fill_value(value) -> float:
+    return float(value.reshape(-1)[0]) if isinstance(value, Tensor) else float(value)
 
 
 def _plain_scores(query, keys, bias, v):
@@ -519,8 +544,9 @@ class TracedWeights:
                     if mask.requires_grad:
                         graded.append(mask)
                 else:
-                    canonical_masks.append(mask.to(torch.bool))
-                    plain |= not float(fills[fill_index]) <= MASK_FILL_MAX
+                    mask = mask.to(torch.bool)
+                    canonical_masks.append(mask if step[0] == "fill" else ~mask)
+                    plain |= not _fill_value(fills[fill_index]) <= MASK_FILL_MAX
                     fill_index += 1
         invalid = None
         for m in canonical_masks:
@@ -587,7 +613,9 @@ class TracedWeights:
                 if step[0] == "add":
                     scores = scores + mask
                 else:
-                    scores = scores.masked_fill(mask.to(torch.bool), fills[fill_index])
+                    mask = mask.to(torch.bool)
+                    mask = mask if step[0] == "fill" else ~mask
+                    scores = scores.masked_fill(mask, _fill_value(fills[fill_index]))
                     fill_index += 1
         return torch.softmax(scores, dim=-1)
 
@@ -613,8 +641,8 @@ def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
         if step[0] == "scale":
             plan_steps.append(("scale", step[1]))
             scales.append(step[2])
-        elif step[0] == "fill":
-            plan_steps.append(("fill", None, step[3]))
+        elif step[0] in ("fill", "keep"):
+            plan_steps.append((step[0], None, step[3]))
             masks.append(step[1])
             fills.append(step[2])
         else:
@@ -634,3 +662,5 @@ def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
             node = graph.node_copy(op, lambda n, prev=node, src=op: prev if n is src.args[0] else n)
     match.softmax.replace_all_uses_with(node)
     graph.erase_node(match.softmax)
+    for helper in match.helpers:  # new_full(scores, ...) takes dtype and device from the vector
+        helper.replace_input_with(helper.args[0], match.vector)
