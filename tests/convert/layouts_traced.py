@@ -488,3 +488,66 @@ CASES = [
     Case("mask_per_query", _wrap(MaskPerQuery), _multi_call, None),
     Case("join_relu", _wrap(lambda: JoinScorer(squash=torch.relu)), lambda b, t, d: (_rand(b, Q, dtype=d), _rand(b, t, K, dtype=d)), None),
 ]  # fmt: skip
+
+
+# --- more layouts: the projection by a batch-repeated vector, einsum, in-place masks ----------------
+
+
+class RepeatedVectorBmm(nn.Module):
+    """An older tutorial's form: v [A] repeated over the batch, bmm with the transposed energy;
+    time-major memory [T, B, K]; forward(state [B, Q], memory, keep [B, T] 1 = real) -> [B, T]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(Q + K, A)
+        self.direction = nn.Parameter(torch.rand(A))
+
+    def forward(self, state, memory, keep):
+        frames, batch = memory.shape[0], memory.shape[1]
+        state = state.unsqueeze(1).repeat(1, frames, 1)
+        memory = memory.permute(1, 0, 2)
+        energy = torch.tanh(self.mix(torch.cat((state, memory), dim=2))).permute(0, 2, 1)
+        v = self.direction.repeat(batch, 1).unsqueeze(1)
+        scores = torch.bmm(v, energy).squeeze(1)
+        return F.softmax(scores.masked_fill(keep == 0, -1e10), dim=1)
+
+
+class EinsumInPlace(nn.Module):
+    """einsum projection, an in-place masked_fill_, several queries: forward(memory [B, T, K],
+    queries [B, Tq, Q], pad [B, T]) -> context [B, Tq, K]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.km = nn.Linear(K, A)
+        self.qm = nn.Linear(Q, A)
+        self.u = nn.Parameter(torch.randn(A) * 0.3)
+
+    def forward(self, memory, queries, pad):
+        e = torch.tanh(self.km(memory)[:, None] + self.qm(queries)[:, :, None])
+        scores = torch.einsum("bqth,h->bqt", e, self.u)
+        scores.masked_fill_(pad[:, None, :], float("-inf"))
+        return torch.softmax(scores, -1) @ memory
+
+
+class EinsumOtherAxis(EinsumInPlace):
+    """Look-alike: the einsum contracts the memory axis, not the hidden one."""
+
+    def forward(self, memory, queries, pad):
+        e = torch.tanh(self.km(memory)[:, None] + self.qm(queries)[:, :, None])
+        scores = torch.einsum("bqth,t->bqh", e, torch.ones(memory.shape[1], dtype=memory.dtype))
+        return torch.softmax(scores, -1)
+
+
+def _bmm_call(b, t, dtype):
+    return (_rand(b, Q, dtype=dtype), _rand(t, b, K, dtype=dtype), lengths_mask(b, t).long())
+
+
+def _einsum_call(b, t, dtype):
+    return (_rand(b, t, K, dtype=dtype), _rand(b, 2, Q, dtype=dtype), ~lengths_mask(b, t))
+
+
+CASES += [
+    Case("repeated_vector_bmm", _wrap(RepeatedVectorBmm), _bmm_call, "att"),
+    Case("einsum_in_place_mask", _wrap(EinsumInPlace), _einsum_call, "att"),
+    Case("einsum_other_axis", _wrap(EinsumOtherAxis), _einsum_call, None),
+]

@@ -169,37 +169,92 @@ def _split_concat_linear(graph: fx.Graph, node: fx.Node) -> list[fx.Node] | None
 # --- from the tanh to the softmax -----------------------------------------------------------------
 
 
-def _projection(tanh: fx.Node, width) -> tuple[fx.Node, fx.Node, bool]:
-    """(scores node, vector node, scores keep a trailing 1-axis) of tanh's projection."""
+def _vector_source(node: object, width) -> fx.Node | None:
+    """The [H] (or [1, ..., 1, H]) tensor that ``node`` repeats or reshapes over leading axes."""
+    while isinstance(node, fx.Node):
+        shape = _shape(node)
+        if shape is not None and _same(shape[-1], width) and all(map(_is_one, shape[:-1])):
+            return node
+        if not (_is(node, _REPEATS) or _is(node, {"unsqueeze", "view", "reshape"})):
+            return None
+        node = node.args[0]
+    return None
+
+
+def _einsum_projection(user: fx.Node, tanh: fx.Node, width):
+    equation = user.args[0] if user.args and isinstance(user.args[0], str) else None
+    operands = list(user.args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if equation is None or len(operands) != 2 or tanh not in operands or "..." in equation:
+        return None
+    inputs, _, output = equation.replace(" ", "").partition("->")
+    subscripts = inputs.split(",")
+    if len(subscripts) != 2:
+        return None
+    mine = subscripts[operands.index(tanh)]
+    other = subscripts[1 - operands.index(tanh)]
+    vector = operands[1 - operands.index(tanh)]
+    if other != mine[-1] or output != mine[:-1] or _shape(vector) is None:
+        return None
+    if not _same(_shape(vector), (width,)):
+        return None
+    return vector
+
+
+def _projection(tanh: fx.Node, width, rank: int):
+    """(scores node, vector node, origin of the scores' axes) of tanh's projection onto a vector:
+    origin[i] is the pre-activation's axis that the scores' axis i is, None for an added 1."""
+    leading = tuple(range(rank - 1))
     user = _single_user(tanh, "the tanh")
     if _is(user, _LINEAR) and _arg(user, 0, "input") is tanh:
         weight = _arg(user, 1, "weight")
         shape = _shape(weight)
         if shape is None or len(shape) != 2 or not _is_one(shape[0]) or not _same(shape[1], width):
             raise NoMatch(f"the tanh goes into a linear map of weight {shape}, not onto a vector")
-        return user, weight, True
+        return user, weight, leading + (None,)
     if _is(user, _MATMUL) and user.args[0] is tanh:
         vector = user.args[1]
         shape = _shape(vector)
-        if shape == (width,) or (shape is not None and _same(shape, (width,))):
-            return user, vector, False
+        if shape is not None and _same(shape, (width,)):
+            return user, vector, leading
         if shape is not None and len(shape) == 2 and _same(shape[0], width) and _is_one(shape[1]):
-            return user, vector, True
+            return user, vector, leading + (None,)
         raise NoMatch(f"the tanh is multiplied by a matrix of shape {shape}, not a vector")
+    if _is(user, {torch.einsum}):
+        vector = _einsum_projection(user, tanh, width)
+        if vector is None:
+            raise NoMatch(f"the tanh goes into einsum {user.args[0]!r}, not onto a vector")
+        return user, vector, leading
+    if _is(user, {"permute", "transpose"}) and rank == 3:
+        # bmm(v repeated over the batch [B, 1, H], tanh^T [B, H, S]) -> [B, 1, S]
+        dims = [d % 3 for d in user.args[1:]] if user.target == "transpose" else None
+        if user.target == "permute":
+            dims = list(user.args[1:])
+            dims = list(dims[0]) if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
+        swapped = dims in ([1, 2], [2, 1]) if user.target == "transpose" else dims == [0, 2, 1]
+        product = _single_user(user, "the transposed tanh")
+        if swapped and _is(product, {torch.bmm, *_MATMUL}) and product.args[1] is user:
+            vector = _vector_source(product.args[0], width)
+            shape = _shape(product.args[0])
+            if vector is not None and shape is not None and len(shape) == 3:
+                if _is_one(shape[1]) and _same(shape[2], width):
+                    return product, vector, (0, None, 1)
+        raise NoMatch("the transposed tanh is not multiplied by a vector repeated over the batch")
     if _is(user, _MUL) and len(user.args) == 2 and tanh in user.args:
         vector = user.args[1] if user.args[0] is tanh else user.args[0]
         shape = _shape(vector)
         if shape is None or not _same(shape[-1], width) or not all(map(_is_one, shape[:-1])):
             raise NoMatch(f"the tanh is multiplied by a tensor of shape {shape}, not a vector")
         total = _single_user(user, "the product with the vector")
-        rank = len(_shape(tanh))
         dim = _arg(total, 1, "dim")
         dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
         if not _is(total, _SUM) or dim not in (-1, rank - 1):
             raise NoMatch("the product with the vector is not summed over the last axis")
         if _arg(total, 3, "dtype") is not None:
             raise NoMatch("the sum over the hidden axis changes the dtype")
-        return total, vector, bool(_arg(total, 2, "keepdim", False))
+        keepdim = bool(_arg(total, 2, "keepdim", False))
+        return total, vector, leading + ((None,) if keepdim else ())
     raise NoMatch(f"the tanh goes into {user.target!r}, not a projection onto a vector")
 
 
@@ -273,7 +328,7 @@ class Match:
     batch_axes: tuple[int, ...]
     query_axes: tuple[int, ...]
     memory_axis: int
-    trailing: bool
+    scores_origin: tuple  # the pre-activation's axis each axis of the projection's output is
     steps: list[tuple] = field(default_factory=list)  # ("scale", op, node|number), ("fill", ...)
     shape_ops: list[fx.Node] = field(default_factory=list)
     split_nodes: list[fx.Node] = field(default_factory=list)
@@ -302,13 +357,24 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
         split_nodes = [n for n in split if n.op == "call_function" and n.target is not None]
         terms = split
     node = tanh
-    scores, vector, trailing = _projection(tanh, width)
-    origin = tuple(range(rank - 1)) + ((None,) if trailing else ())
+    scores, vector, origin = _projection(tanh, width, rank)
+    scores_origin = origin
     steps, shape_ops = [], []
     node = scores
     helpers: list[fx.Node] = []  # scores.new_full(...) for a where: the scores' dtype only
     while True:
         users = [u for u in node.users if u not in helpers]
+        for fill in [u for u in users if _is(u, {"masked_fill_"}) and u.args[0] is node]:
+            if fill.users:
+                raise NoMatch("the result of an in-place masked_fill_ of the scores is used")
+            value = _arg(fill, 2, "value")
+            known = _number(_hint(value))
+            if known is None or not known <= MASK_FILL_MAX:
+                raise NoMatch(f"masked_fill_ with {_hint(value)!r}, not a very negative value")
+            mask = _peel_repeat(_arg(fill, 1, "mask"))
+            steps.append(("fill", mask, value, origin, _shape(node)))
+            helpers.append(fill)
+            users.remove(fill)
         extra = [u for u in users if _is(u, _NEW_FULL) and u.args[0] is node]
         helpers += extra
         if len(users) - len(extra) != 1:
@@ -391,7 +457,7 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
             _check_mask(step, query_axes)
     return Match(
         tanh, softmax, queries, keys, biases, vector, rank, tuple(batch_axes), tuple(query_axes),
-        memory_axis, trailing, steps, shape_ops, split_nodes, helpers,
+        memory_axis, scores_origin, steps, shape_ops, split_nodes, helpers,
     )  # fmt: skip
 
 
@@ -430,7 +496,7 @@ class Plan:
     batch_axes: tuple[int, ...]
     query_axes: tuple[int, ...]
     memory_axis: int
-    trailing: bool
+    scores_origin: tuple
     steps: tuple  # ("scale", "mul"|"div") | ("fill", value, origin) | ("add", None, origin)
     backend: str
 
@@ -468,8 +534,7 @@ def _plain_scores(query, keys, bias, v):
 
 class TracedWeights:
     """The callable that replaces a match's sum ... softmax in the graph (see :func:`rewrite`):
-    the weights in the pre-activation's leading layout (a trailing 1-axis where the projection
-    kept one)."""
+    the weights in the projection's output layout (``Plan.scores_origin``)."""
 
     __name__ = "traced_weights"
     calls = 0  # how many times a converted module ran the replacement (for tests)
@@ -568,7 +633,11 @@ class TracedWeights:
         weights = weights.reshape(
             [full[a] for a in plan.batch_axes + plan.query_axes] + [frames]
         ).permute([rows.index(a) for a in range(rank - 1)])
-        return weights.unsqueeze(-1) if plan.trailing else weights
+        weights = weights.permute([a for a in plan.scores_origin if a is not None])
+        for axis, source in enumerate(plan.scores_origin):  # the projection's added 1-axes
+            if source is None:
+                weights = weights.unsqueeze(axis)
+        return weights
 
     def _fixed_keys(self, projections, canonical, full, rank):
         """(keys [B', S, H], values placeholder or None, StepwiseMemory or None) of the key terms
@@ -650,7 +719,7 @@ def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
             masks.append(step[1])
     key_terms = [_projection_source(term) for term in match.key_terms]
     plan = Plan(
-        match.rank, match.batch_axes, match.query_axes, match.memory_axis, match.trailing,
+        match.rank, match.batch_axes, match.query_axes, match.memory_axis, match.scores_origin,
         tuple(plan_steps), backend,
     )  # fmt: skip
     with graph.inserting_before(match.softmax):
@@ -662,5 +731,8 @@ def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
             node = graph.node_copy(op, lambda n, prev=node, src=op: prev if n is src.args[0] else n)
     match.softmax.replace_all_uses_with(node)
     graph.erase_node(match.softmax)
-    for helper in match.helpers:  # new_full(scores, ...) takes dtype and device from the vector
-        helper.replace_input_with(helper.args[0], match.vector)
+    for helper in match.helpers:
+        if _is(helper, {"masked_fill_"}):  # an in-place fill of the scores: now in the op's mask
+            graph.erase_node(helper)
+        else:  # new_full(scores, ...) takes dtype and device from the vector
+            helper.replace_input_with(helper.args[0], match.vector)
