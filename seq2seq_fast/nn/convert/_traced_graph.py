@@ -541,20 +541,15 @@ class TracedWeights:
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-        self.cache = ProjectionCache()
+        self.layout_cache = ProjectionCache()
 
     def __call__(self, queries, keys, biases, vector, scales, masks, fills):
         TracedWeights.calls += 1
         plan = self.plan
         rank = plan.rank
         queries = [_pad(t, rank) for t in queries]
-        projections = [k for k in keys if isinstance(k, tuple)]
-        moving = [_pad(k, rank) for k in keys if not isinstance(k, tuple)]
-        shapes = [t.shape for t in queries + moving]
-        for source, weight, *_ in projections:
-            shape = tuple(source.shape[:-1]) + (weight.shape[0],)
-            shapes.append((1,) * (rank - len(shape)) + shape)
-        full = torch.broadcast_shapes(*shapes)
+        raw = [_pad(term.value(), rank) for term in keys]
+        full = torch.broadcast_shapes(*(t.shape for t in queries + raw))
         width = full[-1]
         rows = plan.batch_axes + plan.query_axes + (plan.memory_axis, rank - 1)
         batch = math.prod(full[a] for a in plan.batch_axes)
@@ -562,19 +557,18 @@ class TracedWeights:
         frames = full[plan.memory_axis]
         key_shape = [1 if a in plan.query_axes else full[a] for a in range(rank)]
 
-        def canonical(parts):
-            total = parts[0]
-            for t in parts[1:]:
-                total = total + t
-            return total.expand(key_shape).permute(rows).reshape(batch, frames, width)
+        def canonical(t):
+            return t.expand(key_shape).permute(rows).reshape(batch, frames, width)
 
-        memory = None
-        if projections:
-            key, values, memory = self._fixed_keys(projections, canonical, full, rank)
-        if moving:
-            memory = None  # keys that change every call: no memory to gather into
-            key = canonical(moving) if not projections else key + canonical(moving)
-            values = None
+        memory = values = None
+        if (
+            len(raw) == 1
+        ):  # one key term: its layout and its memory kept with it (a decoder's steps)
+            key, values, memory = self._memory(raw[0], canonical, full)
+        else:
+            key = canonical(raw[0])
+            for t in raw[1:]:
+                key = key + canonical(t)
         if values is None:
             values = key.new_zeros(batch, frames, 1)  # the graph forms the context: a placeholder
         query = queries[0]
@@ -639,30 +633,19 @@ class TracedWeights:
                 weights = weights.unsqueeze(axis)
         return weights
 
-    def _fixed_keys(self, projections, canonical, full, rank):
-        """(keys [B', S, H], values placeholder or None, StepwiseMemory or None) of the key terms
-        that are linear maps: computed once per memory tensor and weights while they stay the
-        same (a decoder's steps), their gradients gathered once per sequence in training."""
+    def _memory(self, raw: Tensor, canonical, full):
+        """(keys [B', S, H], values placeholder, StepwiseMemory or None) for one key term, kept
+        while the term is the same tensor (the steps of a decoder over one memory)."""
 
         def compute():
-            parts = []
-            for source, weight, bias, start, stop in projections:
-                if start is not None:
-                    weight = weight[:, start:stop]
-                parts.append(_pad(F.linear(source, weight, bias), rank))
-            key = canonical(parts).contiguous()
+            key = canonical(raw).contiguous()
             values = key.new_zeros(key.shape[0], key.shape[1], 1)
             memory = StepwiseMemory.for_training(key, values, self.plan.backend)
             if memory is None:
                 return key, values, None, key
             return memory.keys, memory.values, memory, key
 
-        if len(projections) != 1:
-            return compute()[:3]
-        source, weight, bias, start, stop = projections[0]
-        entry = self.cache.get(
-            source, (weight, bias, start, stop, tuple(full)), compute, watch=lambda e: e[3:]
-        )
+        entry = self.layout_cache.get(raw, (tuple(full),), compute, watch=lambda e: e[3:])
         return entry[:3]
 
     def _plain(self, query, key, bias, v, scales, masks, fills, full):
@@ -689,17 +672,115 @@ class TracedWeights:
         return torch.softmax(scores, dim=-1)
 
 
-def _projection_source(term: fx.Node):
-    """A key term that is a linear map of some tensor, as (input, weight, bias, columns from,
-    columns to) for the replacement to compute (and cache: the memory is often the same tensor
-    at every step); any other term as it is."""
-    split = term.meta.get("traced_split")
-    if split is not None:
-        source, weight, start, stop = split
-        return (source, weight, None, start, stop)
-    if _is(term, _LINEAR) and len(term.users) == 1:
-        return (_arg(term, 0, "input"), _arg(term, 1, "weight"), _arg(term, 2, "bias"), None, None)
-    return term
+_PURE_METHODS = {
+    "view", "reshape", "permute", "transpose", "contiguous", "unsqueeze", "squeeze", "expand",
+    "expand_as", "repeat", "size", "flatten", "__getitem__", "add", "mul", "float", "to",
+}  # fmt: skip
+_PURE_FUNCTIONS = {
+    torch._C._nn.linear, F.linear, torch.matmul, torch.bmm, operator.getitem, operator.add,
+    operator.mul, operator.sub, operator.floordiv, operator.neg, torch.add, torch.mul,
+    torch.transpose, torch.permute, torch.reshape, torch.unsqueeze, torch.squeeze, F.conv1d,
+    torch.conv1d, torch.cat, torch.stack,
+}  # fmt: skip
+
+
+def _key_function(graph: fx.Graph, term: fx.Node):
+    """(a GraphModule computing ``term`` from the graph's inputs it depends on, those inputs), or
+    None when the term is not a pure function of inputs (dropout, a get_attr, anything else)."""
+    nodes, inputs, stack = set(), [], [term]
+    while stack:
+        node = stack.pop()
+        if node in nodes:
+            continue
+        nodes.add(node)
+        if node.op == "placeholder":
+            inputs.append(node)
+            continue
+        if node.op == "call_method" and node.target in _PURE_METHODS:
+            pass
+        elif node.op == "call_function" and node.target in _PURE_FUNCTIONS:
+            pass
+        else:
+            return None
+        stack.extend(node.all_input_nodes)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    inputs.sort(key=order.__getitem__)
+    sub = fx.Graph()
+    env = {node: sub.placeholder(node.name) for node in inputs}
+    for node in sorted(nodes - set(inputs), key=order.__getitem__):
+        env[node] = sub.node_copy(node, env.__getitem__)
+    sub.output(env[term])
+    return fx.GraphModule(torch.nn.Module(), sub), inputs
+
+
+class KeyTerm:
+    """A key term the replacement computes itself: once per set of inputs (the memory, the
+    weights, the sizes) while they stay the same objects at the same versions, e.g. over the
+    steps of a decoder."""
+
+    def __init__(self, function: fx.GraphModule) -> None:
+        self.function = function
+        self.cache = ProjectionCache()
+
+    def value(self, args: tuple) -> Tensor:
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        anchor = next((t for t in tensors if not isinstance(t, torch.nn.Parameter)), None)
+        if anchor is None:
+            return self.function(*args)
+        rest = [a if a is not anchor else None for a in args]
+        return self.cache.get(anchor, rest, lambda: self.function(*args))
+
+
+class _BoundTerm:
+    __slots__ = ("term", "args")
+
+    def __init__(self, term: KeyTerm, args: tuple) -> None:
+        self.term, self.args = term, args
+
+    def value(self) -> Tensor:
+        return self.term.value(self.args)
+
+
+class _Bound:
+    """The call_function target that hands a key term its runtime inputs."""
+
+    __name__ = "bind_key_term"
+
+    def __init__(self, term: KeyTerm) -> None:
+        self.term = term
+
+    def __call__(self, *args) -> _BoundTerm:
+        return _BoundTerm(self.term, args)
+
+
+class _Plain:
+    """A key term computed by the graph (not a pure function of the inputs)."""
+
+    def __init__(self, value: Tensor) -> None:
+        self._value = value
+
+    def value(self) -> Tensor:
+        return self._value
+
+
+def _wrap_plain(value: Tensor) -> _Plain:
+    return _Plain(value)
+
+
+_wrap_plain.__name__ = "plain_key_term"
+
+
+def _key_terms(graph: fx.Graph, match: Match, before: fx.Node) -> list[fx.Node]:
+    terms = []
+    with graph.inserting_before(before):
+        for term in match.key_terms:
+            found = _key_function(graph, term)
+            if found is None:
+                terms.append(graph.call_function(_wrap_plain, (term,)))
+            else:
+                function, inputs = found
+                terms.append(graph.call_function(_Bound(KeyTerm(function)), tuple(inputs)))
+    return terms
 
 
 def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
@@ -717,7 +798,7 @@ def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
         else:
             plan_steps.append(("add", None, step[3]))
             masks.append(step[1])
-    key_terms = [_projection_source(term) for term in match.key_terms]
+    key_terms = _key_terms(graph, match, match.softmax)
     plan = Plan(
         match.rank, match.batch_axes, match.query_axes, match.memory_axis, match.scores_origin,
         tuple(plan_steps), backend,
