@@ -202,3 +202,23 @@ def test_traced_false_watches_nothing():
     model(torch.randn(2, 3, 6), torch.randn(2, 5), torch.zeros(2, 3, dtype=torch.bool))
     assert report.count == 0 and not report.skipped
     assert not model._forward_pre_hooks and not model.att._forward_pre_hooks
+
+
+def test_a_converted_module_deep_copies_and_pickles_converted(tmp_path):
+    from tests.convert.layouts_traced import Pointer, _Holder
+
+    dtype = torch.float64
+    torch.manual_seed(0)
+    original = _Holder(Pointer()).to(dtype)
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model)
+    args = (torch.randn(2, 4, 6, dtype=dtype), torch.randn(2, 5, dtype=dtype),
+            torch.tensor([[False] * 4, [False, False, True, True]]))  # fmt: skip
+    model(*args)
+    assert report.count == 1
+    torch.save(model, tmp_path / "model.pt")
+    for other in (copy.deepcopy(model), torch.load(tmp_path / "model.pt", weights_only=False)):
+        assert isinstance(other.att, FusedStandIn) and isinstance(other.att, Pointer)
+        calls = TracedWeights.calls
+        _assert_close(_run(other, args)[0], _run(original, args)[0], dtype, "outputs")
+        assert TracedWeights.calls > calls

@@ -330,6 +330,11 @@ def traced_class(cls: type, backend: str) -> type:
         def forward(self, *args, **kwargs):
             return compiled(self, *args, **kwargs)
 
+        def __reduce_ex__(self, protocol):
+            # pickles and deep copies name the original class (importable) and rebuild this one
+            state = super(new, self).__reduce_ex__(protocol)[2]
+            return (_rebuild, (cls, backend), state)
+
         namespace = {
             "forward": forward,
             "layout": LAYOUT,
@@ -338,8 +343,15 @@ def traced_class(cls: type, backend: str) -> type:
             "__qualname__": cls.__qualname__,
             "__doc__": cls.__doc__,
         }
-        _CLASSES[key] = type(cls.__name__, (cls, FusedStandIn), namespace)
+        namespace["__reduce_ex__"] = __reduce_ex__
+        new = type(cls.__name__, (cls, FusedStandIn), namespace)
+        _CLASSES[key] = new
     return _CLASSES[key]
+
+
+def _rebuild(cls: type, backend: str) -> nn.Module:
+    """An empty instance of the traced subclass of ``cls`` (pickle then sets its state)."""
+    return object.__new__(traced_class(cls, backend))
 
 
 def _leaves_for_grad(args, kwargs):
