@@ -551,3 +551,49 @@ CASES += [
     Case("einsum_in_place_mask", _wrap(EinsumInPlace), _einsum_call, "att"),
     Case("einsum_other_axis", _wrap(EinsumOtherAxis), _einsum_call, None),
 ]
+
+
+# --- more: .data.masked_fill_ on time-major energies, a query repeated up a rank ------------------
+
+
+class DataFilled(nn.Module):
+    """An NMT repository's QKV attention: time-major [T, B, K], the mask written through
+    ``.data`` in place, weights returned batch-major [B, T]: forward(hidden [B, Q], memory,
+    src_mask [T, B] 1 = real)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query_layer = nn.Linear(Q, A)
+        self.key_layer = nn.Linear(K, A)
+        self.energy_layer = nn.Linear(A, 1)
+
+    def forward(self, hidden, memory, src_mask):
+        e = self.energy_layer(torch.tanh(self.query_layer(hidden) + self.key_layer(memory)))
+        e = e.squeeze(2)
+        e.data.masked_fill_(src_mask == 0, float("-inf"))
+        return F.softmax(e, dim=0).transpose(0, 1)
+
+
+class RepeatedUpARank(nn.Module):
+    """hidden [B, Q] repeated to [T, B, Q] (a rank added), joined with time-major memory;
+    softmax over the frames, weights [T, B, 1]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(Q + K, A)
+        self.out = nn.Linear(A, 1, bias=False)
+
+    def forward(self, hidden, memory):
+        tiled = hidden.repeat(memory.size(0), 1, 1)
+        return torch.softmax(self.out(torch.tanh(self.lin(torch.cat((tiled, memory), 2)))), 0)
+
+
+def _data_call(b, t, dtype):
+    return (_rand(b, Q, dtype=dtype), _rand(t, b, K, dtype=dtype), lengths_mask(b, t).t().long())
+
+
+CASES += [
+    Case("data_masked_fill", _wrap(DataFilled), _data_call, "att"),
+    Case("repeated_up_a_rank", _wrap(RepeatedUpARank),
+         lambda b, t, d: (_rand(b, Q, dtype=d), _rand(t, b, K, dtype=d)), "att"),
+]  # fmt: skip

@@ -121,12 +121,16 @@ def _terms(node: fx.Node) -> list[fx.Node]:
 
 
 def _peel_repeat(node: fx.Node) -> fx.Node:
-    """The tensor a repeat/expand along leading axes only was made from (a linear map commutes)."""
+    """The tensor a repeat/expand along leading axes was made from, where broadcasting it gives
+    the same (a linear map commutes with it; a sum broadcasts it)."""
     while _is(node, _REPEATS) and isinstance(node.args[0], fx.Node):
         source, out = _shape(node.args[0]), _shape(node)
-        if source is None or out is None or not source or not _same(source[-1], out[-1]):
+        if source is None or out is None or not source or len(source) > len(out):
             break
-        if len(source) != len(out):
+        padded = (1,) * (len(out) - len(source)) + source
+        if not _same(padded[-1], out[-1]):
+            break
+        if not all(_is_one(a) or _same(a, b) for a, b in zip(padded, out, strict=True)):
             break
         node = node.args[0]
     return node
@@ -364,7 +368,17 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
     helpers: list[fx.Node] = []  # scores.new_full(...) for a where: the scores' dtype only
     while True:
         users = [u for u in node.users if u not in helpers]
-        for fill in [u for u in users if _is(u, {"masked_fill_"}) and u.args[0] is node]:
+        fills_in_place = [u for u in users if _is(u, {"masked_fill_"}) and u.args[0] is node]
+        for data in [u for u in users if getattr(u.target, "__name__", "") == "_get_data_attr"]:
+            # scores.data.masked_fill_(...): the forward sees the fill, autograd does not, and a
+            # softmax's backward gives those positions zero gradient all the same
+            inner = list(data.users)
+            if not inner or not all(_is(u, {"masked_fill_"}) and u.args[0] is data for u in inner):
+                raise NoMatch("the scores' .data is used other than by masked_fill_")
+            fills_in_place += inner
+            helpers.append(data)
+            users.remove(data)
+        for fill in fills_in_place:
             if fill.users:
                 raise NoMatch("the result of an in-place masked_fill_ of the scores is used")
             value = _arg(fill, 2, "value")
@@ -373,8 +387,9 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
                 raise NoMatch(f"masked_fill_ with {_hint(value)!r}, not a very negative value")
             mask = _peel_repeat(_arg(fill, 1, "mask"))
             steps.append(("fill", mask, value, origin, _shape(node)))
-            helpers.append(fill)
-            users.remove(fill)
+            helpers.insert(0, fill)  # erased before the .data it fills
+            if fill in users:
+                users.remove(fill)
         extra = [u for u in users if _is(u, _NEW_FULL) and u.args[0] is node]
         helpers += extra
         if len(users) - len(extra) != 1:
@@ -813,7 +828,7 @@ def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
     match.softmax.replace_all_uses_with(node)
     graph.erase_node(match.softmax)
     for helper in match.helpers:
-        if _is(helper, {"masked_fill_"}):  # an in-place fill of the scores: now in the op's mask
-            graph.erase_node(helper)
+        if _is(helper, {"masked_fill_"}) or not _is(helper, _NEW_FULL):
+            graph.erase_node(helper)  # an in-place fill of the scores (or their .data): in the op
         else:  # new_full(scores, ...) takes dtype and device from the vector
             helper.replace_input_with(helper.args[0], match.vector)
