@@ -597,3 +597,37 @@ CASES += [
     Case("repeated_up_a_rank", _wrap(RepeatedUpARank),
          lambda b, t, d: (_rand(b, Q, dtype=d), _rand(t, b, K, dtype=d)), "att"),
 ]  # fmt: skip
+
+
+# --- a pointer network (combinatorial optimisation): Conv1d over [B, H, T], v from the left --------
+
+
+class ConvPointer(nn.Module):
+    """forward(query [B, H], ref [B, H, T]) -> (ref_proj [B, H, T], probs [B, T]); the hidden
+    axis is the middle one."""
+
+    def __init__(self, exploration: float | None = None) -> None:
+        super().__init__()
+        self.project_query = nn.Linear(A, A)
+        self.project_ref = nn.Conv1d(A, A, 1, 1)
+        self.vec = nn.Parameter(torch.rand(A) - 0.5)
+        self.exploration = exploration
+
+    def forward(self, query, ref):
+        e = self.project_ref(ref)
+        q = self.project_query(query).unsqueeze(2)
+        v = self.vec.unsqueeze(0).expand(ref.size(0), -1).unsqueeze(1)
+        u = torch.bmm(v, torch.tanh(q + e)).squeeze(1)
+        if self.exploration is not None:
+            u = self.exploration * torch.tanh(u)
+        return e, F.softmax(u, dim=1)
+
+
+def _pointer_conv_call(b, t, dtype):
+    return (_rand(b, A, dtype=dtype), _rand(b, A, t, dtype=dtype))
+
+
+CASES += [
+    Case("conv_pointer", _wrap(ConvPointer), _pointer_conv_call, "att"),
+    Case("conv_pointer_exploration", _wrap(lambda: ConvPointer(10.0)), _pointer_conv_call, None),
+]  # fmt: skip

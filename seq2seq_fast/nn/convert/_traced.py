@@ -49,7 +49,7 @@ from seq2seq_fast.nn.convert._base import (
     _gradients,
     class_name,
 )
-from seq2seq_fast.nn.convert._traced_graph import find_matches, rewrite
+from seq2seq_fast.nn.convert._traced_graph import TracedWeights, find_matches, rewrite
 from seq2seq_fast.ops.additive_attention import fused_available
 
 logger = logging.getLogger(__name__)
@@ -392,17 +392,21 @@ def _probe(module: nn.Module, recording: _Recording, backend: str) -> tuple[str 
         warnings.simplefilter("ignore")
         # tensors the forward makes itself (zeros for a state, a mask) in float64 too
         torch.set_default_dtype(torch.float64)
+        ran: list = []
         try:
             for mod in (original, candidate):
                 args, kwargs, inputs = _leaves_for_grad(recording.args, recording.kwargs)
+                TracedWeights.log = ran if mod is candidate else None
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(1)
                     out = mod(*args, **kwargs)
                 results.append((out, _gradients(mod, out, inputs, 2)))
         finally:
+            TracedWeights.log = None
             torch.set_default_dtype(default_dtype)
-    found = cls.rewriter.found[before:] or cls.rewriter.found[-1:]
-    matched = [d for described, _ in found for d in described]
+    # what the candidate's call ran (its graphs may have been traced for another instance)
+    matched = list(dict.fromkeys(replacement.description for replacement in ran))
+    found = cls.rewriter.found[before:] or cls.rewriter.found
     misses = [m for _, missed in found for m in missed]
     if not matched:
         why = "; ".join(dict.fromkeys(misses)) or "no tanh in the traced graph"

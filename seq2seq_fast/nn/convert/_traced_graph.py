@@ -206,30 +206,40 @@ def _einsum_projection(user: fx.Node, tanh: fx.Node, width):
     return vector
 
 
-def _projection(tanh: fx.Node, width, rank: int):
-    """(scores node, vector node, origin of the scores' axes) of tanh's projection onto a vector:
-    origin[i] is the pre-activation's axis that the scores' axis i is, None for an added 1."""
+def _projection(tanh: fx.Node, shape: tuple, rank: int):
+    """(scores node, vector node, origin of the scores' axes, hidden axis) of tanh's projection
+    onto a vector: origin[i] is the axis of the pre-activation without its hidden axis that the
+    scores' axis i is, None for an added 1."""
     leading = tuple(range(rank - 1))
+    width = shape[-1]
     user = _single_user(tanh, "the tanh")
+    if _is(user, {torch.bmm, *_MATMUL}) and len(user.args) == 2 and user.args[1] is tanh:
+        # bmm(v repeated over the batch [B, 1, H], tanh [B, H, S]) -> [B, 1, S] (a pointer
+        # network's Conv1d over [B, H, S] memory)
+        vector = _vector_source(user.args[0], shape[1]) if rank == 3 else None
+        weights = _shape(user.args[0])
+        if vector is None or weights is None or len(weights) != 3 or not _is_one(weights[1]):
+            raise NoMatch("the tanh is multiplied from the left by something not a vector")
+        return user, vector, (0, None, 1), 1
     if _is(user, _LINEAR) and _arg(user, 0, "input") is tanh:
         weight = _arg(user, 1, "weight")
         shape = _shape(weight)
         if shape is None or len(shape) != 2 or not _is_one(shape[0]) or not _same(shape[1], width):
             raise NoMatch(f"the tanh goes into a linear map of weight {shape}, not onto a vector")
-        return user, weight, leading + (None,)
+        return user, weight, leading + (None,), rank - 1
     if _is(user, _MATMUL) and user.args[0] is tanh:
         vector = user.args[1]
         shape = _shape(vector)
         if shape is not None and _same(shape, (width,)):
-            return user, vector, leading
+            return user, vector, leading, rank - 1
         if shape is not None and len(shape) == 2 and _same(shape[0], width) and _is_one(shape[1]):
-            return user, vector, leading + (None,)
+            return user, vector, leading + (None,), rank - 1
         raise NoMatch(f"the tanh is multiplied by a matrix of shape {shape}, not a vector")
     if _is(user, {torch.einsum}):
         vector = _einsum_projection(user, tanh, width)
         if vector is None:
             raise NoMatch(f"the tanh goes into einsum {user.args[0]!r}, not onto a vector")
-        return user, vector, leading
+        return user, vector, leading, rank - 1
     if _is(user, {"permute", "transpose"}) and rank == 3:
         # bmm(v repeated over the batch [B, 1, H], tanh^T [B, H, S]) -> [B, 1, S]
         dims = [d % 3 for d in user.args[1:]] if user.target == "transpose" else None
@@ -243,7 +253,7 @@ def _projection(tanh: fx.Node, width, rank: int):
             shape = _shape(product.args[0])
             if vector is not None and shape is not None and len(shape) == 3:
                 if _is_one(shape[1]) and _same(shape[2], width):
-                    return product, vector, (0, None, 1)
+                    return product, vector, (0, None, 1), rank - 1
         raise NoMatch("the transposed tanh is not multiplied by a vector repeated over the batch")
     if _is(user, _MUL) and len(user.args) == 2 and tanh in user.args:
         vector = user.args[1] if user.args[0] is tanh else user.args[0]
@@ -258,7 +268,7 @@ def _projection(tanh: fx.Node, width, rank: int):
         if _arg(total, 3, "dtype") is not None:
             raise NoMatch("the sum over the hidden axis changes the dtype")
         keepdim = bool(_arg(total, 2, "keepdim", False))
-        return total, vector, leading + ((None,) if keepdim else ())
+        return total, vector, leading + ((None,) if keepdim else ()), rank - 1
     raise NoMatch(f"the tanh goes into {user.target!r}, not a projection onto a vector")
 
 
@@ -333,6 +343,7 @@ class Match:
     query_axes: tuple[int, ...]
     memory_axis: int
     scores_origin: tuple  # the pre-activation's axis each axis of the projection's output is
+    hidden_axis: int
     steps: list[tuple] = field(default_factory=list)  # ("scale", op, node|number), ("fill", ...)
     shape_ops: list[fx.Node] = field(default_factory=list)
     split_nodes: list[fx.Node] = field(default_factory=list)
@@ -352,16 +363,16 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
     shape = _shape(tanh)
     if not isinstance(inner, fx.Node) or shape is None or len(shape) < 2:
         raise NoMatch("the tanh's input is not a tensor of rank 2 or more")
-    rank, width = len(shape), shape[-1]
+    rank = len(shape)
     terms, split_nodes = [_peel_repeat(t) for t in _terms(inner)], []
+    scores, vector, origin, hidden = _projection(tanh, shape, rank)
+    width = shape[hidden]
     if len(terms) == 1:
-        split = _split_concat_linear(graph, terms[0])
+        split = _split_concat_linear(graph, terms[0]) if hidden == rank - 1 else None
         if split is None:
             raise NoMatch("the tanh's input is not a sum of two or more terms")
         split_nodes = [n for n in split if n.op == "call_function" and n.target is not None]
         terms = split
-    node = tanh
-    scores, vector, origin = _projection(tanh, width, rank)
     scores_origin = origin
     steps, shape_ops = [], []
     node = scores
@@ -456,9 +467,13 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
     padded = {}
     for term in terms:
         term_shape = _shape(term)
-        if term_shape is None or len(term_shape) > rank or not _same(term_shape[-1], width):
+        if term_shape is None or len(term_shape) > rank:
             raise NoMatch(f"a term of shape {term_shape} in a sum of shape {list(shape)}")
-        padded[term] = (1,) * (rank - len(term_shape)) + term_shape
+        full_rank = (1,) * (rank - len(term_shape)) + term_shape
+        if not _same(full_rank[hidden], width):
+            raise NoMatch(f"a term of shape {term_shape} in a sum of shape {list(shape)}")
+        # the hidden axis moved last (the replacement moves it so)
+        padded[term] = full_rank[:hidden] + full_rank[hidden + 1 :] + (full_rank[hidden],)
     varies = {t: {a for a in range(rank - 1) if not _is_one(s[a])} for t, s in padded.items()}
     keys = [t for t in terms if memory_axis in varies[t]]
     queries = [t for t in terms if memory_axis not in varies[t] and varies[t]]
@@ -472,7 +487,7 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
             _check_mask(step, query_axes)
     return Match(
         tanh, softmax, queries, keys, biases, vector, rank, tuple(batch_axes), tuple(query_axes),
-        memory_axis, scores_origin, steps, shape_ops, split_nodes, helpers,
+        memory_axis, scores_origin, hidden, steps, shape_ops, split_nodes, helpers,
     )  # fmt: skip
 
 
@@ -512,6 +527,7 @@ class Plan:
     query_axes: tuple[int, ...]
     memory_axis: int
     scores_origin: tuple
+    hidden_axis: int
     steps: tuple  # ("scale", "mul"|"div") | ("fill", value, origin) | ("add", None, origin)
     backend: str
 
@@ -553,6 +569,8 @@ class TracedWeights:
 
     __name__ = "traced_weights"
     calls = 0  # how many times a converted module ran the replacement (for tests)
+    log: list | None = None  # the probe lists the replacements its call ran
+    description = ""
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
@@ -560,10 +578,14 @@ class TracedWeights:
 
     def __call__(self, queries, keys, biases, vector, scales, masks, fills):
         TracedWeights.calls += 1
+        if TracedWeights.log is not None:
+            TracedWeights.log.append(self)
         plan = self.plan
         rank = plan.rank
-        queries = [_pad(t, rank) for t in queries]
-        raw = [_pad(term.value(), rank) for term in keys]
+        hidden = plan.hidden_axis
+        queries = [_pad(t, rank).movedim(hidden, -1) for t in queries]
+        values_of_terms = [term.value() for term in keys]  # the same objects while cached
+        raw = [_pad(t, rank).movedim(hidden, -1) for t in values_of_terms]
         full = torch.broadcast_shapes(*(t.shape for t in queries + raw))
         width = full[-1]
         rows = plan.batch_axes + plan.query_axes + (plan.memory_axis, rank - 1)
@@ -579,7 +601,7 @@ class TracedWeights:
         if (
             len(raw) == 1
         ):  # one key term: its layout and its memory kept with it (a decoder's steps)
-            key, values, memory = self._memory(raw[0], canonical, full)
+            key, values, memory = self._memory(values_of_terms[0], raw[0], canonical, full)
         else:
             key = canonical(raw[0])
             for t in raw[1:]:
@@ -648,7 +670,7 @@ class TracedWeights:
                 weights = weights.unsqueeze(axis)
         return weights
 
-    def _memory(self, raw: Tensor, canonical, full):
+    def _memory(self, term: Tensor, raw: Tensor, canonical, full):
         """(keys [B', S, H], values placeholder, StepwiseMemory or None) for one key term, kept
         while the term is the same tensor (the steps of a decoder over one memory)."""
 
@@ -660,7 +682,7 @@ class TracedWeights:
                 return key, values, None, key
             return memory.keys, memory.values, memory, key
 
-        entry = self.layout_cache.get(raw, (tuple(full),), compute, watch=lambda e: e[3:])
+        entry = self.layout_cache.get(term, (tuple(full),), compute, watch=lambda e: e[3:])
         return entry[:3]
 
     def _plain(self, query, key, bias, v, scales, masks, fills, full):
@@ -816,11 +838,14 @@ def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
     key_terms = _key_terms(graph, match, match.softmax)
     plan = Plan(
         match.rank, match.batch_axes, match.query_axes, match.memory_axis, match.scores_origin,
+        match.hidden_axis,
         tuple(plan_steps), backend,
     )  # fmt: skip
     with graph.inserting_before(match.softmax):
+        replacement = TracedWeights(plan)
+        replacement.description = match.describe()
         node = graph.call_function(
-            TracedWeights(plan),
+            replacement,
             (match.query_terms, key_terms, match.bias_terms, match.vector, scales, masks, fills),
         )
         for op in match.shape_ops:
