@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx
 
 from seq2seq_fast.nn.attention import attend
+from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert._speech import masking
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepwiseMemory
@@ -575,6 +576,7 @@ class TracedWeights:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.layout_cache = ProjectionCache()
+        self.fixed_cache = ProjectionCache()
 
     def __call__(self, queries, keys, biases, vector, scales, masks, fills):
         TracedWeights.calls += 1
@@ -584,9 +586,19 @@ class TracedWeights:
         rank = plan.rank
         hidden = plan.hidden_axis
         queries = [_pad(t, rank).movedim(hidden, -1) for t in queries]
+        location = next((t for t in keys if isinstance(t, _LocationTerm)), None)
+        if location is not None and not (
+            rank == 3 and hidden == 2 and plan.memory_axis == 1 and plan.batch_axes == (0,)
+        ):
+            keys = [t if t is not location else _Plain(t.value()) for t in keys]
+            location = None
+        keys = [t for t in keys if t is not location]
         values_of_terms = [term.value() for term in keys]  # the same objects while cached
         raw = [_pad(t, rank).movedim(hidden, -1) for t in values_of_terms]
-        full = torch.broadcast_shapes(*(t.shape for t in queries + raw))
+        shapes = [t.shape for t in queries + raw]
+        if location is not None:
+            shapes.append(location.shape())
+        full = torch.broadcast_shapes(*shapes)
         width = full[-1]
         rows = plan.batch_axes + plan.query_axes + (plan.memory_axis, rank - 1)
         batch = math.prod(full[a] for a in plan.batch_axes)
@@ -598,9 +610,9 @@ class TracedWeights:
             return t.expand(key_shape).permute(rows).reshape(batch, frames, width)
 
         memory = values = None
-        if (
-            len(raw) == 1
-        ):  # one key term: its layout and its memory kept with it (a decoder's steps)
+        if location is not None:  # the fixed part of the keys, kept while the memory is
+            key, values = self._fixed(values_of_terms[0], raw[0], canonical, full)
+        elif len(raw) == 1:  # one key term: its layout and memory kept with it (a decoder's steps)
             key, values, memory = self._memory(values_of_terms[0], raw[0], canonical, full)
         else:
             key = canonical(raw[0])
@@ -649,8 +661,19 @@ class TracedWeights:
             invalid = m if invalid is None else invalid | m
         if invalid is not None:
             plain |= bool(invalid.all(dim=1).any())  # a row without a valid frame
+        if location is not None and (plain or graded or steps_q != 1):
+            key = key + location.value()  # [B, T, A] already: the op's layout
+            location = None
         if plain:
             weights = self._plain(query, key, bias, v, scales, masks, fills, full)
+        elif location is not None:
+            valid = None if invalid is None else ~invalid
+            step_query = query[:, 0] if bias is None else query[:, 0] + bias
+            parts = (location.features, location.conv_weight, location.dense_weight)
+            _, weights = attend_location(
+                self, plan.backend, step_query, key, parts, values, v_eff, valid
+            )
+            weights = weights.unsqueeze(1)
         else:
             valid = None if invalid is None else ~invalid
             _, weights = attend(
@@ -669,6 +692,16 @@ class TracedWeights:
             if source is None:
                 weights = weights.unsqueeze(axis)
         return weights
+
+    def _fixed(self, term: Tensor, raw: Tensor, canonical, full):
+        """(the keys' fixed part [B, T, A], a values placeholder [B, T, 1]) for location-aware
+        steps: the same objects while the term is (the step's location memory follows them)."""
+
+        def compute():
+            key = canonical(raw).contiguous()
+            return key, key.new_zeros(key.shape[0], key.shape[1], 1)
+
+        return self.fixed_cache.get(term, (tuple(full),), compute)
 
     def _memory(self, term: Tensor, raw: Tensor, canonical, full):
         """(keys [B', S, H], values placeholder, StepwiseMemory or None) for one key term, kept
@@ -807,10 +840,82 @@ def _wrap_plain(value: Tensor) -> _Plain:
 _wrap_plain.__name__ = "plain_key_term"
 
 
+def _single(value) -> int | None:
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    return value if isinstance(value, int) else None
+
+
+def _location_source(term: fx.Node):
+    """(features [B, Cin, T], conv weight [C, Cin, K], dense weight [A, C]) when ``term`` is
+    linear(conv1d(features, conv weight, same padding, odd K, no bias)^T, dense weight, no bias),
+    a location term the kernels can form themselves; else None."""
+    if not _is(term, _LINEAR) or _arg(term, 2, "bias") is not None:
+        return None
+    swap, dense = _arg(term, 0, "input"), _arg(term, 1, "weight")
+    if _is(swap, {"transpose"}) and len(swap.args) == 3:
+        if sorted(d % 3 for d in swap.args[1:3]) != [1, 2]:
+            return None
+    elif _is(swap, {"permute"}):
+        dims = list(swap.args[1:])
+        dims = list(dims[0]) if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
+        if dims != [0, 2, 1]:
+            return None
+    else:
+        return None
+    conv = swap.args[0]
+    if not _is(conv, {torch.conv1d, F.conv1d}) or len(swap.users) != 1 or len(conv.users) != 1:
+        return None
+    weight = _arg(conv, 1, "weight")
+    shape = _shape(weight)
+    if _arg(conv, 2, "bias") is not None or shape is None or len(shape) != 3:
+        return None
+    width = shape[2]
+    padding = _arg(conv, 4, "padding", 0)
+    if not isinstance(width, int) or width % 2 == 0:
+        return None
+    if padding != "same" and _single(padding) != width // 2:
+        return None
+    if _single(_arg(conv, 3, "stride", 1)) != 1 or _single(_arg(conv, 5, "dilation", 1)) != 1:
+        return None
+    if _arg(conv, 6, "groups", 1) != 1:
+        return None
+    return _arg(conv, 0, "input"), weight, dense
+
+
+class _LocationTerm:
+    """A location term (see :func:`_location_source`), formed inside the kernels where a
+    decoder's training steps allow, else by the same ops as the original."""
+
+    __slots__ = ("features", "conv_weight", "dense_weight")
+
+    def __init__(self, features: Tensor, conv_weight: Tensor, dense_weight: Tensor) -> None:
+        self.features, self.conv_weight, self.dense_weight = features, conv_weight, dense_weight
+
+    def shape(self) -> tuple:
+        return (self.features.shape[0], self.features.shape[2], self.dense_weight.shape[0])
+
+    def value(self) -> Tensor:
+        width = self.conv_weight.shape[-1]
+        conv = F.conv1d(self.features, self.conv_weight, padding=width // 2)
+        return F.linear(conv.transpose(1, 2), self.dense_weight)
+
+
+def _location_term(features, conv_weight, dense_weight) -> _LocationTerm:
+    return _LocationTerm(features, conv_weight, dense_weight)
+
+
+_location_term.__name__ = "location_key_term"
+
+
 def _key_terms(graph: fx.Graph, match: Match, before: fx.Node) -> list[fx.Node]:
     terms = []
     with graph.inserting_before(before):
         for term in match.key_terms:
+            location = _location_source(term) if len(match.key_terms) == 2 else None
+            if location is not None:
+                terms.append(graph.call_function(_location_term, location))
+                continue
             found = _key_function(graph, term)
             if found is None:
                 terms.append(graph.call_function(_wrap_plain, (term,)))
