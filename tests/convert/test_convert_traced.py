@@ -222,3 +222,28 @@ def test_a_converted_module_deep_copies_and_pickles_converted(tmp_path):
         calls = TracedWeights.calls
         _assert_close(_run(other, args)[0], _run(original, args)[0], dtype, "outputs")
         assert TracedWeights.calls > calls
+
+
+def test_location_terms_are_formed_inside_the_kernels(monkeypatch):
+    """A conv + dense location term goes to the location-aware steps (keys formed in the
+    kernel), and the steps of one memory still match the original."""
+    from seq2seq_fast.nn.convert import _traced_graph
+    from tests.convert.layouts_traced import LocationHolder, _location_call
+
+    calls = []
+    real = _traced_graph.attend_location
+    monkeypatch.setattr(
+        _traced_graph, "attend_location", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    dtype = torch.float64
+    torch.manual_seed(0)
+    original = LocationHolder().to(dtype)
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model)
+    model(*_location_call(2, 4, dtype))
+    assert [r.path for r in report.replaced] == ["attention"]
+    args = _location_call(3, 6, dtype)
+    got, want = _steps(model, args, 3), _steps(original, args, 3)
+    _assert_close(got[0], want[0], dtype, "outputs")
+    _assert_close(got[1], want[1], dtype, "gradients")
+    assert len(calls) >= 3
