@@ -631,3 +631,34 @@ CASES += [
     Case("conv_pointer", _wrap(ConvPointer), _pointer_conv_call, "att"),
     Case("conv_pointer_exploration", _wrap(lambda: ConvPointer(10.0)), _pointer_conv_call, None),
 ]  # fmt: skip
+
+
+# --- a speech toolkit's MLP attention: float round trip around the mask, time-major ----------------
+
+
+class FloatRoundTrip(nn.Module):
+    """forward(state [B, Q], memory [T, B, K], pad [T, B] True = padding) -> weights [T, B]; the
+    scores masked in float32 and cast back (type_as), as mixed-precision code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(K, A, bias=False)
+        self.dec = nn.Linear(Q, A, bias=True)
+        self.to_scores = nn.Linear(A, 1, bias=False)
+
+    def forward(self, state, memory, pad):
+        x = torch.tanh(self.enc(memory) + self.dec(state).unsqueeze(0))
+        scores = self.to_scores(x).squeeze(2)
+        scores = scores.float().masked_fill(pad, float("-inf")).type_as(scores)
+        return F.softmax(scores, dim=0)
+
+
+def _round_trip_call(b, t, dtype):
+    return (_rand(b, Q, dtype=dtype), _rand(t, b, K, dtype=dtype), ~lengths_mask(b, t).t())
+
+
+CASES += [
+    # exact in float32 (where .float() changes nothing), but the float64 probe sees the float32
+    # rounding of the scores in the original, and the probe decides: left alone
+    Case("float_round_trip", _wrap(FloatRoundTrip), _round_trip_call, None),
+]

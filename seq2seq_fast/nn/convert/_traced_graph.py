@@ -53,6 +53,7 @@ _MASKED_FILL = {"masked_fill", torch.masked_fill}
 _REPEATS = {"repeat", "expand", "expand_as"}
 _WHERE = {torch.where}
 _NEW_FULL = {"new_full"}
+_CASTS = {"float", "double", "half", "bfloat16", "to", "type_as"}
 
 
 class NoMatch(Exception):
@@ -379,7 +380,7 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
     node = scores
     helpers: list[fx.Node] = []  # scores.new_full(...) for a where: the scores' dtype only
     while True:
-        users = [u for u in node.users if u not in helpers]
+        users = [u for u in node.users if u not in helpers or u.args[0] is node]
         fills_in_place = [u for u in users if _is(u, {"masked_fill_"}) and u.args[0] is node]
         for data in [u for u in users if getattr(u.target, "__name__", "") == "_get_data_attr"]:
             # scores.data.masked_fill_(...): the forward sees the fill, autograd does not, and a
@@ -402,7 +403,12 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
             helpers.insert(0, fill)  # erased before the .data it fills
             if fill in users:
                 users.remove(fill)
-        extra = [u for u in users if _is(u, _NEW_FULL) and u.args[0] is node]
+        extra = [
+            u
+            for u in users
+            if (_is(u, _NEW_FULL) and u.args[0] is node)
+            or (_is(u, {"type_as"}) and len(u.args) == 2 and u.args[1] is node)
+        ]  # they take only the scores' dtype (and device)
         helpers += extra
         if len(users) - len(extra) != 1:
             raise NoMatch(
@@ -411,7 +417,9 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
         user = next(u for u in users if u not in extra)
         if _is(user, _SOFTMAX):
             break
-        if _is(user, _SHAPE_OPS):
+        if _is(user, _CASTS) and user.args[0] is node:
+            pass  # a dtype round trip (checked at the softmax): the op computes in the dtype
+        elif _is(user, _SHAPE_OPS):
             if user.args[0] is not node:
                 raise NoMatch("a shape op takes the scores as other than its input")
             origin = _shape_op_origin(user, origin)
@@ -458,6 +466,8 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
     softmax = user
     if softmax.args[0] is not node:
         raise NoMatch("the softmax takes the scores as other than its input")
+    if _value(node).dtype != _value(scores).dtype:
+        raise NoMatch("the scores reach the softmax in another dtype")
     dim = _arg(softmax, 1, "dim")
     if not isinstance(dim, int) or _arg(softmax, 3 if softmax.op == "call_function" else 2,
                                          "dtype") is not None:  # fmt: skip
@@ -958,7 +968,9 @@ def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
     match.softmax.replace_all_uses_with(node)
     graph.erase_node(match.softmax)
     for helper in match.helpers:
-        if _is(helper, {"masked_fill_"}) or not _is(helper, _NEW_FULL):
-            graph.erase_node(helper)  # an in-place fill of the scores (or their .data): in the op
-        else:  # new_full(scores, ...) takes dtype and device from the vector
+        if _is(helper, _NEW_FULL):  # new_full(scores, ...): dtype and device from the vector
             helper.replace_input_with(helper.args[0], match.vector)
+        elif _is(helper, {"type_as"}):  # x.type_as(scores) (dead if x is the scores' chain)
+            helper.replace_input_with(helper.args[1], match.vector)
+        else:  # an in-place fill of the scores or of their .data: in the op's mask now
+            graph.erase_node(helper)
