@@ -120,8 +120,8 @@ def fuse_attention_report(
         traced: also watch the other modules with parameters until their first call, and convert
             those that compute additive attention whatever their names (``_traced.py``: a trace
             of the call, the pattern found in its graph, a float64 probe of outputs and
-            gradients on that call's input decides). They are added to the report as they are
-            called; ``report.watching`` lists those not called yet.
+            gradients on that call's input decides, whatever ``check`` says). They are added to
+            the report as they are called; ``report.watching`` lists those not called yet.
         named: try the named layouts first (``registered_layouts()``); ``named=False`` leaves
             everything to the general path (to compare the two).
 
@@ -161,7 +161,7 @@ def fuse_attention_report(
             if fused is not None:
                 setattr(parent, name, fused)
     if traced:
-        watch_model(model, report, backend, check)
+        watch_model(model, report, backend)
     logger.debug("%s", report)
     return report
 

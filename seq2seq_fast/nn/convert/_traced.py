@@ -223,8 +223,8 @@ def _decide(recording: _Recording, watch: _Watch) -> None:
 class _Watch:
     """What a watched module needs at its first call (kept in the module's __dict__)."""
 
-    def __init__(self, path: str, report: ConversionReport, backend: str, check: bool, ids):
-        self.path, self.report, self.backend, self.check = path, report, backend, check
+    def __init__(self, path: str, report: ConversionReport, backend: str, ids) -> None:
+        self.path, self.report, self.backend = path, report, backend
         self.hook_ids = ids
         self.done = False
         self.recording = None
@@ -268,9 +268,10 @@ def _watchable(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
-def watch_model(model: nn.Module, report: ConversionReport, backend: str, check: bool) -> None:
+def watch_model(model: nn.Module, report: ConversionReport, backend: str) -> None:
     """Watch every module of ``model`` that the general path may convert (see the module
-    docstring); skips the subtrees of stand-ins."""
+    docstring); skips the subtrees of stand-ins. The probe always runs (no ``check=False`` here:
+    a trace is no structure to trust alone)."""
     seen = set()
 
     def visit(module: nn.Module, path: str) -> None:
@@ -281,7 +282,7 @@ def watch_model(model: nn.Module, report: ConversionReport, backend: str, check:
             pre = module.register_forward_pre_hook(_pre_hook, with_kwargs=True)
             post = module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
             module.__dict__["_fuse_attention_watch"] = _Watch(
-                path or "(model)", report, backend, check, (pre.id, post.id)
+                path or "(model)", report, backend, (pre.id, post.id)
             )
             report.watching.append(path or "(model)")
         for name, child in module.named_children():
@@ -426,8 +427,6 @@ def _convert(recording: _Recording, watch: _Watch) -> None:
     except Exception as exc:  # noqa: BLE001 - any failure refuses the conversion
         reason, found = f"the trace or the probe could not run ({type(exc).__name__}: {exc})", ""
     name = class_name(module)
-    if reason is not None and not watch.check and "not the fused op's form" not in reason:
-        reason = None
     if reason is None:
         module.__class__ = traced_class(type(module), watch.backend)
         report.replaced.append(Replaced(recording.path, f"{LAYOUT} ({found})", name))
