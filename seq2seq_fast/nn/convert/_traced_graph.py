@@ -587,6 +587,7 @@ class TracedWeights:
         self.plan = plan
         self.layout_cache = ProjectionCache()
         self.fixed_cache = ProjectionCache()
+        self.mask_cache = ProjectionCache()
 
     def __call__(self, queries, keys, biases, vector, scales, masks, fills):
         TracedWeights.calls += 1
@@ -642,35 +643,19 @@ class TracedWeights:
         v = vector.reshape(width)
         plain = False
         v_eff = v
-        scale_index, mask_index, fill_index = 0, 0, 0
-        canonical_masks, graded = [], []
-        for step in plan.steps:
-            if step[0] == "scale":
-                factor = scales[scale_index]
-                scale_index += 1
-                if isinstance(factor, Tensor):
-                    factor = factor.reshape(())
-                    plain |= not bool(factor > 0)
-                v_eff = v_eff * factor if step[1] == "mul" else v_eff / factor
-            else:
-                mask = _mask_to_rows(masks[mask_index], step[2], plan, full)
-                mask_index += 1
-                if step[0] == "add":
-                    pure = (mask == 0) | (mask <= MASK_FILL_MAX)
-                    plain |= not bool(pure.all())
-                    canonical_masks.append(mask != 0)
-                    if mask.requires_grad:
-                        graded.append(mask)
-                else:
-                    mask = mask.to(torch.bool)
-                    canonical_masks.append(mask if step[0] == "fill" else ~mask)
-                    plain |= not _fill_value(fills[fill_index]) <= MASK_FILL_MAX
-                    fill_index += 1
-        invalid = None
-        for m in canonical_masks:
-            invalid = m if invalid is None else invalid | m
-        if invalid is not None:
-            plain |= bool(invalid.all(dim=1).any())  # a row without a valid frame
+        for step, factor in zip(
+            [step for step in plan.steps if step[0] == "scale"], scales, strict=True
+        ):
+            if isinstance(factor, Tensor):
+                factor = factor.reshape(())
+                plain |= not bool(factor > 0)
+            v_eff = v_eff * factor if step[1] == "mul" else v_eff / factor
+        invalid = options = None
+        graded = [m for m in masks if isinstance(m, Tensor) and m.requires_grad]
+        if masks:
+            fill_values = tuple(_fill_value(f) for f in fills)
+            invalid, not_exact, options, graded = self._masks(masks, fill_values, full, graded)
+            plain |= not_exact
         if location is not None and (plain or graded or steps_q != 1):
             key = key + location.value()  # [B, T, A] already: the op's layout
             location = None
@@ -685,9 +670,9 @@ class TracedWeights:
             )
             weights = weights.unsqueeze(1)
         else:
-            valid = None if invalid is None else ~invalid
+            options = {} if options is None else options
             _, weights = attend(
-                plan.backend, query, key, values, v_eff, bias, **masking(valid), stepwise=memory
+                plan.backend, query, key, values, v_eff, bias, **options, stepwise=memory
             )
             if graded:  # a float mask's gradient: the softmax's Jacobian, by a term worth zero
                 shift = sum(m - m.detach() for m in graded).unsqueeze(1)
@@ -702,6 +687,40 @@ class TracedWeights:
             if source is None:
                 weights = weights.unsqueeze(axis)
         return weights
+
+    def _masks(self, masks: list, fill_values: tuple, full, graded: list) -> tuple:
+        """(invalid bool [B', S], whether the op cannot give the original's result (a row with
+        no valid frame, a float mask that is not 0 / very negative, a fill that is not very
+        negative), ``attend``'s mask keyword, the float masks [B', S] that want gradients). Found
+        once per mask tensor while it stays the same (a decoder passes one for every step)."""
+        plan = self.plan
+
+        def compute():
+            invalid, not_exact, graded_rows = None, False, []
+            fills = iter(fill_values)
+            for step, mask in zip(
+                [step for step in plan.steps if step[0] != "scale"], masks, strict=True
+            ):
+                rows = _mask_to_rows(mask, step[2], plan, full)
+                if step[0] == "add":
+                    pure = (rows == 0) | (rows <= MASK_FILL_MAX)
+                    not_exact |= not bool(pure.all())
+                    if rows.requires_grad:
+                        graded_rows.append(rows)
+                    rows = rows != 0
+                else:
+                    rows = rows.to(torch.bool)
+                    rows = rows if step[0] == "fill" else ~rows
+                    not_exact |= not next(fills) <= MASK_FILL_MAX
+                invalid = rows if invalid is None else invalid | rows
+            not_exact |= bool(invalid.all(dim=1).any())  # a row without a valid frame
+            return invalid, not_exact, (None if not_exact else masking(~invalid)), graded_rows
+
+        if graded or len(masks) != 1 or not isinstance(masks[0], Tensor):
+            return compute()
+        return self.mask_cache.get(
+            masks[0], (tuple(full), *fill_values), compute, watch=lambda e: ()
+        )
 
     def _fixed(self, term: Tensor, raw: Tensor, canonical, full):
         """(the keys' fixed part [B, T, A], a values placeholder [B, T, 1]) for location-aware
