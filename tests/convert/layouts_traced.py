@@ -662,3 +662,55 @@ CASES += [
     # rounding of the scores in the original, and the probe decides: left alone
     Case("float_round_trip", _wrap(FloatRoundTrip), _round_trip_call, None),
 ]
+
+
+# --- a summariser's coverage attention (pointer-generator): masked and renormalised after it ------
+
+
+class CoverageAttention(nn.Module):
+    """forward(s_t [B, Q], enc_feats [B*T, A] (projected outside, flattened), enc_out [B, T, K],
+    pad [B, T] 1 = real, coverage [B, T]) -> (context [B, K], weights [B, T], coverage [B, T])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decode_proj = nn.Linear(Q, A)
+        self.W_c = nn.Linear(1, A, bias=False)
+        self.v = nn.Linear(A, 1, bias=False)
+
+    def forward(self, s_t, enc_feats, enc_out, pad, coverage):
+        b, t, _ = enc_out.shape
+        dec = self.decode_proj(s_t).unsqueeze(1).expand(b, t, A).contiguous().view(-1, A)
+        feats = enc_feats + dec + self.W_c(coverage.view(-1, 1))
+        scores = self.v(torch.tanh(feats)).view(-1, t)
+        weights = F.softmax(scores, dim=1) * pad
+        weights = weights / weights.sum(1, keepdim=True)
+        context = torch.bmm(weights.unsqueeze(1), enc_out).view(-1, enc_out.shape[2])
+        return context, weights, coverage + weights
+
+
+def _coverage_call(b, t, dtype):
+    return (_rand(b, Q, dtype=dtype), _rand(b * t, A, dtype=dtype), _rand(b, t, K, dtype=dtype),
+            lengths_mask(b, t).to(dtype), torch.rand(b, t, dtype=dtype))  # fmt: skip
+
+
+class CoverageBatched(CoverageAttention):
+    """The same with [B, T, A] features (not flattened)."""
+
+    def forward(self, s_t, enc_feats, enc_out, pad, coverage):
+        feats = enc_feats + self.decode_proj(s_t).unsqueeze(1) + self.W_c(coverage.unsqueeze(2))
+        weights = F.softmax(self.v(torch.tanh(feats)).squeeze(2), dim=1) * pad
+        weights = weights / weights.sum(1, keepdim=True)
+        return torch.bmm(weights.unsqueeze(1), enc_out).squeeze(1), weights, coverage + weights
+
+
+def _coverage_batched_call(b, t, dtype):
+    call = _coverage_call(b, t, dtype)
+    return (call[0], call[1].view(b, t, A), *call[2:])
+
+
+CASES += [
+    Case("coverage_batched", _wrap(CoverageBatched), _coverage_batched_call, "att"),
+    # a known limit, not a look-alike: batch and frames flattened into one axis ([B*T, A]) are
+    # not told apart, so the query term cannot be found: left alone
+    Case("coverage_flattened", _wrap(CoverageAttention), _coverage_call, None),
+]
