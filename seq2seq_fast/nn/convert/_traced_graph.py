@@ -3,19 +3,31 @@
 A torch.fx graph (TorchDynamo's, torch-level: ``linear``, ``tanh``, ``add``, ``softmax`` and tensor
 methods, with example values carrying shapes) is searched for::
 
-    X = t_1 + t_2 + ... (+ linear(cat([a, b]), W, c), split into a W_a + b W_b + c)   [..., H]
-    e = project(tanh(X)) onto a vector v      (linear(., w[1, H]), matmul(., v), (. * v).sum(-1))
-    e -> shape-only ops (squeeze, unsqueeze, transpose, permute, view, reshape, contiguous),
-         scale (e * c, e / c), masks (masked_fill(m, very negative), + float mask), in any order
+    X = t_1 + t_2 + ... (+ linear(cat([a, b]), W, c), split into a W_a + b W_b + c)
+        (repeats and expands of a term that only broadcast it are seen through)
+    e = project(tanh(X)) onto a vector v: linear(., w[1, H]), matmul(., v), (. * v).sum(-1),
+        einsum("...h,h->..."), bmm(v repeated over the batch, tanh^T), or bmm(v, tanh) with the
+        hidden axis in the middle ([B, H, T]: a Conv1d over the memory)
+    e -> shape-only ops (squeeze, unsqueeze, transpose, permute, view, reshape, contiguous), dtype
+         round trips, scale (e * c, e / c), masks (masked_fill / masked_fill_ / .data.masked_fill_
+         with a very negative value, where(mask, e, very negative), + a float mask), in any order
     w = softmax(e, dim=memory axis)
 
 The terms are sorted by their shapes: those that vary along the softmax's axis are the keys, those
 that do not (but vary along some axis) the query, those that vary along none the bias inside the
 tanh. Axes along which the keys vary are batch axes, the others query axes. A term varying along
 a query axis and the memory axis, or a mask varying along a query axis, is not the op's form:
-no match. Only the subgraph from the sum to the softmax is replaced (by :func:`traced_weights`,
+no match. Only the subgraph from the sum to the softmax is replaced (by :class:`TracedWeights`,
 whose weights go back through the same shape ops); the rest of the graph (the context, residuals,
 output layers) is kept as it is. The names of modules and parameters play no part.
+
+At run time a key term that is a pure function of the graph's inputs (a projection of the
+memory, its layout) is computed once while those inputs stay the same objects (a decoder's steps;
+:class:`~seq2seq_fast.nn.keycache.ProjectionCache`), its gradient gathered once per sequence
+(:class:`~seq2seq_fast.nn.stepwise.StepwiseMemory`); a bias-free conv + dense location term goes
+to the location-aware steps (keys formed inside the kernel, ``_location.py``). Where the op cannot
+give the original's result (a row with no valid frame, a float mask that is not a mask, a scale
+that is not positive) the replacement computes the original's math in plain ops.
 """
 
 from __future__ import annotations
