@@ -247,3 +247,48 @@ def test_location_terms_are_formed_inside_the_kernels(monkeypatch):
     _assert_close(got[0], want[0], dtype, "outputs")
     _assert_close(got[1], want[1], dtype, "gradients")
     assert len(calls) >= 3
+
+
+class _Float32Only(torch.nn.Module):
+    """Additive attention that refuses any dtype but float32 (as some code checks its inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(5, 4), torch.nn.Linear(6, 4)
+        self.v = torch.nn.Linear(4, 1)
+
+    def forward(self, query, memory):
+        if memory.dtype != torch.float32:
+            raise TypeError("float32 only")
+        e = self.v(torch.tanh(self.q(query).unsqueeze(1) + self.k(memory))).squeeze(2)
+        return torch.softmax(e, -1)
+
+
+def test_a_probe_that_cannot_run_leaves_the_module_and_the_call_alone():
+    from tests.convert.layouts_traced import _Holder
+
+    model = _Holder(_Float32Only())
+    report = fuse_attention_report(model)
+    args = (torch.randn(2, 5), torch.randn(2, 3, 6))
+    want = model.att.__class__.forward(model.att, *args)
+    torch.testing.assert_close(model(*args), want)  # the first call: the original's result
+    assert report.count == 0 and "could not run" in report.skipped[0].reason
+    assert type(model.att) is _Float32Only
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_first_call_without_gradients_still_converts(mode):
+    from tests.convert.layouts_traced import Pointer, _Holder, _pointer_call
+
+    dtype = torch.float64
+    torch.manual_seed(0)
+    original = _Holder(Pointer()).to(dtype)
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model)
+    with getattr(torch, mode)():
+        model(*_pointer_call(2, 4, dtype))
+    assert report.count == 1, str(report)
+    args = _pointer_call(3, 5, dtype)
+    got, want = _run(model, args), _run(original, args)
+    _assert_close(got[0], want[0], dtype, "outputs")
+    _assert_close(got[1], want[1], dtype, "gradients")

@@ -372,6 +372,13 @@ def _leaves_for_grad(args, kwargs):
 
 def _probe(module: nn.Module, recording: _Recording, backend: str) -> tuple[str | None, str]:
     """(None or why not, what was found) for the traced version of ``module``."""
+    # the first call may have run under inference_mode or no_grad: the probe's copies and calls
+    # must be ordinary tensors with gradients
+    with torch.inference_mode(False), torch.enable_grad():
+        return _probe_copies(module, recording, backend)
+
+
+def _probe_copies(module: nn.Module, recording: _Recording, backend: str):
     original = _float64_cpu_copy(module)
     candidate = _float64_cpu_copy(module)
     for copy_ in (original, candidate):
