@@ -277,6 +277,8 @@ def make_step(model_name: str, provider: str, size: Size) -> Callable[[], float]
             raise RuntimeError(f"{model_name}: not converted:\n{report}")
     elif provider == "zero":
         model.zero_attention()
+    elif provider == "traced":  # the general path alone (bench/bench_convert_traced.py)
+        report = fuse_attention_report(model, named=False)
     elif provider != "original":
         raise ValueError(f"provider must be one of {PROVIDERS}, got {provider!r}")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -298,6 +300,7 @@ def make_step(model_name: str, provider: str, size: Size) -> Callable[[], float]
         optimizer.step()
         return float(loss.detach())
 
+    step.report = report if provider in ("fused", "traced") else None
     return step
 
 

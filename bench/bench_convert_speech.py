@@ -252,6 +252,8 @@ def make_step(family: str, provider: str, size: Size) -> Callable[[], float]:
             raise RuntimeError(f"{family}: not converted:\n{report}")
     elif provider == "zero":
         model.attn = _ZeroCost()
+    elif provider == "traced":  # the general path alone (bench/bench_convert_traced.py)
+        report = fuse_attention_report(model, named=False)
     elif provider != "original":
         raise ValueError(f"provider must be one of {PROVIDERS}, got {provider!r}")
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -269,6 +271,7 @@ def make_step(family: str, provider: str, size: Size) -> Callable[[], float]:
         optimizer.step()
         return float(loss.detach())
 
+    step.report = report if provider in ("fused", "traced") else None
     return step
 
 

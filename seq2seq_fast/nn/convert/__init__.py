@@ -34,6 +34,7 @@ from seq2seq_fast.nn.convert._base import (
     register,
     registered_layouts,
 )
+from seq2seq_fast.nn.convert._traced import watch_model
 
 __all__ = [
     "ConversionReport",
@@ -100,7 +101,12 @@ def _matches(layout: Layout, module: nn.Module) -> bool:
 
 
 def fuse_attention_report(
-    model: nn.Module, *, backend: str = "auto", check: bool = True
+    model: nn.Module,
+    *,
+    backend: str = "auto",
+    check: bool = True,
+    traced: bool = True,
+    named: bool = True,
 ) -> ConversionReport:
     """Replace, in place, every recognised additive-attention submodule of ``model`` by a fused
     stand-in, and say what was replaced and what matched a layout but was left alone, and why.
@@ -111,6 +117,13 @@ def fuse_attention_report(
         check: before each swap, run the original and the stand-in on a small random input
             (float64 copies on the CPU; ``model`` is not touched) and refuse on any difference in
             outputs or gradients. ``check=False`` trusts the structural match alone.
+        traced: also watch the other modules with parameters until their first call, and convert
+            those that compute additive attention whatever their names (``_traced.py``: a trace
+            of the call, the pattern found in its graph, a float64 probe of outputs and
+            gradients on that call's input decides, whatever ``check`` says). They are added to
+            the report as they are called; ``report.watching`` lists those not called yet.
+        named: try the named layouts first (``registered_layouts()``); ``named=False`` leaves
+            everything to the general path (to compare the two).
 
     The stand-ins keep the original Parameter objects (optimisers keep working, ``state_dict``
     keys are unchanged), the call signature and the return values. A module reached by two
@@ -121,7 +134,10 @@ def fuse_attention_report(
     check_backend(backend)
     if not isinstance(check, bool):
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
-    if any(_matches(layout, model) for layout in registered_layouts()) and not isinstance(
+    for flag, value in (("traced", traced), ("named", named)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
+    if named and any(_matches(layout, model) for layout in registered_layouts()) and not isinstance(
         model, FusedStandIn
     ):
         raise ValueError(
@@ -131,7 +147,7 @@ def fuse_attention_report(
     report = ConversionReport()
     # id(original) -> (original, its stand-in or None); the original is held so its id stays its own
     done: dict[int, tuple[nn.Module, nn.Module | None]] = {}
-    queue = deque([(model, "")])
+    queue = deque([(model, "")] if named else [])
     while queue:
         parent, prefix = queue.popleft()
         for name, child in list(parent.named_children()):
@@ -144,10 +160,15 @@ def fuse_attention_report(
             fused = done[id(child)][1]
             if fused is not None:
                 setattr(parent, name, fused)
+    if traced:
+        watch_model(model, report, backend)
     logger.debug("%s", report)
     return report
 
 
-def fuse_attention(model: nn.Module, *, backend: str = "auto", check: bool = True) -> int:
-    """:func:`fuse_attention_report`, returning how many submodules were replaced."""
-    return fuse_attention_report(model, backend=backend, check=check).count
+def fuse_attention(
+    model: nn.Module, *, backend: str = "auto", check: bool = True, traced: bool = True
+) -> int:
+    """:func:`fuse_attention_report`, returning how many submodules were replaced (the general
+    path's come at their first call, after this returns)."""
+    return fuse_attention_report(model, backend=backend, check=check, traced=traced).count

@@ -115,6 +115,9 @@ class ConversionReport:
 
     replaced: list[Replaced] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
+    # modules the general path (``_traced.py``) watches until their first call; it adds them to
+    # ``replaced`` or ``skipped`` then
+    watching: list[str] = field(default_factory=list)
 
     @property
     def count(self) -> int:

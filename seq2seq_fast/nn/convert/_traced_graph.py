@@ -1,0 +1,1007 @@
+"""Additive attention found in a traced graph by what it computes, and replaced by the fused op.
+
+A torch.fx graph (TorchDynamo's, torch-level: ``linear``, ``tanh``, ``add``, ``softmax`` and tensor
+methods, with example values carrying shapes) is searched for::
+
+    X = t_1 + t_2 + ... (+ linear(cat([a, b]), W, c), split into a W_a + b W_b + c)
+        (repeats and expands of a term that only broadcast it are seen through)
+    e = project(tanh(X)) onto a vector v: linear(., w[1, H]), matmul(., v), (. * v).sum(-1),
+        einsum("...h,h->..."), bmm(v repeated over the batch, tanh^T), or bmm(v, tanh) with the
+        hidden axis in the middle ([B, H, T]: a Conv1d over the memory)
+    e -> shape-only ops (squeeze, unsqueeze, transpose, permute, view, reshape, contiguous), dtype
+         round trips, scale (e * c, e / c), masks (masked_fill / masked_fill_ / .data.masked_fill_
+         with a very negative value, where(mask, e, very negative), + a float mask), in any order
+    w = softmax(e, dim=memory axis)
+
+The terms are sorted by their shapes: those that vary along the softmax's axis are the keys, those
+that do not (but vary along some axis) the query, those that vary along none the bias inside the
+tanh. Axes along which the keys vary are batch axes, the others query axes. A term varying along
+a query axis and the memory axis, or a mask varying along a query axis, is not the op's form:
+no match. Only the subgraph from the sum to the softmax is replaced (by :class:`TracedWeights`,
+whose weights go back through the same shape ops); the rest of the graph (the context, residuals,
+output layers) is kept as it is. The names of modules and parameters play no part.
+
+At run time a key term that is a pure function of the graph's inputs (a projection of the
+memory, its layout) is computed once while those inputs stay the same objects (a decoder's steps;
+:class:`~seq2seq_fast.nn.keycache.ProjectionCache`), its gradient gathered once per sequence
+(:class:`~seq2seq_fast.nn.stepwise.StepwiseMemory`); a bias-free conv + dense location term goes
+to the location-aware steps (keys formed inside the kernel, ``_location.py``). Where the op cannot
+give the original's result (a row with no valid frame, a float mask that is not a mask, a scale
+that is not positive) the replacement computes the original's math in plain ops.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx
+
+from seq2seq_fast.nn.attention import attend
+from seq2seq_fast.nn.convert._location import attend_location
+from seq2seq_fast.nn.convert._speech import masking
+from seq2seq_fast.nn.keycache import ProjectionCache
+from seq2seq_fast.nn.stepwise import StepwiseMemory
+
+# a masked_fill value at or below this takes the position out of the softmax exactly (exp underflows
+# to zero in float32 and float64 below about -104 and -745)
+MASK_FILL_MAX = -1e4
+
+_ADDS = {operator.add, operator.iadd, torch.add, "add", "add_", "__add__", "__radd__"}
+_TANH = {torch.tanh, F.tanh, "tanh"}
+_SOFTMAX = {F.softmax, torch.softmax, torch.nn.functional.softmax, "softmax"}
+_LINEAR = {torch._C._nn.linear, F.linear}
+_MATMUL = {torch.matmul, operator.matmul, "matmul", "__matmul__"}
+_MUL = {operator.mul, torch.mul, "mul", "__mul__", "__rmul__"}
+_DIV = {operator.truediv, torch.div, torch.true_divide, "div", "__truediv__"}
+_SUM = {torch.sum, "sum"}
+_CAT = {torch.cat, torch.concat, torch.concatenate}
+_SHAPE_OPS = {"squeeze", "unsqueeze", "transpose", "permute", "view", "reshape", "contiguous",
+              torch.squeeze, torch.unsqueeze, torch.transpose, torch.permute, torch.reshape}  # fmt: skip
+_MASKED_FILL = {"masked_fill", torch.masked_fill}
+_REPEATS = {"repeat", "expand", "expand_as"}
+_WHERE = {torch.where}
+_NEW_FULL = {"new_full"}
+_CASTS = {"float", "double", "half", "bfloat16", "to", "type_as"}
+
+
+class NoMatch(Exception):
+    """The graph around a tanh is not the op's form; the message says where it differs."""
+
+
+def _is(node: object, targets: set) -> bool:
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+        return False
+    try:
+        return node.target in targets
+    except TypeError:  # an unhashable target
+        return False
+
+
+def _value(node: object):
+    return node.meta.get("example_value") if isinstance(node, fx.Node) else node
+
+
+def _static(size):
+    """A size as an int where it is known (TorchDynamo's sizes are SymInts, some of them fixed)."""
+    if isinstance(size, torch.SymInt):
+        known = size.node.maybe_as_int()
+        return size if known is None else known
+    return size
+
+
+def _shape(node: object) -> tuple | None:
+    value = _value(node)
+    return tuple(map(_static, value.shape)) if isinstance(value, Tensor) else None
+
+
+def _is_one(size) -> bool:
+    return isinstance(size, int) and size == 1
+
+
+def _same(a, b) -> bool:
+    return str(a) == str(b)
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _single_user(node: fx.Node, what: str) -> fx.Node:
+    users = list(node.users)
+    if len(users) != 1:
+        raise NoMatch(f"{what} is used {len(users)} times (the fused op gives only the weights)")
+    return users[0]
+
+
+# --- the sum inside the tanh ----------------------------------------------------------------------
+
+
+def _terms(node: fx.Node) -> list[fx.Node]:
+    """Leaves of the add tree at ``node`` (an add used elsewhere is a leaf)."""
+    if _is(node, _ADDS) and len(node.args) == 2 and not node.kwargs:
+        a, b = node.args
+        if isinstance(a, fx.Node) and isinstance(b, fx.Node):
+            parts = []
+            for part in (a, b):
+                parts += _terms(part) if len(part.users) == 1 else [part]
+            return parts
+    return [node]
+
+
+def _peel_repeat(node: fx.Node) -> fx.Node:
+    """The tensor a repeat/expand along leading axes was made from, where broadcasting it gives
+    the same (a linear map commutes with it; a sum broadcasts it)."""
+    while _is(node, _REPEATS) and isinstance(node.args[0], fx.Node):
+        source, out = _shape(node.args[0]), _shape(node)
+        if source is None or out is None or not source or len(source) > len(out):
+            break
+        padded = (1,) * (len(out) - len(source)) + source
+        if not _same(padded[-1], out[-1]):
+            break
+        if not all(_is_one(a) or _same(a, b) for a, b in zip(padded, out, strict=True)):
+            break
+        node = node.args[0]
+    return node
+
+
+def _split_concat_linear(graph: fx.Graph, node: fx.Node) -> list[fx.Node] | None:
+    """linear(cat([a, b, ...], -1), W, c) -> [linear(a', W_a), linear(b', W_b), ..., c] as new
+    nodes (a' the tensor a repeat/expand was made from), or None."""
+    if not _is(node, _LINEAR):
+        return None
+    source, weight = _arg(node, 0, "input"), _arg(node, 1, "weight")
+    bias = _arg(node, 2, "bias")
+    if not _is(source, _CAT) or len(source.users) != 1:
+        return None
+    parts, dim = _arg(source, 0, "tensors"), _arg(source, 1, "dim", 0)
+    shape = _shape(source)
+    if shape is None or not isinstance(parts, (list, tuple)) or dim not in (-1, len(shape) - 1):
+        return None
+    terms, start = [], 0
+    with graph.inserting_before(node):
+        for part in parts:
+            width = _shape(part)[-1] if _shape(part) else None
+            if not isinstance(width, int):
+                return None
+            columns = graph.call_function(
+                operator.getitem, (weight, (slice(None), slice(start, start + width)))
+            )
+            columns.meta["example_value"] = _value(weight)[:, start : start + width]
+            peeled = _peel_repeat(part)
+            term = graph.call_function(torch._C._nn.linear, (peeled, columns))
+            term.meta["example_value"] = F.linear(_value(peeled), _value(columns))
+            term.meta["traced_split"] = (peeled, weight, start, start + width)
+            terms.append(term)
+            start += width
+    if bias is not None:
+        terms.append(bias)
+    return terms
+
+
+# --- from the tanh to the softmax -----------------------------------------------------------------
+
+
+def _vector_source(node: object, width) -> fx.Node | None:
+    """The [H] (or [1, ..., 1, H]) tensor that ``node`` repeats or reshapes over leading axes."""
+    while isinstance(node, fx.Node):
+        shape = _shape(node)
+        if shape is not None and _same(shape[-1], width) and all(map(_is_one, shape[:-1])):
+            return node
+        if not (_is(node, _REPEATS) or _is(node, {"unsqueeze", "view", "reshape"})):
+            return None
+        node = node.args[0]
+    return None
+
+
+def _einsum_projection(user: fx.Node, tanh: fx.Node, width):
+    equation = user.args[0] if user.args and isinstance(user.args[0], str) else None
+    operands = list(user.args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if equation is None or len(operands) != 2 or tanh not in operands or "..." in equation:
+        return None
+    inputs, _, output = equation.replace(" ", "").partition("->")
+    subscripts = inputs.split(",")
+    if len(subscripts) != 2:
+        return None
+    mine = subscripts[operands.index(tanh)]
+    other = subscripts[1 - operands.index(tanh)]
+    vector = operands[1 - operands.index(tanh)]
+    if other != mine[-1] or output != mine[:-1] or _shape(vector) is None:
+        return None
+    if not _same(_shape(vector), (width,)):
+        return None
+    return vector
+
+
+def _projection(tanh: fx.Node, shape: tuple, rank: int):
+    """(scores node, vector node, origin of the scores' axes, hidden axis) of tanh's projection
+    onto a vector: origin[i] is the axis of the pre-activation without its hidden axis that the
+    scores' axis i is, None for an added 1."""
+    leading = tuple(range(rank - 1))
+    width = shape[-1]
+    user = _single_user(tanh, "the tanh")
+    if _is(user, {torch.bmm, *_MATMUL}) and len(user.args) == 2 and user.args[1] is tanh:
+        # bmm(v repeated over the batch [B, 1, H], tanh [B, H, S]) -> [B, 1, S] (a pointer
+        # network's Conv1d over [B, H, S] memory)
+        vector = _vector_source(user.args[0], shape[1]) if rank == 3 else None
+        weights = _shape(user.args[0])
+        if vector is None or weights is None or len(weights) != 3 or not _is_one(weights[1]):
+            raise NoMatch("the tanh is multiplied from the left by something not a vector")
+        return user, vector, (0, None, 1), 1
+    if _is(user, _LINEAR) and _arg(user, 0, "input") is tanh:
+        weight = _arg(user, 1, "weight")
+        shape = _shape(weight)
+        if shape is None or len(shape) != 2 or not _is_one(shape[0]) or not _same(shape[1], width):
+            raise NoMatch(f"the tanh goes into a linear map of weight {shape}, not onto a vector")
+        return user, weight, leading + (None,), rank - 1
+    if _is(user, _MATMUL) and user.args[0] is tanh:
+        vector = user.args[1]
+        shape = _shape(vector)
+        if shape is not None and _same(shape, (width,)):
+            return user, vector, leading, rank - 1
+        if shape is not None and len(shape) == 2 and _same(shape[0], width) and _is_one(shape[1]):
+            return user, vector, leading + (None,), rank - 1
+        raise NoMatch(f"the tanh is multiplied by a matrix of shape {shape}, not a vector")
+    if _is(user, {torch.einsum}):
+        vector = _einsum_projection(user, tanh, width)
+        if vector is None:
+            raise NoMatch(f"the tanh goes into einsum {user.args[0]!r}, not onto a vector")
+        return user, vector, leading, rank - 1
+    if _is(user, {"permute", "transpose"}) and rank == 3:
+        # bmm(v repeated over the batch [B, 1, H], tanh^T [B, H, S]) -> [B, 1, S]
+        dims = [d % 3 for d in user.args[1:]] if user.target == "transpose" else None
+        if user.target == "permute":
+            dims = list(user.args[1:])
+            dims = list(dims[0]) if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
+        swapped = dims in ([1, 2], [2, 1]) if user.target == "transpose" else dims == [0, 2, 1]
+        product = _single_user(user, "the transposed tanh")
+        if swapped and _is(product, {torch.bmm, *_MATMUL}) and product.args[1] is user:
+            vector = _vector_source(product.args[0], width)
+            shape = _shape(product.args[0])
+            if vector is not None and shape is not None and len(shape) == 3:
+                if _is_one(shape[1]) and _same(shape[2], width):
+                    return product, vector, (0, None, 1), rank - 1
+        raise NoMatch("the transposed tanh is not multiplied by a vector repeated over the batch")
+    if _is(user, _MUL) and len(user.args) == 2 and tanh in user.args:
+        vector = user.args[1] if user.args[0] is tanh else user.args[0]
+        shape = _shape(vector)
+        if shape is None or not _same(shape[-1], width) or not all(map(_is_one, shape[:-1])):
+            raise NoMatch(f"the tanh is multiplied by a tensor of shape {shape}, not a vector")
+        total = _single_user(user, "the product with the vector")
+        dim = _arg(total, 1, "dim")
+        dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+        if not _is(total, _SUM) or dim not in (-1, rank - 1):
+            raise NoMatch("the product with the vector is not summed over the last axis")
+        if _arg(total, 3, "dtype") is not None:
+            raise NoMatch("the sum over the hidden axis changes the dtype")
+        keepdim = bool(_arg(total, 2, "keepdim", False))
+        return total, vector, leading + ((None,) if keepdim else ()), rank - 1
+    raise NoMatch(f"the tanh goes into {user.target!r}, not a projection onto a vector")
+
+
+def _permuted(origin: tuple, dims: list[int]) -> tuple:
+    return tuple(origin[d] for d in dims)
+
+
+def _shape_op_origin(node: fx.Node, origin: tuple) -> tuple:
+    """Which axis of the pre-activation's leading axes each axis of ``node``'s output is (None: an
+    inserted 1), given the same for its input."""
+    before, after = _shape(node.args[0]), _shape(node)
+    rank = len(before)
+    name = node.target if isinstance(node.target, str) else node.target.__name__
+    if name in ("transpose",):
+        a, b = (d % rank for d in node.args[1:3])
+        dims = list(range(rank))
+        dims[a], dims[b] = dims[b], dims[a]
+        return _permuted(origin, dims)
+    if name == "permute":
+        dims = node.args[1:]
+        if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+            dims = dims[0]
+        dims = node.kwargs.get("dims", dims)
+        return _permuted(origin, [d % rank for d in dims])
+    if name == "contiguous":
+        return origin
+    # squeeze, unsqueeze, view, reshape: allowed only when they remove or insert 1-axes
+    kept_before = [(s, o) for s, o in zip(before, origin, strict=True) if not _is_one(s)]
+    kept_after = [i for i, s in enumerate(after) if not _is_one(s)]
+    if len(kept_before) != len(kept_after) or not all(
+        _same(s, after[i]) for (s, _), i in zip(kept_before, kept_after, strict=True)
+    ):
+        raise NoMatch(f"{name} {list(before)} -> {list(after)} mixes axes")
+    new = [None] * len(after)
+    for (_, o), i in zip(kept_before, kept_after, strict=True):
+        new[i] = o
+    return tuple(new)
+
+
+def _hint(value):
+    """A number as the trace saw it (TorchDynamo passes a module's float attribute as a node)."""
+    if isinstance(value, fx.Node):
+        value = _value(value)
+    if isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return value.node.hint
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.requires_grad:
+        try:
+            return value.item()
+        except Exception:  # noqa: BLE001 - a fake tensor
+            return None
+    return value
+
+
+def _number(value) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+@dataclass
+class Match:
+    """One additive attention found in a graph (see the module docstring)."""
+
+    tanh: fx.Node
+    softmax: fx.Node
+    query_terms: list[fx.Node]
+    key_terms: list[fx.Node]
+    bias_terms: list[fx.Node]
+    vector: fx.Node
+    rank: int  # of the pre-activation, hidden axis included
+    batch_axes: tuple[int, ...]
+    query_axes: tuple[int, ...]
+    memory_axis: int
+    scores_origin: tuple  # the pre-activation's axis each axis of the projection's output is
+    hidden_axis: int
+    steps: list[tuple] = field(default_factory=list)  # ("scale", op, node|number), ("fill", ...)
+    shape_ops: list[fx.Node] = field(default_factory=list)
+    split_nodes: list[fx.Node] = field(default_factory=list)
+    helpers: list[fx.Node] = field(default_factory=list)  # new_full(scores, ...): dtype only
+
+    def describe(self) -> str:
+        kinds = [s[0] + (f"({s[1]})" if s[0] == "scale" else "") for s in self.steps]
+        return (
+            f"{len(self.query_terms)} query and {len(self.key_terms)} key term(s)"
+            + (", a bias" if self.bias_terms else "")
+            + (f", then {', '.join(kinds)}" if kinds else "")
+        )
+
+
+def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
+    inner = tanh.args[0] if tanh.args else tanh.kwargs.get("input")
+    shape = _shape(tanh)
+    if not isinstance(inner, fx.Node) or shape is None or len(shape) < 2:
+        raise NoMatch("the tanh's input is not a tensor of rank 2 or more")
+    rank = len(shape)
+    terms, split_nodes = [_peel_repeat(t) for t in _terms(inner)], []
+    scores, vector, origin, hidden = _projection(tanh, shape, rank)
+    width = shape[hidden]
+    if len(terms) == 1:
+        split = _split_concat_linear(graph, terms[0]) if hidden == rank - 1 else None
+        if split is None:
+            raise NoMatch("the tanh's input is not a sum of two or more terms")
+        split_nodes = [n for n in split if n.op == "call_function" and n.target is not None]
+        terms = split
+    scores_origin = origin
+    steps, shape_ops = [], []
+    node = scores
+    helpers: list[fx.Node] = []  # scores.new_full(...) for a where: the scores' dtype only
+    while True:
+        users = [u for u in node.users if u not in helpers or u.args[0] is node]
+        fills_in_place = [u for u in users if _is(u, {"masked_fill_"}) and u.args[0] is node]
+        for data in [u for u in users if getattr(u.target, "__name__", "") == "_get_data_attr"]:
+            # scores.data.masked_fill_(...): the forward sees the fill, autograd does not, and a
+            # softmax's backward gives those positions zero gradient all the same
+            inner = list(data.users)
+            if not inner or not all(_is(u, {"masked_fill_"}) and u.args[0] is data for u in inner):
+                raise NoMatch("the scores' .data is used other than by masked_fill_")
+            fills_in_place += inner
+            helpers.append(data)
+            users.remove(data)
+        for fill in fills_in_place:
+            if fill.users:
+                raise NoMatch("the result of an in-place masked_fill_ of the scores is used")
+            value = _arg(fill, 2, "value")
+            known = _number(_hint(value))
+            if known is None or not known <= MASK_FILL_MAX:
+                raise NoMatch(f"masked_fill_ with {_hint(value)!r}, not a very negative value")
+            mask = _peel_repeat(_arg(fill, 1, "mask"))
+            steps.append(("fill", mask, value, origin, _shape(node)))
+            helpers.insert(0, fill)  # erased before the .data it fills
+            if fill in users:
+                users.remove(fill)
+        extra = [
+            u
+            for u in users
+            if (_is(u, _NEW_FULL) and u.args[0] is node)
+            or (_is(u, {"type_as"}) and len(u.args) == 2 and u.args[1] is node)
+        ]  # they take only the scores' dtype (and device)
+        helpers += extra
+        if len(users) - len(extra) != 1:
+            raise NoMatch(
+                f"the scores are used {len(users)} times (the fused op gives only the weights)"
+            )
+        user = next(u for u in users if u not in extra)
+        if _is(user, _SOFTMAX):
+            break
+        if _is(user, _CASTS) and user.args[0] is node:
+            pass  # a dtype round trip (checked at the softmax): the op computes in the dtype
+        elif _is(user, _SHAPE_OPS):
+            if user.args[0] is not node:
+                raise NoMatch("a shape op takes the scores as other than its input")
+            origin = _shape_op_origin(user, origin)
+            shape_ops.append(user)
+        elif _is(user, _MASKED_FILL):
+            if user.args[0] is not node:
+                raise NoMatch("masked_fill takes the scores as its mask")
+            value = _arg(user, 2, "value")
+            known = _number(_hint(value))
+            if known is None or not known <= MASK_FILL_MAX:
+                raise NoMatch(f"masked_fill with {_hint(value)!r}, not a very negative value")
+            steps.append(("fill", _peel_repeat(_arg(user, 1, "mask")), value, origin, _shape(node)))
+        elif _is(user, _WHERE) and len(user.args) == 3 and user.args[1] is node:
+            value = user.args[2]
+            if isinstance(value, fx.Node) and _is(value, _NEW_FULL) and value.args[0] is node:
+                helpers.append(value)
+                value = _arg(value, 2, "fill_value")
+            known = _number(_hint(value))
+            if known is None or not known <= MASK_FILL_MAX:
+                raise NoMatch(f"where(mask, scores, {_hint(value)!r}): not a very negative value")
+            condition = user.args[0]
+            steps.append(("keep", _peel_repeat(condition), value, origin, _shape(node)))
+        elif _is(user, _ADDS) and len(user.args) == 2:
+            other = user.args[1] if user.args[0] is node else user.args[0]
+            if not isinstance(other, fx.Node) or _shape(other) is None:
+                raise NoMatch("a number is added to the scores")
+            steps.append(("add", _peel_repeat(other), None, origin, _shape(node)))
+        elif (_is(user, _DIV) or _is(user, _MUL)) and len(user.args) == 2 and not user.kwargs:
+            if user.args[0] is not node and _is(user, _DIV):
+                raise NoMatch("the scores divide something")
+            other = user.args[1] if user.args[0] is node else user.args[0]
+            number = _number(other)
+            if number is not None and not number > 0:
+                raise NoMatch(f"the scores are scaled by {number}")
+            if number is None:
+                if not isinstance(other, fx.Node) or _shape(other) is None:
+                    raise NoMatch("the scores are scaled by something that is not a number")
+                if math.prod(_value(other).shape) != 1:
+                    raise NoMatch(f"the scores are scaled by a tensor of shape {_shape(other)}")
+            steps.append(("scale", "div" if _is(user, _DIV) else "mul", other))
+        else:
+            raise NoMatch(f"the scores go into {user.target!r} before any softmax")
+        node = user
+    softmax = user
+    if softmax.args[0] is not node:
+        raise NoMatch("the softmax takes the scores as other than its input")
+    if _value(node).dtype != _value(scores).dtype:
+        raise NoMatch("the scores reach the softmax in another dtype")
+    dim = _arg(softmax, 1, "dim")
+    if not isinstance(dim, int) or _arg(softmax, 3 if softmax.op == "call_function" else 2,
+                                         "dtype") is not None:  # fmt: skip
+        raise NoMatch("softmax without an int dim, or with a dtype")
+    memory_axis = origin[dim % len(origin)]
+    if memory_axis is None:
+        raise NoMatch("the softmax runs over an axis of size 1")
+    padded = {}
+    for term in terms:
+        term_shape = _shape(term)
+        if term_shape is None or len(term_shape) > rank:
+            raise NoMatch(f"a term of shape {term_shape} in a sum of shape {list(shape)}")
+        full_rank = (1,) * (rank - len(term_shape)) + term_shape
+        if not _same(full_rank[hidden], width):
+            raise NoMatch(f"a term of shape {term_shape} in a sum of shape {list(shape)}")
+        # the hidden axis moved last (the replacement moves it so)
+        padded[term] = full_rank[:hidden] + full_rank[hidden + 1 :] + (full_rank[hidden],)
+    varies = {t: {a for a in range(rank - 1) if not _is_one(s[a])} for t, s in padded.items()}
+    keys = [t for t in terms if memory_axis in varies[t]]
+    queries = [t for t in terms if memory_axis not in varies[t] and varies[t]]
+    biases = [t for t in terms if not varies[t]]
+    if not keys or not queries:
+        raise NoMatch("no term of the sum varies along the softmax's axis, or none along another")
+    batch_axes = sorted(set().union(*(varies[t] for t in keys)) - {memory_axis})
+    query_axes = [a for a in range(rank - 1) if a != memory_axis and a not in batch_axes]
+    for step in steps:
+        if step[0] in ("fill", "add", "keep"):
+            _check_mask(step, query_axes)
+    return Match(
+        tanh, softmax, queries, keys, biases, vector, rank, tuple(batch_axes), tuple(query_axes),
+        memory_axis, scores_origin, hidden, steps, shape_ops, split_nodes, helpers,
+    )  # fmt: skip
+
+
+def _check_mask(step: tuple, query_axes: list[int]) -> None:
+    _, mask, _, origin, at_shape = step
+    mask_shape = _shape(mask)
+    if mask_shape is None or len(mask_shape) > len(origin):
+        raise NoMatch(f"a mask of shape {mask_shape} on scores of shape {list(at_shape)}")
+    mask_shape = (1,) * (len(origin) - len(mask_shape)) + mask_shape
+    for size, axis in zip(mask_shape, origin, strict=True):
+        if axis in query_axes and not _is_one(size):
+            raise NoMatch("the mask varies along a query axis")
+
+
+def find_matches(graph: fx.Graph) -> tuple[list[Match], list[str]]:
+    """(matches, why each other tanh over a sum is not one)."""
+    matches, misses = [], []
+    for node in list(graph.nodes):
+        if not _is(node, _TANH):
+            continue
+        try:
+            matches.append(_match_at(graph, node))
+        except NoMatch as exc:
+            misses.append(str(exc))
+    return matches, misses
+
+
+# --- the replacement ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`traced_weights` needs to know of a match besides its tensors."""
+
+    rank: int
+    batch_axes: tuple[int, ...]
+    query_axes: tuple[int, ...]
+    memory_axis: int
+    scores_origin: tuple
+    hidden_axis: int
+    steps: tuple  # ("scale", "mul"|"div") | ("fill", value, origin) | ("add", None, origin)
+    backend: str
+
+
+def _pad(t: Tensor, rank: int) -> Tensor:
+    return t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)) if t.dim() < rank else t
+
+
+def _mask_to_rows(mask: Tensor, origin: tuple, plan: Plan, full: tuple) -> Tensor:
+    """A mask on the scores (in their layout at that step) -> [B', S] over the op's rows."""
+    mask = _pad(mask, len(origin))
+    index = tuple(0 if axis is None else slice(None) for axis in origin)
+    mask = mask[index]  # the inserted 1-axes dropped
+    axes = [axis for axis in origin if axis is not None]
+    leading = plan.rank - 1
+    order = [axes.index(a) if a in axes else None for a in range(leading)]
+    shape = [mask.shape[o] if o is not None else 1 for o in order]
+    mask = mask.permute([o for o in order if o is not None]).reshape(shape)
+    target = [1 if a in plan.query_axes else full[a] for a in range(leading)]
+    rows = plan.batch_axes + plan.query_axes + (plan.memory_axis,)
+    mask = mask.expand(target).permute(rows)
+    return mask.reshape(-1, full[plan.memory_axis])
+
+
+def _fill_value(value) -> float:
+    return float(value.reshape(-1)[0]) if isinstance(value, Tensor) else float(value)
+
+
+def _plain_scores(query, keys, bias, v):
+    pre = query.unsqueeze(2) + keys.unsqueeze(1)
+    if bias is not None:
+        pre = pre + bias
+    return torch.tanh(pre) @ v
+
+
+class TracedWeights:
+    """The callable that replaces a match's sum ... softmax in the graph (see :func:`rewrite`):
+    the weights in the projection's output layout (``Plan.scores_origin``)."""
+
+    __name__ = "traced_weights"
+    calls = 0  # how many times a converted module ran the replacement (for tests)
+    log: list | None = None  # the probe lists the replacements its call ran
+    description = ""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.layout_cache = ProjectionCache()
+        self.fixed_cache = ProjectionCache()
+        self.mask_cache = ProjectionCache()
+
+    def __call__(self, queries, keys, biases, vector, scales, masks, fills):
+        TracedWeights.calls += 1
+        if TracedWeights.log is not None:
+            TracedWeights.log.append(self)
+        plan = self.plan
+        rank = plan.rank
+        hidden = plan.hidden_axis
+        queries = [_pad(t, rank).movedim(hidden, -1) for t in queries]
+        location = next((t for t in keys if isinstance(t, _LocationTerm)), None)
+        if location is not None and not (
+            rank == 3 and hidden == 2 and plan.memory_axis == 1 and plan.batch_axes == (0,)
+        ):
+            keys = [t if t is not location else _Plain(t.value()) for t in keys]
+            location = None
+        keys = [t for t in keys if t is not location]
+        values_of_terms = [term.value() for term in keys]  # the same objects while cached
+        raw = [_pad(t, rank).movedim(hidden, -1) for t in values_of_terms]
+        shapes = [t.shape for t in queries + raw]
+        if location is not None:
+            shapes.append(location.shape())
+        full = torch.broadcast_shapes(*shapes)
+        width = full[-1]
+        rows = plan.batch_axes + plan.query_axes + (plan.memory_axis, rank - 1)
+        batch = math.prod(full[a] for a in plan.batch_axes)
+        steps_q = math.prod(full[a] for a in plan.query_axes)
+        frames = full[plan.memory_axis]
+        key_shape = [1 if a in plan.query_axes else full[a] for a in range(rank)]
+
+        def canonical(t):
+            return t.expand(key_shape).permute(rows).reshape(batch, frames, width)
+
+        memory = values = None
+        if location is not None:  # the fixed part of the keys, kept while the memory is
+            key, values = self._fixed(values_of_terms[0], raw[0], canonical, full)
+        elif len(raw) == 1:  # one key term: its layout and memory kept with it (a decoder's steps)
+            key, values, memory = self._memory(values_of_terms[0], raw[0], canonical, full)
+        else:
+            key = canonical(raw[0])
+            for t in raw[1:]:
+                key = key + canonical(t)
+        if values is None:
+            values = key.new_zeros(batch, frames, 1)  # the graph forms the context: a placeholder
+        query = queries[0]
+        for t in queries[1:]:
+            query = query + t
+        query_shape = [1 if a == plan.memory_axis else full[a] for a in range(rank)]
+        query = query.expand(query_shape).permute(rows).reshape(batch, steps_q, width)
+        bias = None
+        for t in biases:
+            t = t.reshape(width)
+            bias = t if bias is None else bias + t
+        v = vector.reshape(width)
+        plain = False
+        v_eff = v
+        for step, factor in zip(
+            [step for step in plan.steps if step[0] == "scale"], scales, strict=True
+        ):
+            if isinstance(factor, Tensor):
+                factor = factor.reshape(())
+                plain |= not bool(factor > 0)
+            v_eff = v_eff * factor if step[1] == "mul" else v_eff / factor
+        invalid = options = None
+        graded = [m for m in masks if isinstance(m, Tensor) and m.requires_grad]
+        if masks:
+            fill_values = tuple(_fill_value(f) for f in fills)
+            invalid, not_exact, options, graded = self._masks(masks, fill_values, full, graded)
+            plain |= not_exact
+        if location is not None and (plain or graded or steps_q != 1):
+            key = key + location.value()  # [B, T, A] already: the op's layout
+            location = None
+        if plain:
+            weights = self._plain(query, key, bias, v, scales, masks, fills, full)
+        elif location is not None:
+            valid = None if invalid is None else ~invalid
+            step_query = query[:, 0] if bias is None else query[:, 0] + bias
+            parts = (location.features, location.conv_weight, location.dense_weight)
+            _, weights = attend_location(
+                self, plan.backend, step_query, key, parts, values, v_eff, valid
+            )
+            weights = weights.unsqueeze(1)
+        else:
+            options = {} if options is None else options
+            _, weights = attend(
+                plan.backend, query, key, values, v_eff, bias, **options, stepwise=memory
+            )
+            if graded:  # a float mask's gradient: the softmax's Jacobian, by a term worth zero
+                shift = sum(m - m.detach() for m in graded).unsqueeze(1)
+                fixed = weights.detach()
+                moved = fixed * shift
+                weights = weights + moved - fixed * moved.sum(-1, keepdim=True)
+        weights = weights.reshape(
+            [full[a] for a in plan.batch_axes + plan.query_axes] + [frames]
+        ).permute([rows.index(a) for a in range(rank - 1)])
+        weights = weights.permute([a for a in plan.scores_origin if a is not None])
+        for axis, source in enumerate(plan.scores_origin):  # the projection's added 1-axes
+            if source is None:
+                weights = weights.unsqueeze(axis)
+        return weights
+
+    def _masks(self, masks: list, fill_values: tuple, full, graded: list) -> tuple:
+        """(invalid bool [B', S], whether the op cannot give the original's result (a row with
+        no valid frame, a float mask that is not 0 / very negative, a fill that is not very
+        negative), ``attend``'s mask keyword, the float masks [B', S] that want gradients). Found
+        once per mask tensor while it stays the same (a decoder passes one for every step)."""
+        plan = self.plan
+
+        def compute():
+            invalid, not_exact, graded_rows = None, False, []
+            fills = iter(fill_values)
+            for step, mask in zip(
+                [step for step in plan.steps if step[0] != "scale"], masks, strict=True
+            ):
+                rows = _mask_to_rows(mask, step[2], plan, full)
+                if step[0] == "add":
+                    pure = (rows == 0) | (rows <= MASK_FILL_MAX)
+                    not_exact |= not bool(pure.all())
+                    if rows.requires_grad:
+                        graded_rows.append(rows)
+                    rows = rows != 0
+                else:
+                    rows = rows.to(torch.bool)
+                    rows = rows if step[0] == "fill" else ~rows
+                    not_exact |= not next(fills) <= MASK_FILL_MAX
+                invalid = rows if invalid is None else invalid | rows
+            not_exact |= bool(invalid.all(dim=1).any())  # a row without a valid frame
+            return invalid, not_exact, (None if not_exact else masking(~invalid)), graded_rows
+
+        if graded or len(masks) != 1 or not isinstance(masks[0], Tensor):
+            return compute()
+        return self.mask_cache.get(
+            masks[0], (tuple(full), *fill_values), compute, watch=lambda e: ()
+        )
+
+    def _fixed(self, term: Tensor, raw: Tensor, canonical, full):
+        """(the keys' fixed part [B, T, A], a values placeholder [B, T, 1]) for location-aware
+        steps: the same objects while the term is (the step's location memory follows them)."""
+
+        def compute():
+            key = canonical(raw).contiguous()
+            return key, key.new_zeros(key.shape[0], key.shape[1], 1)
+
+        return self.fixed_cache.get(term, (tuple(full),), compute)
+
+    def _memory(self, term: Tensor, raw: Tensor, canonical, full):
+        """(keys [B', S, H], values placeholder, StepwiseMemory or None) for one key term, kept
+        while the term is the same tensor (the steps of a decoder over one memory)."""
+
+        def compute():
+            key = canonical(raw).contiguous()
+            values = key.new_zeros(key.shape[0], key.shape[1], 1)
+            memory = StepwiseMemory.for_training(key, values, self.plan.backend)
+            if memory is None:
+                return key, values, None, key
+            return memory.keys, memory.values, memory, key
+
+        entry = self.layout_cache.get(term, (tuple(full),), compute, watch=lambda e: e[3:])
+        return entry[:3]
+
+    def _plain(self, query, key, bias, v, scales, masks, fills, full):
+        """The original's math in the op's layout, step by step (a row without a valid frame, a
+        float mask that is not a mask, a scale that is not positive)."""
+        plan = self.plan
+        scores = _plain_scores(query, key, bias, v)  # [B', T', S]
+        scale_index, mask_index, fill_index = 0, 0, 0
+        for step in plan.steps:
+            if step[0] == "scale":
+                factor = scales[scale_index]
+                scale_index += 1
+                scores = scores * factor if step[1] == "mul" else scores / factor
+            else:
+                mask = _mask_to_rows(masks[mask_index], step[2], plan, full).unsqueeze(1)
+                mask_index += 1
+                if step[0] == "add":
+                    scores = scores + mask
+                else:
+                    mask = mask.to(torch.bool)
+                    mask = mask if step[0] == "fill" else ~mask
+                    scores = scores.masked_fill(mask, _fill_value(fills[fill_index]))
+                    fill_index += 1
+        return torch.softmax(scores, dim=-1)
+
+
+_PURE_METHODS = {
+    "view", "reshape", "permute", "transpose", "contiguous", "unsqueeze", "squeeze", "expand",
+    "expand_as", "repeat", "size", "flatten", "__getitem__", "add", "mul", "float", "to",
+}  # fmt: skip
+_PURE_FUNCTIONS = {
+    torch._C._nn.linear, F.linear, torch.matmul, torch.bmm, operator.getitem, operator.add,
+    operator.mul, operator.sub, operator.floordiv, operator.neg, torch.add, torch.mul,
+    torch.transpose, torch.permute, torch.reshape, torch.unsqueeze, torch.squeeze, F.conv1d,
+    torch.conv1d, torch.cat, torch.stack,
+}  # fmt: skip
+
+
+def _key_function(graph: fx.Graph, term: fx.Node):
+    """(a GraphModule computing ``term`` from the graph's inputs it depends on, those inputs), or
+    None when the term is not a pure function of inputs (dropout, a get_attr, anything else)."""
+    nodes, inputs, stack = set(), [], [term]
+    while stack:
+        node = stack.pop()
+        if node in nodes:
+            continue
+        nodes.add(node)
+        if node.op == "placeholder":
+            inputs.append(node)
+            continue
+        if node.op == "call_method" and node.target in _PURE_METHODS:
+            pass
+        elif node.op == "call_function" and node.target in _PURE_FUNCTIONS:
+            pass
+        else:
+            return None
+        stack.extend(node.all_input_nodes)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    inputs.sort(key=order.__getitem__)
+    sub = fx.Graph()
+    env = {node: sub.placeholder(node.name) for node in inputs}
+    for node in sorted(nodes - set(inputs), key=order.__getitem__):
+        env[node] = sub.node_copy(node, env.__getitem__)
+    sub.output(env[term])
+    return fx.GraphModule(torch.nn.Module(), sub), inputs
+
+
+class KeyTerm:
+    """A key term the replacement computes itself: once per set of inputs (the memory, the
+    weights, the sizes) while they stay the same objects at the same versions, e.g. over the
+    steps of a decoder."""
+
+    def __init__(self, function: fx.GraphModule) -> None:
+        self.function = function
+        self.cache = ProjectionCache()
+
+    def value(self, args: tuple) -> Tensor:
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        anchor = next((t for t in tensors if not isinstance(t, torch.nn.Parameter)), None)
+        if anchor is None:
+            return self.function(*args)
+        rest = [a if a is not anchor else None for a in args]
+        return self.cache.get(anchor, rest, lambda: self.function(*args))
+
+
+class _BoundTerm:
+    __slots__ = ("term", "args")
+
+    def __init__(self, term: KeyTerm, args: tuple) -> None:
+        self.term, self.args = term, args
+
+    def value(self) -> Tensor:
+        return self.term.value(self.args)
+
+
+class _Bound:
+    """The call_function target that hands a key term its runtime inputs."""
+
+    __name__ = "bind_key_term"
+
+    def __init__(self, term: KeyTerm) -> None:
+        self.term = term
+
+    def __call__(self, *args) -> _BoundTerm:
+        return _BoundTerm(self.term, args)
+
+
+class _Plain:
+    """A key term computed by the graph (not a pure function of the inputs)."""
+
+    def __init__(self, value: Tensor) -> None:
+        self._value = value
+
+    def value(self) -> Tensor:
+        return self._value
+
+
+def _wrap_plain(value: Tensor) -> _Plain:
+    return _Plain(value)
+
+
+_wrap_plain.__name__ = "plain_key_term"
+
+
+def _single(value) -> int | None:
+    if isinstance(value, (list, tuple)) and len(value) == 1:
+        value = value[0]
+    return value if isinstance(value, int) else None
+
+
+def _location_source(term: fx.Node):
+    """(features [B, Cin, T], conv weight [C, Cin, K], dense weight [A, C]) when ``term`` is
+    linear(conv1d(features, conv weight, same padding, odd K, no bias)^T, dense weight, no bias),
+    a location term the kernels can form themselves; else None."""
+    if not _is(term, _LINEAR) or _arg(term, 2, "bias") is not None:
+        return None
+    swap, dense = _arg(term, 0, "input"), _arg(term, 1, "weight")
+    if _is(swap, {"transpose"}) and len(swap.args) == 3:
+        if sorted(d % 3 for d in swap.args[1:3]) != [1, 2]:
+            return None
+    elif _is(swap, {"permute"}):
+        dims = list(swap.args[1:])
+        dims = list(dims[0]) if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
+        if dims != [0, 2, 1]:
+            return None
+    else:
+        return None
+    conv = swap.args[0]
+    if not _is(conv, {torch.conv1d, F.conv1d}) or len(swap.users) != 1 or len(conv.users) != 1:
+        return None
+    weight = _arg(conv, 1, "weight")
+    shape = _shape(weight)
+    if _arg(conv, 2, "bias") is not None or shape is None or len(shape) != 3:
+        return None
+    width = shape[2]
+    padding = _arg(conv, 4, "padding", 0)
+    if not isinstance(width, int) or width % 2 == 0:
+        return None
+    if padding != "same" and _single(padding) != width // 2:
+        return None
+    if _single(_arg(conv, 3, "stride", 1)) != 1 or _single(_arg(conv, 5, "dilation", 1)) != 1:
+        return None
+    if _arg(conv, 6, "groups", 1) != 1:
+        return None
+    return _arg(conv, 0, "input"), weight, dense
+
+
+class _LocationTerm:
+    """A location term (see :func:`_location_source`), formed inside the kernels where a
+    decoder's training steps allow, else by the same ops as the original."""
+
+    __slots__ = ("features", "conv_weight", "dense_weight")
+
+    def __init__(self, features: Tensor, conv_weight: Tensor, dense_weight: Tensor) -> None:
+        self.features, self.conv_weight, self.dense_weight = features, conv_weight, dense_weight
+
+    def shape(self) -> tuple:
+        return (self.features.shape[0], self.features.shape[2], self.dense_weight.shape[0])
+
+    def value(self) -> Tensor:
+        width = self.conv_weight.shape[-1]
+        conv = F.conv1d(self.features, self.conv_weight, padding=width // 2)
+        return F.linear(conv.transpose(1, 2), self.dense_weight)
+
+
+def _location_term(features, conv_weight, dense_weight) -> _LocationTerm:
+    return _LocationTerm(features, conv_weight, dense_weight)
+
+
+_location_term.__name__ = "location_key_term"
+
+
+def _key_terms(graph: fx.Graph, match: Match, before: fx.Node) -> list[fx.Node]:
+    terms = []
+    with graph.inserting_before(before):
+        for term in match.key_terms:
+            location = _location_source(term) if len(match.key_terms) == 2 else None
+            if location is not None:
+                terms.append(graph.call_function(_location_term, location))
+                continue
+            found = _key_function(graph, term)
+            if found is None:
+                terms.append(graph.call_function(_wrap_plain, (term,)))
+            else:
+                function, inputs = found
+                terms.append(graph.call_function(_Bound(KeyTerm(function)), tuple(inputs)))
+    return terms
+
+
+def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
+    """Replace ``match``'s sum ... softmax by one :class:`TracedWeights` call (the shape ops between
+    the scores and the softmax applied again to its weights)."""
+    plan_steps, scales, masks, fills = [], [], [], []
+    for step in match.steps:
+        if step[0] == "scale":
+            plan_steps.append(("scale", step[1]))
+            scales.append(step[2])
+        elif step[0] in ("fill", "keep"):
+            plan_steps.append((step[0], None, step[3]))
+            masks.append(step[1])
+            fills.append(step[2])
+        else:
+            plan_steps.append(("add", None, step[3]))
+            masks.append(step[1])
+    key_terms = _key_terms(graph, match, match.softmax)
+    plan = Plan(
+        match.rank, match.batch_axes, match.query_axes, match.memory_axis, match.scores_origin,
+        match.hidden_axis,
+        tuple(plan_steps), backend,
+    )  # fmt: skip
+    with graph.inserting_before(match.softmax):
+        replacement = TracedWeights(plan)
+        replacement.description = match.describe()
+        node = graph.call_function(
+            replacement,
+            (match.query_terms, key_terms, match.bias_terms, match.vector, scales, masks, fills),
+        )
+        for op in match.shape_ops:
+            node = graph.node_copy(op, lambda n, prev=node, src=op: prev if n is src.args[0] else n)
+    match.softmax.replace_all_uses_with(node)
+    graph.erase_node(match.softmax)
+    for helper in match.helpers:
+        if _is(helper, _NEW_FULL):  # new_full(scores, ...): dtype and device from the vector
+            helper.replace_input_with(helper.args[0], match.vector)
+        elif _is(helper, {"type_as"}):  # x.type_as(scores) (dead if x is the scores' chain)
+            helper.replace_input_with(helper.args[1], match.vector)
+        else:  # an in-place fill of the scores or of their .data: in the op's mask now
+            graph.erase_node(helper)

@@ -1,0 +1,716 @@
+"""Additive attentions no named layout knows, for the converter's general path (``_traced.py``).
+
+Each is written for the tests from the math of a kind of public attention code (the project it
+follows is named in a word; names, argument orders and return conventions are our own), and each
+comes with look-alikes that differ in the math and must be left alone. ``CASES`` lists them:
+(name, factory of the model to convert (a parent holding the attention where the pattern spans
+a module and its caller), factory of a call's inputs (batch, frames, dtype), the dotted path the
+general path must convert, or None for a look-alike).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Q, K, A = 5, 6, 4  # query width, memory width, attention width
+
+
+def lengths_mask(batch: int, frames: int) -> torch.Tensor:
+    """bool [B, T], True = a real frame; the first row full, one row with a single frame."""
+    lengths = torch.tensor([frames, max(1, frames - 2), 1, frames - 1][:batch])
+    return torch.arange(frames) < lengths.unsqueeze(1)
+
+
+# --- 1. a code-summarisation model's concat attention: hidden repeated, one Linear over the join --
+
+
+class JoinScorer(nn.Module):
+    """score(dec [B, Q], memory [B, T, K]) -> weights [B, T]; Linear over [dec; memory], v Linear."""
+
+    def __init__(self, squash=torch.tanh) -> None:
+        super().__init__()
+        self.joint = nn.Linear(Q + K, A)
+        self.to_score = nn.Linear(A, 1, bias=False)
+        self.squash = squash
+
+    def forward(self, dec, memory):
+        frames = memory.shape[1]
+        tiled = dec.unsqueeze(1).repeat(1, frames, 1)
+        hidden = self.squash(self.joint(torch.cat((tiled, memory), dim=2)))
+        return F.softmax(self.to_score(hidden).squeeze(2), dim=1)
+
+
+# --- 2. a chatbot's time-major concat over [T, B, K], softmax over dim 0, context by bmm ------------
+
+
+class TimeMajorJoin(nn.Module):
+    """forward(memory [T, B, K], state [1, B, Q]) -> (context [1, B, K], weights [T, B, 1])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fuse = nn.Linear(K + Q, A)
+        self.score = nn.Linear(A, 1, bias=False)
+
+    def forward(self, memory, state):
+        state = state.repeat(memory.size(0), 1, 1)
+        energy = torch.tanh(self.fuse(torch.cat((memory, state), dim=2)))
+        weights = torch.softmax(self.score(energy), dim=0)
+        context = weights.transpose(0, 1).transpose(1, 2).bmm(memory.transpose(0, 1))
+        return context.transpose(0, 1), weights
+
+
+# --- 3. a TTS vocoder-style attention: memory projected outside, query projected inside ----------
+
+
+class PreProjected(nn.Module):
+    """forward(memory_proj [B, T, A], query [B, Q], step) -> weights [B, 1, T]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.W = nn.Linear(Q, A, bias=False)
+        self.v = nn.Linear(A, 1, bias=False)
+
+    def forward(self, memory_proj, query, step):
+        u = self.v(torch.tanh(memory_proj + self.W(query).unsqueeze(1)))
+        return F.softmax(u, dim=1).transpose(1, 2)
+
+
+class PreProjectedHolder(nn.Module):
+    """The caller: projects the memory once and calls the attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.memory_proj = nn.Linear(K, A)
+        self.attention = PreProjected()
+
+    def forward(self, memory, query):
+        weights = self.attention(self.memory_proj(memory), query, 0)
+        return torch.bmm(weights, memory).squeeze(1)
+
+
+# --- 4. a pointer network with a bias Parameter inside the tanh and a padding mask ----------------
+
+
+class Pointer(nn.Module):
+    """forward(encoded [B, T, K], decoded [B, Q], pad [B, T] True = padding) -> (logits' softmax
+    [B, T], pointed [B, K])."""
+
+    def __init__(self, fill: float = -1e9) -> None:
+        super().__init__()
+        self.enc_w = nn.Linear(K, A, bias=False)
+        self.dec_w = nn.Linear(Q, A, bias=False)
+        self.b = nn.Parameter(torch.randn(A) * 0.1)
+        self.v = nn.Linear(A, 1, bias=False)
+        self.fill = fill
+
+    def forward(self, encoded, decoded, pad):
+        e = self.v(torch.tanh(self.enc_w(encoded) + self.dec_w(decoded).unsqueeze(1) + self.b))
+        e = e.squeeze(-1).masked_fill(pad, self.fill)
+        probs = torch.softmax(e, dim=-1)
+        return probs, (probs.unsqueeze(-1) * encoded).sum(1)
+
+
+# --- 5. the energy in one module, mask / softmax / context in an RNN-cell wrapper ----------------
+
+
+class EnergyOnly(nn.Module):
+    """energy(memory [B, T, K], h [B, Q]) -> [B, T] (no normalisation here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mem = nn.Linear(K, A)
+        self.qry = nn.Linear(Q, A, bias=False)
+        self.vec = nn.Parameter(torch.randn(A) / math.sqrt(A))
+
+    def forward(self, memory, h):
+        return torch.tanh(self.mem(memory) + self.qry(h)[:, None, :]) @ self.vec
+
+
+class AttentiveCell(nn.Module):
+    """step(x [B, Q], state [B, Q], memory [B, T, K], valid [B, T]) -> (new state, weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.energy = EnergyOnly()
+        self.cell = nn.GRUCell(Q + K, Q)
+
+    def forward(self, x, state, memory, valid):
+        scores = self.energy(memory, state)
+        scores = scores.masked_fill(valid.logical_not(), float("-inf"))
+        alpha = scores.softmax(-1)
+        context = torch.einsum("bt,btk->bk", alpha, memory)
+        return self.cell(torch.cat([x, context], -1), state), alpha
+
+
+# --- 6. temperature dividing the energies (a buffer), kwargs-only mask --------------------------
+
+
+class Tempered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys_in = nn.Linear(K, A)
+        self.query_in = nn.Linear(Q, A)
+        self.out = nn.Linear(A, 1)
+        self.register_buffer("temperature", torch.tensor(2.5))
+
+    def forward(self, query, *, memory, valid=None):
+        energy = self.out(torch.tanh(self.keys_in(memory) + self.query_in(query).unsqueeze(-2)))
+        energy = energy.squeeze(-1) / self.temperature
+        if valid is not None:
+            energy = energy.masked_fill(~valid, -1e30)
+        weights = torch.softmax(energy, dim=-1)
+        return torch.bmm(weights.unsqueeze(1), memory).squeeze(1), weights
+
+
+# --- 7. Linear layers wrapped in a small module (``.linear``), several queries at once -----------
+
+
+class Affine(nn.Module):
+    def __init__(self, n_in, n_out, bias=True) -> None:
+        super().__init__()
+        self.linear = nn.Linear(n_in, n_out, bias=bias)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+class WrappedMulti(nn.Module):
+    """forward(queries [B, Tq, Q], memory [B, T, K], valid [B, T]) -> (context [B, Tq, K],
+    weights [B, Tq, T])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj_q = Affine(Q, A, bias=False)
+        self.proj_m = Affine(K, A)
+        self.score = Affine(A, 1, bias=False)
+
+    def forward(self, queries, memory, valid):
+        pre = self.proj_q(queries).unsqueeze(2) + self.proj_m(memory).unsqueeze(1)
+        e = self.score(torch.tanh(pre)).squeeze(-1)
+        e = e.masked_fill(~valid.unsqueeze(1), -1e9)
+        w = F.softmax(e, dim=-1)
+        return w @ memory, w
+
+
+# --- 8. time-major memory with an additive float mask, context summed by products ---------------
+
+
+class TimeMajorFloatMask(nn.Module):
+    """forward(state [B, Q], memory [T, B, K], additive [T, B] (0 or -1e4 and below)) ->
+    (context [B, K], weights [T, B])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = nn.Linear(Q, A)
+        self.m = nn.Linear(K, A, bias=False)
+        self.e = nn.Linear(A, 1)
+
+    def forward(self, state, memory, additive):
+        energies = self.e(torch.tanh(self.s(state) + self.m(memory))).squeeze(2)
+        weights = F.softmax(energies + additive, dim=0)
+        return (weights.unsqueeze(2) * memory).sum(0), weights
+
+
+# --- 9. residual context + query after the attention, weight-normalised score vector -------------
+
+
+class ResidualNormed(nn.Module):
+    """forward(query [B, A], memory [B, T, A], lengths [B]) -> query + context [B, A]; the score
+    vector g * w / ||w|| (TensorFlow's normalised Bahdanau)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq = nn.Linear(A, A, bias=False)
+        self.wk = nn.Linear(A, A, bias=False)
+        self.w = nn.Parameter(torch.randn(A) / math.sqrt(A))
+        self.g = nn.Parameter(torch.tensor(1 / math.sqrt(A)))
+        self.inner_bias = nn.Parameter(torch.zeros(A) + 0.05)
+
+    def forward(self, query, memory, lengths):
+        v = self.g * self.w / self.w.norm()
+        energy = (torch.tanh(self.wq(query)[:, None] + self.wk(memory) + self.inner_bias) * v).sum(
+            -1
+        )
+        pad = torch.arange(memory.shape[1], device=memory.device)[None, :] >= lengths[:, None]
+        energy = energy.masked_fill(pad, float("-inf"))
+        weights = torch.softmax(energy, dim=1)
+        return query + torch.bmm(weights.unsqueeze(1), memory).squeeze(1)
+
+
+# --- 10. location-sensitive (Tacotron-style block: conv without bias, dense; memory projected) ----
+
+
+class LocationBlock(nn.Module):
+    def __init__(self, filters=3, width=5) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, filters, width, padding=width // 2, bias=False)
+        self.projection = nn.Linear(filters, A, bias=False)
+
+    def forward(self, previous):
+        return self.projection(self.conv(previous).transpose(1, 2))
+
+
+class LocationSensitive(nn.Module):
+    """forward(state [B, Q], memory [B, T, K], memory_proj [B, T, A], previous [B, 2, T],
+    pad [B, T] True = padding) -> (context [B, K], weights [B, T])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query_layer = nn.Linear(Q, A, bias=False)
+        self.v = nn.Linear(A, 1)
+        self.location = LocationBlock()
+
+    def forward(self, state, memory, memory_proj, previous, pad):
+        processed = self.query_layer(state.unsqueeze(1))
+        energies = self.v(torch.tanh(processed + self.location(previous) + memory_proj))
+        energies = energies.squeeze(-1).masked_fill(pad, -float("inf"))
+        weights = F.softmax(energies, dim=1)
+        return torch.bmm(weights.unsqueeze(1), memory).squeeze(1), weights
+
+
+class LocationHolder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.memory_layer = nn.Linear(K, A, bias=False)
+        self.attention = LocationSensitive()
+
+    def forward(self, state, memory, previous, pad):
+        return self.attention(state, memory, self.memory_layer(memory), previous, pad)
+
+
+# --- 11. LAS-style location-aware: a conv with bias feeding the tanh directly (no dense) ----------
+
+
+class ConvLocation(nn.Module):
+    """forward(memory [B, T, K], dec [B, Q], last [B, T]) -> (context [B, K], weights [B, T])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loc = nn.Conv1d(1, A, 3, padding=1)
+        self.enc = nn.Linear(K, A)
+        self.dec = nn.Linear(Q, A, bias=False)
+        self.w = nn.Linear(A, 1, bias=False)
+
+    def forward(self, memory, dec, last):
+        location = self.loc(last.unsqueeze(1)).transpose(1, 2)
+        scores = self.w(torch.tanh(self.enc(memory) + self.dec(dec).unsqueeze(1) + location))
+        weights = torch.softmax(scores.squeeze(-1), -1)
+        return torch.sum(weights.unsqueeze(-1) * memory, dim=1), weights
+
+
+# --- look-alikes: the same parts, other math --------------------------------------------------------
+
+
+class ShowAttendRelu(nn.Module):
+    """Image captioning's attention: relu of the sum (not tanh)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder_proj = nn.Linear(K, A)
+        self.decoder_proj = nn.Linear(Q, A)
+        self.full = nn.Linear(A, 1)
+
+    def forward(self, features, hidden):
+        att = self.full(
+            F.relu(self.encoder_proj(features) + self.decoder_proj(hidden).unsqueeze(1))
+        )
+        alpha = F.softmax(att.squeeze(2), dim=1)
+        return (features * alpha.unsqueeze(2)).sum(1), alpha
+
+
+class SigmoidGate(ShowAttendRelu):
+    def forward(self, features, hidden):
+        pre = self.encoder_proj(features) + self.decoder_proj(hidden).unsqueeze(1)
+        alpha = F.softmax(self.full(torch.sigmoid(pre)).squeeze(2), dim=1)
+        return (features * alpha.unsqueeze(2)).sum(1), alpha
+
+
+class TanhOfOne(ShowAttendRelu):
+    """The tanh over the memory alone; the query added after it."""
+
+    def forward(self, features, hidden):
+        pre = torch.tanh(self.encoder_proj(features)) + self.decoder_proj(hidden).unsqueeze(1)
+        alpha = F.softmax(self.full(pre).squeeze(2), dim=1)
+        return (features * alpha.unsqueeze(2)).sum(1), alpha
+
+
+class TemperatureInside(ShowAttendRelu):
+    def forward(self, features, hidden):
+        pre = (self.encoder_proj(features) + self.decoder_proj(hidden).unsqueeze(1)) / 3.0
+        alpha = F.softmax(self.full(torch.tanh(pre)).squeeze(2), dim=1)
+        return (features * alpha.unsqueeze(2)).sum(1), alpha
+
+
+class PaddingByZero(Pointer):
+    """Padding filled with 0 (it keeps a share of the weight)."""
+
+    def __init__(self) -> None:
+        super().__init__(fill=0.0)
+
+
+class ExplorationTanh(ShowAttendRelu):
+    """A pointer network's "tanh exploration": C * tanh(u) before the softmax."""
+
+    def forward(self, features, hidden):
+        pre = self.encoder_proj(features) + self.decoder_proj(hidden).unsqueeze(1)
+        u = self.full(torch.tanh(pre)).squeeze(2)
+        alpha = F.softmax(10.0 * torch.tanh(u), dim=1)
+        return (features * alpha.unsqueeze(2)).sum(1), alpha
+
+
+class LogSoftmaxScores(ShowAttendRelu):
+    def forward(self, features, hidden):
+        pre = self.encoder_proj(features) + self.decoder_proj(hidden).unsqueeze(1)
+        return F.log_softmax(self.full(torch.tanh(pre)).squeeze(2), dim=1)
+
+
+class NoVector(ShowAttendRelu):
+    """The tanh summed over the hidden axis: no projection vector."""
+
+    def forward(self, features, hidden):
+        pre = self.encoder_proj(features) + self.decoder_proj(hidden).unsqueeze(1)
+        alpha = F.softmax(torch.tanh(pre).sum(-1), dim=1)
+        return (features * alpha.unsqueeze(2)).sum(1), alpha
+
+
+class MaskPerQuery(WrappedMulti):
+    """A mask that differs between the queries (causal-like): not the op's [B, T] mask."""
+
+    def forward(self, queries, memory, valid):
+        pre = self.proj_q(queries).unsqueeze(2) + self.proj_m(memory).unsqueeze(1)
+        e = self.score(torch.tanh(pre)).squeeze(-1)
+        steps = torch.arange(queries.shape[1])[:, None] < torch.arange(memory.shape[1])[None, :]
+        e = e.masked_fill(steps.unsqueeze(0), -1e9)
+        w = F.softmax(e, dim=-1)
+        return w @ memory, w
+
+
+# --- the cases ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    name: str
+    make: Callable[[], nn.Module]  # the model handed to fuse_attention
+    inputs: Callable[[int, int, torch.dtype], tuple]  # (batch, frames, dtype) -> args
+    converts: str | None  # the path converted; None: a look-alike left alone
+
+
+def _rand(*shape, dtype):
+    return torch.randn(*shape, dtype=dtype)
+
+
+class _Holder(nn.Module):
+    """A parent that passes its call on (the attention is converted as a submodule)."""
+
+    def __init__(self, attention: nn.Module) -> None:
+        super().__init__()
+        self.att = attention
+
+    def forward(self, *args):
+        return self.att(*args)
+
+
+def _wrap(cls) -> Callable[[], nn.Module]:
+    return lambda: _Holder(cls())
+
+
+def _feature_call(b, t, dtype):
+    return (_rand(b, t, K, dtype=dtype), _rand(b, Q, dtype=dtype))
+
+
+def _pointer_call(b, t, dtype):
+    return (_rand(b, t, K, dtype=dtype), _rand(b, Q, dtype=dtype), ~lengths_mask(b, t))
+
+
+def _multi_call(b, t, dtype):
+    return (_rand(b, 3, Q, dtype=dtype), _rand(b, t, K, dtype=dtype), lengths_mask(b, t))
+
+
+def _float_mask_call(b, t, dtype):
+    additive = torch.zeros(t, b, dtype=dtype).masked_fill(~lengths_mask(b, t).t(), -1e4)
+    return (_rand(b, Q, dtype=dtype), _rand(t, b, K, dtype=dtype), additive)
+
+
+def _location_call(b, t, dtype):
+    previous = torch.softmax(_rand(b, 2, t, dtype=dtype), -1)
+    return (_rand(b, Q, dtype=dtype), _rand(b, t, K, dtype=dtype), previous, ~lengths_mask(b, t))
+
+
+def _cell_call(b, t, dtype):
+    return (_rand(b, Q, dtype=dtype), _rand(b, Q, dtype=dtype), _rand(b, t, K, dtype=dtype),
+            lengths_mask(b, t))  # fmt: skip
+
+
+def _residual_call(b, t, dtype):
+    lengths = lengths_mask(b, t).sum(1)
+    return (_rand(b, A, dtype=dtype), _rand(b, t, A, dtype=dtype), lengths)
+
+
+class _Call(nn.Module):
+    """Calls its attention with keyword arguments (Tempered takes memory and valid by keyword)."""
+
+    def __init__(self, attention: nn.Module) -> None:
+        super().__init__()
+        self.att = attention
+
+    def forward(self, query, memory, valid):
+        return self.att(query, memory=memory, valid=valid)
+
+
+CASES = [
+    Case("join_scorer", _wrap(JoinScorer), lambda b, t, d: (_rand(b, Q, dtype=d), _rand(b, t, K, dtype=d)), "att"),
+    Case("time_major_join", _wrap(TimeMajorJoin), lambda b, t, d: (_rand(t, b, K, dtype=d), _rand(1, b, Q, dtype=d)), "att"),
+    Case("pre_projected", PreProjectedHolder, lambda b, t, d: (_rand(b, t, K, dtype=d), _rand(b, Q, dtype=d)), "attention"),
+    Case("pointer_bias", _wrap(Pointer), _pointer_call, "att"),
+    Case("cell_wrapper", _wrap(AttentiveCell), _cell_call, "att"),
+    Case("tempered_kwargs", lambda: _Call(Tempered()), lambda b, t, d: (_rand(b, Q, dtype=d), _rand(b, t, K, dtype=d), lengths_mask(b, t)), "att"),
+    Case("wrapped_multi_query", _wrap(WrappedMulti), _multi_call, "att"),
+    Case("time_major_float_mask", _wrap(TimeMajorFloatMask), _float_mask_call, "att"),
+    Case("residual_normed", _wrap(ResidualNormed), _residual_call, "att"),
+    Case("location_block", LocationHolder, _location_call, "attention"),
+    Case("conv_location", _wrap(ConvLocation), lambda b, t, d: (_rand(b, t, K, dtype=d), _rand(b, Q, dtype=d), torch.softmax(_rand(b, t, dtype=d), -1)), "att"),
+    # look-alikes
+    Case("relu_show_attend", _wrap(ShowAttendRelu), _feature_call, None),
+    Case("sigmoid_gate", _wrap(SigmoidGate), _feature_call, None),
+    Case("tanh_of_one", _wrap(TanhOfOne), _feature_call, None),
+    Case("temperature_inside", _wrap(TemperatureInside), _feature_call, None),
+    Case("padding_by_zero", _wrap(PaddingByZero), _pointer_call, None),
+    Case("exploration_tanh", _wrap(ExplorationTanh), _feature_call, None),
+    Case("log_softmax", _wrap(LogSoftmaxScores), _feature_call, None),
+    Case("no_vector", _wrap(NoVector), _feature_call, None),
+    Case("mask_per_query", _wrap(MaskPerQuery), _multi_call, None),
+    Case("join_relu", _wrap(lambda: JoinScorer(squash=torch.relu)), lambda b, t, d: (_rand(b, Q, dtype=d), _rand(b, t, K, dtype=d)), None),
+]  # fmt: skip
+
+
+# --- more layouts: the projection by a batch-repeated vector, einsum, in-place masks ----------------
+
+
+class RepeatedVectorBmm(nn.Module):
+    """An older tutorial's form: v [A] repeated over the batch, bmm with the transposed energy;
+    time-major memory [T, B, K]; forward(state [B, Q], memory, keep [B, T] 1 = real) -> [B, T]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(Q + K, A)
+        self.direction = nn.Parameter(torch.rand(A))
+
+    def forward(self, state, memory, keep):
+        frames, batch = memory.shape[0], memory.shape[1]
+        state = state.unsqueeze(1).repeat(1, frames, 1)
+        memory = memory.permute(1, 0, 2)
+        energy = torch.tanh(self.mix(torch.cat((state, memory), dim=2))).permute(0, 2, 1)
+        v = self.direction.repeat(batch, 1).unsqueeze(1)
+        scores = torch.bmm(v, energy).squeeze(1)
+        return F.softmax(scores.masked_fill(keep == 0, -1e10), dim=1)
+
+
+class EinsumInPlace(nn.Module):
+    """einsum projection, an in-place masked_fill_, several queries: forward(memory [B, T, K],
+    queries [B, Tq, Q], pad [B, T]) -> context [B, Tq, K]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.km = nn.Linear(K, A)
+        self.qm = nn.Linear(Q, A)
+        self.u = nn.Parameter(torch.randn(A) * 0.3)
+
+    def forward(self, memory, queries, pad):
+        e = torch.tanh(self.km(memory)[:, None] + self.qm(queries)[:, :, None])
+        scores = torch.einsum("bqth,h->bqt", e, self.u)
+        scores.masked_fill_(pad[:, None, :], float("-inf"))
+        return torch.softmax(scores, -1) @ memory
+
+
+class EinsumOtherAxis(EinsumInPlace):
+    """Look-alike: the einsum contracts the memory axis, not the hidden one."""
+
+    def forward(self, memory, queries, pad):
+        e = torch.tanh(self.km(memory)[:, None] + self.qm(queries)[:, :, None])
+        scores = torch.einsum("bqth,t->bqh", e, torch.ones(memory.shape[1], dtype=memory.dtype))
+        return torch.softmax(scores, -1)
+
+
+def _bmm_call(b, t, dtype):
+    return (_rand(b, Q, dtype=dtype), _rand(t, b, K, dtype=dtype), lengths_mask(b, t).long())
+
+
+def _einsum_call(b, t, dtype):
+    return (_rand(b, t, K, dtype=dtype), _rand(b, 2, Q, dtype=dtype), ~lengths_mask(b, t))
+
+
+CASES += [
+    Case("repeated_vector_bmm", _wrap(RepeatedVectorBmm), _bmm_call, "att"),
+    Case("einsum_in_place_mask", _wrap(EinsumInPlace), _einsum_call, "att"),
+    Case("einsum_other_axis", _wrap(EinsumOtherAxis), _einsum_call, None),
+]
+
+
+# --- more: .data.masked_fill_ on time-major energies, a query repeated up a rank ------------------
+
+
+class DataFilled(nn.Module):
+    """An NMT repository's QKV attention: time-major [T, B, K], the mask written through
+    ``.data`` in place, weights returned batch-major [B, T]: forward(hidden [B, Q], memory,
+    src_mask [T, B] 1 = real)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.query_layer = nn.Linear(Q, A)
+        self.key_layer = nn.Linear(K, A)
+        self.energy_layer = nn.Linear(A, 1)
+
+    def forward(self, hidden, memory, src_mask):
+        e = self.energy_layer(torch.tanh(self.query_layer(hidden) + self.key_layer(memory)))
+        e = e.squeeze(2)
+        e.data.masked_fill_(src_mask == 0, float("-inf"))
+        return F.softmax(e, dim=0).transpose(0, 1)
+
+
+class RepeatedUpARank(nn.Module):
+    """hidden [B, Q] repeated to [T, B, Q] (a rank added), joined with time-major memory;
+    softmax over the frames, weights [T, B, 1]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(Q + K, A)
+        self.out = nn.Linear(A, 1, bias=False)
+
+    def forward(self, hidden, memory):
+        tiled = hidden.repeat(memory.size(0), 1, 1)
+        return torch.softmax(self.out(torch.tanh(self.lin(torch.cat((tiled, memory), 2)))), 0)
+
+
+def _data_call(b, t, dtype):
+    return (_rand(b, Q, dtype=dtype), _rand(t, b, K, dtype=dtype), lengths_mask(b, t).t().long())
+
+
+CASES += [
+    Case("data_masked_fill", _wrap(DataFilled), _data_call, "att"),
+    Case("repeated_up_a_rank", _wrap(RepeatedUpARank),
+         lambda b, t, d: (_rand(b, Q, dtype=d), _rand(t, b, K, dtype=d)), "att"),
+]  # fmt: skip
+
+
+# --- a pointer network (combinatorial optimisation): Conv1d over [B, H, T], v from the left --------
+
+
+class ConvPointer(nn.Module):
+    """forward(query [B, H], ref [B, H, T]) -> (ref_proj [B, H, T], probs [B, T]); the hidden
+    axis is the middle one."""
+
+    def __init__(self, exploration: float | None = None) -> None:
+        super().__init__()
+        self.project_query = nn.Linear(A, A)
+        self.project_ref = nn.Conv1d(A, A, 1, 1)
+        self.vec = nn.Parameter(torch.rand(A) - 0.5)
+        self.exploration = exploration
+
+    def forward(self, query, ref):
+        e = self.project_ref(ref)
+        q = self.project_query(query).unsqueeze(2)
+        v = self.vec.unsqueeze(0).expand(ref.size(0), -1).unsqueeze(1)
+        u = torch.bmm(v, torch.tanh(q + e)).squeeze(1)
+        if self.exploration is not None:
+            u = self.exploration * torch.tanh(u)
+        return e, F.softmax(u, dim=1)
+
+
+def _pointer_conv_call(b, t, dtype):
+    return (_rand(b, A, dtype=dtype), _rand(b, A, t, dtype=dtype))
+
+
+CASES += [
+    Case("conv_pointer", _wrap(ConvPointer), _pointer_conv_call, "att"),
+    Case("conv_pointer_exploration", _wrap(lambda: ConvPointer(10.0)), _pointer_conv_call, None),
+]  # fmt: skip
+
+
+# --- a speech toolkit's MLP attention: float round trip around the mask, time-major ----------------
+
+
+class FloatRoundTrip(nn.Module):
+    """forward(state [B, Q], memory [T, B, K], pad [T, B] True = padding) -> weights [T, B]; the
+    scores masked in float32 and cast back (type_as), as mixed-precision code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(K, A, bias=False)
+        self.dec = nn.Linear(Q, A, bias=True)
+        self.to_scores = nn.Linear(A, 1, bias=False)
+
+    def forward(self, state, memory, pad):
+        x = torch.tanh(self.enc(memory) + self.dec(state).unsqueeze(0))
+        scores = self.to_scores(x).squeeze(2)
+        scores = scores.float().masked_fill(pad, float("-inf")).type_as(scores)
+        return F.softmax(scores, dim=0)
+
+
+def _round_trip_call(b, t, dtype):
+    return (_rand(b, Q, dtype=dtype), _rand(t, b, K, dtype=dtype), ~lengths_mask(b, t).t())
+
+
+CASES += [
+    # exact in float32 (where .float() changes nothing), but the float64 probe sees the float32
+    # rounding of the scores in the original, and the probe decides: left alone
+    Case("float_round_trip", _wrap(FloatRoundTrip), _round_trip_call, None),
+]
+
+
+# --- a summariser's coverage attention (pointer-generator): masked and renormalised after it ------
+
+
+class CoverageAttention(nn.Module):
+    """forward(s_t [B, Q], enc_feats [B*T, A] (projected outside, flattened), enc_out [B, T, K],
+    pad [B, T] 1 = real, coverage [B, T]) -> (context [B, K], weights [B, T], coverage [B, T])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decode_proj = nn.Linear(Q, A)
+        self.W_c = nn.Linear(1, A, bias=False)
+        self.v = nn.Linear(A, 1, bias=False)
+
+    def forward(self, s_t, enc_feats, enc_out, pad, coverage):
+        b, t, _ = enc_out.shape
+        dec = self.decode_proj(s_t).unsqueeze(1).expand(b, t, A).contiguous().view(-1, A)
+        feats = enc_feats + dec + self.W_c(coverage.view(-1, 1))
+        scores = self.v(torch.tanh(feats)).view(-1, t)
+        weights = F.softmax(scores, dim=1) * pad
+        weights = weights / weights.sum(1, keepdim=True)
+        context = torch.bmm(weights.unsqueeze(1), enc_out).view(-1, enc_out.shape[2])
+        return context, weights, coverage + weights
+
+
+def _coverage_call(b, t, dtype):
+    return (_rand(b, Q, dtype=dtype), _rand(b * t, A, dtype=dtype), _rand(b, t, K, dtype=dtype),
+            lengths_mask(b, t).to(dtype), torch.rand(b, t, dtype=dtype))  # fmt: skip
+
+
+class CoverageBatched(CoverageAttention):
+    """The same with [B, T, A] features (not flattened)."""
+
+    def forward(self, s_t, enc_feats, enc_out, pad, coverage):
+        feats = enc_feats + self.decode_proj(s_t).unsqueeze(1) + self.W_c(coverage.unsqueeze(2))
+        weights = F.softmax(self.v(torch.tanh(feats)).squeeze(2), dim=1) * pad
+        weights = weights / weights.sum(1, keepdim=True)
+        return torch.bmm(weights.unsqueeze(1), enc_out).squeeze(1), weights, coverage + weights
+
+
+def _coverage_batched_call(b, t, dtype):
+    call = _coverage_call(b, t, dtype)
+    return (call[0], call[1].view(b, t, A), *call[2:])
+
+
+CASES += [
+    Case("coverage_batched", _wrap(CoverageBatched), _coverage_batched_call, "att"),
+    # a known limit, not a look-alike: batch and frames flattened into one axis ([B*T, A]) are
+    # not told apart, so the query term cannot be found: left alone
+    Case("coverage_flattened", _wrap(CoverageAttention), _coverage_call, None),
+]

@@ -1,0 +1,294 @@
+"""The converter's general path (``seq2seq_fast/nn/convert/_traced.py``) on attentions no named
+layout knows (tests/convert/layouts_traced.py): each additive one is converted at its first call
+and then matches the original exactly (float64 and float32, outputs and the gradients of every
+parameter and input, on calls of other sizes than the first), with its state_dict keys
+unchanged and no tanh left in its calls; each look-alike is left as it is."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+from seq2seq_fast.nn import fuse_attention_report
+from seq2seq_fast.nn.convert import FusedStandIn
+from seq2seq_fast.nn.convert._traced_graph import TracedWeights
+from seq2seq_fast.ops.additive_attention import fused_available
+from tests.convert.layouts_traced import CASES
+
+pytestmark = pytest.mark.skipif(
+    not fused_available("cpu", torch.float64), reason="the C++ extension is not built"
+)
+
+TOLERANCES = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-5, 1e-5)}
+IDS = [case.name for case in CASES]
+
+
+def _run(model, args):
+    """Outputs and gradients (parameters by name, then inputs) of a random projection."""
+    args = pytree.tree_map(
+        lambda t: (
+            t.clone().requires_grad_()
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+            else t
+        ),
+        args,
+    )
+    out = model(*args)
+    leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    gen = torch.Generator().manual_seed(3)
+    loss = sum((t * torch.randn(t.shape, generator=gen, dtype=t.dtype)).sum() for t in leaves)
+    named = sorted(model.named_parameters())
+    inputs = [
+        t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
+    grads = torch.autograd.grad(loss, [p for _, p in named] + inputs, allow_unused=True)
+    return pytree.tree_leaves(out), grads
+
+
+def _assert_close(got, want, dtype, what):
+    rtol, atol = TOLERANCES[dtype]
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if w is None or g is None:
+            assert (g is None or not g.any()) and (w is None or w.abs().max() < atol), (what, i)
+            continue
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol, equal_nan=True, msg=f"{what}[{i}]")
+
+
+def _submodule(model, path):
+    return model.get_submodule(path)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_converted_or_left_alone(case, dtype):
+    torch.manual_seed(0)
+    original = case.make().to(dtype)
+    model = copy.deepcopy(original)
+    keys = list(model.state_dict())
+    report = fuse_attention_report(model)
+    assert report.count == 0 and report.watching  # nothing until the first call
+    torch.manual_seed(1)
+    first = case.inputs(4, 7, dtype)
+    _assert_close(_run(model, first)[0], _run(original, first)[0], dtype, "first call")
+    assert list(model.state_dict()) == keys
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, original.state_dict()[name])
+    converted = [r.path for r in report.replaced]
+    if case.converts is None:
+        assert converted == [], str(report)
+        assert not any(isinstance(m, FusedStandIn) for m in model.modules())
+    else:
+        assert converted == [case.converts], str(report)
+        assert isinstance(_submodule(model, case.converts), FusedStandIn)
+        assert type(_submodule(model, case.converts)).__mro__[1] is type(
+            _submodule(original, case.converts)
+        )
+    # later calls, other sizes: the same outputs and gradients
+    for batch, frames in ((3, 5), (4, 9)):
+        torch.manual_seed(batch * frames)
+        args = case.inputs(batch, frames, dtype)
+        calls = TracedWeights.calls
+        got = _run(model, args)
+        want = _run(original, args)
+        _assert_close(got[0], want[0], dtype, "outputs")
+        _assert_close(got[1], want[1], dtype, "gradients")
+        if case.converts is not None:
+            assert TracedWeights.calls > calls  # the fused op computed the weights
+
+
+def _steps(model, args, count):
+    """``count`` calls on the same tensors (a decoder's steps over one memory): outputs and the
+    gradients of the summed projections, as :func:`_run` gives them."""
+    args = pytree.tree_map(
+        lambda t: (
+            t.clone().requires_grad_()
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+            else t
+        ),
+        args,
+    )
+    gen = torch.Generator().manual_seed(5)
+    outs, loss = [], 0
+    for _ in range(count):
+        out = [t for t in pytree.tree_leaves(model(*args)) if isinstance(t, torch.Tensor)]
+        outs += out
+        loss = loss + sum(
+            (t * torch.randn(t.shape, generator=gen, dtype=t.dtype)).sum() for t in out
+        )
+    named = sorted(model.named_parameters())
+    inputs = [
+        t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
+    grads = torch.autograd.grad(loss, [p for _, p in named] + inputs, allow_unused=True)
+    return outs, grads
+
+
+CONVERTED = [case for case in CASES if case.converts is not None]
+
+
+@pytest.mark.parametrize("case", CONVERTED, ids=[case.name for case in CONVERTED])
+def test_steps_over_one_memory_and_weight_updates(case):
+    """Several calls on one memory (the key projection cached, its gradient gathered once per
+    sequence), then an in-place update of every parameter (the cache must see it)."""
+    dtype = torch.float64
+    torch.manual_seed(0)
+    original = case.make().to(dtype)
+    model = copy.deepcopy(original)
+    fuse_attention_report(model)
+    torch.manual_seed(1)
+    model(*case.inputs(2, 4, dtype))  # the first call converts
+    args = case.inputs(3, 6, dtype)
+    for _ in range(2):
+        got, want = _steps(model, args, 3), _steps(original, args, 3)
+        _assert_close(got[0], want[0], dtype, "outputs")
+        _assert_close(got[1], want[1], dtype, "gradients")
+        with torch.no_grad():
+            for a, b in zip(model.parameters(), original.parameters(), strict=True):
+                a.add_(0.05)
+                b.add_(0.05)
+
+
+def test_rows_without_a_valid_frame_follow_the_original():
+    """A row with every frame masked: -inf fills give NaN weights in the original, finite ones
+    uniform weights; the converted module gives the same (through the plain path)."""
+    from tests.convert.layouts_traced import Pointer, Tempered, _Call, _Holder
+
+    dtype = torch.float64
+    for make, call in (
+        (lambda: _Holder(Pointer()), lambda b, t, pad: (torch.randn(b, t, 6, dtype=dtype),
+                                                        torch.randn(b, 5, dtype=dtype), pad)),
+        (lambda: _Call(Tempered()), lambda b, t, pad: (torch.randn(b, 5, dtype=dtype),
+                                                       torch.randn(b, t, 6, dtype=dtype), ~pad)),
+    ):  # fmt: skip
+        torch.manual_seed(0)
+        original = make().to(dtype)
+        model = copy.deepcopy(original)
+        report = fuse_attention_report(model)
+        pad = torch.zeros(3, 5, dtype=torch.bool)
+        model(*call(3, 5, pad))
+        assert report.count == 1, str(report)
+        pad[1] = True
+        args = call(3, 5, pad)
+        got, want = _run(model, args), _run(original, args)
+        _assert_close(got[0], want[0], dtype, "outputs")
+        _assert_close(got[1], want[1], dtype, "gradients")
+
+
+def test_report_names_the_energy_module_and_converts_its_caller():
+    from tests.convert.layouts_traced import AttentiveCell, _Holder
+
+    model = _Holder(AttentiveCell()).double()
+    report = fuse_attention_report(model)
+    assert set(report.watching) == {"(model)", "att", "att.energy"}
+    b, t = 2, 4
+    model(torch.randn(b, 5, dtype=torch.float64), torch.randn(b, 5, dtype=torch.float64),
+          torch.randn(b, t, 6, dtype=torch.float64), torch.ones(b, t, dtype=torch.bool))  # fmt: skip
+    assert [r.path for r in report.replaced] == ["att"]
+    assert [s.path for s in report.skipped] == ["att.energy"]
+    assert "caller" in report.skipped[0].reason
+    assert report.watching == []
+    assert "traced" in str(report)
+
+
+def test_traced_false_watches_nothing():
+    from tests.convert.layouts_traced import Pointer, _Holder
+
+    model = _Holder(Pointer())
+    report = fuse_attention_report(model, traced=False)
+    assert report.watching == []
+    model(torch.randn(2, 3, 6), torch.randn(2, 5), torch.zeros(2, 3, dtype=torch.bool))
+    assert report.count == 0 and not report.skipped
+    assert not model._forward_pre_hooks and not model.att._forward_pre_hooks
+
+
+def test_a_converted_module_deep_copies_and_pickles_converted(tmp_path):
+    from tests.convert.layouts_traced import Pointer, _Holder
+
+    dtype = torch.float64
+    torch.manual_seed(0)
+    original = _Holder(Pointer()).to(dtype)
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model)
+    args = (torch.randn(2, 4, 6, dtype=dtype), torch.randn(2, 5, dtype=dtype),
+            torch.tensor([[False] * 4, [False, False, True, True]]))  # fmt: skip
+    model(*args)
+    assert report.count == 1
+    torch.save(model, tmp_path / "model.pt")
+    for other in (copy.deepcopy(model), torch.load(tmp_path / "model.pt", weights_only=False)):
+        assert isinstance(other.att, FusedStandIn) and isinstance(other.att, Pointer)
+        calls = TracedWeights.calls
+        _assert_close(_run(other, args)[0], _run(original, args)[0], dtype, "outputs")
+        assert TracedWeights.calls > calls
+
+
+def test_location_terms_are_formed_inside_the_kernels(monkeypatch):
+    """A conv + dense location term goes to the location-aware steps (keys formed in the
+    kernel), and the steps of one memory still match the original."""
+    from seq2seq_fast.nn.convert import _traced_graph
+    from tests.convert.layouts_traced import LocationHolder, _location_call
+
+    calls = []
+    real = _traced_graph.attend_location
+    monkeypatch.setattr(
+        _traced_graph, "attend_location", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    dtype = torch.float64
+    torch.manual_seed(0)
+    original = LocationHolder().to(dtype)
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model)
+    model(*_location_call(2, 4, dtype))
+    assert [r.path for r in report.replaced] == ["attention"]
+    args = _location_call(3, 6, dtype)
+    got, want = _steps(model, args, 3), _steps(original, args, 3)
+    _assert_close(got[0], want[0], dtype, "outputs")
+    _assert_close(got[1], want[1], dtype, "gradients")
+    assert len(calls) >= 3
+
+
+class _Float32Only(torch.nn.Module):
+    """Additive attention that refuses any dtype but float32 (as some code checks its inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(5, 4), torch.nn.Linear(6, 4)
+        self.v = torch.nn.Linear(4, 1)
+
+    def forward(self, query, memory):
+        if memory.dtype != torch.float32:
+            raise TypeError("float32 only")
+        e = self.v(torch.tanh(self.q(query).unsqueeze(1) + self.k(memory))).squeeze(2)
+        return torch.softmax(e, -1)
+
+
+def test_a_probe_that_cannot_run_leaves_the_module_and_the_call_alone():
+    from tests.convert.layouts_traced import _Holder
+
+    model = _Holder(_Float32Only())
+    report = fuse_attention_report(model)
+    args = (torch.randn(2, 5), torch.randn(2, 3, 6))
+    want = model.att.__class__.forward(model.att, *args)
+    torch.testing.assert_close(model(*args), want)  # the first call: the original's result
+    assert report.count == 0 and "could not run" in report.skipped[0].reason
+    assert type(model.att) is _Float32Only
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_first_call_without_gradients_still_converts(mode):
+    from tests.convert.layouts_traced import Pointer, _Holder, _pointer_call
+
+    dtype = torch.float64
+    torch.manual_seed(0)
+    original = _Holder(Pointer()).to(dtype)
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model)
+    with getattr(torch, mode)():
+        model(*_pointer_call(2, 4, dtype))
+    assert report.count == 1, str(report)
+    args = _pointer_call(3, 5, dtype)
+    got, want = _run(model, args), _run(original, args)
+    _assert_close(got[0], want[0], dtype, "outputs")
+    _assert_close(got[1], want[1], dtype, "gradients")
