@@ -246,6 +246,29 @@ def test_gru_layer_bf16_within_twice_plain_pytorch_error():
     _assert_within_twice_plain(names, ours, truth, plain)
 
 
+def test_gru_layer_bf16_input_with_float32_weights():
+    """The autocast plan: bfloat16 x (so bfloat16 gx), float32 W_hh / b_hh used as they are in
+    the float32 per-step product; W_hh's and b_hh's gradients come back float32, and everything
+    stays within twice plain PyTorch bfloat16's error against float64."""
+    torch.manual_seed(3)
+    rnn = nn.GRU(24, 32, batch_first=True).double()
+    x, h0 = torch.randn(4, 9, 24, dtype=torch.float64), torch.randn(4, 32, dtype=torch.float64)
+    truth = _gru_outputs(rnn, x, h0, fused=False)
+    plain = _gru_outputs(rnn.to(BF16), x.to(BF16), h0.to(BF16), fused=False)
+    rnn_ih_bf16 = nn.GRU(24, 32, batch_first=True)
+    rnn_ih_bf16.load_state_dict(rnn.state_dict())
+    rnn_ih_bf16.weight_ih_l0.data = rnn_ih_bf16.weight_ih_l0.data.to(BF16)
+    rnn_ih_bf16.bias_ih_l0.data = rnn_ih_bf16.bias_ih_l0.data.to(BF16)
+    ours = _gru_outputs(rnn_ih_bf16, x.to(BF16), h0.to(BF16), fused=True)
+    dtypes = [t.dtype for t in ours]
+    assert dtypes == [BF16, BF16, BF16, BF16, torch.float32, BF16, torch.float32], dtypes
+    names = ("output", "grad x", "grad h0", "grad w_ih", "grad w_hh", "grad b_ih", "grad b_hh")
+    for name, out, want, base in zip(names, ours, truth, plain, strict=True):
+        scale = max(1.0, want.abs().max().item())
+        allowed = 2 * _max_error(base, want) + 2 * EPS * scale
+        assert _max_error(out, want) <= allowed, name
+
+
 @pytest.mark.parametrize("cell_type", ["gru", "lstm"])
 def test_cells_bf16_within_twice_plain_pytorch_error(cell_type):
     torch.manual_seed(1)
