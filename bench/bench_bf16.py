@@ -35,7 +35,10 @@ import torch
 from bench.harness import make_call, make_case, peak_extra_bytes
 from bench.shapes import CPU_SHAPES, TINY_SHAPES, TRAIN_SIZES, TrainSize
 from bench.timing import time_interleaved
-from seq2seq_fast.seq2seq.models import Memory, Seq2Seq, Seq2SeqConfig, sequence_loss
+from seq2seq_fast.ops.linear_cross_entropy import linear_cross_entropy
+from seq2seq_fast.seq2seq.data import PAD_ID
+from seq2seq_fast.seq2seq.models import Memory, Seq2Seq, Seq2SeqConfig
+from seq2seq_fast.seq2seq.precision import conversion_profile
 
 BF16 = torch.bfloat16
 PARTS = ("whole step", "encoder", "decoder", "output+loss", "optimizer")
@@ -82,10 +85,9 @@ def step_parts(size: TrainSize, decoder: str, autocast: bool) -> dict[str, Calla
     def cast():
         return torch.autocast("cpu", dtype=BF16, enabled=autocast)
 
-    def step() -> None:
+    def step() -> None:  # as seq2seq/train.py's train_step: output layer + loss fused
         with cast():
-            logits = model(src, lengths, tgt_in)[0]
-        loss = sequence_loss(logits.float(), tgt_out)
+            loss = model(src, lengths, tgt_in, tgt_out)[0]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -113,9 +115,12 @@ def step_parts(size: TrainSize, decoder: str, autocast: bool) -> dict[str, Calla
     features = features.detach().requires_grad_(True)
 
     def output_loss() -> None:
+        output = model.decoder.output
         with cast():
-            logits = model.decoder.output(features)
-        sequence_loss(logits.float(), tgt_out).backward()
+            loss = linear_cross_entropy(
+                features, output.weight, output.bias, tgt_out, ignore_index=PAD_ID
+            )
+        loss.backward()
 
     step()  # the optimizer's state exists from here on
     return {
@@ -155,34 +160,10 @@ def training_table(size: TrainSize, decoder: str, rounds: int) -> list[dict[str,
 
 
 def conversion_share(size: TrainSize, decoder: str) -> dict[str, float]:
-    """The dtype casts of one bf16 step: share of the step's CPU self time in aten::copy_ calls
-    whose source and destination dtypes differ, their count and the MiB they read and write; and
-    all aten::copy_ calls' share for comparison."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """The dtype casts of one bf16 training step (seq2seq_fast.seq2seq.precision's measure)."""
     step = step_parts(size, decoder, autocast=True)["whole step"]
     step()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        step()
-    total_us = cast_us = copy_us = 0.0
-    cast_bytes = casts = 0
-    sizes = {"float": 4, "c10::BFloat16": 2, "double": 8, "c10::Half": 2, "long int": 8}
-    for event in prof.events():
-        total_us += event.self_cpu_time_total
-        if event.name != "aten::copy_":
-            continue
-        copy_us += event.self_cpu_time_total
-        dtypes = list(getattr(event, "input_dtypes", []) or [])
-        if len(dtypes) >= 2 and dtypes[0] != dtypes[1] and event.input_shapes:
-            numel = 1
-            for n in event.input_shapes[0]:
-                numel *= n
-            casts += 1
-            cast_us += event.self_cpu_time_total
-            cast_bytes += numel * (sizes.get(dtypes[0], 4) + sizes.get(dtypes[1], 4))
-    total_us = max(total_us, 1e-9)
-    return {"cast share": cast_us / total_us, "casts": casts, "cast MiB": cast_bytes / 2**20,
-            "all copy_ share": copy_us / total_us, "step CPU ms": total_us / 1e3}  # fmt: skip
+    return conversion_profile(step)
 
 
 def op_table(op_size: str, rounds: int) -> list[dict[str, Any]]:
@@ -241,11 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     conv = conversion_share(size, args.decoder)
     print("\n## conversion (one bf16 step, torch.profiler)\n")
     print("| what | value |\n| --- | ---: |")
-    print(f"| dtype-changing aten::copy_ share of step CPU time | {conv['cast share']:.1%} |")
+    print(f"| dtype-changing aten::copy_ share of step CPU time | {conv['cast_share']:.1%} |")
     print(f"| dtype-changing aten::copy_ calls | {conv['casts']} |")
-    print(f"| MiB read + written by them | {conv['cast MiB']:.1f} |")
-    print(f"| all aten::copy_ share | {conv['all copy_ share']:.1%} |")
-    print(f"| step CPU self time ms | {conv['step CPU ms']:.1f} |")
+    print(f"| MiB read + written by them | {conv['cast_bytes'] / 2**20:.1f} |")
+    print(f"| all aten::copy_ share | {conv['copy_share']:.1%} |")
+    print(f"| step CPU self time ms | {conv['step_ms']:.1f} |")
     print(f"\n## op (fused additive attention, {args.op_size} shapes)\n")
     print("| shape | mode | fp32 ms | bf16 ms | bf16/fp32 | fp32 extra memory | "
           "bf16 extra memory |\n| --- | --- | ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
