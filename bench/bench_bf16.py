@@ -17,8 +17,9 @@ Prints four markdown tables:
                  forward+backward: median ms in fp32 and bf16, their ratio, and each one's extra
                  memory beyond inputs and outputs (bench/harness.py's measure)
 
-Times are wall clock of ``bench.timing.time_interleaved`` (fp32 and bf16 calls interleaved round by
-round), so a co-running job slows both alike. Nothing here decides anything: on a CPU without
+Times are medians of ``bench.timing.time_interleaved`` (fp32 and bf16 calls interleaved round by
+round, so a co-running job slows both alike), by wall clock or, with ``--clock cpu``, by this
+process's CPU time (with ``--threads 1``: robust to other jobs on the machine). Nothing here decides anything: on a CPU without
 native bf16 products ``--precision bf16`` trains in fp32 (with its message), and the table then
 shows what bf16 would cost there.
 """
@@ -142,7 +143,9 @@ def _without_output(model: Seq2Seq) -> torch.nn.Module:
     return decoder
 
 
-def training_table(size: TrainSize, decoder: str, rounds: int) -> list[dict[str, Any]]:
+def training_table(
+    size: TrainSize, decoder: str, rounds: int, clock: str = "wall"
+) -> list[dict[str, Any]]:
     calls = {}
     for precision, autocast in (("fp32", False), ("bf16", True)):
         for name, call in step_parts(size, decoder, autocast).items():
@@ -151,8 +154,8 @@ def training_table(size: TrainSize, decoder: str, rounds: int) -> list[dict[str,
     samples = time_interleaved(keyed, "cpu", rounds, warmup=1)
     rows = []
     for name in PARTS:
-        fp32 = samples[f"{name}|fp32"].wall_s
-        bf16 = samples[f"{name}|bf16"].wall_s
+        fp32 = getattr(samples[f"{name}|fp32"], f"{clock}_s")
+        bf16 = getattr(samples[f"{name}|bf16"], f"{clock}_s")
         ratio = statistics.median(b / f for b, f in zip(bf16, fp32, strict=True))
         rows.append({"part": name, "fp32_ms": statistics.median(fp32) * 1e3,
                      "bf16_ms": statistics.median(bf16) * 1e3, "ratio": ratio})  # fmt: skip
@@ -166,7 +169,7 @@ def conversion_share(size: TrainSize, decoder: str) -> dict[str, float]:
     return conversion_profile(step)
 
 
-def op_table(op_size: str, rounds: int) -> list[dict[str, Any]]:
+def op_table(op_size: str, rounds: int, clock: str = "wall") -> list[dict[str, Any]]:
     shapes = TINY_SHAPES if op_size == "tiny" else CPU_SHAPES
     if op_size == "quick":
         shapes = tuple(s for s in CPU_SHAPES if s.name in ("small-train", "decode-step/8"))
@@ -178,7 +181,8 @@ def op_table(op_size: str, rounds: int) -> list[dict[str, Any]]:
                 case = make_case(shape, "cpu", dtype, seed=0)
                 calls[str(dtype)] = make_call("fused", mode, case)
             samples = time_interleaved(calls, "cpu", rounds, min_sample_s=0.02, warmup=2)
-            fp32, bf16 = samples[str(torch.float32)].wall_s, samples[str(BF16)].wall_s
+            fp32 = getattr(samples[str(torch.float32)], f"{clock}_s")
+            bf16 = getattr(samples[str(BF16)], f"{clock}_s")
             rows.append({
                 "shape": shape.name, "mode": mode,
                 "fp32_ms": statistics.median(fp32) * 1e3, "bf16_ms": statistics.median(bf16) * 1e3,
@@ -205,18 +209,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--op-size", default="quick", choices=("tiny", "quick", "full"))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall clock, or this process's CPU time (with --threads 1 on a machine shared with "
+        "other jobs)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     size = TRAIN_SIZES[args.size]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), median of "
-          f"{args.rounds} interleaved rounds; ratio = bf16 time / fp32 time")  # fmt: skip
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.clock} clock, "
+          f"median of {args.rounds} interleaved rounds; ratio = bf16 time / fp32 time")  # fmt: skip
     print("\n## hardware\n\n| what | value |\n| --- | --- |")
     for key, value in hardware().items():
         print(f"| {key} | {value} |")
     print(f"\n## training ({size.label}, decoder {args.decoder})\n")
     print("| part | fp32 ms | bf16 ms | bf16/fp32 |\n| --- | ---: | ---: | ---: |")
-    for row in training_table(size, args.decoder, args.rounds):
+    for row in training_table(size, args.decoder, args.rounds, args.clock):
         print(f"| {row['part']} | {row['fp32_ms']:.2f} | {row['bf16_ms']:.2f} | "
               f"{row['ratio']:.2f} |", flush=True)  # fmt: skip
     conv = conversion_share(size, args.decoder)
@@ -230,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n## op (fused additive attention, {args.op_size} shapes)\n")
     print("| shape | mode | fp32 ms | bf16 ms | bf16/fp32 | fp32 extra memory | "
           "bf16 extra memory |\n| --- | --- | ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
-    for row in op_table(args.op_size, args.rounds):
+    for row in op_table(args.op_size, args.rounds, args.clock):
         print(f"| {row['shape']} | {row['mode']} | {row['fp32_ms']:.3f} | {row['bf16_ms']:.3f} | "
               f"{row['ratio']:.2f} | {_bytes(row['fp32_extra'])} | {_bytes(row['bf16_extra'])} |",
               flush=True)  # fmt: skip
