@@ -222,6 +222,22 @@ inline void dots_of(const KernelTable<float>& kt, const Bf16* a, int64_t na, con
   kt.dots_bf16(a, na, b, nb, D, out, ldo);
 }
 
+// Rows that the value-side products read once per block of four outputs (context = p values,
+// dps = dctx values^T, dvalues = p^T dctx): with several blocks (kWidenFrom or more query rows in
+// the item) bfloat16 rows are widened once into the item's float32 scratch, so that the products
+// do not widen each row once per block; with fewer (a decoding step streams each row once) they
+// are read where they are and widened in registers. T rows are used where they are.
+constexpr int64_t kWidenFrom = 4;
+template <typename T>
+const T* widened(const KernelTable<T>&, const T* rows, int64_t, T*) {
+  return rows;
+}
+inline const float* widened(const KernelTable<float>& kt, const Bf16* rows, int64_t n,
+                            float* scratch) {
+  kt.from_bf16(rows, n, scratch);
+  return scratch;
+}
+
 // dst[i] = src[i] (T rows into an output of type M: copied, or rounded to bfloat16).
 template <typename T>
 void store_rows(const KernelTable<T>&, const T* src, int64_t n, T* dst) {
@@ -429,13 +445,15 @@ struct ForwardPass {
   struct Scratch {
     T *qbuf, *kbuf;
     T *prows, *orows;  // bfloat16 outputs: the item's weights and context rows before rounding
+    T* vrows;          // bfloat16: the batch row's values widened (kWidenFrom queries or more)
   };
   Scratch make_scratch() const {
     Scratch s{thread_scratch<T>(Slot::kQueries, plan.block * Hp),
-              thread_scratch<T>(Slot::kKeys, n.Tk * Hp), nullptr, nullptr};
+              thread_scratch<T>(Slot::kKeys, n.Tk * Hp), nullptr, nullptr, nullptr};
     if constexpr (!kInPlace) {
       s.prows = thread_scratch<T>(Slot::kWeightRows, plan.block * n.Tk);
       s.orows = thread_scratch<T>(Slot::kOutRows, plan.block * n.Dv);
+      if (plan.block >= kWidenFrom) s.vrows = thread_scratch<T>(Slot::kValueRows, n.Tk * n.Dv);
     }
     return s;
   }
@@ -466,7 +484,13 @@ struct ForwardPass {
     // mask, every value is read: a masked key's zero weight times a non-finite value gives NaN, as
     // in the reference's weights @ values.
     const int64_t n_in = kv.row_mask(b) != nullptr ? n.Tk : nk;
-    weighted_rows_of(kt, rows, n.Tk, 1, nq, n_in, valp + b * n.Tk * n.Dv, n.Dv, ctx);
+    const M* vals = valp + b * n.Tk * n.Dv;
+    if (nq >= kWidenFrom) {
+      kt.weighted_rows(rows, n.Tk, 1, nq, n_in, widened(kt, vals, n_in * n.Dv, scratch.vrows),
+                       n.Dv, ctx);
+    } else {
+      weighted_rows_of(kt, rows, n.Tk, 1, nq, n_in, vals, n.Dv, ctx);
+    }
     if constexpr (!kInPlace) {
       store_rows(kt, rows, nq * n.Tk, w_out);
       store_rows(kt, ctx, nq * n.Dv, ctx_out);
@@ -565,6 +589,7 @@ struct BackwardPass {
   struct Scratch {
     T *qbuf, *kbuf, *de, *gq, *gk, *dps;
     T *prows, *orows;  // bfloat16: the item's weights as T; its dvalues / dquery rows
+    T *vrows, *grows;  // bfloat16: values and dctx rows widened (kWidenFrom queries or more)
   };
   Scratch make_scratch() const {
     Scratch s{thread_scratch<T>(Slot::kQueries, plan.block * Hp),
@@ -574,8 +599,14 @@ struct BackwardPass {
               thread_scratch<T>(Slot::kKeyGrads, n.Tk * Hp),
               thread_scratch<T>(Slot::kValueGrads, plan.block * n.Tk),
               nullptr,
+              nullptr,
+              nullptr,
               nullptr};
     if constexpr (!kInPlace) {
+      if (plan.block >= kWidenFrom) {
+        s.vrows = thread_scratch<T>(Slot::kValueRows, n.Tk * n.Dv);
+        s.grows = thread_scratch<T>(Slot::kGradRows, plan.block * n.Dv);
+      }
       s.prows = thread_scratch<T>(Slot::kWeightRows, plan.block * n.Tk);
       s.orows = thread_scratch<T>(Slot::kOutRows,
                                   std::max(plan.block * n.H, (split ? 0 : n.Tk) * n.Dv));
@@ -592,8 +623,16 @@ struct BackwardPass {
   }
 
   // dps[t, s] = dctx[t] . values[s] + grad_weights[t, s] for the item's rows, s < nk.
-  void weight_grads(int64_t b, int64_t t0, int64_t nq, int64_t nk, T* dps) const {
-    dots_of(kt, dctxp + (b * n.Tq + t0) * n.Dv, nq, valp + b * n.Tk * n.Dv, nk, n.Dv, dps, n.Tk);
+  // bfloat16 with kWidenFrom queries or more: the dctx rows are left widened in s.grows.
+  void weight_grads(int64_t b, int64_t t0, int64_t nq, int64_t nk, T* dps, Scratch& s) const {
+    const M* dctx = dctxp + (b * n.Tq + t0) * n.Dv;
+    const M* vals = valp + b * n.Tk * n.Dv;
+    if (nq >= kWidenFrom) {
+      kt.dots(widened(kt, dctx, nq * n.Dv, s.grows), nq, widened(kt, vals, nk * n.Dv, s.vrows),
+              nk, n.Dv, dps, n.Tk);
+    } else {
+      dots_of(kt, dctx, nq, vals, nk, n.Dv, dps, n.Tk);
+    }
     if (gwp == nullptr) return;
     const M* g = gwp + (b * n.Tq + t0) * n.Tk;
     for (int64_t t = 0; t < nq; ++t) {
@@ -712,7 +751,7 @@ struct BackwardPass {
     } else if constexpr (!kInPlace) {
       kt.from_bf16(p_out, nq * n.Tk, p_rows);
     }
-    weight_grads(b, t0, nq, nk, s.dps);
+    weight_grads(b, t0, nq, nk, s.dps, s);
     const double sum_de = score_grads(p_rows, s.dps, nq, nk, valid, s.de);
     // Product path: sech^2 = 4u and tanh = 1 - 2r; rational: sech^2 = u, tanh = y.
     const T* scale = prod ? sv.grad_product.data() : sv.rational.data();
@@ -723,7 +762,17 @@ struct BackwardPass {
       M* dval_out = dvalp + b * n.Tk * n.Dv;
       T* dval_rows = s.orows;
       if constexpr (kInPlace) dval_rows = dval_out;
-      weighted_rows_of(kt, p_rows, 1, n.Tk, nk, nq, dctxp + b * n.Tq * n.Dv, n.Dv, dval_rows);
+      // (an item that forms dvalues holds its whole batch row: t0 = 0, the rows weight_grads read)
+      const M* dctx = dctxp + b * n.Tq * n.Dv;
+      if constexpr (!kInPlace) {
+        if (nq >= kWidenFrom) {
+          kt.weighted_rows(p_rows, 1, n.Tk, nk, nq, s.grows, n.Dv, dval_rows);
+        } else {
+          weighted_rows_of(kt, p_rows, 1, n.Tk, nk, nq, dctx, n.Dv, dval_rows);
+        }
+      } else {
+        weighted_rows_of(kt, p_rows, 1, n.Tk, nk, nq, dctx, n.Dv, dval_rows);
+      }
       if constexpr (!kInPlace) store_rows(kt, dval_rows, nk * n.Dv, dval_out);
     }
     query_and_bias_grads(item, s.gq, nq, scale, dq_rows, s);

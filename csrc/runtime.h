@@ -51,6 +51,8 @@ enum class Slot : int {
   kFormedKeys,    // a location-aware step's keys of one batch row [Tk, H]
   kWeightRows,    // bfloat16 ops: an item's weights rows in float32 [block, Tk]
   kOutRows,       // bfloat16 ops: an item's output rows in float32 before rounding
+  kValueRows,     // bfloat16 ops: a batch row's values widened to float32 [Tk, Dv]
+  kGradRows,      // bfloat16 ops: an item's context gradient rows widened [block, Dv]
   kCount
 };
 
