@@ -1100,8 +1100,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> location_attention_bwd(
                                      weight.data_ptr<scalar_t>(), wtp.data(), dconv.data_ptr<scalar_t>(),
                                      dw_parts.data()};
     auto [dq, dk, dvalues, dv, dbias] =
-        backward_impl<scalar_t, scalar_t, scalar_t>(grad_context_in, grad_weights, query, projected, values, v, bias,
-                                kv, n, weights, grad_projected, false, &loc);
+        backward_impl<scalar_t, scalar_t, scalar_t>(grad_context_in, grad_weights, query,
+                                                    projected, values, v, bias, kv, n, weights,
+                                                    grad_projected, false, &loc);
     std::vector<double> sum(static_cast<size_t>(C * Hp), 0.0);  // item order: reproducible
     for (int64_t item = 0; item < plan.items; ++item) {
       const scalar_t* part = dw_parts.data() + item * C * Hp;

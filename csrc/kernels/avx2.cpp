@@ -36,7 +36,8 @@ struct S {
   static inline void store(Bf16* p, V x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i bias = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
