@@ -74,7 +74,8 @@ def _bwd_fake(
 
 # --- backends --------------------------------------------------------------------------------------
 
-# bfloat16 on CPU: stored as such, computed in float32 inside the kernel (csrc/additive_attention.cpp).
+# bfloat16 on CPU: read and written as bfloat16 by the kernel itself, float32 arithmetic in registers
+# (csrc/additive_attention.cpp; no whole-tensor float32 copy).
 _CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 _CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
