@@ -33,14 +33,16 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
-#include "additive_attention.h"
 #include "bf16.h"
 #include "runtime.h"
 
 namespace seq2seq_fast {
 namespace {
+
+using at::Tensor;
 
 template <typename T>
 struct ProductRange;  // the product path's limits (csrc/kernels/kernels.h)
@@ -60,7 +62,9 @@ constexpr int64_t kMinQueriesForProduct = 2;
 
 // ---- checks ----------------------------------------------------------------------------------
 
-}  // namespace
+struct Sizes {
+  int64_t B, Tq, Tk, H, Dv;
+};
 
 Sizes check_inputs(const char* op, const Tensor& query, const Tensor& keys, const Tensor& values,
                    const Tensor& v, const Tensor& bias, const std::optional<Tensor>& lengths,
@@ -101,6 +105,17 @@ Sizes check_inputs(const char* op, const Tensor& query, const Tensor& keys, cons
   return n;
 }
 
+// Valid keys of each batch row: a prefix length (the kernels only visit s < len) and, for a
+// mask, the bool row (all Tk keys are scored, masked ones dropped in the softmax).
+struct KeyValidity {
+  Tensor lengths, mask;  // contiguous copies kept alive
+  const int64_t* len = nullptr;
+  const bool* mask_ptr = nullptr;
+  int64_t Tk = 0;
+  int64_t count(int64_t b) const { return len ? len[b] : Tk; }
+  const bool* row_mask(int64_t b) const { return mask_ptr ? mask_ptr + b * Tk : nullptr; }
+};
+
 KeyValidity key_validity(const char* op, const std::optional<Tensor>& lengths,
                          const std::optional<Tensor>& mask, int64_t Tk) {
   KeyValidity kv;
@@ -120,7 +135,135 @@ KeyValidity key_validity(const char* op, const std::optional<Tensor>& lengths,
   return kv;
 }
 
-namespace {
+// ---- storage and arithmetic types ------------------------------------------------------------
+//
+// M is the tensors' element type (float, double, or bfloat16 read as Bf16, kernels.h); T the
+// arithmetic's (float for bfloat16). With M = T every call below is the plain kernel and the
+// outputs are written in place. With M = Bf16 the kernels read the bfloat16 rows themselves
+// (converted in registers) and each item's outputs are formed as T rows in per-thread scratch,
+// then rounded into the bfloat16 outputs: no whole-tensor float32 copy is ever made.
+
+template <typename M>
+const M* in_ptr(const Tensor& t) {
+  if constexpr (std::is_same_v<M, Bf16>) {
+    return reinterpret_cast<const Bf16*>(t.data_ptr<at::BFloat16>());
+  } else {
+    return t.data_ptr<M>();
+  }
+}
+
+template <typename M>
+M* out_ptr(const Tensor& t) {
+  return const_cast<M*>(in_ptr<M>(t));
+}
+
+inline float to_compute(Bf16 x) { return bf16_to_float(x); }
+template <typename T>
+T to_compute(T x) {
+  return x;
+}
+
+template <typename M, typename T>
+M to_storage(T x) {
+  if constexpr (std::is_same_v<M, Bf16>) {
+    return float_to_bf16(float(x));
+  } else {
+    return M(x);
+  }
+}
+
+// The kernel entries by the type of the rows they read (T: the plain one; Bf16: its twin).
+template <typename T>
+T pack_rows_of(const KernelTable<T>& kt, const T* src, int64_t rows, int64_t H, const T* add,
+               T* dst, int64_t Hp) {
+  return kt.pack_rows(src, rows, H, add, dst, Hp);
+}
+inline float pack_rows_of(const KernelTable<float>& kt, const Bf16* src, int64_t rows, int64_t H,
+                          const float* add, float* dst, int64_t Hp) {
+  return kt.pack_rows_bf16(src, rows, H, add, dst, Hp);
+}
+template <typename T>
+void scores_of(const KernelTable<T>& kt, int path, const T* A, int64_t nq, const T* Bk, int64_t nk,
+               int64_t Hp, const T* veff, T offset, T* out, int64_t ldo) {
+  kt.scores(path, A, nq, Bk, nk, Hp, veff, offset, out, ldo);
+}
+inline void scores_of(const KernelTable<float>& kt, int path, const float* A, int64_t nq,
+                      const Bf16* Bk, int64_t nk, int64_t Hp, const float* veff, float offset,
+                      float* out, int64_t ldo) {
+  kt.scores_bf16(path, A, nq, Bk, nk, Hp, veff, offset, out, ldo);
+}
+template <typename T>
+void fused_grads_of(const KernelTable<T>& kt, int path, const T* A, int64_t nq, const T* Bk,
+                    int64_t nk, int64_t Hp, const T* de, int64_t ldd, T* gq, T* gk, T* gv,
+                    const T* kscale) {
+  kt.fused_grads(path, A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
+}
+inline void fused_grads_of(const KernelTable<float>& kt, int path, const float* A, int64_t nq,
+                           const Bf16* Bk, int64_t nk, int64_t Hp, const float* de, int64_t ldd,
+                           float* gq, float* gk, float* gv, const float* kscale) {
+  kt.fused_grads_bf16(path, A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
+}
+template <typename T>
+void weighted_rows_of(const KernelTable<T>& kt, const T* w, int64_t so, int64_t si, int64_t n_out,
+                      int64_t n_in, const T* x, int64_t D, T* out) {
+  kt.weighted_rows(w, so, si, n_out, n_in, x, D, out);
+}
+inline void weighted_rows_of(const KernelTable<float>& kt, const float* w, int64_t so, int64_t si,
+                             int64_t n_out, int64_t n_in, const Bf16* x, int64_t D, float* out) {
+  kt.weighted_rows_bf16(w, so, si, n_out, n_in, x, D, out);
+}
+template <typename T>
+void dots_of(const KernelTable<T>& kt, const T* a, int64_t na, const T* b, int64_t nb, int64_t D,
+             T* out, int64_t ldo) {
+  kt.dots(a, na, b, nb, D, out, ldo);
+}
+inline void dots_of(const KernelTable<float>& kt, const Bf16* a, int64_t na, const Bf16* b,
+                    int64_t nb, int64_t D, float* out, int64_t ldo) {
+  kt.dots_bf16(a, na, b, nb, D, out, ldo);
+}
+
+// Rows that the value-side products read once per block of four outputs (context = p values,
+// dps = dctx values^T, dvalues = p^T dctx): with several blocks (kWidenFrom or more query rows in
+// the item) bfloat16 rows are widened once into the item's float32 scratch, so that the products
+// do not widen each row once per block; with fewer (a decoding step streams each row once) they
+// are read where they are and widened in registers. T rows are used where they are.
+constexpr int64_t kWidenFrom = 4;
+template <typename T>
+const T* widened(const KernelTable<T>&, const T* rows, int64_t, T*) {
+  return rows;
+}
+inline const float* widened(const KernelTable<float>& kt, const Bf16* rows, int64_t n,
+                            float* scratch) {
+  kt.from_bf16(rows, n, scratch);
+  return scratch;
+}
+
+// dst[i] = src[i] (T rows into an output of type M: copied, or rounded to bfloat16).
+template <typename T>
+void store_rows(const KernelTable<T>&, const T* src, int64_t n, T* dst) {
+  std::copy(src, src + n, dst);
+}
+inline void store_rows(const KernelTable<float>& kt, const float* src, int64_t n, Bf16* dst) {
+  kt.to_bf16(src, n, dst);
+}
+
+// dst[i] += src[i] (a bfloat16 dst is rounded once per call).
+template <typename T>
+void add_rows(const T* src, int64_t n, T* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+inline void add_rows(const float* src, int64_t n, Bf16* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(bf16_to_float(dst[i]) + src[i]);
+}
+
+// A [H] vector (bias) in the arithmetic's type.
+template <typename T, typename M>
+std::vector<T> compute_vector(const Tensor& t) {
+  const M* p = in_ptr<M>(t);
+  std::vector<T> out(static_cast<size_t>(t.numel()));
+  for (size_t i = 0; i < out.size(); ++i) out[i] = T(to_compute(p[i]));
+  return out;
+}
 
 // ---- per-item pieces -------------------------------------------------------------------------
 
@@ -133,50 +276,67 @@ struct ScoreVectors {
   T sum_v = 0;              // sum v (tanh = 1 - 2r)
 };
 
-template <typename T>
+template <typename T, typename M>
 ScoreVectors<T> score_vectors(const Tensor& v, int64_t H, int64_t Hp) {
   ScoreVectors<T> sv;
   sv.rational.assign(Hp, T(0));
   sv.product.assign(Hp, T(0));
   sv.grad_product.assign(Hp, T(0));
-  const T* vp = v.data_ptr<T>();
+  const M* vp = in_ptr<M>(v);
   double sum = 0;
   for (int64_t h = 0; h < H; ++h) {
-    sv.rational[h] = vp[h];
-    sv.product[h] = T(-2) * vp[h];
-    sv.grad_product[h] = T(4) * vp[h];
-    sum += vp[h];
+    const T vh = T(to_compute(vp[h]));
+    sv.rational[h] = vh;
+    sv.product[h] = T(-2) * vh;
+    sv.grad_product[h] = T(4) * vh;
+    sum += vh;
   }
   sv.sum_v = T(sum);
   return sv;
 }
 
-// Packs an item's query rows (+ bias) and its batch row's keys; picks the tanh path. The keys
-// the score kernels should read are returned in `keys_out`: the packed copy, or, on the rational
-// path with H already a multiple of kPadTo, the input rows themselves (a decoding step streams
-// B * Tk * H keys from memory once: copying them first would read and write them twice).
-template <typename T>
-int pack_item(const KernelTable<T>& kt, const T* q_rows, int64_t nq, const T* k_rows, int64_t nk,
-              const T* bias, int64_t H, int64_t Hp, T* qbuf, T* kbuf, const T** keys_out) {
-  const T q_max = kt.pack_rows(q_rows, nq, H, bias, qbuf, Hp);
-  *keys_out = kbuf;
+// The keys an item's kernels read: packed rows (T, Hp long), or the input rows themselves (M,
+// H = Hp long; a decoding step on the rational path: it streams B * Tk * H keys from memory once,
+// and copying them first would read and write them twice).
+template <typename T, typename M>
+struct ItemKeys {
+  int path;
+  const T* packed;
+  const M* raw;
+};
+
+// Packs an item's query rows (+ bias) and its batch row's keys; picks the tanh path.
+template <typename T, typename M>
+ItemKeys<T, M> pack_item(const KernelTable<T>& kt, const M* q_rows, int64_t nq, const M* k_rows,
+                         int64_t nk, const T* bias, int64_t H, int64_t Hp, T* qbuf, T* kbuf) {
+  const T q_max = pack_rows_of(kt, q_rows, nq, H, bias, qbuf, Hp);
   if (nq < kMinQueriesForProduct) {
-    if (H == Hp) {
-      *keys_out = k_rows;
-    } else {
-      kt.pack_rows(k_rows, nk, H, nullptr, kbuf, Hp);
-    }
-    return kRational;
+    if (H == Hp) return {kRational, nullptr, k_rows};
+    pack_rows_of(kt, k_rows, nk, H, static_cast<const T*>(nullptr), kbuf, Hp);
+    return {kRational, kbuf, nullptr};
   }
-  const T k_max = kt.pack_rows(k_rows, nk, H, nullptr, kbuf, Hp);
+  const T k_max = pack_rows_of(kt, k_rows, nk, H, static_cast<const T*>(nullptr), kbuf, Hp);
   if (q_max <= ProductRange<T>::limit && k_max <= ProductRange<T>::limit) {
     kt.exp_inplace(qbuf, nq * Hp, T(2));
     kt.exp_inplace(kbuf, nk * Hp, T(2));
-    return q_max + k_max <= ProductRange<T>::safe_sum ? kProduct : kProductCapped;
+    return {q_max + k_max <= ProductRange<T>::safe_sum ? kProduct : kProductCapped, kbuf, nullptr};
   }
-  return kRational;
+  return {kRational, kbuf, nullptr};
 }
 
+// The scores of an item's packed queries against its keys (out [nq, ldo]).
+template <typename T, typename M>
+void item_scores(const KernelTable<T>& kt, const ItemKeys<T, M>& keys, const ScoreVectors<T>& sv,
+                 const T* qbuf, int64_t nq, int64_t nk, int64_t Hp, T* out, int64_t ldo) {
+  const bool prod = keys.path != kRational;
+  const T* veff = prod ? sv.product.data() : sv.rational.data();
+  const T offset = prod ? sv.sum_v : T(0);
+  if (keys.raw != nullptr) {
+    scores_of(kt, keys.path, qbuf, nq, keys.raw, nk, Hp, veff, offset, out, ldo);
+  } else {
+    kt.scores(keys.path, qbuf, nq, keys.packed, nk, Hp, veff, offset, out, ldo);
+  }
+}
 // In place: scores -> softmax weights over the valid keys of each of nq rows (row stride Tk;
 // keys s >= nk were not scored). Writes lse (max + log sum exp; +inf for a row with no valid
 // key, whose weights are all 0). NaN scores make their row NaN.
@@ -223,43 +383,79 @@ void softmax_rows(const KernelTable<T>& kt, T* rows, int64_t nq, int64_t Tk, int
 
 // ---- location term ---------------------------------------------------------------------------
 
+// A location-aware step (ESPnet AttLoc, Tacotron 2, ...; caller: seq2seq_fast/nn/convert/
+// _location.py): its keys are projected + conv W^T, with conv [B*Tk, C] the location convolution
+// of the previous weights and W [H, C] the location dense layer's weight. Each item forms its batch
+// row's keys in per-thread scratch (cache-resident) instead of reading a [B, Tk, H] keys tensor
+// that an addmm wrote; the backward forms them again and multiplies its keys gradient out to
+// conv's gradient (rows) and W's (per-item partials, summed in item order).
+template <typename T>
+struct LocationTerm {
+  const T* conv;  // [B*Tk, C]
+  const T* wt;    // W^T [C, H]
+  int64_t C;
+  const T* w;    // backward: W [H, C]
+  const T* wtp;  // backward: W^T with rows padded to Hp [C, Hp]
+  T* dconv;      // backward: [B*Tk, C], written in full
+  T* dw_parts;   // backward: W^T's gradient per item [items, C, Hp]
+};
+
 // The keys rows s < nk that an item of batch row b reads (rows H long): the keys tensor's, or for
 // a location-aware step (loc given, `keys` then the projected memory) projected[s] + conv[s] W^T
 // formed in per-thread scratch.
-template <typename T>
-const T* item_keys(const KernelTable<T>& kt, const LocationTerm<T>* loc, const T* keys,
+// The keys rows s < nk that an item of batch row b reads (rows H long): the keys tensor's, or for
+// a location-aware step (loc given, `keys` then the projected memory; float32/64 only)
+// projected[s] + conv[s] W^T formed in per-thread scratch.
+template <typename T, typename M>
+const M* item_keys(const KernelTable<T>& kt, const LocationTerm<T>* loc, const M* keys,
                    const Sizes& n, int64_t b, int64_t nk) {
-  const T* rows = keys + b * n.Tk * n.H;
-  if (loc == nullptr) return rows;
-  T* out = thread_scratch<T>(Slot::kFormedKeys, n.Tk * n.H);
-  kt.weighted_rows(loc->conv + b * n.Tk * loc->C, loc->C, 1, nk, loc->C, loc->wt, n.H, out);
-  for (int64_t e = 0; e < nk * n.H; ++e) out[e] += rows[e];
-  return out;
+  const M* rows = keys + b * n.Tk * n.H;
+  if constexpr (std::is_same_v<T, M>) {
+    if (loc == nullptr) return rows;
+    T* out = thread_scratch<T>(Slot::kFormedKeys, n.Tk * n.H);
+    kt.weighted_rows(loc->conv + b * n.Tk * loc->C, loc->C, 1, nk, loc->C, loc->wt, n.H, out);
+    for (int64_t e = 0; e < nk * n.H; ++e) out[e] += rows[e];
+    return out;
+  } else {
+    TORCH_CHECK(loc == nullptr, "seq2seq_fast: internal: a bfloat16 location-aware step");
+    return rows;
+  }
 }
 
 // ---- forward ---------------------------------------------------------------------------------
 
 // One item of the forward: scores of queries [t0, t0 + nq) of batch row b against its valid keys,
 // their softmax into the weights and lse, and the context rows.
-template <typename T>
+template <typename T, typename M>
 struct ForwardPass {
+  static constexpr bool kInPlace = std::is_same_v<T, M>;  // outputs formed where they belong
   const KernelTable<T>& kt;
   const Sizes& n;
   const KeyValidity& kv;
   Plan plan;
   int64_t Hp;
   ScoreVectors<T> sv;
-  const T *qp, *kp, *bp, *valp;
-  T *wp, *ctxp;
+  const M *qp, *kp;
+  const T* bp;
+  const M* valp;
+  M *wp, *ctxp;
   float* lp;
   const LocationTerm<T>* loc = nullptr;  // a location-aware step: keys formed per item
 
   struct Scratch {
     T *qbuf, *kbuf;
+    T *prows, *orows;  // bfloat16 outputs: the item's weights and context rows before rounding
+    T* vrows;          // bfloat16: the batch row's values widened (kWidenFrom queries or more)
   };
   Scratch make_scratch() const {
-    return {thread_scratch<T>(Slot::kQueries, plan.block * Hp),
-            thread_scratch<T>(Slot::kKeys, n.Tk * Hp)};
+    Scratch s{thread_scratch<T>(Slot::kQueries, plan.block * Hp),
+              thread_scratch<T>(Slot::kKeys, n.Tk * Hp), nullptr, nullptr, nullptr};
+    if constexpr (!kInPlace) {
+      s.prows = thread_scratch<T>(Slot::kWeightRows, plan.block * n.Tk);
+      s.orows = thread_scratch<T>(Slot::kOutRows, plan.block * n.Dv);
+      if (plan.block >= kWidenFrom) s.vrows = thread_scratch<T>(Slot::kValueRows, n.Tk * n.Dv);
+    }
+    return s;
   }
 
   void run_item(int64_t item, Scratch& scratch) const {
@@ -267,16 +463,19 @@ struct ForwardPass {
     const int64_t t0 = (item % plan.blocks_per_row) * plan.block;
     const int64_t nq = std::min(plan.block, n.Tq - t0);
     const int64_t nk = kv.count(b);
-    T* rows = wp + (b * n.Tq + t0) * n.Tk;
+    M* w_out = wp + (b * n.Tq + t0) * n.Tk;
+    M* ctx_out = ctxp + (b * n.Tq + t0) * n.Dv;
+    T* rows = scratch.prows;
+    T* ctx = scratch.orows;
+    if constexpr (kInPlace) {
+      rows = w_out;
+      ctx = ctx_out;
+    }
     if (nk > 0) {
-      const T* k_rows = item_keys<T>(kt, loc, kp, n, b, nk);
-      const T* kbuf = nullptr;
-      const int path = pack_item<T>(kt, qp + (b * n.Tq + t0) * n.H, nq, k_rows, nk, bp, n.H, Hp,
-                                    scratch.qbuf, scratch.kbuf, &kbuf);
-      const bool prod = path != kRational;
-      kt.scores(path, scratch.qbuf, nq, kbuf, nk, Hp,
-                prod ? sv.product.data() : sv.rational.data(), prod ? sv.sum_v : T(0), rows,
-                n.Tk);
+      const M* k_rows = item_keys<T, M>(kt, loc, kp, n, b, nk);
+      const ItemKeys<T, M> keys = pack_item<T, M>(kt, qp + (b * n.Tq + t0) * n.H, nq, k_rows, nk,
+                                                  bp, n.H, Hp, scratch.qbuf, scratch.kbuf);
+      item_scores(kt, keys, sv, scratch.qbuf, nq, nk, Hp, rows, n.Tk);
     }
     softmax_rows<T>(kt, rows, nq, n.Tk, nk, kv.row_mask(b), lp + b * n.Tq + t0);
     // With lengths, only the valid prefix of the values is read (as the Triton kernel does): a
@@ -285,19 +484,26 @@ struct ForwardPass {
     // mask, every value is read: a masked key's zero weight times a non-finite value gives NaN, as
     // in the reference's weights @ values.
     const int64_t n_in = kv.row_mask(b) != nullptr ? n.Tk : nk;
-    kt.weighted_rows(rows, n.Tk, 1, nq, n_in, valp + b * n.Tk * n.Dv, n.Dv,
-                     ctxp + (b * n.Tq + t0) * n.Dv);
+    const M* vals = valp + b * n.Tk * n.Dv;
+    if (nq >= kWidenFrom) {
+      kt.weighted_rows(rows, n.Tk, 1, nq, n_in, widened(kt, vals, n_in * n.Dv, scratch.vrows),
+                       n.Dv, ctx);
+    } else {
+      weighted_rows_of(kt, rows, n.Tk, 1, nq, n_in, vals, n.Dv, ctx);
+    }
+    if constexpr (!kInPlace) {
+      store_rows(kt, rows, nq * n.Tk, w_out);
+      store_rows(kt, ctx, nq * n.Dv, ctx_out);
+    }
   }
 };
 
-}  // namespace
-
-template <typename T>
+template <typename T, typename M>
 std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Tensor& keys_in,
                                                 const Tensor& values_in, const Tensor& v_in,
                                                 const Tensor& bias_in, const KeyValidity& kv,
                                                 const Sizes& n, bool return_weights,
-                                                const LocationTerm<T>* loc) {
+                                                const LocationTerm<T>* loc = nullptr) {
   const Tensor query = query_in.contiguous(), keys = keys_in.contiguous();
   const Tensor values = values_in.contiguous();
   const Tensor v = v_in.contiguous(), bias = bias_in.contiguous();
@@ -306,28 +512,27 @@ std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Te
   Tensor weights = at::empty({n.B, n.Tq, n.Tk}, opts);
   Tensor lse = at::empty({n.B, n.Tq}, opts.dtype(at::kFloat));
   Tensor context = at::empty({n.B, n.Tq, n.Dv}, opts);
-  const ForwardPass<T> pass{runtime_kernels<T>(),
-                            n,
-                            kv,
-                            make_plan(n.B, n.Tq, n.Tk, n.H),
-                            Hp,
-                            score_vectors<T>(v, n.H, Hp),
-                            query.data_ptr<T>(),
-                            keys.data_ptr<T>(),
-                            bias.data_ptr<T>(),
-                            values.data_ptr<T>(),
-                            weights.data_ptr<T>(),
-                            context.data_ptr<T>(),
-                            lse.data_ptr<float>(),
-                            loc};
-  using Scratch = typename ForwardPass<T>::Scratch;
+  const std::vector<T> bias_c = compute_vector<T, M>(bias);
+  const ForwardPass<T, M> pass{runtime_kernels<T>(),
+                               n,
+                               kv,
+                               make_plan(n.B, n.Tq, n.Tk, n.H),
+                               Hp,
+                               score_vectors<T, M>(v, n.H, Hp),
+                               in_ptr<M>(query),
+                               in_ptr<M>(keys),
+                               bias_c.data(),
+                               in_ptr<M>(values),
+                               out_ptr<M>(weights),
+                               out_ptr<M>(context),
+                               lse.data_ptr<float>(),
+                               loc};
+  using Scratch = typename ForwardPass<T, M>::Scratch;
   for_each_item(
       pass.plan, [&] { return pass.make_scratch(); },
       [&](int64_t item, Scratch& scratch) { pass.run_item(item, scratch); });
   return {context, return_weights ? weights : at::empty({0}, opts), lse};
 }
-
-namespace {
 
 std::tuple<Tensor, Tensor, Tensor> additive_attention_fwd(
     const Tensor& query, const Tensor& keys, const Tensor& values, const Tensor& v,
@@ -343,24 +548,24 @@ std::tuple<Tensor, Tensor, Tensor> additive_attention_fwd(
             return_weights ? at::zeros({n.B, n.Tq, n.Tk}, opts) : at::empty({0}, opts),
             at::empty({n.B, n.Tq}, opts.dtype(at::kFloat))};
   }
-  if (is_bf16(query)) {  // float32 inside (bf16.h)
-    auto [context, weights, lse] = forward_impl<float>(as_float(query), as_float(keys),
-                                                       as_float(values), as_float(v),
-                                                       as_float(bias), kv, n, return_weights);
-    return {to_bf16(context), to_bf16(weights), lse};
+  if (is_bf16(query)) {  // bfloat16 rows, float32 arithmetic
+    return forward_impl<float, Bf16>(query, keys, values, v, bias, kv, n, return_weights);
   }
   if (query.scalar_type() == at::kDouble) {
-    return forward_impl<double>(query, keys, values, v, bias, kv, n, return_weights);
+    return forward_impl<double, double>(query, keys, values, v, bias, kv, n, return_weights);
   }
-  return forward_impl<float>(query, keys, values, v, bias, kv, n, return_weights);
+  return forward_impl<float, float>(query, keys, values, v, bias, kv, n, return_weights);
 }
 
 // ---- backward --------------------------------------------------------------------------------
 
 // The backward's outputs and per-item partial buffers, and its one item (run_item, in named
-// parts). Without saved weights (have_p false) `pp` points at a fresh buffer the items fill.
-template <typename T>
+// parts). Without saved weights (have_p false) each item computes its rows of p (into `pp` when
+// M = T, which then points at a fresh buffer). DK: the type of the rows dkeys go to (M, or T for
+// a float32 grad_keys of bfloat16 keys and for the split rows' partials).
+template <typename T, typename M, typename DK>
 struct BackwardPass {
+  static constexpr bool kInPlace = std::is_same_v<T, M>;
   const KernelTable<T>& kt;
   const Sizes& n;
   const KeyValidity& kv;
@@ -370,38 +575,68 @@ struct BackwardPass {
   bool have_p;  // pp holds the forward's weights (else each item recomputes its rows)
   bool acc;     // dkeys are added to dkp (grad_keys given), rows s >= length left as they are
   bool split;   // batch rows span several items: dkp holds one partial per item
-  const T *qp, *kp, *bp, *valp, *dctxp, *gwp;
-  T *pp, *dqp, *dkp, *dvalp;  // dvalp: nullptr when dvalues are not formed by the items
+  const M *qp, *kp;
+  const T* bp;
+  const M *valp, *dctxp, *gwp;
+  M* pp;  // the weights: saved, or (M = T) filled by the items; bfloat16: rounded rows written
+          // only when the caller needs them (nullptr otherwise)
+  M* dqp;
+  DK* dkp;
+  M* dvalp;                   // nullptr when dvalues are not formed by the items
   T *dvp, *dbp;               // per item: dv partial [Hp], dbias partial [H]
   const LocationTerm<T>* loc = nullptr;  // a location-aware step (needs acc, one item per row)
 
   struct Scratch {
     T *qbuf, *kbuf, *de, *gq, *gk, *dps;
+    T *prows, *orows;  // bfloat16: the item's weights as T; its dvalues / dquery rows
+    T *vrows, *grows;  // bfloat16: values and dctx rows widened (kWidenFrom queries or more)
   };
   Scratch make_scratch() const {
-    return {thread_scratch<T>(Slot::kQueries, plan.block * Hp),
-            thread_scratch<T>(Slot::kKeys, n.Tk * Hp),
-            thread_scratch<T>(Slot::kScoreGrads, plan.block * n.Tk),
-            thread_scratch<T>(Slot::kQueryGrads, plan.block * Hp),
-            thread_scratch<T>(Slot::kKeyGrads, n.Tk * Hp),
-            thread_scratch<T>(Slot::kValueGrads, plan.block * n.Tk)};
+    Scratch s{thread_scratch<T>(Slot::kQueries, plan.block * Hp),
+              thread_scratch<T>(Slot::kKeys, n.Tk * Hp),
+              thread_scratch<T>(Slot::kScoreGrads, plan.block * n.Tk),
+              thread_scratch<T>(Slot::kQueryGrads, plan.block * Hp),
+              thread_scratch<T>(Slot::kKeyGrads, n.Tk * Hp),
+              thread_scratch<T>(Slot::kValueGrads, plan.block * n.Tk),
+              nullptr,
+              nullptr,
+              nullptr,
+              nullptr};
+    if constexpr (!kInPlace) {
+      if (plan.block >= kWidenFrom) {
+        s.vrows = thread_scratch<T>(Slot::kValueRows, n.Tk * n.Dv);
+        s.grows = thread_scratch<T>(Slot::kGradRows, plan.block * n.Dv);
+      }
+      s.prows = thread_scratch<T>(Slot::kWeightRows, plan.block * n.Tk);
+      s.orows = thread_scratch<T>(Slot::kOutRows,
+                                  std::max(plan.block * n.H, (split ? 0 : n.Tk) * n.Dv));
+    }
+    return s;
   }
 
   // An item that owns its whole batch row zeroes the rows no valid key writes.
   void zero_unreached_rows(int64_t b, int64_t nk) const {
-    if (!acc) std::fill(dkp + (b * n.Tk + nk) * n.H, dkp + (b + 1) * n.Tk * n.H, T(0));
+    if (!acc) std::fill(dkp + (b * n.Tk + nk) * n.H, dkp + (b + 1) * n.Tk * n.H, DK{});
     if (dvalp != nullptr) {
-      std::fill(dvalp + (b * n.Tk + nk) * n.Dv, dvalp + (b + 1) * n.Tk * n.Dv, T(0));
+      std::fill(dvalp + (b * n.Tk + nk) * n.Dv, dvalp + (b + 1) * n.Tk * n.Dv, M{});
     }
   }
 
   // dps[t, s] = dctx[t] . values[s] + grad_weights[t, s] for the item's rows, s < nk.
-  void weight_grads(int64_t b, int64_t t0, int64_t nq, int64_t nk, T* dps) const {
-    kt.dots(dctxp + (b * n.Tq + t0) * n.Dv, nq, valp + b * n.Tk * n.Dv, nk, n.Dv, dps, n.Tk);
+  // bfloat16 with kWidenFrom queries or more: the dctx rows are left widened in s.grows.
+  void weight_grads(int64_t b, int64_t t0, int64_t nq, int64_t nk, T* dps, Scratch& s) const {
+    const M* dctx = dctxp + (b * n.Tq + t0) * n.Dv;
+    const M* vals = valp + b * n.Tk * n.Dv;
+    if (nq >= kWidenFrom) {
+      kt.dots(widened(kt, dctx, nq * n.Dv, s.grows), nq, widened(kt, vals, nk * n.Dv, s.vrows),
+              nk, n.Dv, dps, n.Tk);
+    } else {
+      dots_of(kt, dctx, nq, vals, nk, n.Dv, dps, n.Tk);
+    }
     if (gwp == nullptr) return;
-    const T* g = gwp + (b * n.Tq + t0) * n.Tk;
+    const M* g = gwp + (b * n.Tq + t0) * n.Tk;
     for (int64_t t = 0; t < nq; ++t) {
-      for (int64_t s = 0; s < nk; ++s) dps[t * n.Tk + s] += g[t * n.Tk + s];
+      for (int64_t s = 0; s < nk; ++s) dps[t * n.Tk + s] += T(to_compute(g[t * n.Tk + s]));
     }
   }
 
@@ -427,23 +662,24 @@ struct BackwardPass {
 
   // The pass over the (query, key) pairs. Unpadded rows that the item owns get their dkeys
   // written in place, already scaled; otherwise from the item's scratch (still in cache), copied
-  // or, when accumulating, added.
-  void key_and_query_grads(int path, const T* qbuf, int64_t nq, const T* kbuf, int64_t nk,
-                           const T* de, const T* scale, T* dk_rows, Scratch& s, T* gv) const {
+  // (rounded for bfloat16) or, when accumulating, added.
+  void key_and_query_grads(const ItemKeys<T, M>& keys, const T* qbuf, int64_t nq, int64_t nk,
+                           const T* de, const T* scale, DK* dk_rows, Scratch& s, T* gv) const {
     const bool add_into_rows = acc && !split;  // (split rows write their own slots)
-    T* gk_out = n.H == Hp && !add_into_rows ? dk_rows : s.gk;
+    T* gk_out = s.gk;
+    if constexpr (std::is_same_v<DK, T>) {
+      if (n.H == Hp && !add_into_rows) gk_out = dk_rows;
+    }
     std::fill(s.gq, s.gq + nq * Hp, T(0));
-    kt.fused_grads(path, qbuf, nq, kbuf, nk, Hp, de, n.Tk, s.gq, gk_out, gv, scale);
+    if (keys.raw != nullptr) {
+      fused_grads_of(kt, keys.path, qbuf, nq, keys.raw, nk, Hp, de, n.Tk, s.gq, gk_out, gv, scale);
+    } else {
+      kt.fused_grads(keys.path, qbuf, nq, keys.packed, nk, Hp, de, n.Tk, s.gq, gk_out, gv, scale);
+    }
     if (add_into_rows) {
-      for (int64_t k = 0; k < nk; ++k) {
-        const T* src = s.gk + k * Hp;
-        T* dst = dk_rows + k * n.H;
-        for (int64_t h = 0; h < n.H; ++h) dst[h] += src[h];
-      }
+      for (int64_t k = 0; k < nk; ++k) add_rows(s.gk + k * Hp, n.H, dk_rows + k * n.H);
     } else if (gk_out == s.gk) {
-      for (int64_t k = 0; k < nk; ++k) {
-        std::copy(s.gk + k * Hp, s.gk + k * Hp + n.H, dk_rows + k * n.H);
-      }
+      for (int64_t k = 0; k < nk; ++k) store_rows(kt, s.gk + k * Hp, n.H, dk_rows + k * n.H);
     }
   }
 
@@ -467,15 +703,18 @@ struct BackwardPass {
     std::fill(dconv + nk * loc->C, dconv + n.Tk * loc->C, T(0));
   }
 
-  // dq rows from the unscaled sums, and this item's dbias partial (the sum of its dq rows).
-  void query_and_bias_grads(int64_t item, const T* gq, int64_t nq, const T* scale,
-                            T* dq_rows) const {
+  // dq rows from the unscaled sums, and this item's dbias partial (the sum of its dq rows, as T).
+  void query_and_bias_grads(int64_t item, const T* gq, int64_t nq, const T* scale, M* dq_out,
+                            Scratch& s) const {
+    T* dq_rows = s.orows;
+    if constexpr (kInPlace) dq_rows = dq_out;
     kt.scale_rows(gq, nq, Hp, scale, dq_rows, n.H);
     T* db = dbp + item * n.H;
     std::copy(dq_rows, dq_rows + n.H, db);
     for (int64_t t = 1; t < nq; ++t) {
       for (int64_t h = 0; h < n.H; ++h) db[h] += dq_rows[t * n.H + h];
     }
+    if constexpr (!kInPlace) store_rows(kt, dq_rows, nq * n.H, dq_out);
   }
 
   void run_item(int64_t item, Scratch& s) const {
@@ -488,37 +727,55 @@ struct BackwardPass {
     std::fill(dbp + item * n.H, dbp + (item + 1) * n.H, T(0));
     const int64_t nk = kv.count(b);
     const bool* valid = kv.row_mask(b);
-    T* p_rows = pp + (b * n.Tq + t0) * n.Tk;
-    T* dq_rows = dqp + (b * n.Tq + t0) * n.H;
+    M* p_out = pp != nullptr ? pp + (b * n.Tq + t0) * n.Tk : nullptr;
+    T* p_rows = s.prows;
+    if constexpr (kInPlace) p_rows = p_out;
+    M* dq_rows = dqp + (b * n.Tq + t0) * n.H;
     if (!split) zero_unreached_rows(b, nk);
     if (nk == 0) {
-      if (!have_p) std::fill(p_rows, p_rows + nq * n.Tk, T(0));
-      std::fill(dq_rows, dq_rows + nq * n.H, T(0));
+      if (!have_p && p_out != nullptr) std::fill(p_out, p_out + nq * n.Tk, M{});
+      std::fill(dq_rows, dq_rows + nq * n.H, M{});
       if (loc != nullptr) location_grads(b, item, 0, nullptr);
       return;
     }
-    const T* k_rows = item_keys<T>(kt, loc, kp, n, b, nk);
-    const T* kbuf = nullptr;
-    const int path = pack_item<T>(kt, qp + (b * n.Tq + t0) * n.H, nq, k_rows, nk, bp, n.H, Hp,
-                                  s.qbuf, s.kbuf, &kbuf);
-    const bool prod = path != kRational;
+    const M* k_rows = item_keys<T, M>(kt, loc, kp, n, b, nk);
+    const ItemKeys<T, M> keys = pack_item<T, M>(kt, qp + (b * n.Tq + t0) * n.H, nq, k_rows, nk,
+                                                bp, n.H, Hp, s.qbuf, s.kbuf);
+    const bool prod = keys.path != kRational;
     if (!have_p) {  // the forward's weights, recomputed: scores, then the softmax of each row
-      kt.scores(path, s.qbuf, nq, kbuf, nk, Hp, prod ? sv.product.data() : sv.rational.data(),
-                prod ? sv.sum_v : T(0), p_rows, n.Tk);
+      item_scores(kt, keys, sv, s.qbuf, nq, nk, Hp, p_rows, n.Tk);
       softmax_rows<T>(kt, p_rows, nq, n.Tk, nk, valid, nullptr);
+      if constexpr (!kInPlace) {
+        if (p_out != nullptr) store_rows(kt, p_rows, nq * n.Tk, p_out);
+      }
+    } else if constexpr (!kInPlace) {
+      kt.from_bf16(p_out, nq * n.Tk, p_rows);
     }
-    weight_grads(b, t0, nq, nk, s.dps);
+    weight_grads(b, t0, nq, nk, s.dps, s);
     const double sum_de = score_grads(p_rows, s.dps, nq, nk, valid, s.de);
     // Product path: sech^2 = 4u and tanh = 1 - 2r; rational: sech^2 = u, tanh = y.
     const T* scale = prod ? sv.grad_product.data() : sv.rational.data();
-    T* dk_rows = dkp + (split ? (b * plan.blocks_per_row + blk) : b) * n.Tk * n.H;
-    key_and_query_grads(path, s.qbuf, nq, kbuf, nk, s.de, scale, dk_rows, s, gv);
+    DK* dk_rows = dkp + (split ? (b * plan.blocks_per_row + blk) : b) * n.Tk * n.H;
+    key_and_query_grads(keys, s.qbuf, nq, nk, s.de, scale, dk_rows, s, gv);
     if (loc != nullptr) location_grads(b, item, nk, s.gk);
     if (dvalp != nullptr) {
-      kt.weighted_rows(p_rows, 1, n.Tk, nk, nq, dctxp + b * n.Tq * n.Dv, n.Dv,
-                       dvalp + b * n.Tk * n.Dv);
+      M* dval_out = dvalp + b * n.Tk * n.Dv;
+      T* dval_rows = s.orows;
+      if constexpr (kInPlace) dval_rows = dval_out;
+      // (an item that forms dvalues holds its whole batch row: t0 = 0, the rows weight_grads read)
+      const M* dctx = dctxp + b * n.Tq * n.Dv;
+      if constexpr (!kInPlace) {
+        if (nq >= kWidenFrom) {
+          kt.weighted_rows(p_rows, 1, n.Tk, nk, nq, s.grows, n.Dv, dval_rows);
+        } else {
+          weighted_rows_of(kt, p_rows, 1, n.Tk, nk, nq, dctx, n.Dv, dval_rows);
+        }
+      } else {
+        weighted_rows_of(kt, p_rows, 1, n.Tk, nk, nq, dctx, n.Dv, dval_rows);
+      }
+      if constexpr (!kInPlace) store_rows(kt, dval_rows, nk * n.Dv, dval_out);
     }
-    query_and_bias_grads(item, s.gq, nq, scale, dq_rows);
+    query_and_bias_grads(item, s.gq, nq, scale, dq_rows, s);
     if (prod) {
       for (int64_t h = 0; h < Hp; ++h) gv[h] = T(sum_de) - T(2) * gv[h];
     }
@@ -526,7 +783,7 @@ struct BackwardPass {
 };
 
 // dv and dbias: the items' partials summed in item order (in double).
-template <typename T>
+template <typename T, typename M>
 std::pair<Tensor, Tensor> reduce_item_partials(const T* dvp, const T* dbp, int64_t items,
                                                int64_t H, int64_t Hp,
                                                const at::TensorOptions& opts) {
@@ -538,87 +795,91 @@ std::pair<Tensor, Tensor> reduce_item_partials(const T* dvp, const T* dbp, int64
     }
   }
   Tensor dv = at::empty({H}, opts), dbias = at::empty({H}, opts);
-  T* dvo = dv.data_ptr<T>();
-  T* dbo = dbias.data_ptr<T>();
+  M* dvo = out_ptr<M>(dv);
+  M* dbo = out_ptr<M>(dbias);
   for (int64_t h = 0; h < H; ++h) {
-    dvo[h] = T(sum_v[h]);
-    dbo[h] = T(sum_b[h]);
+    dvo[h] = to_storage<M>(T(sum_v[h]));
+    dbo[h] = to_storage<M>(T(sum_b[h]));
   }
   return {dv, dbias};
 }
 
-}  // namespace
-
 // Gradients of every input; dkeys_acc given: dkeys added to it (returned as is); want_dvalues
 // false: no dvalues (an undefined tensor).
-template <typename T>
+template <typename T, typename M, typename DK>
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query_in,
     const Tensor& keys_in, const Tensor& values_in, const Tensor& v_in, const Tensor& bias_in,
     const KeyValidity& kv, const Sizes& n, const Tensor& saved_weights, const Tensor& dkeys_acc,
-    bool want_dvalues, const LocationTerm<T>* loc) {
+    bool want_dvalues, const LocationTerm<T>* loc = nullptr) {
+  constexpr bool kInPlace = std::is_same_v<T, M>;
   const Tensor query = query_in.contiguous(), keys = keys_in.contiguous();
   const Tensor values = values_in.contiguous(), dctx = grad_context.contiguous();
   const Tensor v = v_in.contiguous(), bias = bias_in.contiguous();
   const Tensor gw = grad_weights.has_value() ? grad_weights->contiguous() : Tensor();
   const int64_t Hp = round_up(n.H, kPadTo);
   const auto opts = query.options();
+  const auto compute_opts = opts.dtype(c10::CppTypeToScalarType<T>::value);
   const Plan plan = make_plan(n.B, n.Tq, n.Tk, n.H);
   const bool have_p = saved_weights.defined(), acc = dkeys_acc.defined();
   const bool split = plan.blocks_per_row > 1;
-  Tensor probs = have_p ? saved_weights.contiguous() : at::empty({n.B, n.Tq, n.Tk}, opts);
+  const bool dvalues_in_items = want_dvalues && !split;
+  // Without saved weights: a buffer for the items' rows (M = T: where they are formed; bfloat16:
+  // only when the values' gradient needs them whole, below).
+  Tensor probs = have_p ? saved_weights.contiguous()
+                        : (kInPlace || (want_dvalues && split) ? at::empty({n.B, n.Tq, n.Tk}, opts)
+                                                               : Tensor());
   Tensor dq = empty_output({n.B, n.Tq, n.H}, opts);
   Tensor dk = acc ? dkeys_acc : empty_output({n.B, n.Tk, n.H}, opts);
   // Split rows: each item's dkeys (already scaled) in its own slot, summed in order afterwards.
-  Tensor dk_parts = split ? at::zeros({n.B, plan.blocks_per_row, n.Tk, n.H}, opts) : Tensor();
+  Tensor dk_parts =
+      split ? at::zeros({n.B, plan.blocks_per_row, n.Tk, n.H}, compute_opts) : Tensor();
+  using DKElement = std::conditional_t<std::is_same_v<DK, Bf16>, at::BFloat16, DK>;
+  constexpr auto dk_dtype = c10::CppTypeToScalarType<DKElement>::value;
+  TORCH_CHECK((split ? dk_parts : dk).scalar_type() == dk_dtype,
+              "seq2seq_fast: internal: dkeys rows of an unexpected dtype");
   // Plain buffers, no torch op: every torch op here would be one more parallel region.
   std::unique_ptr<T[]> dv_parts(new T[size_t(plan.items) * size_t(Hp)]);
   std::unique_ptr<T[]> db_parts(new T[size_t(plan.items) * size_t(n.H)]);
-  const bool dvalues_in_items = want_dvalues && !split;
   Tensor dvalues = dvalues_in_items ? empty_output({n.B, n.Tk, n.Dv}, opts) : Tensor();
-  const BackwardPass<T> pass{runtime_kernels<T>(), n, kv, plan, Hp, score_vectors<T>(v, n.H, Hp),
-                             have_p, acc, split, query.data_ptr<T>(), keys.data_ptr<T>(),
-                             bias.data_ptr<T>(), values.data_ptr<T>(), dctx.data_ptr<T>(),
-                             gw.defined() ? gw.data_ptr<T>() : nullptr, probs.data_ptr<T>(),
-                             dq.data_ptr<T>(), (split ? dk_parts : dk).data_ptr<T>(),
-                             dvalues_in_items ? dvalues.data_ptr<T>() : nullptr, dv_parts.get(),
-                             db_parts.get(), loc};
-  using Scratch = typename BackwardPass<T>::Scratch;
+  const std::vector<T> bias_c = compute_vector<T, M>(bias);
+  const BackwardPass<T, M, DK> pass{runtime_kernels<T>(),
+                                    n,
+                                    kv,
+                                    plan,
+                                    Hp,
+                                    score_vectors<T, M>(v, n.H, Hp),
+                                    have_p,
+                                    acc,
+                                    split,
+                                    in_ptr<M>(query),
+                                    in_ptr<M>(keys),
+                                    bias_c.data(),
+                                    in_ptr<M>(values),
+                                    in_ptr<M>(dctx),
+                                    gw.defined() ? in_ptr<M>(gw) : nullptr,
+                                    probs.defined() ? out_ptr<M>(probs) : nullptr,
+                                    out_ptr<M>(dq),
+                                    out_ptr<DK>(split ? dk_parts : dk),
+                                    dvalues_in_items ? out_ptr<M>(dvalues) : nullptr,
+                                    dv_parts.get(),
+                                    db_parts.get(),
+                                    loc};
+  using Scratch = typename BackwardPass<T, M, DK>::Scratch;
   for_each_item(
       plan, [&] { return pass.make_scratch(); },
       [&](int64_t item, Scratch& scratch) { pass.run_item(item, scratch); });
   if (split && acc) {
     dk.add_(dk_parts.sum(1));
   } else if (split) {
-    dk = dk_parts.sum(1);
+    dk = dk_parts.sum(1).to(opts.dtype());  // (bfloat16: the one rounding of the summed rows)
   }
-  auto [dv, dbias] = reduce_item_partials<T>(dv_parts.get(), db_parts.get(), plan.items, n.H, Hp,
-                                             opts);
+  auto [dv, dbias] = reduce_item_partials<T, M>(dv_parts.get(), db_parts.get(), plan.items, n.H,
+                                                Hp, opts);
   if (want_dvalues && !dvalues_in_items) dvalues = at::bmm(probs.transpose(1, 2), dctx);
   return {dq, dk, dvalues, dv, dbias};
 }
 
-namespace {
-
-// The backward of bfloat16 inputs: float32 inside (bf16.h). A bfloat16 dkeys_acc is accumulated
-// in a float32 copy and rounded back once; a float32 one (exact sums over a decoder's steps) is
-// accumulated in place.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_bf16(
-    const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query,
-    const Tensor& keys, const Tensor& values, const Tensor& v, const Tensor& bias,
-    const KeyValidity& kv, const Sizes& n, const Tensor& saved_weights, const Tensor& dkeys_acc,
-    bool want_dvalues) {
-  const Tensor acc = as_float(dkeys_acc);
-  auto [dq, dk, dvalues, dv, dbias] = backward_impl<float>(
-      as_float(grad_context), as_float(grad_weights), as_float(query), as_float(keys),
-      as_float(values), as_float(v), as_float(bias), kv, n, as_float(saved_weights), acc,
-      want_dvalues);
-  if (is_bf16(dkeys_acc)) dkeys_acc.copy_(acc);
-  return {to_bf16(dq), dkeys_acc.defined() ? dkeys_acc : to_bf16(dk), to_bf16(dvalues),
-          to_bf16(dv), to_bf16(dbias)};
-}
-
-// The backward's argument checks and dispatch; dkeys_acc / want_dvalues as in backward_impl.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> checked_backward(
     const char* op, const Tensor& grad_context, const std::optional<Tensor>& grad_weights,
     const Tensor& query, const Tensor& keys, const Tensor& values, const Tensor& v,
@@ -671,16 +932,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> checked_backward(
             want_dvalues ? at::zeros_like(values) : Tensor(), at::zeros_like(v),
             at::zeros_like(bias)};
   }
-  if (is_bf16(query)) {
-    return backward_bf16(grad_context, grad_weights, query, keys, values, v, bias, kv, n, saved_p,
-                         dkeys_acc, want_dvalues);
+  if (is_bf16(query)) {  // bfloat16 rows, float32 arithmetic; dkeys rows float32 or bfloat16
+    const bool float_dkeys = make_plan(n.B, n.Tq, n.Tk, n.H).blocks_per_row > 1 ||
+                             (dkeys_acc.defined() && dkeys_acc.scalar_type() == at::kFloat);
+    if (float_dkeys) {
+      return backward_impl<float, Bf16, float>(grad_context, grad_weights, query, keys, values, v,
+                                               bias, kv, n, saved_p, dkeys_acc, want_dvalues);
+    }
+    return backward_impl<float, Bf16, Bf16>(grad_context, grad_weights, query, keys, values, v,
+                                            bias, kv, n, saved_p, dkeys_acc, want_dvalues);
   }
   if (query.scalar_type() == at::kDouble) {
-    return backward_impl<double>(grad_context, grad_weights, query, keys, values, v, bias, kv, n,
-                                  saved_p, dkeys_acc, want_dvalues);
+    return backward_impl<double, double, double>(grad_context, grad_weights, query, keys, values,
+                                                 v, bias, kv, n, saved_p, dkeys_acc, want_dvalues);
   }
-  return backward_impl<float>(grad_context, grad_weights, query, keys, values, v, bias, kv, n,
-                               saved_p, dkeys_acc, want_dvalues);
+  return backward_impl<float, float, float>(grad_context, grad_weights, query, keys, values, v,
+                                            bias, kv, n, saved_p, dkeys_acc, want_dvalues);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_attention_bwd(
@@ -711,24 +978,146 @@ std::tuple<Tensor, Tensor, Tensor> additive_attention_bwd_accumulate(
   return {std::get<0>(grads), std::get<3>(grads), std::get<4>(grads)};
 }
 
+
+// ---- location-aware steps ---------------------------------------------------------------------
+
+struct LocationSizes {
+  Sizes n;
+  int64_t C;
+};
+
+// The checks of a location-aware step's inputs: query [B, 1, H], projected [B, Tk, H] (in keys'
+// place), conv [B*Tk, C], weight [H, C]; float32 or float64.
+LocationSizes check_location(const char* op, const Tensor& query, const Tensor& projected,
+                             const Tensor& conv, const Tensor& weight, const Tensor& values,
+                             const Tensor& v, const Tensor& bias,
+                             const std::optional<Tensor>& lengths,
+                             const std::optional<Tensor>& mask) {
+  const Sizes n = check_inputs(op, query, projected, values, v, bias, lengths, mask);
+  TORCH_CHECK(n.Tq == 1, op, ": one query per batch row (a decoder step), got query ",
+              query.sizes());
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kDouble, op,
+              ": float32 or float64 expected, got ", query.scalar_type());
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == n.H, op, ": weight must be [H=", n.H,
+              ", C], got ", weight.sizes());
+  const int64_t C = weight.size(1);
+  TORCH_CHECK(conv.dim() == 2 && conv.size(0) == n.B * n.Tk && conv.size(1) == C, op,
+              ": conv must be [B*Tk, C]=[", n.B * n.Tk, ", ", C, "], got ", conv.sizes());
+  for (const Tensor* t : {&conv, &weight}) {
+    TORCH_CHECK(t->scalar_type() == query.scalar_type() && t->device().is_cpu(), op,
+                ": conv and weight must be CPU tensors of query's dtype ", query.scalar_type(),
+                ", got ", t->scalar_type(), " on ", t->device());
+  }
+  return {n, C};
+}
+
+// One location-aware step: (context [B, 1, Dv], weights [B, 1, Tk]) of query against the keys
+// projected + conv weight^T, which are never materialised.
+std::tuple<Tensor, Tensor> location_attention_fwd(const Tensor& query, const Tensor& projected,
+                                                  const Tensor& conv_in, const Tensor& weight_in,
+                                                  const Tensor& values, const Tensor& v,
+                                                  const Tensor& bias,
+                                                  const std::optional<Tensor>& lengths,
+                                                  const std::optional<Tensor>& mask) {
+  const char* op = "seq2seq_fast::_location_attention_fwd";
+  const NoAutocast no_autocast;
+  const LocationSizes sizes = check_location(op, query, projected, conv_in, weight_in, values, v,
+                                             bias, lengths, mask);
+  const Sizes& n = sizes.n;
+  const int64_t C = sizes.C;
+  const KeyValidity kv = key_validity(op, lengths, mask, n.Tk);
+  const auto opts = query.options();
+  if (n.B == 0) return {at::zeros({n.B, n.Tq, n.Dv}, opts), at::zeros({n.B, n.Tq, n.Tk}, opts)};
+  const Tensor conv = conv_in.contiguous(), weight = weight_in.contiguous();
+  const Tensor wt = weight.t().contiguous();
+  std::tuple<Tensor, Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "_location_attention_fwd", [&] {
+    const LocationTerm<scalar_t> loc{conv.data_ptr<scalar_t>(), wt.data_ptr<scalar_t>(), C,
+                                     nullptr, nullptr, nullptr, nullptr};
+    auto [context, weights, lse] =
+        forward_impl<scalar_t, scalar_t>(query, projected, values, v, bias, kv, n, true, &loc);
+    out = {context, weights};
+  });
+  return out;
+}
+
+// Its backward: the keys gradient is added into grad_projected (in place; a decoder's steps sum
+// there) and multiplied out to conv's and weight's; no values gradient (the caller forms it once
+// for all steps, as for _additive_attention_bwd_accumulate). Returns (dquery, dconv, dweight, dv,
+// dbias).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> location_attention_bwd(
+    const Tensor& grad_context_in, const std::optional<Tensor>& grad_weights,
+    const Tensor& query, const Tensor& projected, const Tensor& conv_in, const Tensor& weight_in,
+    const Tensor& values, const Tensor& v, const Tensor& bias,
+    const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
+    const Tensor& weights, const Tensor& grad_projected) {
+  const char* op = "seq2seq_fast::_location_attention_bwd";
+  const NoAutocast no_autocast;
+  const LocationSizes sizes = check_location(op, query, projected, conv_in, weight_in, values, v,
+                                             bias, lengths, mask);
+  const Sizes& n = sizes.n;
+  const int64_t C = sizes.C;
+  const std::vector<int64_t> ctx_shape{n.B, n.Tq, n.Dv};
+  TORCH_CHECK(grad_context_in.sizes() == at::IntArrayRef(ctx_shape) &&
+                  grad_context_in.scalar_type() == query.scalar_type(),
+              op, ": grad_context must be [B, 1, Dv]=[", n.B, ", 1, ", n.Dv, "] of query's dtype, got ",
+              grad_context_in.sizes(), " ", grad_context_in.scalar_type());
+  const std::vector<int64_t> p_shape{n.B, n.Tq, n.Tk};
+  TORCH_CHECK(weights.sizes() == at::IntArrayRef(p_shape) && weights.scalar_type() == query.scalar_type(), op,
+              ": weights must be the forward's [B, 1, Tk]=[", n.B, ", 1, ", n.Tk, "], got ",
+              weights.sizes());
+  TORCH_CHECK(!grad_weights.has_value() ||
+                  (grad_weights->sizes() == at::IntArrayRef(p_shape) &&
+                   grad_weights->scalar_type() == query.scalar_type()),
+              op, ": grad_weights must be [B, 1, Tk] of query's dtype, got ",
+              grad_weights.has_value() ? grad_weights->sizes() : at::IntArrayRef());
+  TORCH_CHECK(grad_projected.sizes() == projected.sizes() &&
+                  grad_projected.scalar_type() == query.scalar_type() &&
+                  grad_projected.device().is_cpu() && grad_projected.is_contiguous(),
+              op, ": grad_projected must be a contiguous CPU tensor of projected's shape ",
+              projected.sizes(), " and dtype, got ", grad_projected.sizes(), " ",
+              grad_projected.scalar_type());
+  const KeyValidity kv = key_validity(op, lengths, mask, n.Tk);
+  const auto opts = query.options();
+  Tensor dconv = at::empty({n.B * n.Tk, C}, opts);
+  if (n.B == 0) {
+    return {at::zeros_like(query), dconv, at::zeros_like(weight_in), at::zeros_like(v),
+            at::zeros_like(bias)};
+  }
+  const Plan plan = make_plan(n.B, n.Tq, n.Tk, n.H);
+  TORCH_CHECK(plan.blocks_per_row == 1, op, ": internal: a step's batch row split over items");
+  const Tensor conv = conv_in.contiguous(), weight = weight_in.contiguous();
+  const Tensor wt = weight.t().contiguous();
+  Tensor dweight = at::empty({n.H, C}, opts);
+  std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "_location_attention_bwd", [&] {
+    const int64_t Hp = round_up(n.H, kPadTo);
+    std::vector<scalar_t> dw_parts(static_cast<size_t>(plan.items * C * Hp));
+    std::vector<scalar_t> wtp(static_cast<size_t>(C * Hp), scalar_t(0));
+    const scalar_t* wtr = wt.data_ptr<scalar_t>();
+    for (int64_t c = 0; c < C; ++c) std::copy(wtr + c * n.H, wtr + (c + 1) * n.H, &wtp[c * Hp]);
+    const LocationTerm<scalar_t> loc{conv.data_ptr<scalar_t>(),  wtr,        C,
+                                     weight.data_ptr<scalar_t>(), wtp.data(), dconv.data_ptr<scalar_t>(),
+                                     dw_parts.data()};
+    auto [dq, dk, dvalues, dv, dbias] =
+        backward_impl<scalar_t, scalar_t, scalar_t>(grad_context_in, grad_weights, query,
+                                                    projected, values, v, bias, kv, n, weights,
+                                                    grad_projected, false, &loc);
+    std::vector<double> sum(static_cast<size_t>(C * Hp), 0.0);  // item order: reproducible
+    for (int64_t item = 0; item < plan.items; ++item) {
+      const scalar_t* part = dw_parts.data() + item * C * Hp;
+      for (int64_t e = 0; e < C * Hp; ++e) sum[e] += part[e];
+    }
+    scalar_t* dwp = dweight.data_ptr<scalar_t>();  // [H, C] from W^T's [C, Hp]
+    for (int64_t h = 0; h < n.H; ++h)
+      for (int64_t c = 0; c < C; ++c) dwp[h * C + c] = scalar_t(sum[c * Hp + h]);
+    out = {dq, dconv, dweight, dv, dbias};
+  });
+  return out;
+}
+
+
 }  // namespace
-
-// The location-aware step (csrc/location_attention.cpp) runs these with a LocationTerm.
-template std::tuple<Tensor, Tensor, Tensor> forward_impl<float>(
-    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const KeyValidity&,
-    const Sizes&, bool, const LocationTerm<float>*);
-template std::tuple<Tensor, Tensor, Tensor> forward_impl<double>(
-    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const KeyValidity&,
-    const Sizes&, bool, const LocationTerm<double>*);
-template std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl<float>(
-    const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
-    const Tensor&, const Tensor&, const KeyValidity&, const Sizes&, const Tensor&, const Tensor&,
-    bool, const LocationTerm<float>*);
-template std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl<double>(
-    const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
-    const Tensor&, const Tensor&, const KeyValidity&, const Sizes&, const Tensor&, const Tensor&,
-    bool, const LocationTerm<double>*);
-
 }  // namespace seq2seq_fast
 
 // The two main schemas are defined in Python (seq2seq_fast/ops/additive_attention.py); only their
@@ -749,4 +1138,22 @@ TORCH_LIBRARY_FRAGMENT(seq2seq_fast, m) {
 
 TORCH_LIBRARY_IMPL(seq2seq_fast, CPU, m) {
   m.impl("_additive_attention_bwd_accumulate", &seq2seq_fast::additive_attention_bwd_accumulate);
+}
+
+// A location-aware decoder step (private; caller seq2seq_fast/nn/convert/_location.py, fake
+// kernels in seq2seq_fast/ops/additive_attention.py).
+TORCH_LIBRARY_FRAGMENT(seq2seq_fast, m) {
+  m.def(
+      "_location_attention_fwd(Tensor query, Tensor projected, Tensor conv, Tensor weight, "
+      "Tensor values, Tensor v, Tensor bias, Tensor? lengths, Tensor? mask) -> (Tensor, Tensor)");
+  m.def(
+      "_location_attention_bwd(Tensor grad_context, Tensor? grad_weights, Tensor query, "
+      "Tensor projected, Tensor conv, Tensor weight, Tensor values, Tensor v, Tensor bias, "
+      "Tensor? lengths, Tensor? mask, Tensor weights, Tensor(a!) grad_projected) -> (Tensor, "
+      "Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(seq2seq_fast, CPU, m) {
+  m.impl("_location_attention_fwd", &seq2seq_fast::location_attention_fwd);
+  m.impl("_location_attention_bwd", &seq2seq_fast::location_attention_bwd);
 }

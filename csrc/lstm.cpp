@@ -15,6 +15,71 @@ namespace {
 
 using at::Tensor;
 
+// bfloat16: each row's inputs converted into L1-resident float32 rows, the float32 gate pass,
+// its outputs rounded to bfloat16 (saved stays float32): no whole-tensor copy.
+const Bf16* bf16_rows(const Tensor& t) {
+  return reinterpret_cast<const Bf16*>(t.data_ptr<at::BFloat16>());
+}
+Bf16* bf16_out(const Tensor& t) { return const_cast<Bf16*>(bf16_rows(t)); }
+
+std::tuple<Tensor, Tensor, Tensor> lstm_cell_fwd_bf16(const Tensor& gi, const Tensor& gh,
+                                                      const Tensor& c_in) {
+  const int64_t B = c_in.size(0), H = c_in.size(1), G = 4 * H;
+  const Tensor c = c_in.contiguous();
+  Tensor h = at::empty({B, H}, c.options());
+  Tensor c_new = at::empty({B, H}, c.options());
+  Tensor saved = at::empty({B, 5 * H}, c.options().dtype(at::kFloat));
+  const auto& kt = runtime_kernels<float>();
+  const Bf16 *gi_p = bf16_rows(gi), *gh_p = bf16_rows(gh), *c_p = bf16_rows(c);
+  Bf16 *h_p = bf16_out(h), *cn_p = bf16_out(c_new);
+  float* s_p = saved.data_ptr<float>();
+  const int64_t si = gi.stride(0), sh = gh.stride(0);
+  for_rows(B, 5 * H, [&](int64_t begin, int64_t end) {
+    float* rows = thread_scratch<float>(Slot::kOutRows, 2 * G + 3 * H);
+    float *x = rows, *y = rows + G, *cp = rows + 2 * G, *hn = cp + H, *cn = hn + H;
+    for (int64_t b = begin; b < end; ++b) {
+      kt.from_bf16(gi_p + b * si, G, x);
+      kt.from_bf16(gh_p + b * sh, G, y);
+      kt.from_bf16(c_p + b * H, H, cp);
+      kt.lstm_gates_fwd(x, y, cp, hn, cn, s_p + b * 5 * H, H);
+      kt.to_bf16(hn, H, h_p + b * H);
+      kt.to_bf16(cn, H, cn_p + b * H);
+    }
+  });
+  return {h, c_new, saved};
+}
+
+std::tuple<Tensor, Tensor> lstm_cell_bwd_bf16(const Tensor& grad_h_in, const Tensor& grad_c_in,
+                                              const Tensor& saved, const Tensor& c_in) {
+  const Tensor grad_h = grad_h_in.contiguous(), grad_c = grad_c_in.contiguous();
+  const Tensor c = c_in.contiguous();
+  const int64_t B = c.size(0), H = c.size(1), G = 4 * H;
+  TORCH_CHECK(grad_h.sizes() == c.sizes() && grad_c.sizes() == c.sizes() && is_bf16(grad_h) &&
+                  is_bf16(grad_c) && saved.dim() == 2 && saved.size(0) == B &&
+                  saved.size(1) == 5 * H && saved.scalar_type() == at::kFloat &&
+                  saved.is_contiguous(),
+              "_lstm_cell_bwd: inconsistent saved tensors");
+  Tensor d_gates = at::empty({B, G}, c.options());
+  Tensor dc = at::empty({B, H}, c.options());
+  const auto& kt = runtime_kernels<float>();
+  const float* s_p = saved.data_ptr<float>();
+  const Bf16 *c_p = bf16_rows(c), *gh_p = bf16_rows(grad_h), *gc_p = bf16_rows(grad_c);
+  Bf16 *d_p = bf16_out(d_gates), *dc_p = bf16_out(dc);
+  for_rows(B, 5 * H, [&](int64_t begin, int64_t end) {
+    float* rows = thread_scratch<float>(Slot::kOutRows, G + 4 * H);
+    float *dg = rows, *cp = rows + G, *dh = cp + H, *dcn = dh + H, *dcp = dcn + H;
+    for (int64_t b = begin; b < end; ++b) {
+      kt.from_bf16(c_p + b * H, H, cp);
+      kt.from_bf16(gh_p + b * H, H, dh);
+      kt.from_bf16(gc_p + b * H, H, dcn);
+      kt.lstm_gates_bwd(s_p + b * 5 * H, cp, dh, dcn, dg, dcp, H);
+      kt.to_bf16(dg, G, d_p + b * G);
+      kt.to_bf16(dcp, H, dc_p + b * H);
+    }
+  });
+  return {d_gates, dc};
+}
+
 // One LSTM cell step from its two gate projections (nn.LSTMCell's math, biases included):
 // gates_in, gates_hidden [B, 4H] (rows may be strided), c [B, H] -> (h, c_new [B, H],
 // saved [B, 5H]).
@@ -22,10 +87,7 @@ std::tuple<Tensor, Tensor, Tensor> lstm_cell_fwd(const Tensor& gates_in,
                                                  const Tensor& gates_hidden, const Tensor& c_in) {
   Tensor gi, gh;
   std::tie(gi, gh) = check_cell("_lstm_cell", gates_in, gates_hidden, c_in, 4);
-  if (is_bf16(c_in)) {  // float32 inside (bf16.h); saved stays float32
-    auto [h, c_new, saved] = lstm_cell_fwd(as_float(gi), as_float(gh), as_float(c_in));
-    return {to_bf16(h), to_bf16(c_new), saved};
-  }
+  if (is_bf16(c_in)) return lstm_cell_fwd_bf16(gi, gh, c_in);
   const int64_t B = c_in.size(0), H = c_in.size(1);
   const Tensor c = c_in.contiguous();
   Tensor h = at::empty({B, H}, c.options());
@@ -54,11 +116,7 @@ std::tuple<Tensor, Tensor, Tensor> lstm_cell_fwd(const Tensor& gates_in,
 // dc [B, H]).
 std::tuple<Tensor, Tensor> lstm_cell_bwd(const Tensor& grad_h_in, const Tensor& grad_c_in,
                                          const Tensor& saved, const Tensor& c_in) {
-  if (is_bf16(c_in)) {  // float32 inside (bf16.h)
-    auto [d_gates, dc] =
-        lstm_cell_bwd(as_float(grad_h_in), as_float(grad_c_in), saved, as_float(c_in));
-    return {to_bf16(d_gates), to_bf16(dc)};
-  }
+  if (is_bf16(c_in)) return lstm_cell_bwd_bf16(grad_h_in, grad_c_in, saved, c_in);
   const Tensor grad_h = grad_h_in.contiguous(), grad_c = grad_c_in.contiguous();
   const Tensor c = c_in.contiguous();
   const int64_t B = c.size(0), H = c.size(1);

@@ -49,6 +49,10 @@ enum class Slot : int {
   kQueryGrads,    // the backward's unscaled query gradients [block, Hp]
   kKeyGrads,      // the backward's unscaled key gradients [Tk, Hp]
   kFormedKeys,    // a location-aware step's keys of one batch row [Tk, H]
+  kWeightRows,    // bfloat16 ops: an item's weights rows in float32 [block, Tk]
+  kOutRows,       // bfloat16 ops: an item's output rows in float32 before rounding
+  kValueRows,     // bfloat16 ops: a batch row's values widened to float32 [Tk, Dv]
+  kGradRows,      // bfloat16 ops: an item's context gradient rows widened [block, Dv]
   kCount
 };
 

@@ -27,7 +27,7 @@ template <typename T>
 struct Buf {
   T* p = nullptr;
   size_t n = 0;
-  explicit Buf(size_t size, T fill = T(0)) : p(static_cast<T*>(malloc(sizeof(T) * (size + 1)))), n(size) {
+  explicit Buf(size_t size, T fill = T()) : p(static_cast<T*>(malloc(sizeof(T) * (size + 1)))), n(size) {
     if (p == nullptr) abort();
     for (size_t i = 0; i < n; ++i) p[i] = fill;
   }
@@ -370,6 +370,103 @@ void check_lstm(const char* name, const KernelTable<T>& kt) {
   expect_close<T>(name, "lstm_gates_bwd dc", dc_prev.data(), dcw, 4.0);
 }
 
+// Every element equal (bitwise for non-NaN values; NaN where NaN).
+void expect_equal(const char* table, const char* what, const float* got, const float* want,
+                  int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (isnan(want[i]) ? !isnan(got[i]) : memcmp(&got[i], &want[i], sizeof(float)) != 0)
+      fail(table, what, got[i], want[i], i);
+  }
+  ++g_checks;
+}
+
+// bfloat16 rows (float tables): exact widening; narrowing rounds to nearest even, NaN to 0x7FC0,
+// in the vector body and the scalar tail alike; and every *_bf16 kernel gives exactly what its
+// float twin gives on the widened rows (the same arithmetic on the same values).
+void check_bf16(const char* name, const KernelTable<float>& kt) {
+  static const uint32_t cases[][2] = {
+      {0x3F800000u, 0x3F80}, {0x3F808000u, 0x3F80}, {0x3F818000u, 0x3F82},
+      {0x3F808001u, 0x3F81}, {0xBF817FFFu, 0xBF81}, {0x7F800000u, 0x7F80},
+      {0xFF800000u, 0xFF80}, {0x7F7FFFFFu, 0x7F80}, {0x80000001u, 0x8000},
+      {0x7FC00001u, 0x7FC0}, {0xFFFFFFFFu, 0x7FC0}, {0x00000000u, 0x0000}};
+  const int64_t n = 37, ncases = int64_t(sizeof(cases) / sizeof(cases[0]));
+  Buf<float> src(n);
+  Buf<Bf16> narrow(n);
+  for (int64_t i = 0; i < n; ++i) memcpy(&src[i], &cases[i % ncases][0], sizeof(float));
+  kt.to_bf16(src.data(), n, narrow.data());
+  for (int64_t i = 0; i < n; ++i) {
+    if (narrow[i].bits != cases[i % ncases][1]) {
+      fail(name, "to_bf16 bits", narrow[i].bits, cases[i % ncases][1], i);
+    }
+  }
+  ++g_checks;
+  Buf<float> wide(n);
+  kt.from_bf16(narrow.data(), n, wide.data());
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t want = uint32_t(narrow[i].bits) << 16;
+    uint32_t got;
+    memcpy(&got, &wide[i], sizeof got);
+    if (got != want) fail(name, "from_bf16 bits", got, want, i);
+  }
+  ++g_checks;
+
+  Rng gen(7);
+  const int64_t rows = 6, H = 32, Hp = 32, D = 37;
+  auto bf16_rows = [&](int64_t count, double scale, Buf<Bf16>& b, Buf<float>& f) {
+    Buf<float> r{size_t(count)};
+    randomize(r, gen, scale);
+    kt.to_bf16(r.data(), count, b.data());
+    kt.from_bf16(b.data(), count, f.data());
+  };
+  Buf<Bf16> qb(rows * H), kb(rows * H), xb(rows * D);
+  Buf<float> qf(rows * H), kf(rows * H), xf(rows * D);
+  bf16_rows(rows * H, 1.0, qb, qf);
+  bf16_rows(rows * H, 1.0, kb, kf);
+  bf16_rows(rows * D, 1.0, xb, xf);
+  Buf<float> add(H), got(rows * Hp), want(rows * Hp);
+  randomize(add, gen, 0.3);
+  const float max_got = kt.pack_rows_bf16(qb.data(), rows, H, add.data(), got.data(), Hp);
+  const float max_want = kt.pack_rows(qf.data(), rows, H, add.data(), want.data(), Hp);
+  expect_equal(name, "pack_rows_bf16", got.data(), want.data(), rows * Hp);
+  expect_equal(name, "pack_rows_bf16 max", &max_got, &max_want, 1);
+  Buf<float> v(Hp), scores_got(rows * rows), scores_want(rows * rows);
+  randomize(v, gen, 0.2);
+  Buf<float> qexp(qf);  // the product paths' packed queries: exp(2a)
+  kt.exp_inplace(qexp.data(), rows * Hp, 2.0f);
+  const int paths[] = {kRational, kProduct, kProductCapped};
+  for (int path : paths) {
+    const float* A = path == kRational ? qf.data() : qexp.data();
+    // kernels on bf16 keys read the rows as they are (the rational path of a decoding step)
+    kt.scores_bf16(path, A, rows, kb.data(), rows, Hp, v.data(), 0.5f, scores_got.data(), rows);
+    kt.scores(path, A, rows, kf.data(), rows, Hp, v.data(), 0.5f, scores_want.data(), rows);
+    expect_equal(name, "scores_bf16", scores_got.data(), scores_want.data(), rows * rows);
+    Buf<float> de(rows * rows), gq1(rows * Hp), gq2(rows * Hp), gk1(rows * Hp), gk2(rows * Hp);
+    Buf<float> gv1(Hp), gv2(Hp);
+    randomize(de, gen, 1.0);
+    kt.fused_grads_bf16(path, A, rows, kb.data(), rows, Hp, de.data(), rows, gq1.data(),
+                        gk1.data(), gv1.data(), v.data());
+    kt.fused_grads(path, A, rows, kf.data(), rows, Hp, de.data(), rows, gq2.data(), gk2.data(),
+                   gv2.data(), v.data());
+    expect_equal(name, "fused_grads_bf16 gq", gq1.data(), gq2.data(), rows * Hp);
+    expect_equal(name, "fused_grads_bf16 gk", gk1.data(), gk2.data(), rows * Hp);
+    expect_equal(name, "fused_grads_bf16 gv", gv1.data(), gv2.data(), Hp);
+  }
+  Buf<float> w(rows * rows), ctx_got(rows * D), ctx_want(rows * D);
+  randomize(w, gen, 1.0);
+  const int64_t n_outs[] = {1, rows};  // the streaming and the blocked loop
+  for (int64_t n_out : n_outs) {
+    kt.weighted_rows_bf16(w.data(), rows, 1, n_out, rows, xb.data(), D, ctx_got.data());
+    kt.weighted_rows(w.data(), rows, 1, n_out, rows, xf.data(), D, ctx_want.data());
+    expect_equal(name, "weighted_rows_bf16", ctx_got.data(), ctx_want.data(), n_out * D);
+  }
+  Buf<float> dots_got(rows * rows), dots_want(rows * rows);
+  kt.dots_bf16(xb.data(), rows, xb.data(), rows, D, dots_got.data(), rows);
+  kt.dots(xf.data(), rows, xf.data(), rows, D, dots_want.data(), rows);
+  expect_equal(name, "dots_bf16", dots_got.data(), dots_want.data(), rows * rows);
+}
+
+void check_bf16(const char*, const KernelTable<double>&) {}  // bfloat16 runs on the float tables
+
 template <typename T>
 void check_table(const char* name, const KernelTable<T>& kt) {
   const int before = g_checks;
@@ -378,6 +475,7 @@ void check_table(const char* name, const KernelTable<T>& kt) {
   check_pairs<T>(name, kt);
   check_gru<T>(name, kt);
   check_lstm<T>(name, kt);
+  check_bf16(name, kt);
   printf("ok %s: %d checks\n", name, g_checks - before);
 }
 

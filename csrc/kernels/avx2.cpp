@@ -26,6 +26,23 @@ struct S {
   static constexpr int KB = 4;
   static inline V load(const float* p) { return _mm256_loadu_ps(p); }
   static inline void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  // bfloat16: widen to 32 bits and shift into the high half (exact).
+  static inline V load(const Bf16* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  // Round to nearest even (add 0x7FFF plus the kept lowest bit, keep the high half); NaN -> 0x7FC0.
+  // The 32-bit results fit 16 bits, so the saturating pack is exact (it interleaves the halves).
+  static inline void store(Bf16* p, V x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i bias = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
   static inline V set1(float x) { return _mm256_set1_ps(x); }
   static inline V zero() { return _mm256_setzero_ps(); }
   static inline V add(V a, V b) { return _mm256_add_ps(a, b); }

@@ -28,6 +28,21 @@ struct S {
   static constexpr int KB = 4;
   static inline V load(const float* p) { return _mm512_loadu_ps(p); }
   static inline void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  // bfloat16: widen to 32 bits and shift into the high half (exact).
+  static inline V load(const Bf16* p) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m512i w = _mm512_cvtepu16_epi32(half);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  // Round to nearest even (add 0x7FFF plus the kept lowest bit, keep the high half); NaN -> 0x7FC0.
+  static inline void store(Bf16* p, V x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
   static inline V set1(float x) { return _mm512_set1_ps(x); }
   static inline V zero() { return _mm512_setzero_ps(); }
   static inline V add(V a, V b) { return _mm512_add_ps(a, b); }

@@ -5,7 +5,13 @@
 //
 // S provides: T, V (one vector), W (lanes), QB/KB (register tile), load/store/set1/zero, add/mul,
 // fma(a,b,c) = a*b + c, fnma(a,b,c) = c - a*b, rcp (~full precision), tanh (clamped rational),
-// exp, hsum, and a range flag (flag_init/flag_update/flag_any).
+// exp, hsum, and a range flag (flag_init/flag_update/flag_any). load/store also take Bf16 rows
+// (kernels.h): converted in registers, so every kernel that is a template on the type of its rows
+// (M / K / X below: T or Bf16) reads bfloat16 with the same arithmetic.
+
+// One element of a T or bfloat16 row, as T (the scalar tails of the row loops).
+inline typename S::T scalar(typename S::T x) { return x; }
+inline typename S::T scalar(Bf16 x) { return typename S::T(bf16_to_float(x)); }
 
 // kProductCapped: 1 + A B is capped at 2^120 before the reciprocal. An item takes it when its
 // ranges allow A B to overflow (max |a| + max |b| above the safe sum, kernels.h): the SIMD
@@ -40,8 +46,8 @@ inline typename S::V deriv(typename S::V y, typename S::V one) {
   }
 }
 
-template <int P, int QB, int KB>
-void score_tile(const typename S::T* A, const typename S::T* Bk, int64_t Hp,
+template <int P, int QB, int KB, typename K>
+void score_tile(const typename S::T* A, const K* Bk, int64_t Hp,
                 const typename S::T* veff, typename S::T offset, typename S::T* out, int64_t ldo) {
   using V = typename S::V;
   using T = typename S::T;
@@ -65,8 +71,8 @@ void score_tile(const typename S::T* A, const typename S::T* Bk, int64_t Hp,
     for (int j = 0; j < KB; ++j) out[i * ldo + j] = offset + S::hsum(acc[i][j]);
 }
 
-template <int P, int QB>
-void score_cols(const typename S::T* A, const typename S::T* Bk, int64_t nk, int64_t Hp,
+template <int P, int QB, typename K>
+void score_cols(const typename S::T* A, const K* Bk, int64_t nk, int64_t Hp,
                 const typename S::T* veff, typename S::T offset, typename S::T* out, int64_t ldo) {
   int64_t s = 0;
   for (; s + S::KB <= nk; s += S::KB)
@@ -74,8 +80,8 @@ void score_cols(const typename S::T* A, const typename S::T* Bk, int64_t nk, int
   for (; s < nk; ++s) score_tile<P, QB, 1>(A, Bk + s * Hp, Hp, veff, offset, out + s, ldo);
 }
 
-template <int P>
-void scores_rows(const typename S::T* A, int64_t nq, const typename S::T* Bk, int64_t nk,
+template <int P, typename K>
+void scores_rows(const typename S::T* A, int64_t nq, const K* Bk, int64_t nk,
                  int64_t Hp, const typename S::T* veff, typename S::T offset, typename S::T* out,
                  int64_t ldo) {
   for (int64_t t = 0; t < nq; t += S::QB) {
@@ -91,7 +97,8 @@ void scores_rows(const typename S::T* A, int64_t nq, const typename S::T* Bk, in
   }
 }
 
-void scores(int path, const typename S::T* A, int64_t nq, const typename S::T* Bk, int64_t nk,
+template <typename K>
+void scores(int path, const typename S::T* A, int64_t nq, const K* Bk, int64_t nk,
             int64_t Hp, const typename S::T* veff, typename S::T offset, typename S::T* out,
             int64_t ldo) {
   if (path == kProduct) {
@@ -109,8 +116,8 @@ void scores(int path, const typename S::T* A, int64_t nq, const typename S::T* B
 //   gq[t] += d u,  gv += d y,  gk[s] = kscale * sum_t d u (written scaled, overwritten)
 // DIRECT: the tile holds every query of the item, so each gk row is complete when the tile ends:
 // it is written straight away (no zeroing, reloading or second scaling pass over gk).
-template <int P, int QB, int KB, bool DIRECT>
-void fused_grad_tile(const typename S::T* A, const typename S::T* Bk, int64_t Hp,
+template <int P, int QB, int KB, bool DIRECT, typename K>
+void fused_grad_tile(const typename S::T* A, const K* Bk, int64_t Hp,
                      const typename S::T* de, int64_t ldd, typename S::T* gq, typename S::T* gk,
                      typename S::T* gv, const typename S::T* kscale) {
   using V = typename S::V;
@@ -144,8 +151,8 @@ void fused_grad_tile(const typename S::T* A, const typename S::T* Bk, int64_t Hp
   }
 }
 
-template <int P, int QB, bool DIRECT>
-void fused_grad_cols(const typename S::T* A, const typename S::T* Bk, int64_t nk, int64_t Hp,
+template <int P, int QB, bool DIRECT, typename K>
+void fused_grad_cols(const typename S::T* A, const K* Bk, int64_t nk, int64_t Hp,
                      const typename S::T* de, int64_t ldd, typename S::T* gq, typename S::T* gk,
                      typename S::T* gv, const typename S::T* kscale) {
   int64_t s = 0;
@@ -157,8 +164,8 @@ void fused_grad_cols(const typename S::T* A, const typename S::T* Bk, int64_t nk
                                       kscale);
 }
 
-template <int P>
-void fused_grads_rows(const typename S::T* A, int64_t nq, const typename S::T* Bk, int64_t nk,
+template <int P, typename K>
+void fused_grads_rows(const typename S::T* A, int64_t nq, const K* Bk, int64_t nk,
                       int64_t Hp, const typename S::T* de, int64_t ldd, typename S::T* gq,
                       typename S::T* gk, typename S::T* gv, const typename S::T* kscale) {
   using T = typename S::T;
@@ -189,7 +196,8 @@ void fused_grads_rows(const typename S::T* A, int64_t nq, const typename S::T* B
       S::store(gk + s * Hp + h, S::mul(S::load(gk + s * Hp + h), S::load(kscale + h)));
 }
 
-void fused_grads(int path, const typename S::T* A, int64_t nq, const typename S::T* Bk,
+template <typename K>
+void fused_grads(int path, const typename S::T* A, int64_t nq, const K* Bk,
                  int64_t nk, int64_t Hp, const typename S::T* de, int64_t ldd, typename S::T* gq,
                  typename S::T* gk, typename S::T* gv, const typename S::T* kscale) {
   if (path == kProduct) {
@@ -201,14 +209,15 @@ void fused_grads(int path, const typename S::T* A, int64_t nq, const typename S:
   }
 }
 
-typename S::T pack_rows(const typename S::T* src, int64_t rows, int64_t H,
-                        const typename S::T* add, typename S::T* dst, int64_t Hp) {
+template <typename M>
+typename S::T pack_rows(const M* src, int64_t rows, int64_t H, const typename S::T* add,
+                        typename S::T* dst, int64_t Hp) {
   using V = typename S::V;
   using T = typename S::T;
   V big = S::zero();
   T tail = T(0);
   for (int64_t r = 0; r < rows; ++r) {
-    const T* x = src + r * H;
+    const M* x = src + r * H;
     T* y = dst + r * Hp;
     int64_t h = 0;
     for (; h + S::W <= H; h += S::W) {
@@ -218,7 +227,7 @@ typename S::T pack_rows(const typename S::T* src, int64_t rows, int64_t H,
       big = S::absmax(xv, big);
     }
     for (; h < H; ++h) {
-      const T xs = add != nullptr ? x[h] + add[h] : x[h];
+      const T xs = add != nullptr ? scalar(x[h]) + add[h] : scalar(x[h]);
       y[h] = xs;
       const T ax = xs < T(0) ? -xs : xs;
       tail = ax > tail ? ax : tail;  // NaN compares false and does not count
@@ -241,9 +250,9 @@ void scale_rows(const typename S::T* src, int64_t rows, int64_t Hp, const typena
 }
 
 // out[o * D + d] = sum_{i < n_in} w[o * so + i * si] x[i * D + d] for o < n_out (overwrites).
-template <int OB>
+template <int OB, typename X>
 void weighted_rows_block(const typename S::T* w, int64_t so, int64_t si, int64_t n_in,
-                         const typename S::T* x, int64_t D, typename S::T* out) {
+                         const X* x, int64_t D, typename S::T* out) {
   using V = typename S::V;
   using T = typename S::T;
   int64_t d = 0;
@@ -276,7 +285,7 @@ void weighted_rows_block(const typename S::T* w, int64_t so, int64_t si, int64_t
   for (; d < D; ++d) {
     for (int o = 0; o < OB; ++o) {
       T acc = T(0);
-      for (int64_t i = 0; i < n_in; ++i) acc += w[o * so + i * si] * x[i * D + d];
+      for (int64_t i = 0; i < n_in; ++i) acc += w[o * so + i * si] * scalar(x[i * D + d]);
       out[o * D + d] = acc;
     }
   }
@@ -285,15 +294,16 @@ void weighted_rows_block(const typename S::T* w, int64_t so, int64_t si, int64_t
 // One output row, x read row by row (four rows per sweep of the L1-resident output): for few
 // outputs (a decoding step's context) x streams from memory in address order, which the hardware
 // prefetchers follow, instead of n_in interleaved streams.
-void weighted_row_stream(const typename S::T* w, int64_t si, int64_t n_in, const typename S::T* x,
-                         int64_t D, typename S::T* out) {
+template <typename X>
+void weighted_row_stream(const typename S::T* w, int64_t si, int64_t n_in, const X* x, int64_t D,
+                         typename S::T* out) {
   using V = typename S::V;
   using T = typename S::T;
   for (int64_t d = 0; d < D; ++d) out[d] = T(0);
   const int64_t Dv = D / S::W * S::W;
   int64_t i = 0;
   for (; i + 4 <= n_in; i += 4) {
-    const T* x0 = x + i * D;
+    const X* x0 = x + i * D;
     const V w0 = S::set1(w[i * si]), w1 = S::set1(w[(i + 1) * si]);
     const V w2 = S::set1(w[(i + 2) * si]), w3 = S::set1(w[(i + 3) * si]);
     for (int64_t d = 0; d < Dv; d += S::W) {
@@ -305,20 +315,21 @@ void weighted_row_stream(const typename S::T* w, int64_t si, int64_t n_in, const
       S::store(out + d, acc);
     }
     for (int64_t d = Dv; d < D; ++d) {
-      out[d] += w[i * si] * x0[d] + w[(i + 1) * si] * x0[D + d] + w[(i + 2) * si] * x0[2 * D + d] +
-                w[(i + 3) * si] * x0[3 * D + d];
+      out[d] += w[i * si] * scalar(x0[d]) + w[(i + 1) * si] * scalar(x0[D + d]) +
+                w[(i + 2) * si] * scalar(x0[2 * D + d]) + w[(i + 3) * si] * scalar(x0[3 * D + d]);
     }
   }
   for (; i < n_in; ++i) {
-    const T* xi = x + i * D;
+    const X* xi = x + i * D;
     const V wi = S::set1(w[i * si]);
     for (int64_t d = 0; d < Dv; d += S::W) S::store(out + d, S::fma(wi, S::load(xi + d), S::load(out + d)));
-    for (int64_t d = Dv; d < D; ++d) out[d] += w[i * si] * xi[d];
+    for (int64_t d = Dv; d < D; ++d) out[d] += w[i * si] * scalar(xi[d]);
   }
 }
 
+template <typename X>
 void weighted_rows(const typename S::T* w, int64_t so, int64_t si, int64_t n_out, int64_t n_in,
-                   const typename S::T* x, int64_t D, typename S::T* out) {
+                   const X* x, int64_t D, typename S::T* out) {
   if (n_out < 4) {
     for (int64_t o = 0; o < n_out; ++o) weighted_row_stream(w + o * so, si, n_in, x, D, out + o * D);
     return;
@@ -329,9 +340,8 @@ void weighted_rows(const typename S::T* w, int64_t so, int64_t si, int64_t n_out
 }
 
 // out[i * ldo + j] = sum_d a[i * D + d] b[j * D + d] for i < na, j < nb.
-template <int IB, int JB>
-void dots_block(const typename S::T* a, const typename S::T* b, int64_t D, typename S::T* out,
-                int64_t ldo) {
+template <int IB, int JB, typename M>
+void dots_block(const M* a, const M* b, int64_t D, typename S::T* out, int64_t ldo) {
   using V = typename S::V;
   using T = typename S::T;
   V acc[IB][JB];
@@ -349,14 +359,15 @@ void dots_block(const typename S::T* a, const typename S::T* b, int64_t D, typen
   for (int i = 0; i < IB; ++i) {
     for (int j = 0; j < JB; ++j) {
       T sum = S::hsum(acc[i][j]);
-      for (int64_t e = d; e < D; ++e) sum += a[i * D + e] * b[j * D + e];
+      for (int64_t e = d; e < D; ++e) sum += scalar(a[i * D + e]) * scalar(b[j * D + e]);
       out[i * ldo + j] = sum;
     }
   }
 }
 
-void dots(const typename S::T* a, int64_t na, const typename S::T* b, int64_t nb, int64_t D,
-          typename S::T* out, int64_t ldo) {
+template <typename M>
+void dots(const M* a, int64_t na, const M* b, int64_t nb, int64_t D, typename S::T* out,
+          int64_t ldo) {
   constexpr int IB = S::QB;  // the score tile's register budget: 4 x 4 (AVX-512) or 2 x 4
   int64_t i = 0;
   for (; i + IB <= na; i += IB) {
@@ -492,10 +503,40 @@ void lstm_gates_bwd(const typename S::T* __restrict__ saved, const typename S::T
   }
 }
 
+// bfloat16 rows to and from T, a vector at a time (the tails element by element).
+void to_bf16(const typename S::T* src, int64_t n, Bf16* dst) {
+  int64_t i = 0;
+  for (; i + S::W <= n; i += S::W) S::store(dst + i, S::load(src + i));
+  for (; i < n; ++i) dst[i] = float_to_bf16(float(src[i]));
+}
+
+void from_bf16(const Bf16* src, int64_t n, typename S::T* dst) {
+  int64_t i = 0;
+  for (; i + S::W <= n; i += S::W) S::store(dst + i, S::load(src + i));
+  for (; i < n; ++i) dst[i] = scalar(src[i]);
+}
+
 const KernelTable<typename S::T>& table(const char* name) {
-  static const KernelTable<typename S::T> t{name,   pack_rows, exp_inplace, scale_rows,
-                                            weighted_rows, dots, scores, fused_grads,
-                                            tanh_pairs, gru_gates_fwd, gru_gates_bwd,
-                                            lstm_gates_fwd, lstm_gates_bwd};
+  using T = typename S::T;
+  static const KernelTable<T> t{name,
+                                pack_rows<T>,
+                                exp_inplace,
+                                scale_rows,
+                                weighted_rows<T>,
+                                dots<T>,
+                                scores<T>,
+                                fused_grads<T>,
+                                tanh_pairs,
+                                gru_gates_fwd,
+                                gru_gates_bwd,
+                                lstm_gates_fwd,
+                                lstm_gates_bwd,
+                                pack_rows<Bf16>,
+                                scores<Bf16>,
+                                fused_grads<Bf16>,
+                                weighted_rows<Bf16>,
+                                dots<Bf16>,
+                                to_bf16,
+                                from_bf16};
   return t;
 }

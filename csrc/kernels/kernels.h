@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 // x86-64 SIMD paths (AVX2, AVX-512) exist on x86-64 with GCC or Clang; elsewhere (aarch64, or
 // -DSEQ2SEQ_FAST_NO_X86_SIMD to check that build here) only the portable kernels are compiled.
@@ -35,6 +36,27 @@
 namespace seq2seq_fast {
 
 enum TanhPath : int { kProduct = 0, kRational = 1, kProductCapped = 2 };
+
+// bfloat16 storage: the upper 16 bits of a float32 (c10::BFloat16's layout, so a tensor's
+// data_ptr<at::BFloat16>() can be read as Bf16). To float32: a 16-bit shift, exact. From float32:
+// round to nearest even; NaN becomes the quiet NaN 0x7FC0 (as c10 rounds).
+struct Bf16 {
+  uint16_t bits;
+};
+
+inline float bf16_to_float(Bf16 x) {
+  const uint32_t u = uint32_t(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline Bf16 float_to_bf16(float f) {
+  if (f != f) return Bf16{0x7FC0};
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return Bf16{uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)};
+}
 
 template <typename T>
 struct KernelTable {
@@ -83,6 +105,23 @@ struct KernelTable {
   // Its backward: dh, dc = dL/dh, dL/dc_new -> d_gates (4H; gi's and gh's alike), dc_prev (H).
   void (*lstm_gates_bwd)(const T* saved, const T* c, const T* dh, const T* dc, T* d_gates,
                          T* dc_prev, int64_t H);
+
+  // bfloat16 storage, T arithmetic: the kernels above with their large operands read as bfloat16
+  // rows, converted in registers (the arithmetic is the same template code). Outputs are T rows;
+  // to_bf16 rounds a (cache-resident) row segment to the bfloat16 output.
+  T (*pack_rows_bf16)(const Bf16* src, int64_t rows, int64_t H, const T* add, T* dst, int64_t Hp);
+  void (*scores_bf16)(int path, const T* A, int64_t nq, const Bf16* Bk, int64_t nk, int64_t Hp,
+                      const T* veff, T offset, T* out, int64_t ldo);
+  void (*fused_grads_bf16)(int path, const T* A, int64_t nq, const Bf16* Bk, int64_t nk,
+                           int64_t Hp, const T* de, int64_t ldd, T* gq, T* gk, T* gv,
+                           const T* kscale);
+  void (*weighted_rows_bf16)(const T* w, int64_t so, int64_t si, int64_t n_out, int64_t n_in,
+                             const Bf16* x, int64_t D, T* out);
+  void (*dots_bf16)(const Bf16* a, int64_t na, const Bf16* b, int64_t nb, int64_t D, T* out,
+                    int64_t ldo);
+  // dst[i] = src[i] rounded to bfloat16 (nearest even), dst[i] = src[i] as T, for i < n.
+  void (*to_bf16)(const T* src, int64_t n, Bf16* dst);
+  void (*from_bf16)(const Bf16* src, int64_t n, T* dst);
 };
 
 // Largest |a|, |b| for the product path: exp(+-2a) stays a normal float (e^80 = 5.5e34).

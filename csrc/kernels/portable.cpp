@@ -18,6 +18,8 @@ struct Scalar {
   static constexpr int KB = 4;
   static inline V load(const T* p) { return *p; }
   static inline void store(T* p, V x) { *p = x; }
+  static inline V load(const Bf16* p) { return T(bf16_to_float(*p)); }
+  static inline void store(Bf16* p, V x) { *p = float_to_bf16(float(x)); }
   static inline V set1(T x) { return x; }
   static inline V zero() { return T(0); }
   static inline V add(V a, V b) { return a + b; }

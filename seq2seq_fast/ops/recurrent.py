@@ -42,14 +42,16 @@ if CPU_KERNEL_ERROR is None:  # shapes for torch.compile / FakeTensor tracing of
     @torch.library.register_fake("seq2seq_fast::_gru_recurrence_fwd")
     def _(gx, h0, w_hh, b_hh):
         B, T, G = gx.shape
-        saved = gx.new_empty(B, T, 4 * (G // 3), dtype=_saved_dtype(gx))
+        # bfloat16: [r | z | n | gh_n | h_t] in float32 (the state in float32 too)
+        gates = 5 if gx.dtype == torch.bfloat16 else 4
+        saved = gx.new_empty(B, T, gates * (G // 3), dtype=_saved_dtype(gx))
         return gx.new_empty(B, T, G // 3), saved
 
     @torch.library.register_fake("seq2seq_fast::_gru_recurrence_bwd")
     def _(grad_hs, h0, hs, saved, w_hh, has_bias):
         B, T, H = hs.shape
-        bias = hs.new_empty(3 * H) if has_bias else hs.new_empty(0)
-        return hs.new_empty(B, T, 3 * H), hs.new_empty(B, H), hs.new_empty(3 * H, H), bias
+        bias = w_hh.new_empty(3 * H) if has_bias else w_hh.new_empty(0)
+        return hs.new_empty(B, T, 3 * H), h0.new_empty(B, H), w_hh.new_empty(3 * H, H), bias
 
     @torch.library.register_fake("seq2seq_fast::_gru_cell_fwd")
     def _(gates_in, gates_hidden, h):
@@ -214,11 +216,16 @@ def gru_layer(
     """One unidirectional GRU layer, batch first: x [B, T, F], h0 [B, H] -> (outputs [B, T, H],
     last state [B, H]), as ``nn.GRU(F, H, batch_first=True)`` with those parameters.
 
-    float32/64 or bfloat16; under CPU autocast (bfloat16) the input product runs in bfloat16 and
-    the recurrence takes the weights cast to it (as autocast casts a product's inputs). bfloat16
-    is storage only: gates, state and gradient sums are float32 inside the ops."""
+    float32/64 or bfloat16; under CPU autocast (bfloat16) the input product over all steps runs in
+    bfloat16 and the recurrence reads the bfloat16 gx, while its per-step product h W_hh^T runs
+    in float32 with W_hh as given (float32 master weights are not cast; their gradients come back
+    float32). Gates, state and gradient sums are float32 inside the ops."""
     gx = F.linear(x, weight_ih, bias_ih)
     dtype = gx.dtype
-    b_hh = None if bias_hh is None else bias_hh.to(dtype)
-    hs = _GRURecurrence.apply(gx.contiguous(), h0.to(dtype).contiguous(), weight_hh.to(dtype), b_hh)
+    # bfloat16 gx takes float32 W_hh / b_hh as they are; otherwise one dtype throughout
+    w_dtype = torch.float32 if dtype == torch.bfloat16 and weight_hh.dtype == torch.float32 else dtype
+    b_hh = None if bias_hh is None else bias_hh.to(w_dtype)
+    hs = _GRURecurrence.apply(
+        gx.contiguous(), h0.to(dtype).contiguous(), weight_hh.to(w_dtype), b_hh
+    )
     return hs, hs[:, -1]

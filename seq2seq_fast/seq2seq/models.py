@@ -36,6 +36,7 @@ from seq2seq_fast.nn.stepwise import StepwiseMemory
 from seq2seq_fast.ops import recurrent as fused_gru
 from seq2seq_fast.ops.linear_cross_entropy import linear_cross_entropy
 from seq2seq_fast.seq2seq.data import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (re-exported)
+from seq2seq_fast.seq2seq.precision import cast_once
 
 CELLS = ("gru", "lstm")
 DECODERS = ("bahdanau", "gnmt")
@@ -278,7 +279,8 @@ class Encoder(nn.Module):
     def forward(
         self, src: Tensor, lengths: Tensor, *, packed: bool | None = None
     ) -> tuple[Tensor, Tensor]:
-        embedded = self.dropout(self.embedding(src))
+        # bf16 autocast: cast once for both directions' input products (precision.py)
+        embedded = cast_once(self.dropout(self.embedding(src)))
         outputs, final = self.run_rnn(embedded, lengths, packed=packed)
         summary = torch.cat([final[-2], final[-1]], dim=-1) if self.bidirectional else final[-1]
         return self.dropout(outputs), summary
@@ -358,14 +360,15 @@ class BahdanauDecoder(nn.Module):
             top_weight = torch.cat([top_weight, query_weight])
             if top_bias is not None:
                 top_bias = torch.cat([top_bias, top_bias.new_zeros(query_weight.shape[0])])
+        # Under bf16 autocast: cast once here, not at every step's use (precision.py).
         return _StepWeights(
-            first.weight_ih[:, : self.embed_size],
-            first.weight_ih[:, self.embed_size :],
-            first.bias_ih,
-            top_weight,
-            top_bias,
-            None if stack_query else query_weight,
-            self.attention.score_vector(),
+            cast_once(first.weight_ih[:, : self.embed_size]),
+            cast_once(first.weight_ih[:, self.embed_size :]),
+            cast_once(first.bias_ih),
+            cast_once(top_weight),
+            cast_once(top_bias),
+            None if stack_query else cast_once(query_weight),
+            tuple(cast_once(t) for t in self.attention.score_vector()),
         )
 
     def _step(

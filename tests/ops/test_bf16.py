@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import seq2seq_fast
+from bench.harness import peak_extra_bytes
 from seq2seq_fast import additive_attention
 from seq2seq_fast.nn.attention import BahdanauAttention
 from seq2seq_fast.ops import recurrent
@@ -72,6 +73,127 @@ def test_attention_bf16_within_twice_plain_pytorch_error(shape, kind):
     )
 
 
+ISAS = ("portable", "avx2", "avx512")
+
+
+def _use_isa(isa, monkeypatch):
+    monkeypatch.setenv("SEQ2SEQ_FAST_ISA", isa)
+    if torch.ops.seq2seq_fast._cpu_isa() != isa:
+        pytest.skip(f"this CPU has no {isa}")
+
+
+def _bf16_against_plain(inputs, lengths, mask, *, step=False, strided=False, seed=23):
+    """Every output and gradient of the fused op in bfloat16 within twice plain PyTorch's bfloat16
+    error against the float64 truth. step: query [B, H] (a decoding step); strided: every input a
+    non-contiguous slice of a wider buffer."""
+    query = inputs[0]
+    gen = torch.Generator().manual_seed(seed)
+    ctx_shape = (query.shape[0], query.shape[1], inputs[2].shape[-1])
+    gc = torch.randn(ctx_shape, generator=gen, dtype=torch.float64)
+    gw = torch.randn((*query.shape[:2], inputs[1].shape[1]), generator=gen, dtype=torch.float64)
+    if step:
+        inputs = (query[:, 0], *inputs[1:])
+        gc, gw = gc[:, 0], gw[:, 0]
+
+    def cast(t, dtype):
+        t = t.to(dtype)
+        if not strided:
+            return t
+        wide = torch.zeros((*t.shape[:-1], 2 * t.shape[-1]), dtype=dtype)
+        wide[..., ::2] = t
+        out = wide[..., ::2]
+        assert not out.is_contiguous()
+        return out
+
+    def run(fn, dtype):
+        context, weights, grads = forward_backward(
+            fn, [cast(t, dtype) for t in inputs], lengths, mask, gc.to(dtype), gw.to(dtype)
+        )
+        return [context, weights, *grads]
+
+    names = ("context", "weights", *(f"grad {n}" for n in GRAD_NAMES))
+    truth = run(additive_attention_ref, torch.float64)
+    _assert_within_twice_plain(
+        names, run(additive_attention, BF16), truth, run(additive_attention_ref, BF16)
+    )
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(
+    "shape,kind,step,strided",
+    [
+        ((3, 5, 9, 12, 7), "lengths", False, False),  # H not a multiple of 16: packed keys
+        ((2, 1, 11, 16, 5), "mask", True, False),  # a decoding step: raw bfloat16 keys rows
+        ((3, 1, 13, 32, 8), "lengths", True, True),  # strided step, empty row
+        ((1, 24, 10, 16, 6), "none", False, False),  # one batch row: queries split over items
+        ((2, 6, 7, 20, 9), "mask", False, True),  # strided, an all-masked row
+    ],
+    ids=["packed", "step-raw-keys", "step-strided", "split-rows", "strided-mask"],
+)
+def test_attention_bf16_every_path_and_isa(isa, shape, kind, step, strided, monkeypatch):
+    _use_isa(isa, monkeypatch)
+    inputs = make_inputs(*shape, torch.float64, seed=29)
+    lengths, mask = key_masks(kind, shape[0], shape[2], seed=29)
+    _bf16_against_plain(inputs, lengths, mask, step=step, strided=strided)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_attention_bf16_product_path_large_preactivations(isa, monkeypatch):
+    """Pre-activations where e^{2a} e^{2b} overflows (the capped product path, issue 24): finite
+    and within the bfloat16 rule, on every instruction set."""
+    _use_isa(isa, monkeypatch)
+    inputs = list(make_inputs(2, 6, 8, 16, 4, torch.float64, seed=31))
+    inputs[0] = inputs[0].sign() * 30 + inputs[0]  # |q| + |k| up to ~35..40: past the safe sum
+    inputs[1] = inputs[1].sign() * 10 + inputs[1]
+    _bf16_against_plain(inputs, torch.tensor([8, 5]), None)
+
+
+def test_attention_bf16_backward_without_saved_weights():
+    """The backward op called without the forward's weights recomputes them (in float32) and gives
+    what the backward with them gives, up to bfloat16 rounding of the saved weights."""
+    inputs = [t.to(BF16) for t in make_inputs(2, 5, 9, 16, 6, torch.float32, seed=37)]
+    lengths = torch.tensor([9, 0])
+    ctx, weights, lse = torch.ops.seq2seq_fast.additive_attention_fwd(
+        *inputs, lengths, None, True
+    )
+    gc = torch.randn(ctx.shape, generator=torch.Generator().manual_seed(3)).to(BF16)
+    bwd = torch.ops.seq2seq_fast.additive_attention_bwd
+    with_p = bwd(gc, None, *inputs, lengths, None, ctx, lse, weights)
+    without = bwd(gc, None, *inputs, lengths, None, ctx, lse, None)
+    for a, b in zip(with_p, without, strict=True):
+        assert a.dtype == b.dtype == BF16
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.02, atol=0.02 * a.abs().max().item())
+    assert (without[0][1] == 0).all()  # the empty row's query gradient
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward+backward"])
+def test_attention_bf16_extra_memory_is_what_float32_needs(backward):
+    """No whole-tensor float32 copies around the kernel: the bfloat16 op's extra memory (beyond
+    its inputs and outputs) is at most the float32 op's, which is O(B * Tq)."""
+    shape = (8, 1, 64, 256, 256)
+
+    def extra(dtype):
+        inputs = [t.to(dtype) for t in make_inputs(*shape, torch.float32, seed=41)]
+        inputs[0] = inputs[0][:, 0]
+        gc = torch.randn(shape[0], shape[4]).to(dtype)
+
+        def call():
+            leaves = [t.detach().requires_grad_(backward) for t in inputs]
+            if not backward:
+                with torch.no_grad():
+                    return additive_attention(*leaves)
+            context, _ = additive_attention(*leaves)
+            grads = torch.autograd.grad(context, leaves, gc)
+            return (context, *grads)
+
+        call()
+        return peak_extra_bytes(call, "cpu")
+
+    bf16, fp32 = extra(BF16), extra(torch.float32)
+    batch_by_keys = shape[0] * shape[2] * 4  # one float per (row, key): weights-sized
+    assert bf16 <= fp32 + batch_by_keys, f"extra bytes: bfloat16 {bf16}, float32 {fp32}"
+
+
 def test_attention_module_under_autocast_runs_the_fused_op():
     """float32 module and inputs under autocast: the fused op runs in bfloat16 (backend="fused":
     no reference fallback), its outputs are bfloat16 and the parameters' gradients float32."""
@@ -122,6 +244,29 @@ def test_gru_layer_bf16_within_twice_plain_pytorch_error():
     ours = _gru_outputs(rnn_bf16, x.to(BF16), h0.to(BF16), fused=True)
     names = ("output", "grad x", "grad h0", "grad w_ih", "grad w_hh", "grad b_ih", "grad b_hh")
     _assert_within_twice_plain(names, ours, truth, plain)
+
+
+def test_gru_layer_bf16_input_with_float32_weights():
+    """The autocast plan: bfloat16 x (so bfloat16 gx), float32 W_hh / b_hh used as they are in
+    the float32 per-step product; W_hh's and b_hh's gradients come back float32, and everything
+    stays within twice plain PyTorch bfloat16's error against float64."""
+    torch.manual_seed(3)
+    rnn = nn.GRU(24, 32, batch_first=True).double()
+    x, h0 = torch.randn(4, 9, 24, dtype=torch.float64), torch.randn(4, 32, dtype=torch.float64)
+    truth = _gru_outputs(rnn, x, h0, fused=False)
+    plain = _gru_outputs(rnn.to(BF16), x.to(BF16), h0.to(BF16), fused=False)
+    rnn_ih_bf16 = nn.GRU(24, 32, batch_first=True)
+    rnn_ih_bf16.load_state_dict(rnn.state_dict())
+    rnn_ih_bf16.weight_ih_l0.data = rnn_ih_bf16.weight_ih_l0.data.to(BF16)
+    rnn_ih_bf16.bias_ih_l0.data = rnn_ih_bf16.bias_ih_l0.data.to(BF16)
+    ours = _gru_outputs(rnn_ih_bf16, x.to(BF16), h0.to(BF16), fused=True)
+    dtypes = [t.dtype for t in ours]
+    assert dtypes == [BF16, BF16, BF16, BF16, torch.float32, BF16, torch.float32], dtypes
+    names = ("output", "grad x", "grad h0", "grad w_ih", "grad w_hh", "grad b_ih", "grad b_hh")
+    for name, out, want, base in zip(names, ours, truth, plain, strict=True):
+        scale = max(1.0, want.abs().max().item())
+        allowed = 2 * _max_error(base, want) + 2 * EPS * scale
+        assert _max_error(out, want) <= allowed, name
 
 
 @pytest.mark.parametrize("cell_type", ["gru", "lstm"])

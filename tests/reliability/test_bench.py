@@ -53,6 +53,45 @@ def test_benchmark_files_run_on_tiny_shapes():
     assert " failed" not in proc.stdout and " error" not in proc.stdout
 
 
+def _table(text: str, section: str) -> list[list[str]]:
+    """The body rows of the markdown table under the heading that starts with ``section``."""
+    lines = text.split(f"## {section}", 1)[1].splitlines()[1:]
+    end = next((i for i, line in enumerate(lines) if line.startswith("## ")), len(lines))
+    rows = [line for line in lines[:end] if line.startswith("|")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:]]
+
+
+@pytest.mark.slow
+def test_bench_bf16_runs_on_tiny_shapes():
+    """python -m bench.bench_bf16 in CI: every table present and filled with numbers."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.bench_bf16", "--size", "tiny", "--op-size", "tiny",
+         "--rounds", "1", "--threads", "1"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    text = proc.stdout
+    hardware = dict(_table(text, "hardware"))
+    assert hardware["native bf16 products (oneDNN)"] in ("True", "False", "None")
+    assert hardware["kernel instruction set (_C)"] in ("portable", "avx2", "avx512")
+    training = _table(text, "training")
+    assert [row[0] for row in training] == [
+        "whole step", "encoder", "decoder", "output+loss", "optimizer"
+    ]  # fmt: skip
+    for _, fp32_ms, bf16_ms, ratio in training:
+        assert float(fp32_ms) > 0 and float(bf16_ms) > 0 and float(ratio) > 0
+    conversion = dict(_table(text, "conversion"))
+    share = float(conversion["dtype-changing aten::copy_ share of step CPU time"].rstrip("%"))
+    assert 0 <= share <= 100 and float(conversion["step CPU self time ms"]) > 0
+    op = _table(text, "op")
+    assert {(row[0], row[1]) for row in op} == {
+        (s.name, m) for s in shapes.TINY_SHAPES for m in shapes.MODES
+    }
+    for row in op:
+        assert float(row[2]) > 0 and float(row[3]) > 0 and float(row[4]) > 0
+        assert row[5].endswith("B") and row[6].endswith("B")
+
+
 @pytest.mark.slow
 def test_report_quick_writes_tables_and_json(tmp_path):
     out = tmp_path / "bench.json"
