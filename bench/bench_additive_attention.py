@@ -38,10 +38,14 @@ def test_additive_attention(benchmark, provider, mode, shape, bench_device, benc
     peak = harness.peak_extra_bytes(call, bench_device)
     benchmark.extra_info.update(
         report.benchmark_extra_info(
-            provider=provider, mode=mode, device=bench_device, dtype=bench_dtype, shape=shape,
+            provider=provider,
+            mode=mode,
+            device=bench_device,
+            dtype=bench_dtype,
+            shape=shape,
             peak_extra=peak,
         )
-    )  # fmt: skip
+    )
     outputs = benchmark(timing.synchronized(call, bench_device))
     report.add_rate(benchmark.extra_info, benchmark)
     assert outputs[0].shape == (shape.batch, shape.q_len, shape.value_dim)

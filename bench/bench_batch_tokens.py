@@ -83,10 +83,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     base = TrainConfig.for_task(
-        "translate", data=args.data, max_pairs=args.max_pairs, direction=args.direction,
-        spm_vocab_size=args.spm_vocab_size, batch_size=args.batch_size, seed=args.seed,
-        progress=False, heatmap=False,
-    )  # fmt: skip
+        "translate",
+        data=args.data,
+        max_pairs=args.max_pairs,
+        direction=args.direction,
+        spm_vocab_size=args.spm_vocab_size,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        progress=False,
+        heatmap=False,
+    )
     ctx = Dist()
     task = build_task(base, ctx, None)
     modes = {f"--batch-size {args.batch_size}": base}
@@ -103,10 +109,14 @@ def main() -> None:
             name = names[(r + i) % len(names)]
             results[name].append(_run(jobs[name], plans[name], 1 + r * args.steps, args.steps))
     first = None
-    print(f"{args.steps} steps x {args.rounds} rounds, {args.threads} thread(s), "
-          f"{len(task.corpus.train)} training pairs, target vocabulary {len(task.tgt_vocab)}")  # fmt: skip
-    print("| batching | batches/epoch | pairs/batch | target tok/batch | padding src / tgt "
-          "| tok/CPU-s | tok/s wall | vs batch-size (CPU) | per round | valid loss |")  # fmt: skip
+    print(
+        f"{args.steps} steps x {args.rounds} rounds, {args.threads} thread(s), "
+        f"{len(task.corpus.train)} training pairs, target vocabulary {len(task.tgt_vocab)}"
+    )
+    print(
+        "| batching | batches/epoch | pairs/batch | target tok/batch | padding src / tgt "
+        "| tok/CPU-s | tok/s wall | vs batch-size (CPU) | per round | valid loss |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     for name in names:
         plan, rows = plans[name], results[name]
@@ -119,9 +129,11 @@ def main() -> None:
         per_round = [t / c for t, c, _ in rows]
         first = first or per_round
         ratios = " ".join(f"{a / b:.2f}" for a, b in zip(per_round, first, strict=True))
-        print(f"| {name} | {len(plan)} | {pairs:.1f} | {target:.0f} | {src_pad:.1%} / "
-              f"{tgt_pad:.1%} | {cpu:,.0f} | {wall:,.0f} | {cpu / statistics.median(first):.2f}x "
-              f"| {ratios} | {_valid_loss(jobs[name]):.3f} |")  # fmt: skip
+        print(
+            f"| {name} | {len(plan)} | {pairs:.1f} | {target:.0f} | {src_pad:.1%} / "
+            f"{tgt_pad:.1%} | {cpu:,.0f} | {wall:,.0f} | {cpu / statistics.median(first):.2f}x "
+            f"| {ratios} | {_valid_loss(jobs[name]):.3f} |"
+        )
 
 
 if __name__ == "__main__":

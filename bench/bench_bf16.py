@@ -67,9 +67,14 @@ def hardware() -> dict[str, Any]:
 
 def _model(size: TrainSize, decoder: str, seed: int = 0) -> Seq2Seq:
     torch.manual_seed(seed)
-    config = Seq2SeqConfig(src_vocab_size=size.vocab, tgt_vocab_size=size.vocab,
-                           embed_size=size.hidden, hidden_size=size.hidden, decoder=decoder,
-                           backend="fused")  # fmt: skip
+    config = Seq2SeqConfig(
+        src_vocab_size=size.vocab,
+        tgt_vocab_size=size.vocab,
+        embed_size=size.hidden,
+        hidden_size=size.hidden,
+        decoder=decoder,
+        backend="fused",
+    )
     return Seq2Seq(config).train()
 
 
@@ -157,8 +162,14 @@ def training_table(
         fp32 = getattr(samples[f"{name}|fp32"], f"{clock}_s")
         bf16 = getattr(samples[f"{name}|bf16"], f"{clock}_s")
         ratio = statistics.median(b / f for b, f in zip(bf16, fp32, strict=True))
-        rows.append({"part": name, "fp32_ms": statistics.median(fp32) * 1e3,
-                     "bf16_ms": statistics.median(bf16) * 1e3, "ratio": ratio})  # fmt: skip
+        rows.append(
+            {
+                "part": name,
+                "fp32_ms": statistics.median(fp32) * 1e3,
+                "bf16_ms": statistics.median(bf16) * 1e3,
+                "ratio": ratio,
+            }
+        )
     return rows
 
 
@@ -183,13 +194,17 @@ def op_table(op_size: str, rounds: int, clock: str = "wall") -> list[dict[str, A
             samples = time_interleaved(calls, "cpu", rounds, min_sample_s=0.02, warmup=2)
             fp32 = getattr(samples[str(torch.float32)], f"{clock}_s")
             bf16 = getattr(samples[str(BF16)], f"{clock}_s")
-            rows.append({
-                "shape": shape.name, "mode": mode,
-                "fp32_ms": statistics.median(fp32) * 1e3, "bf16_ms": statistics.median(bf16) * 1e3,
-                "ratio": statistics.median(b / f for b, f in zip(bf16, fp32, strict=True)),
-                "fp32_extra": peak_extra_bytes(calls[str(torch.float32)], "cpu"),
-                "bf16_extra": peak_extra_bytes(calls[str(BF16)], "cpu"),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "shape": shape.name,
+                    "mode": mode,
+                    "fp32_ms": statistics.median(fp32) * 1e3,
+                    "bf16_ms": statistics.median(bf16) * 1e3,
+                    "ratio": statistics.median(b / f for b, f in zip(bf16, fp32, strict=True)),
+                    "fp32_extra": peak_extra_bytes(calls[str(torch.float32)], "cpu"),
+                    "bf16_extra": peak_extra_bytes(calls[str(BF16)], "cpu"),
+                }
+            )
     return rows
 
 
@@ -220,16 +235,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     size = TRAIN_SIZES[args.size]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.clock} clock, "
-          f"median of {args.rounds} interleaved rounds; ratio = bf16 time / fp32 time")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.clock} clock, "
+        f"median of {args.rounds} interleaved rounds; ratio = bf16 time / fp32 time"
+    )
     print("\n## hardware\n\n| what | value |\n| --- | --- |")
     for key, value in hardware().items():
         print(f"| {key} | {value} |")
     print(f"\n## training ({size.label}, decoder {args.decoder})\n")
     print("| part | fp32 ms | bf16 ms | bf16/fp32 |\n| --- | ---: | ---: | ---: |")
     for row in training_table(size, args.decoder, args.rounds, args.clock):
-        print(f"| {row['part']} | {row['fp32_ms']:.2f} | {row['bf16_ms']:.2f} | "
-              f"{row['ratio']:.2f} |", flush=True)  # fmt: skip
+        print(
+            f"| {row['part']} | {row['fp32_ms']:.2f} | {row['bf16_ms']:.2f} | {row['ratio']:.2f} |",
+            flush=True,
+        )
     conv = conversion_share(size, args.decoder)
     print("\n## conversion (one bf16 step, torch.profiler)\n")
     print("| what | value |\n| --- | ---: |")
@@ -239,12 +258,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| all aten::copy_ share | {conv['copy_share']:.1%} |")
     print(f"| step CPU self time ms | {conv['step_ms']:.1f} |")
     print(f"\n## op (fused additive attention, {args.op_size} shapes)\n")
-    print("| shape | mode | fp32 ms | bf16 ms | bf16/fp32 | fp32 extra memory | "
-          "bf16 extra memory |\n| --- | --- | ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
+    print(
+        "| shape | mode | fp32 ms | bf16 ms | bf16/fp32 | fp32 extra memory | "
+        "bf16 extra memory |\n| --- | --- | ---: | ---: | ---: | ---: | ---: |"
+    )
     for row in op_table(args.op_size, args.rounds, args.clock):
-        print(f"| {row['shape']} | {row['mode']} | {row['fp32_ms']:.3f} | {row['bf16_ms']:.3f} | "
-              f"{row['ratio']:.2f} | {_bytes(row['fp32_extra'])} | {_bytes(row['bf16_extra'])} |",
-              flush=True)  # fmt: skip
+        print(
+            f"| {row['shape']} | {row['mode']} | {row['fp32_ms']:.3f} | {row['bf16_ms']:.3f} | "
+            f"{row['ratio']:.2f} | {_bytes(row['fp32_extra'])} | {_bytes(row['bf16_extra'])} |",
+            flush=True,
+        )
     return 0
 
 

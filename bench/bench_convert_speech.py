@@ -178,7 +178,7 @@ def _families() -> dict[str, _Family]:
             ),
             _location_start,
             _tacotron2_step,
-        ),  # fmt: skip
+        ),
         "coqui OriginalAttention": _Family(
             lambda s: L.CoquiOriginalAttention(
                 w(s),
@@ -195,7 +195,7 @@ def _families() -> dict[str, _Family]:
             ),
             _coqui_start,
             _coqui_step,
-        ),  # fmt: skip
+        ),
         "allennlp AdditiveAttention": _Family(
             lambda s: L.AllenNLPAdditiveAttention(w(s), w(s)), _allennlp_start, _allennlp_step
         ),

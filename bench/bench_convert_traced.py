@@ -26,9 +26,13 @@ PROVIDERS = {"original": "original", "named": "fused", "traced": "traced"}
 def _suites(size: str):
     return [
         ("nlp", bench_convert, list(bench_convert.MODELS), bench_convert.SIZES[size]),
-        ("speech", bench_convert_speech, list(bench_convert_speech.FAMILIES),
-         bench_convert_speech.SIZES[size]),
-    ]  # fmt: skip
+        (
+            "speech",
+            bench_convert_speech,
+            list(bench_convert_speech.FAMILIES),
+            bench_convert_speech.SIZES[size],
+        ),
+    ]
 
 
 def table(size: str, threads: int, rounds: int, only: list[str] | None) -> str:

@@ -64,8 +64,9 @@ def generate(folder: Path, pairs: int, seed: int = 0, tsv: bool = False) -> tupl
             src.write("\n".join(src_lines) + "\n")
             tgt.write("\n".join(tgt_lines) + "\n")
             if tsv_file is not None:
-                tsv_file.write("".join(f"{s}\t{t}\n" for s, t in zip(src_lines, tgt_lines,
-                                                                      strict=True)))  # fmt: skip
+                tsv_file.write(
+                    "".join(f"{s}\t{t}\n" for s, t in zip(src_lines, tgt_lines, strict=True))
+                )
     if tsv_file is not None:
         tsv_file.close()
     return src_path, tgt_path
@@ -123,8 +124,11 @@ def child(spec: dict) -> None:
 
 def measure(args: list[str], steps: int, warmup: int) -> dict:
     spec = {"args": args, "steps": steps, "warmup": warmup, "spawned": time.time()}
-    proc = subprocess.Popen([sys.executable, "-m", "bench.bench_data_scale", "--child",
-                             json.dumps(spec)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.bench_data_scale", "--child", json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     out = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
@@ -152,8 +156,12 @@ def _show(name: str, result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=2_000_000)
-    parser.add_argument("--compare-pairs", type=int, default=100_000,
-                        help="corpus size of the in-memory vs store comparison (0: skip it)")  # fmt: skip
+    parser.add_argument(
+        "--compare-pairs",
+        type=int,
+        default=100_000,
+        help="corpus size of the in-memory vs store comparison (0: skip it)",
+    )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
@@ -167,8 +175,20 @@ def main() -> None:
         return
     root = Path(args.tmp or tempfile.mkdtemp(prefix="bench_data_scale_"))
     root.mkdir(parents=True, exist_ok=True)
-    common = ["--task", "translate", "--threads", "1", "--no-progress", "--no-heatmap",
-              "--embed-size", args.model, "--hidden-size", args.model, "--epochs", "1"]  # fmt: skip
+    common = [
+        "--task",
+        "translate",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--no-heatmap",
+        "--embed-size",
+        args.model,
+        "--hidden-size",
+        args.model,
+        "--epochs",
+        "1",
+    ]
     results: dict = {"pairs": args.pairs, "compare_pairs": args.compare_pairs}
     try:
         if args.pairs:
@@ -176,11 +196,12 @@ def main() -> None:
             big.mkdir(exist_ok=True)
             started = time.perf_counter()
             src, tgt = generate(big, args.pairs)
-            print(f"generated {args.pairs:,} pairs ({src.stat().st_size / 1e6:.0f} + "
-                  f"{tgt.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - started:.0f} s")  # fmt: skip
+            print(
+                f"generated {args.pairs:,} pairs ({src.stat().st_size / 1e6:.0f} + "
+                f"{tgt.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - started:.0f} s"
+            )
             shutil.rmtree(big / "cache", ignore_errors=True)
-            run = [*common, "--src", str(src), "--tgt", str(tgt), "--cache-dir",
-                   str(big / "cache")]  # fmt: skip
+            run = [*common, "--src", str(src), "--tgt", str(tgt), "--cache-dir", str(big / "cache")]
             for name in ("store_first", "store_reused"):
                 result = measure([*run, "--out", str(big / name)], args.steps, args.warmup)
                 _show(f"{args.pairs:,} pairs, {name}", result)
@@ -198,19 +219,21 @@ def main() -> None:
                     str(tgt),
                     "--cache-dir",
                     str(small / "cache"),
-                ],  # fmt: skip
+                ],
             }
             for r in range(args.rounds):
                 for name in ("in_memory", "store") if r % 2 == 0 else ("store", "in_memory"):
-                    result = measure([*common, *paths[name], "--out", str(small / name)],
-                                     args.steps, args.warmup)  # fmt: skip
+                    result = measure(
+                        [*common, *paths[name], "--out", str(small / name)], args.steps, args.warmup
+                    )
                     _show(f"{args.compare_pairs:,} pairs, {name}, round {r + 1}", result)
                     results.setdefault(name, []).append(result)
             for key in ("tok_per_s", "tok_per_cpu_s"):
                 mem = np.median([x[key] for x in results["in_memory"]])
                 sto = np.median([x[key] for x in results["store"]])
-                print(f"{key}: store / in-memory = {sto / mem:.3f} (medians {sto:,.0f} / "
-                      f"{mem:,.0f})")  # fmt: skip
+                print(
+                    f"{key}: store / in-memory = {sto / mem:.3f} (medians {sto:,.0f} / {mem:,.0f})"
+                )
         out = Path(f"bench/results/data_scale_{args.pairs}.json")
         out.parent.mkdir(exist_ok=True)
         slim = json.loads(json.dumps(results))

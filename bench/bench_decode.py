@@ -32,10 +32,14 @@ def test_decode(benchmark, provider, bench_device, bench_dtype):
     peak = harness.peak_extra_bytes(call, bench_device)
     benchmark.extra_info.update(
         report.benchmark_extra_info(
-            provider=provider, mode="forward", device=bench_device, dtype=bench_dtype,
-            shape=SHAPE, peak_extra=peak,
+            provider=provider,
+            mode="forward",
+            device=bench_device,
+            dtype=bench_dtype,
+            shape=SHAPE,
+            peak_extra=peak,
         )
-    )  # fmt: skip
+    )
     context, weights = benchmark(timing.synchronized(call, bench_device))
     report.add_rate(benchmark.extra_info, benchmark)
     assert context.shape == (SHAPE.batch, SHAPE.value_dim)

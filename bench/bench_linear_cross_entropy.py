@@ -35,8 +35,12 @@ def _fresh_grads(run, *leaves):
 def _variants(x, weight, bias, target, eps):
     def unfused() -> None:
         logits = F.linear(x, weight, bias)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                               ignore_index=0, label_smoothing=eps)  # fmt: skip
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            target.reshape(-1),
+            ignore_index=0,
+            label_smoothing=eps,
+        )
         loss.backward()
 
     def fused() -> None:
@@ -46,19 +50,28 @@ def _variants(x, weight, bias, target, eps):
 
     def fused_bf16() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = linear_cross_entropy(x, weight, bias, target, label_smoothing=eps,
-                                        ignore_index=0)  # fmt: skip
+            loss = linear_cross_entropy(
+                x, weight, bias, target, label_smoothing=eps, ignore_index=0
+            )
         loss.backward()
 
     def unfused_bf16() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = F.linear(x, weight, bias)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                   target.reshape(-1), ignore_index=0, label_smoothing=eps)  # fmt: skip
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(),
+                target.reshape(-1),
+                ignore_index=0,
+                label_smoothing=eps,
+            )
         loss.backward()
 
-    return {"F.linear + F.cross_entropy": unfused, "fused, chunked": fused,
-            "unfused, autocast bf16": unfused_bf16, "fused, autocast bf16": fused_bf16}  # fmt: skip
+    return {
+        "F.linear + F.cross_entropy": unfused,
+        "fused, chunked": fused,
+        "unfused, autocast bf16": unfused_bf16,
+        "fused, autocast bf16": fused_bf16,
+    }
 
 
 def main(argv=None) -> int:
@@ -74,9 +87,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = args.batch * args.length
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {rows} rows "
-          f"({args.pad_fraction:.0%} padding), vocab {args.vocab}, chunk "
-          f"{default_chunk_rows(args.vocab)} rows, median of {args.rounds} rounds\n")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {rows} rows "
+        f"({args.pad_fraction:.0%} padding), vocab {args.vocab}, chunk "
+        f"{default_chunk_rows(args.vocab)} rows, median of {args.rounds} rounds\n"
+    )
     print("| features | variant | ms | vs unfused | logits held (MB) |")
     print("| ---: | --- | ---: | ---: | ---: |")
     for features in (int(f) for f in args.features.split(",")):
@@ -101,8 +116,10 @@ def main(argv=None) -> int:
                 if name.startswith("F.") or name.startswith("unfused")
                 else min(valid, default_chunk_rows(args.vocab)) * args.vocab * 4
             )
-            print(f"| {features} | {name} | {ms * 1e3:.1f} | {base / ms:.2f}x | "
-                  f"{held / 2**20:.0f} |", flush=True)  # fmt: skip
+            print(
+                f"| {features} | {name} | {ms * 1e3:.1f} | {base / ms:.2f}x | {held / 2**20:.0f} |",
+                flush=True,
+            )
     return 0
 
 

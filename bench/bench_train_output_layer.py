@@ -38,23 +38,35 @@ def _batches(vocab: int, count: int, batch: int, max_len: int, seed: int = 0):
         for _ in range(batch):
             n = int(torch.randint(4, max_len + 1, (), generator=gen))
             m = max(1, n + int(torch.randint(-2, 3, (), generator=gen)))
-            pairs.append((torch.randint(4, vocab, (n,), generator=gen).tolist(),
-                          torch.randint(4, vocab, (m,), generator=gen).tolist()))  # fmt: skip
+            pairs.append(
+                (
+                    torch.randint(4, vocab, (n,), generator=gen).tolist(),
+                    torch.randint(4, vocab, (m,), generator=gen).tolist(),
+                )
+            )
         out.append(make_batch(pairs))
     return out
 
 
 def _stepper(decoder: str, output_layer: str, fused: bool, args):
     torch.manual_seed(0)
-    config = Seq2SeqConfig(args.vocab, args.vocab, embed_size=args.hidden, hidden_size=args.hidden,
-                           decoder=decoder, dropout=0.2, output_layer=output_layer)  # fmt: skip
+    config = Seq2SeqConfig(
+        args.vocab,
+        args.vocab,
+        embed_size=args.hidden,
+        hidden_size=args.hidden,
+        decoder=decoder,
+        dropout=0.2,
+        output_layer=output_layer,
+    )
     model = Seq2Seq(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step(batch) -> None:
         if fused:
-            loss, _ = model(batch.src, batch.src_lengths, batch.tgt_in, batch.tgt_out,
-                            label_smoothing=0.1)  # fmt: skip
+            loss, _ = model(
+                batch.src, batch.src_lengths, batch.tgt_in, batch.tgt_out, label_smoothing=0.1
+            )
         else:
             logits, _ = model(batch.src, batch.src_lengths, batch.tgt_in)
             loss = sequence_loss(logits, batch.tgt_out, 0.1)
@@ -84,16 +96,21 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="cpu: this process's CPU time (with 1 thread: robust to a busy "
-                        "machine's waiting)")  # fmt: skip
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: this process's CPU time (with 1 thread: robust to a busy machine's waiting)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     batches = _batches(args.vocab, args.steps, args.batch, args.max_len)
     tokens = sum(b.num_target_tokens for b in batches)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), hidden {args.hidden}, "
-          f"vocab {args.vocab}, {args.batch} sentences of 4-{args.max_len} tokens, median of "
-          f"{args.rounds} rounds of {args.steps} steps, {args.clock} clock\n")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), hidden {args.hidden}, "
+        f"vocab {args.vocab}, {args.batch} sentences of 4-{args.max_len} tokens, median of "
+        f"{args.rounds} rounds of {args.steps} steps, {args.clock} clock\n"
+    )
     print("| decoder | output layer | loss | target tok/s | vs first |")
     print("| --- | --- | --- | ---: | ---: |")
     for decoder in args.decoders.split(","):
@@ -104,8 +121,11 @@ def main(argv=None) -> int:
         first = statistics.median(getattr(samples[VARIANTS[0]], field))
         for (layer, fused), sample in samples.items():
             seconds = statistics.median(getattr(sample, field))
-            print(f"| {decoder} | {layer} | {'fused, chunked' if fused else 'F.cross_entropy'} | "
-                  f"{tokens / seconds:,.0f} | {first / seconds:.2f}x |", flush=True)  # fmt: skip
+            print(
+                f"| {decoder} | {layer} | {'fused, chunked' if fused else 'F.cross_entropy'} | "
+                f"{tokens / seconds:,.0f} | {first / seconds:.2f}x |",
+                flush=True,
+            )
     return 0
 
 

@@ -43,9 +43,13 @@ from bench.shapes import FULL_SHAPES, Shape  # noqa: E402
 
 REGISTERS_PER_SM, SHARED_PER_SM, RESERVED_SHARED = 65536, 228 * 1024, 1024
 MIN_FORWARD_BLOCKS = 3
-QUICK = (("gnmt-train", "bf16", "auto"), ("gnmt-train", "fp32", "auto"),
-         ("decode-step", "bf16", "auto"), ("decode-step", "fp32", "auto"),
-         ("gnmt-train", "bf16", "packed"))  # fmt: skip
+QUICK = (
+    ("gnmt-train", "bf16", "auto"),
+    ("gnmt-train", "fp32", "auto"),
+    ("decode-step", "bf16", "auto"),
+    ("decode-step", "fp32", "auto"),
+    ("gnmt-train", "bf16", "packed"),
+)
 QUICK_KERNELS = {"_fwd_kernel", "_bwd_grad_kernel"}
 
 
@@ -75,8 +79,12 @@ def install_stand_in_driver(arch: int):
             return 0, 0, 0, 0, 1024
 
         def get_device_properties(self, device) -> dict:
-            return {"max_shared_mem": SHARED_PER_SM - RESERVED_SHARED, "multiprocessor_count": 132,
-                    "max_num_regs": REGISTERS_PER_SM, "warpSize": 32}  # fmt: skip
+            return {
+                "max_shared_mem": SHARED_PER_SM - RESERVED_SHARED,
+                "multiprocessor_count": 132,
+                "max_num_regs": REGISTERS_PER_SM,
+                "warpSize": 32,
+            }
 
     class StandInDriver(DriverBase):
         @classmethod
@@ -131,11 +139,19 @@ def _tool(name: str) -> str:
 def sass_and_usage(cubin: bytes, stem: str) -> tuple[str, dict]:
     with open(stem + ".cubin", "wb") as handle:
         handle.write(cubin)
-    usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", stem + ".cubin"],
-                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+    usage = subprocess.run(
+        [_tool("cuobjdump"), "--dump-resource-usage", stem + ".cubin"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     found = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage))
-    sass = subprocess.run([_tool("cuobjdump"), "--dump-sass", stem + ".cubin"],
-                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    sass = subprocess.run(
+        [_tool("cuobjdump"), "--dump-sass", stem + ".cubin"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return sass, {key.lower(): int(value) for key, value in found.items()}
 
 
@@ -175,8 +191,11 @@ def analyse(binary: dict, warps: int, stem: str) -> dict:
     sass, usage = sass_and_usage(binary["cubin"], stem)
     loop = tanh_loop(sass)
     opcodes = collections.Counter(_opcode(op) for op in loop)
-    every = [_opcode(line.split("*/", 1)[1].strip()) for line in sass.splitlines()
-             if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)]  # fmt: skip
+    every = [
+        _opcode(line.split("*/", 1)[1].strip())
+        for line in sass.splitlines()
+        if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line)
+    ]
     registers = usage.get("reg", 0)
     return {
         "registers": registers,
@@ -195,8 +214,9 @@ def analyse(binary: dict, warps: int, stem: str) -> dict:
 # --- the cases -------------------------------------------------------------------------------------
 
 
-def compile_case(driver, shape: Shape, dtype_name: str, tanh: str, kernels: set[str] | None,
-                 work_dir: str) -> list[dict]:  # fmt: skip
+def compile_case(
+    driver, shape: Shape, dtype_name: str, tanh: str, kernels: set[str] | None, work_dir: str
+) -> list[dict]:
     """Forward and backward launchers at ``shape`` on meta tensors; one entry per kernel."""
     import torch
 
@@ -217,15 +237,33 @@ def compile_case(driver, shape: Shape, dtype_name: str, tanh: str, kernels: set[
     if kernels is None or "_fwd_kernel" in kernels:
         tk.additive_attention_fwd(*inputs, lengths, None, True, tanh=mode)
     if kernels is None:
-        tk.additive_attention_bwd(empty(b, tq, dv), None, *inputs, lengths, None,
-                                  empty(b, tq, dv), empty(b, tq, dt=torch.float32), tanh=mode)  # fmt: skip
+        tk.additive_attention_bwd(
+            empty(b, tq, dv),
+            None,
+            *inputs,
+            lengths,
+            None,
+            empty(b, tq, dv),
+            empty(b, tq, dt=torch.float32),
+            tanh=mode,
+        )
     elif "_bwd_grad_kernel" in kernels:  # the grad kernel alone, as the backward launches it
         _, grad_cfg, _ = tk.backward_configs(b, tq, tk_, h, dv, dtype=dtype, mode=mode)
         consts = tk._common_constexprs(dtype, torch.device("cuda"), mode, False)
         scratch = empty(b, tq, tk_, dt=torch.float32)
-        tk._launch_bwd_grad(inputs[0], inputs[1], inputs[3], inputs[4], lengths, scratch,
-                            empty(b, tq, h, dt=torch.float32), empty(b, tk_, h),
-                            empty(b, h, dt=torch.float32), grad_cfg, consts)  # fmt: skip
+        tk._launch_bwd_grad(
+            inputs[0],
+            inputs[1],
+            inputs[3],
+            inputs[4],
+            lengths,
+            scratch,
+            empty(b, tq, h, dt=torch.float32),
+            empty(b, tk_, h),
+            empty(b, h, dt=torch.float32),
+            grad_cfg,
+            consts,
+        )
     seconds = time.monotonic() - start
     warps = {"_fwd_kernel": 4, "_bwd_ds_kernel": 4, "_bwd_grad_kernel": 4, "_bwd_dvalues_kernel": 4}
     entries = []
@@ -234,9 +272,14 @@ def compile_case(driver, shape: Shape, dtype_name: str, tanh: str, kernels: set[
         if kernels and name not in kernels:
             continue
         stem = os.path.join(work_dir, f"{shape.name.replace('/', '_')}_{dtype_name}_{mode}_{name}")
-        entry = {"shape": shape.name, "dtype": dtype_name, "tanh": mode, "kernel": name,
-                 "tiles": tiles_of(name, shape, dtype, mode),
-                 **analyse(binary, warps.get(name, 4), stem)}  # fmt: skip
+        entry = {
+            "shape": shape.name,
+            "dtype": dtype_name,
+            "tanh": mode,
+            "kernel": name,
+            "tiles": tiles_of(name, shape, dtype, mode),
+            **analyse(binary, warps.get(name, 4), stem),
+        }
         entry["problems"] = problems(entry)
         entries.append(entry)
     if entries:
@@ -277,26 +320,33 @@ def problems(entry: dict) -> list[str]:
         and (not {"MUFU.EX2", "MUFU.RCP"} <= set(mufu) or any("TANH" in m for m in mufu))
     ):
         found.append(f"product path without MUFU.EX2 + MUFU.RCP, or with MUFU.TANH ({mufu})")
-    wants_mma = entry["dtype"] != "fp32" and kernel in ("_fwd_kernel", "_bwd_ds_kernel",
-                                                        "_bwd_dvalues_kernel")  # fmt: skip
+    wants_mma = entry["dtype"] != "fp32" and kernel in (
+        "_fwd_kernel",
+        "_bwd_ds_kernel",
+        "_bwd_dvalues_kernel",
+    )
     if wants_mma and entry["shape"] != "decode-step" and not entry["mma"]:
         found.append("no tensor-core MMA in the value products")
     return found
 
 
 def row_text(entry: dict) -> str:
-    return (f"{entry['shape']:12s} {entry['dtype']:5s} {entry['tanh']:8s} {entry['kernel']:20s}"
-            f" {entry['tiles']:18s}"
-            f" {entry['registers']:4d} {entry['spill_bytes']:5d} {entry['shared']:6d}"
-            f" {entry['blocks_per_sm']:3d} {entry['loop_instructions']:5d} {entry['loop_mufu']:4d}"
-            f" {','.join(m.replace('MUFU.', '') for m in entry['mufu_kinds']):24s}"
-            f" {','.join(entry['mma']) or '-':6s} {'; '.join(entry['problems']) or 'ok'}")  # fmt: skip
+    return (
+        f"{entry['shape']:12s} {entry['dtype']:5s} {entry['tanh']:8s} {entry['kernel']:20s}"
+        f" {entry['tiles']:18s}"
+        f" {entry['registers']:4d} {entry['spill_bytes']:5d} {entry['shared']:6d}"
+        f" {entry['blocks_per_sm']:3d} {entry['loop_instructions']:5d} {entry['loop_mufu']:4d}"
+        f" {','.join(m.replace('MUFU.', '') for m in entry['mufu_kinds']):24s}"
+        f" {','.join(entry['mma']) or '-':6s} {'; '.join(entry['problems']) or 'ok'}"
+    )
 
 
-HEADER = (f"{'shape':12s} {'dtype':5s} {'tanh':8s} {'kernel':20s} {'tiles (tanh/values)':18s}"
-          f" {'regs':>4s} {'spill':>5s}"
-          f" {'smem':>6s} {'b/SM':>3s} {'loop':>5s} {'mufu':>4s} {'MUFU kinds':24s} {'mma':6s}"
-          " problems")  # fmt: skip
+HEADER = (
+    f"{'shape':12s} {'dtype':5s} {'tanh':8s} {'kernel':20s} {'tiles (tanh/values)':18s}"
+    f" {'regs':>4s} {'spill':>5s}"
+    f" {'smem':>6s} {'b/SM':>3s} {'loop':>5s} {'mufu':>4s} {'MUFU kinds':24s} {'mma':6s}"
+    " problems"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,8 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="every kernel at every shape")
     parser.add_argument("--json", help="write the entries here")
     parser.add_argument("--sass-dir", help="keep each kernel's cubin here")
-    parser.add_argument("--cases", help="comma-separated indices into the case list (to split "
-                        "the work over processes)")  # fmt: skip
+    parser.add_argument(
+        "--cases",
+        help="comma-separated indices into the case list (to split the work over processes)",
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET: this compiles the kernels, it does not interpret them")
@@ -328,8 +380,14 @@ def main(argv: list[str] | None = None) -> int:
     entries, failures = [], 0
     for name, dtype_name, tanh in cases:
         try:
-            found = compile_case(driver, shapes[name], dtype_name, tanh,
-                                 None if args.full else QUICK_KERNELS, work_dir)  # fmt: skip
+            found = compile_case(
+                driver,
+                shapes[name],
+                dtype_name,
+                tanh,
+                None if args.full else QUICK_KERNELS,
+                work_dir,
+            )
         except Exception as exc:  # noqa: BLE001 - a compile error is a result, and the rest runs
             failures += 1
             print(f"{name:12s} {dtype_name:5s} {tanh:8s} COMPILE FAILED: {exc!r:.400}")
@@ -340,8 +398,11 @@ def main(argv: list[str] | None = None) -> int:
         entries += found
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"triton": triton.__version__, "arch": args.arch, "entries": entries},
-                      handle, indent=1)  # fmt: skip
+            json.dump(
+                {"triton": triton.__version__, "arch": args.arch, "entries": entries},
+                handle,
+                indent=1,
+            )
     print(f"{len(entries)} kernels, {failures} with problems")
     return 1 if failures else 0
 

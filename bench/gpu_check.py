@@ -73,9 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-rows", type=int, default=None, help="stop after this many rows")
     parser.add_argument("--out-dir", default=os.environ.get("OUT") or None)
     parser.add_argument(
-        "--inject-failure", action="append", default=[], choices=STAGES + ("row",),
+        "--inject-failure",
+        action="append",
+        default=[],
+        choices=STAGES + ("row",),
         help="make this stage (or every benchmark row) raise: tests the guards",
-    )  # fmt: skip
+    )
     return parser.parse_args(argv)
 
 
@@ -159,10 +162,13 @@ def stage_env(check: Check, record: dict, torch, triton) -> None:
     from seq2seq_fast._triton import additive_attention as tk
 
     record["versions"] = {
-        "python": platform.python_version(), "torch": torch.__version__,
-        "triton": triton.__version__, "cuda": torch.version.cuda,
-        "numpy": _version("numpy"), "commit": _git_commit(),
-    }  # fmt: skip
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "numpy": _version("numpy"),
+        "commit": _git_commit(),
+    }
     if check.device == "cuda":
         props = torch.cuda.get_device_properties(0)
         record["device"] = props.name
@@ -188,8 +194,12 @@ def _version(package: str) -> str | None:
 def _git_commit() -> str | None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        out = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=10)  # fmt: skip
+        out = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return out.stdout.strip() or os.environ.get("GPU_CHECK_COMMIT")
     except Exception:  # noqa: BLE001
         return os.environ.get("GPU_CHECK_COMMIT")
@@ -227,8 +237,12 @@ def tanh_errors(tk, torch, device: str, mode: str) -> dict:
     err = (y.double() - exact).abs()
     rel = (err / exact.abs().clamp_min(1e-300)).max().item()
     ran_as = tk.resolve_tanh(mode, torch.float32, x.device)  # the interpreter has no PTX paths
-    return {"max_abs": err.max().item(), "max_rel": rel, "log2_rel": math.log2(max(rel, 1e-300)),
-            "ran_as": ran_as}  # fmt: skip
+    return {
+        "max_abs": err.max().item(),
+        "max_rel": rel,
+        "log2_rel": math.log2(max(rel, 1e-300)),
+        "ran_as": ran_as,
+    }
 
 
 def stage_probes(check: Check, record: dict, torch, tk) -> None:
@@ -291,8 +305,9 @@ def make_call(torch, attention, inputs, mode: str):
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     gen = torch.Generator(device=inputs[0].device).manual_seed(7)
     batch, num_queries = inputs[0].shape[:2]
-    grad_context = torch.randn(batch, num_queries, inputs[2].shape[2], device=inputs[0].device,
-                               generator=gen).to(inputs[0].dtype)  # fmt: skip
+    grad_context = torch.randn(
+        batch, num_queries, inputs[2].shape[2], device=inputs[0].device, generator=gen
+    ).to(inputs[0].dtype)
 
     def forward_backward():
         for leaf in leaves:
@@ -307,15 +322,22 @@ def make_call(torch, attention, inputs, mode: str):
 def run_row(check: Check, torch, tk, providers: dict, shape: Shape, dtype_name: str, mode: str):
     """One benchmark row: correctness gate, then the providers timed side by side."""
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
-    row = {"shape": shape.name, "dims": [shape.batch, shape.q_len, shape.k_len, shape.hidden,
-                                         shape.value_dim], "dtype": dtype_name, "mode": mode}  # fmt: skip
+    row = {
+        "shape": shape.name,
+        "dims": [shape.batch, shape.q_len, shape.k_len, shape.hidden, shape.value_dim],
+        "dtype": dtype_name,
+        "mode": mode,
+    }
     check.report["rows"].append(row)
     try:
         check.maybe_fail("row")
-        row["correct"] = gpu_targets.correctness(torch, providers["fused"], make_inputs, shape,
-                                                 dtype, mode, check.device, CHECK_BATCH)  # fmt: skip
-        log(f"   {shape.name} {dtype_name} {mode}: correct={row['correct']['ok']} "
-            f"{row['correct']['worst']}")  # fmt: skip
+        row["correct"] = gpu_targets.correctness(
+            torch, providers["fused"], make_inputs, shape, dtype, mode, check.device, CHECK_BATCH
+        )
+        log(
+            f"   {shape.name} {dtype_name} {mode}: correct={row['correct']['ok']} "
+            f"{row['correct']['worst']}"
+        )
         check.write()
         time_row(check, torch, providers, shape, dtype, mode, row)
     except Exception as exc:  # noqa: BLE001
@@ -347,8 +369,13 @@ def time_row(check: Check, torch, providers: dict, shape: Shape, dtype, mode: st
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the others still run
             row[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     rounds, sample_s = (1, 0.0) if check.args.dry_run else (9, 0.04)
-    samples = time_interleaved(calls, check.device, rounds=rounds, min_sample_s=sample_s,
-                               warmup=1 if check.args.dry_run else 2)  # fmt: skip
+    samples = time_interleaved(
+        calls,
+        check.device,
+        rounds=rounds,
+        min_sample_s=sample_s,
+        warmup=1 if check.args.dry_run else 2,
+    )
     for name, sample in samples.items():
         wall = Summary.of(sample.wall_s)
         row[name].update(ms=wall.median * 1e3, q1=wall.q1 * 1e3, q3=wall.q3 * 1e3)
@@ -413,11 +440,16 @@ def row_plan(shapes: list[Shape], dry_run: bool) -> list[tuple[Shape, str, str, 
     first.sort(key=lambda s: PRIORITY.index(s.name) if s.name in PRIORITY else 0)
     rest = [s for s in shapes if s not in first]
     plan = [(s, d, "forward", True) for d in ("bf16", "fp32") for s in first]
-    plan += [(s, d, "forward+backward", True) for d in ("bf16", "fp32") for s in first
-             if s.q_len > 1]  # fmt: skip
+    plan += [
+        (s, d, "forward+backward", True) for d in ("bf16", "fp32") for s in first if s.q_len > 1
+    ]
     plan += [(s, d, "forward", True) for d in ("bf16", "fp32") for s in rest]
-    plan += [(s, d, "forward+backward", dry_run) for d in ("bf16", "fp32") for s in shapes
-             if s.q_len == 1 or s in rest]  # fmt: skip
+    plan += [
+        (s, d, "forward+backward", dry_run)
+        for d in ("bf16", "fp32")
+        for s in shapes
+        if s.q_len == 1 or s in rest
+    ]
     return plan
 
 
@@ -442,8 +474,9 @@ def stage_benchmark(check: Check, record: dict, torch, tk) -> None:
         if check.budget.left() < 25:
             record["status"] = "partial: time budget"
             break
-        chosen = providers if with_compile else {k: v for k, v in providers.items()
-                                                 if k != "compile"}  # fmt: skip
+        chosen = (
+            providers if with_compile else {k: v for k, v in providers.items() if k != "compile"}
+        )
         run_row(check, torch, tk, chosen, shape, dtype_name, mode)
 
 
@@ -469,21 +502,47 @@ def stage_sweep(check: Check, record: dict, torch, tk) -> None:
     for shape in shapes[:2] if not check.args.dry_run else shapes:
         for dtype_name, modes in (("bf16", ("approx", "packed")), ("fp32", ("product", "exp"))):
             for mode in modes:
-                items.append((shape, dtype_name, "tanh", mode, None,
-                              lambda x, mode=mode: tk.additive_attention_fwd(
-                                  *x, None, None, True, tanh=mode)))  # fmt: skip
+                items.append(
+                    (
+                        shape,
+                        dtype_name,
+                        "tanh",
+                        mode,
+                        None,
+                        lambda x, mode=mode: tk.additive_attention_fwd(
+                            *x, None, None, True, tanh=mode
+                        ),
+                    )
+                )
     for shape in shapes:
         for dtype_name, dtype in dtypes.items():
             for cfg, cost in tiles.sweep_forward(*_dims(shape), dtype=dtype, sms=_sms(check)):
-                items.append((shape, dtype_name, "fwd tiles", _label(cfg), cost,
-                              lambda x, cfg=cfg: tk.additive_attention_fwd(
-                                  *x, None, None, True, config=cfg)))  # fmt: skip
+                items.append(
+                    (
+                        shape,
+                        dtype_name,
+                        "fwd tiles",
+                        _label(cfg),
+                        cost,
+                        lambda x, cfg=cfg: tk.additive_attention_fwd(
+                            *x, None, None, True, config=cfg
+                        ),
+                    )
+                )
     for shape in [s for s in shapes if s.q_len > 1][:2]:
         for dtype_name, dtype in dtypes.items():
             ds_cfg, _, dv_cfg = tiles.backward_configs(*_dims(shape), dtype=dtype, sms=_sms(check))
             for cfg, cost in tiles.rank_grad(*_dims(shape)[:4], dtype=dtype, sms=_sms(check))[:3]:
-                items.append((shape, dtype_name, "bwd grad tiles", _label(cfg), cost,
-                              _backward_factory(tk, (ds_cfg, cfg, dv_cfg))))  # fmt: skip
+                items.append(
+                    (
+                        shape,
+                        dtype_name,
+                        "bwd grad tiles",
+                        _label(cfg),
+                        cost,
+                        _backward_factory(tk, (ds_cfg, cfg, dv_cfg)),
+                    )
+                )
     run_sweep_items(check, record, torch, dtypes, items)
 
 
@@ -503,8 +562,9 @@ def _backward_factory(tk, configs):
             context, _, lse = tk.additive_attention_fwd(*inputs, None, None, False)
             cache.update(inputs=inputs, saved=(context.clone().normal_(), lse, context))
         grad_context, lse, context = cache["saved"]
-        return tk.additive_attention_bwd(grad_context, None, *inputs, None, None, context, lse,
-                                         configs=configs)  # fmt: skip
+        return tk.additive_attention_bwd(
+            grad_context, None, *inputs, None, None, context, lse, configs=configs
+        )
 
     return call
 
@@ -520,8 +580,13 @@ def run_sweep_items(check: Check, record: dict, torch, dtypes: dict, items: list
             gc.collect()
             inputs = make_inputs(torch, shape, dtypes[dtype_name], check.device)
             inputs_key = (shape.name, dtype_name)
-        entry = {"shape": shape.name, "dtype": dtype_name, "what": what, "label": label,
-                 "cost": cost}  # fmt: skip
+        entry = {
+            "shape": shape.name,
+            "dtype": dtype_name,
+            "what": what,
+            "label": label,
+            "cost": cost,
+        }
         with check.guard(entry, "result"):
             entry["ms"] = sweep_one(check, lambda f=factory, x=inputs: f(x))
         check.report["sweep"].append(entry)
@@ -530,8 +595,13 @@ def run_sweep_items(check: Check, record: dict, torch, dtypes: dict, items: list
 
 def sweep_one(check: Check, call) -> float:
     call()  # compiles outside the timing
-    samples = time_interleaved({"x": call}, check.device, rounds=1 if check.args.dry_run else 7,
-                               min_sample_s=0.0 if check.args.dry_run else 0.03, warmup=1)  # fmt: skip
+    samples = time_interleaved(
+        {"x": call},
+        check.device,
+        rounds=1 if check.args.dry_run else 7,
+        min_sample_s=0.0 if check.args.dry_run else 0.03,
+        warmup=1,
+    )
     return Summary.of(samples["x"].wall_s).median * 1e3
 
 
@@ -543,8 +613,16 @@ def stage_tests(check: Check, record: dict) -> None:
     if importlib.util.find_spec("pytest") is None:
         record["status"] = "skipped: no pytest"
         return
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-           "tests/ops/test_triton.py"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        "tests/ops/test_triton.py",
+    ]
     if check.args.dry_run:  # the interpreter is slow: one test proves the invocation
         cmd += ["-k", "test_fp32_matches_reference and 2x3x5x7x4"]
     elif importlib.util.find_spec("xdist") is not None:

@@ -50,8 +50,9 @@ def correctness(torch, fused, make_inputs, shape, dtype, mode: str, device: str,
 
     inputs = make_inputs(torch, shape, dtype, device, seed=1, batch=batch)
     gen = torch.Generator(device=device).manual_seed(3)
-    grad_context = torch.randn(inputs[0].shape[0], shape.q_len, shape.value_dim, device=device,
-                               generator=gen)  # fmt: skip
+    grad_context = torch.randn(
+        inputs[0].shape[0], shape.q_len, shape.value_dim, device=device, generator=gen
+    )
     names = ["context", "weights"] + [f"grad_{n}" for n in ("query", "keys", "values", "v", "bias")]
     ours = _outputs(torch, fused, inputs, mode, grad_context)
     truth = _outputs(
@@ -74,8 +75,12 @@ def correctness(torch, fused, make_inputs, shape, dtype, mode: str, device: str,
         errors[name] = [error, allowed]
         ok = ok and error <= allowed
     worst = max(errors, key=lambda n: errors[n][0] / max(errors[n][1], 1e-300))
-    return {"ok": ok, "worst": f"{worst} {errors[worst][0]:.2e} (allowed {errors[worst][1]:.2e})",
-            "errors": errors, "batch": inputs[0].shape[0]}  # fmt: skip
+    return {
+        "ok": ok,
+        "worst": f"{worst} {errors[worst][0]:.2e} (allowed {errors[worst][1]:.2e})",
+        "errors": errors,
+        "batch": inputs[0].shape[0],
+    }
 
 
 def int64_offset_check(tk, torch, device: str, num_keys: int = (1 << 21) + 37, hidden: int = 1024):
@@ -106,8 +111,9 @@ def int64_offset_check(tk, torch, device: str, num_keys: int = (1 << 21) + 37, h
         scores[start : start + chunk.shape[0]] = torch.tanh(chunk + qf) @ vf
     ref_weights = torch.softmax(scores, dim=0)
     grad_context = torch.ones_like(context)
-    grads = tk.additive_attention_bwd(grad_context, None, query, keys, values, v, bias, None, None,
-                                      context, lse)  # fmt: skip
+    grads = tk.additive_attention_bwd(
+        grad_context, None, query, keys, values, v, bias, None, None, context, lse
+    )
     tail = slice(num_keys - 64, num_keys)
     # d loss / d values[s] = p[s] * grad_context; d / d keys[s] = ds[s] * v * (1 - u^2).
     dp = values[0, tail].float() @ grad_context[0, 0].float()
@@ -117,13 +123,19 @@ def int64_offset_check(tk, torch, device: str, num_keys: int = (1 << 21) + 37, h
         "lse": (lse[0, :1].float(), torch.logsumexp(scores, 0)[None]),
         "weights_tail": (weights[0, 0, tail].float(), ref_weights[tail]),
         "context": (context[0, 0].float(), ref_weights @ values[0].float()),
-        "grad_values_tail": (grads[2][0, tail].float(),
-                             ref_weights[tail, None].expand(-1, value_dim)),
-        "grad_keys_tail": (grads[1][0, tail].float(),
-                           (ref_weights[tail] * (dp - delta))[:, None] * vf * (1 - u * u)),
-    }  # fmt: skip
-    errors = {name: ((a - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
-              for name, (a, e) in pairs.items()}  # fmt: skip
+        "grad_values_tail": (
+            grads[2][0, tail].float(),
+            ref_weights[tail, None].expand(-1, value_dim),
+        ),
+        "grad_keys_tail": (
+            grads[1][0, tail].float(),
+            (ref_weights[tail] * (dp - delta))[:, None] * vf * (1 - u * u),
+        ),
+    }
+    errors = {
+        name: ((a - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
+        for name, (a, e) in pairs.items()
+    }
     ok = all(err <= 2e-2 for err in errors.values())
     return {"status": "passed" if ok else "FAILED", "errors": errors, "num_keys": num_keys}
 
@@ -217,8 +229,12 @@ def summary_lines(report: dict) -> list[str]:
         "stages: " + ", ".join(f"{name} {rec.get('status')}" for name, rec in stages.items()),
     ]
     lines += _probe_lines(stages.get("probes", {}), stages.get("bandwidth", {}))
-    lines += ["", "ms per call (median); xcomp = compile / fused; rates from the kernel time; "
-              "GB/s = fewest bytes / kernel time", HEADER]  # fmt: skip
+    lines += [
+        "",
+        "ms per call (median); xcomp = compile / fused; rates from the kernel time; "
+        "GB/s = fewest bytes / kernel time",
+        HEADER,
+    ]
     rows = report.get("rows", [])
     lines += [row_line(row) for row in rows]
     problems = [
@@ -226,13 +242,15 @@ def summary_lines(report: dict) -> list[str]:
     ]
     problems += [
         f"  {r['shape']} {r['dtype']} {r['mode']} {p}: {r[p]['error']}"
-        for r in rows for p in ("fused", "eager", "compile")
+        for r in rows
+        for p in ("fused", "eager", "compile")
         if isinstance(r.get(p), dict) and "error" in r[p]
-    ]  # fmt: skip
+    ]
     problems += [
         f"  {r['shape']} {r['dtype']} {r['mode']}: INCORRECT {r['correct']['worst']}"
-        for r in rows if correct(r) is False
-    ]  # fmt: skip
+        for r in rows
+        if correct(r) is False
+    ]
     if problems:
         lines += ["problems:", *problems]
     if report.get("sweep"):
@@ -245,10 +263,15 @@ def summary_lines(report: dict) -> list[str]:
 def sweep_line(entry: dict) -> str:
     cost = entry.get("cost")
     result = entry.get("ms")
-    shown = f"{result:9.3f} ms" if isinstance(result, (int, float)) else str(
-        (entry.get("result") or {}).get("status", "-"))[:80]  # fmt: skip
-    return (f"{entry['shape']:16s} {entry['dtype']:5s} {entry['what']:15s} {entry['label']:16s}"
-            f" cost {'-' if cost is None else format(cost, '.3f'):>6s} {shown}")  # fmt: skip
+    shown = (
+        f"{result:9.3f} ms"
+        if isinstance(result, (int, float))
+        else str((entry.get("result") or {}).get("status", "-"))[:80]
+    )
+    return (
+        f"{entry['shape']:16s} {entry['dtype']:5s} {entry['what']:15s} {entry['label']:16s}"
+        f" cost {'-' if cost is None else format(cost, '.3f'):>6s} {shown}"
+    )
 
 
 def _probe_lines(probes: dict, bandwidth: dict) -> list[str]:
@@ -296,8 +319,12 @@ def _speedup(row: dict | None) -> float | None:
 def target_lines(report: dict) -> list[str]:
     rows = report.get("rows", [])
     names = list(dict.fromkeys(r["shape"] for r in rows))
-    train = [n for n in names if _find(rows, n, "bf16", "forward") is None
-             or _find(rows, n, "bf16", "forward")["dims"][1] > 1]  # fmt: skip
+    train = [
+        n
+        for n in names
+        if _find(rows, n, "bf16", "forward") is None
+        or _find(rows, n, "bf16", "forward")["dims"][1] > 1
+    ]
     decode = [n for n in names if n not in train]
     copy = report.get("stages", {}).get("bandwidth", {}).get("copy_bytes_per_s") or COPY_BANDWIDTH
     out = ["", "targets (H200):"]
@@ -306,25 +333,33 @@ def target_lines(report: dict) -> list[str]:
     for name in train:
         row = _find(rows, name, "bf16", "forward")
         rate = tanh_count(row) / (device_ms(row) * 1e-3) if row and device_ms(row) else None
-        out.append(f"  T1 {name} bf16 fwd >= 2x compile: "
-                   + _verdict(row, _speedup(row), 2.0, "{:.2f}x"))  # fmt: skip
-        out.append(f"  T2 {name} bf16 fwd >= 50% tanh ceiling: "
-                   + _verdict(row, rate / TANH_CEILING if rate else None, 0.5, "{:.0%}"))  # fmt: skip
+        out.append(
+            f"  T1 {name} bf16 fwd >= 2x compile: " + _verdict(row, _speedup(row), 2.0, "{:.2f}x")
+        )
+        out.append(
+            f"  T2 {name} bf16 fwd >= 50% tanh ceiling: "
+            + _verdict(row, rate / TANH_CEILING if rate else None, 0.5, "{:.0%}")
+        )
         row = _find(rows, name, "fp32", "forward")
-        out.append(f"  T3 {name} fp32 fwd >= 1.5x compile: "
-                   + _verdict(row, _speedup(row), 1.5, "{:.2f}x"))  # fmt: skip
+        out.append(
+            f"  T3 {name} fp32 fwd >= 1.5x compile: " + _verdict(row, _speedup(row), 1.5, "{:.2f}x")
+        )
         for dtype in ("bf16", "fp32"):
             row = _find(rows, name, dtype, "forward+backward")
-            out.append(f"  T4 {name} {dtype} fwd+bwd >= 2x compile: "
-                       + _verdict(row, _speedup(row), 2.0, "{:.2f}x"))  # fmt: skip
+            out.append(
+                f"  T4 {name} {dtype} fwd+bwd >= 2x compile: "
+                + _verdict(row, _speedup(row), 2.0, "{:.2f}x")
+            )
     for name in decode:
         for dtype in ("bf16", "fp32"):
             row = _find(rows, name, dtype, "forward")
             share = None
             if row and device_ms(row):
                 share = keys_values_bytes(row) / (device_ms(row) * 1e-3) / copy
-            out.append(f"  T5 {name} {dtype} fwd keys+values >= 70% of copy bandwidth: "
-                       + _verdict(row, share, 0.7, "{:.0%}"))  # fmt: skip
+            out.append(
+                f"  T5 {name} {dtype} fwd keys+values >= 70% of copy bandwidth: "
+                + _verdict(row, share, 0.7, "{:.0%}")
+            )
     out += _memory_lines(rows)
     return out
 
@@ -345,8 +380,10 @@ def _memory_lines(rows: list[dict]) -> list[str]:
     if not measured:
         return ["  T6 memory O(B*Tq*Tk): unmeasured"]
     verdict = "met" if worst[0] <= 1.0 else "MISSED"
-    return [f"  T6 memory O(B*Tq*Tk) over {measured} rows: worst {worst[0]:.2f} of the allowance "
-            f"({worst[1]}): {verdict}"]  # fmt: skip
+    return [
+        f"  T6 memory O(B*Tq*Tk) over {measured} rows: worst {worst[0]:.2f} of the allowance "
+        f"({worst[1]}): {verdict}"
+    ]
 
 
 def any_failure(report: dict) -> bool:

@@ -42,8 +42,15 @@ from pathlib import Path
 
 ONMT_VERSION = "3.5.1"
 # Imported by onmt's modules at start-up (transforms are registered by importing them all).
-ONMT_IMPORT_DEPS = ["configargparse", "pyonmttok<2,>=1.37", "spacy", "pyahocorasick", "rapidfuzz",
-                    "six", "fasttext-wheel"]  # fmt: skip
+ONMT_IMPORT_DEPS = [
+    "configargparse",
+    "pyonmttok<2,>=1.37",
+    "spacy",
+    "pyahocorasick",
+    "rapidfuzz",
+    "six",
+    "fasttext-wheel",
+]
 
 # (name, OpenNMT-py hidden_size (brnn: split over the two directions), seq2seq-fast hidden_size
 # (per encoder direction and decoder), embeddings). OpenNMT-py's decoder has its full hidden size.
@@ -72,10 +79,16 @@ def setup_venv(venv: Path) -> Path:
     proc = subprocess.run(check, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"OpenNMT-py does not import in {venv}:\n{proc.stderr[-2000:]}")
-    torch_here = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
-                                capture_output=True, text=True).stdout  # fmt: skip
-    torch_there = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"],
-                                 capture_output=True, text=True).stdout  # fmt: skip
+    torch_here = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.__version__)"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    torch_there = subprocess.run(
+        [str(python), "-c", "import torch; print(torch.__version__)"],
+        capture_output=True,
+        text=True,
+    ).stdout
     if torch_here != torch_there:
         raise SystemExit(f"the venv's torch {torch_there.strip()} differs from {torch_here}")
     return python
@@ -86,9 +99,13 @@ def prepare_data(args) -> dict:
     from seq2seq_fast.seq2seq.data import TranslationData
 
     corpus = TranslationData.load(
-        args.data, swap=args.direction == "2-1", max_words=None, max_pairs=args.max_pairs,
-        vocab_size=args.spm_vocab_size, seed=0,
-    )  # fmt: skip
+        args.data,
+        swap=args.direction == "2-1",
+        max_words=None,
+        max_pairs=args.max_pairs,
+        vocab_size=args.spm_vocab_size,
+        seed=0,
+    )
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
 
@@ -101,10 +118,16 @@ def prepare_data(args) -> dict:
     files = {
         "train_src": write("train.src", (" ".join(sv.pieces(s)) for s, _ in corpus.train)),
         "train_tgt": write("train.tgt", (" ".join(tv.pieces(t)) for _, t in corpus.train)),
-        "valid_src": write("valid.src", (" ".join(sv.pieces(sv.encode(s))) for s, _ in corpus.valid[:200])),
-        "valid_tgt": write("valid.tgt", (" ".join(tv.pieces(tv.encode(t))) for _, t in corpus.valid[:200])),
-        "test_src": write("test.src", (" ".join(sv.pieces(sv.encode(s))) or "." for s, _ in corpus.test)),
-    }  # fmt: skip
+        "valid_src": write(
+            "valid.src", (" ".join(sv.pieces(sv.encode(s))) for s, _ in corpus.valid[:200])
+        ),
+        "valid_tgt": write(
+            "valid.tgt", (" ".join(tv.pieces(tv.encode(t))) for _, t in corpus.valid[:200])
+        ),
+        "test_src": write(
+            "test.src", (" ".join(sv.pieces(sv.encode(s))) or "." for s, _ in corpus.test)
+        ),
+    }
     files["test_refs"] = [t for _, t in corpus.test]
     files["corpus"] = corpus
     return files
@@ -158,8 +181,12 @@ def onmt_config(args, files: dict, hidden: int, embed: int, steps: int, out: Pat
 def _env(threads: int) -> dict:
     # OpenNMT-py 3.5.1 pickles argparse.Namespace into its checkpoints, which torch >= 2.6 refuses
     # to load by default (weights_only): its own checkpoints, so trusted.
-    return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-                TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")  # fmt: skip
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1",
+    )
 
 
 def build_onmt_vocab(python: Path, config: Path, threads: int) -> None:
@@ -178,8 +205,9 @@ def onmt_speed(
     OpenNMT-py has printed its first report, so that both tools train at the same time, under
     the same load from the rest of the machine."""
     cmd = [str(python), "-m", "onmt.bin.train", "-config", str(config)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(threads))  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(threads)
+    )
     lines: list[str] = []
     first_report = threading.Event()
 
@@ -237,9 +265,15 @@ def ours_speed(files: dict, hidden: int, embed: int, args, precision: str) -> tu
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     corpus = files["corpus"]
-    config = Seq2SeqConfig(len(corpus.src_vocab), len(corpus.tgt_vocab), embed_size=embed,
-                           hidden_size=hidden, decoder=args.decoder, dropout=0.2,
-                           output_layer=args.output_layer)  # fmt: skip
+    config = Seq2SeqConfig(
+        len(corpus.src_vocab),
+        len(corpus.tgt_vocab),
+        embed_size=embed,
+        hidden_size=hidden,
+        decoder=args.decoder,
+        dropout=0.2,
+        output_layer=args.output_layer,
+    )
     model = Seq2Seq(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
     plan = epoch_batches(corpus.train, args.batch_size, seed=0, epoch=0)
@@ -250,8 +284,9 @@ def ours_speed(files: dict, hidden: int, embed: int, args, precision: str) -> tu
             tokens, start = 0, clock()
         batch = make_batch([corpus.train[j] for j in idx])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss, _ = model(batch.src, batch.src_lengths, batch.tgt_in, batch.tgt_out,
-                            label_smoothing=0.1)  # fmt: skip
+            loss, _ = model(
+                batch.src, batch.src_lengths, batch.tgt_in, batch.tgt_out, label_smoothing=0.1
+            )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
@@ -262,11 +297,13 @@ def ours_speed(files: dict, hidden: int, embed: int, args, precision: str) -> tu
 
 
 def phase_speed(args, python: Path, files: dict) -> None:
-    print(f"\n## target tokens/s, {args.steps} steps of {args.batch_size} sentences, "
-          f"{'both tools at once, ' if args.concurrent else 'one tool after the other, '}"
-          f"{'per CPU-second, ' if args.clock == 'cpu' else ''}"
-          f"{args.threads} threads, ours: {args.decoder} decoder, {args.output_layer} output "
-          f"layer, {args.precision}\n")  # fmt: skip
+    print(
+        f"\n## target tokens/s, {args.steps} steps of {args.batch_size} sentences, "
+        f"{'both tools at once, ' if args.concurrent else 'one tool after the other, '}"
+        f"{'per CPU-second, ' if args.clock == 'cpu' else ''}"
+        f"{args.threads} threads, ours: {args.decoder} decoder, {args.output_layer} output "
+        f"layer, {args.precision}\n"
+    )
     print("| sizes | round | OpenNMT-py tok/s | seq2seq-fast tok/s | ratio | params onmt / ours |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     for name, onmt_hidden, our_hidden, embed in PAIRS:
@@ -294,10 +331,12 @@ def phase_speed(args, python: Path, files: dict) -> None:
                 onmt_rate, log, _ = onmt_speed(python, config, args.threads)
                 ours_rate, ours_params = ours()
             onmt_params = re.search(r"\* number of parameters: (\d+)", log)
-            print(f"| {name} | {r + 1} | {onmt_rate:,.0f} | {ours_rate:,.0f} | "
-                  f"{ours_rate / onmt_rate:.2f}x | "
-                  f"{onmt_params.group(1) if onmt_params else '?'} / {ours_params} |",
-                  flush=True)  # fmt: skip
+            print(
+                f"| {name} | {r + 1} | {onmt_rate:,.0f} | {ours_rate:,.0f} | "
+                f"{ours_rate / onmt_rate:.2f}x | "
+                f"{onmt_params.group(1) if onmt_params else '?'} / {ours_params} |",
+                flush=True,
+            )
 
 
 def _bleu(hyps: list[str], refs: list[str]) -> float:
@@ -318,8 +357,14 @@ def phase_bleu(args, python: Path, files: dict) -> None:
     started = time.perf_counter()
     # Its own process group: at the deadline the data-loading workers must go too, or they keep
     # the output pipe open and communicate() waits for ever.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(args.threads), start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(args.threads),
+        start_new_session=True,
+    )
     try:
         proc.wait(timeout=60 * minutes)
     except subprocess.TimeoutExpired:
@@ -330,21 +375,62 @@ def phase_bleu(args, python: Path, files: dict) -> None:
     if not checkpoints:
         raise SystemExit(f"OpenNMT-py saved no checkpoint in {minutes} min:\n{log[-3000:]}")
     hyp_path = out / "test.hyp"
-    subprocess.run([str(python), "-m", "onmt.bin.translate", "-model", str(checkpoints[-1]),
-                    "-src", files["test_src"], "-output", str(hyp_path), "-beam_size", "1",
-                    "-batch_size", "64", "-gpu", "-1"], check=True, capture_output=True,
-                   env=_env(args.threads))  # fmt: skip
-    hyps = [line.replace(" ", "").replace("\u2581", " ").strip()
-            for line in hyp_path.read_text(encoding="utf-8").splitlines()]  # fmt: skip
+    subprocess.run(
+        [
+            str(python),
+            "-m",
+            "onmt.bin.translate",
+            "-model",
+            str(checkpoints[-1]),
+            "-src",
+            files["test_src"],
+            "-output",
+            str(hyp_path),
+            "-beam_size",
+            "1",
+            "-batch_size",
+            "64",
+            "-gpu",
+            "-1",
+        ],
+        check=True,
+        capture_output=True,
+        env=_env(args.threads),
+    )
+    hyps = [
+        line.replace(" ", "").replace("\u2581", " ").strip()
+        for line in hyp_path.read_text(encoding="utf-8").splitlines()
+    ]
     onmt_bleu = _bleu(hyps, files["test_refs"])
     onmt_seconds = time.perf_counter() - started
 
     ours_out = Path(args.work) / "bleu_ours"
-    cmd = [sys.executable, "-m", "seq2seq_fast", "train", "--task", "translate", "--data",
-           args.data, "--direction", args.direction, "--spm-vocab-size", str(args.spm_vocab_size),
-           "--time-budget-min", str(minutes), "--threads", str(args.threads), "--out",
-           str(ours_out), "--no-progress", "--no-heatmap", "--epochs", "1000",
-           "--precision", args.precision]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "seq2seq_fast",
+        "train",
+        "--task",
+        "translate",
+        "--data",
+        args.data,
+        "--direction",
+        args.direction,
+        "--spm-vocab-size",
+        str(args.spm_vocab_size),
+        "--time-budget-min",
+        str(minutes),
+        "--threads",
+        str(args.threads),
+        "--out",
+        str(ours_out),
+        "--no-progress",
+        "--no-heatmap",
+        "--epochs",
+        "1000",
+        "--precision",
+        args.precision,
+    ]
     if args.max_pairs:
         cmd += ["--max-pairs", str(args.max_pairs)]
     ours = subprocess.run(cmd, capture_output=True, text=True, env=_env(args.threads))
@@ -352,12 +438,16 @@ def phase_bleu(args, python: Path, files: dict) -> None:
     ours_steps = re.search(r"trained (\d+) steps", ours.stdout)
     if ours.returncode != 0 or not found:
         raise SystemExit(f"seq2seq-fast training failed:\n{(ours.stdout + ours.stderr)[-3000:]}")
-    print(f"\n## {minutes} minutes of training each, {args.threads} threads, greedy test BLEU "
-          f"on {len(files['test_refs'])} pairs\n")  # fmt: skip
+    print(
+        f"\n## {minutes} minutes of training each, {args.threads} threads, greedy test BLEU "
+        f"on {len(files['test_refs'])} pairs\n"
+    )
     print("| tool | steps | test BLEU |")
     print("| --- | ---: | ---: |")
-    print(f"| OpenNMT-py {ONMT_VERSION}, GRU 256 input feeding, mlp attention (checkpoint "
-          f"{checkpoints[-1].stem}) | {max(steps, default=0)} | {onmt_bleu:.1f} |")  # fmt: skip
+    print(
+        f"| OpenNMT-py {ONMT_VERSION}, GRU 256 input feeding, mlp attention (checkpoint "
+        f"{checkpoints[-1].stem}) | {max(steps, default=0)} | {onmt_bleu:.1f} |"
+    )
     print(
         f"| seq2seq-fast train --task translate defaults ({args.precision}) | "
         f"{ours_steps.group(1) if ours_steps else '?'} | {float(found.group(1)):.1f} |"
@@ -400,8 +490,10 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     python = setup_venv(Path(args.venv or Path(args.work) / "venv"))
-    print(f"OpenNMT-py {ONMT_VERSION} in {python.parent.parent}; load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")  # fmt: skip
+    print(
+        f"OpenNMT-py {ONMT_VERSION} in {python.parent.parent}; load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
     if args.phase == "setup":
         return 0
     files = prepare_data(args)

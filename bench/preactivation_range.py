@@ -100,17 +100,23 @@ def main(argv: list[str] | None = None) -> int:
             outcome = f"{type(error).__name__}: {error}"
     wall = time.perf_counter() - started
     s = watch.recorder.summary()
-    print(f"\nCPU: {platform.processor() or platform.machine()}, kernels: {cpu_isa()}, "
-          f"torch {torch.__version__}, threads {args.threads}")  # fmt: skip
+    print(
+        f"\nCPU: {platform.processor() or platform.machine()}, kernels: {cpu_isa()}, "
+        f"torch {torch.__version__}, threads {args.threads}"
+    )
     print(f"outcome: {outcome}")
-    print("| lr | optimizer steps | non-finite steps (skipped) | first | largest abs(q+k+b) | "
-          "abs(q) | abs(k) | abs(b) | attention calls | wall |")  # fmt: skip
+    print(
+        "| lr | optimizer steps | non-finite steps (skipped) | first | largest abs(q+k+b) | "
+        "abs(q) | abs(k) | abs(b) | attention calls | wall |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     first = watch.nonfinite_norms[0] if watch.nonfinite_norms else "-"
     lr = args.lr if args.lr is not None else "default"
-    print(f"| {lr} | {watch.norm_calls} | {len(watch.nonfinite_norms)} | {first} | "
-          f"{s['max_preactivation']:.1f} | {s['max_query']:.1f} | {s['max_keys']:.1f} | "
-          f"{s['max_bias']:.2f} | {watch.recorder.calls} | {wall:.0f} s |")  # fmt: skip
+    print(
+        f"| {lr} | {watch.norm_calls} | {len(watch.nonfinite_norms)} | {first} | "
+        f"{s['max_preactivation']:.1f} | {s['max_query']:.1f} | {s['max_keys']:.1f} | "
+        f"{s['max_bias']:.2f} | {watch.recorder.calls} | {wall:.0f} s |"
+    )
     return 0 if outcome == "finished" else 1
 
 

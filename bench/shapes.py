@@ -167,10 +167,11 @@ CONVERT_SIZES = {
 }
 
 SPEECH_SIZES = {
-    "tiny": SpeechSize("tiny", batch=2, frames=5, width=8, steps=2, vocab=10, conv_channels=2,
-                       conv_half_width=1),
+    "tiny": SpeechSize(
+        "tiny", batch=2, frames=5, width=8, steps=2, vocab=10, conv_channels=2, conv_half_width=1
+    ),
     "small": SpeechSize("small", batch=32, frames=100, width=256, steps=20),
-}  # fmt: skip
+}
 
 
 def _is_cuda(device: str) -> bool:

@@ -60,8 +60,15 @@ def profile(
     decoder: str, size: TrainSize, vocab: int, rounds: int, cell: str = "gru"
 ) -> dict[str, float]:
     torch.manual_seed(0)
-    config = Seq2SeqConfig(src_vocab_size=vocab, tgt_vocab_size=vocab, embed_size=size.hidden,
-                           hidden_size=size.hidden, decoder=decoder, cell=cell, backend="fused")  # fmt: skip
+    config = Seq2SeqConfig(
+        src_vocab_size=vocab,
+        tgt_vocab_size=vocab,
+        embed_size=size.hidden,
+        hidden_size=size.hidden,
+        decoder=decoder,
+        cell=cell,
+        backend="fused",
+    )
     model = Seq2Seq(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     gen = torch.Generator().manual_seed(0)
@@ -96,8 +103,9 @@ def profile(
         def run() -> None:
             memory = Memory(outputs, keys.detach().requires_grad_(True), lengths)
             h = state.detach().requires_grad_(True)
-            features, _, _ = module(tgt_in, ((h, torch.zeros_like(h)) if cell == "lstm" else h,),
-                                    memory)  # fmt: skip
+            features, _, _ = module(
+                tgt_in, ((h, torch.zeros_like(h)) if cell == "lstm" else h,), memory
+            )
             features.sum().backward()
 
         return run
@@ -139,8 +147,10 @@ def main(argv=None) -> int:
     parser.add_argument("--cell", default="gru", choices=("gru", "lstm"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), vocab {args.vocab}, "
-          f"{args.cell.upper()}, median of {args.rounds} rounds")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), vocab {args.vocab}, "
+        f"{args.cell.upper()}, median of {args.rounds} rounds"
+    )
     print()
     print("| hidden, length, batch | decoder | part | ms | share of step | GFLOP | GFLOP/s |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |")

@@ -69,8 +69,17 @@ class ZeroCostAttention(nn.Module):
         values = keys if values is None else values
         return self.attend_projected(query, projected_keys, values)
 
-    def attend_projected(self, query, projected_keys, values, *, lengths=None, mask=None,
-                         score_vector=None, stepwise=None):  # fmt: skip
+    def attend_projected(
+        self,
+        query,
+        projected_keys,
+        values,
+        *,
+        lengths=None,
+        mask=None,
+        score_vector=None,
+        stepwise=None,
+    ):
         # The mean once per sequence (a step-by-step decoder passes the same values every step),
         # so that the steps do not each add a [B, S, D] gradient: nothing here costs per step.
         if self._last is not None and self._last[0] is values:

@@ -60,9 +60,21 @@ def _children_cpu_seconds() -> float:
 def run_command(args: argparse.Namespace, source: Path, output: Path, **options) -> dict:
     """One ``seq2seq-fast translate`` process: -> wall seconds, the command's own translation
     seconds (its closing line: after start-up and loading), sentences and output tokens."""
-    command = [sys.executable, "-m", "seq2seq_fast", "translate", "--checkpoint", args.checkpoint,
-               "--input", str(source), "--output", str(output), "--no-progress",
-               "--device", args.device]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "seq2seq_fast",
+        "translate",
+        "--checkpoint",
+        args.checkpoint,
+        "--input",
+        str(source),
+        "--output",
+        str(output),
+        "--no-progress",
+        "--device",
+        args.device,
+    ]
     batch_size = options.get("batch_size", args.batch_size)
     if batch_size is not None:  # else the command's default (~320 decoder rows)
         command += ["--batch-size", str(batch_size)]
@@ -78,9 +90,13 @@ def run_command(args: argparse.Namespace, source: Path, output: Path, **options)
     match = CLOSING_LINE.search(proc.stderr)
     if match is None:
         raise SystemExit(f"no closing line in the output of {' '.join(command)}")
-    return {"seconds": seconds, "cpu_seconds": cpu_seconds,
-            "translate_seconds": float(match.group(3)),
-            "sentences": int(match.group(1)), "tokens": int(match.group(2))}  # fmt: skip
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "translate_seconds": float(match.group(3)),
+        "sentences": int(match.group(1)),
+        "tokens": int(match.group(2)),
+    }
 
 
 def configurations(args: argparse.Namespace) -> list[dict]:
@@ -158,8 +174,10 @@ def table(result: dict) -> str:
         translating = statistics.median(r["translate_seconds"] for r in runs)
         cpu = statistics.median(r["cpu_seconds"] for r in runs)
         sentences, tokens = runs[0]["sentences"], runs[0]["tokens"]
-        lines.append(f"| {name} | {seconds:.2f} | {translating:.2f} | {cpu:.2f} "
-                     f"| {sentences / seconds:.0f} | {tokens / seconds:,.0f} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {seconds:.2f} | {translating:.2f} | {cpu:.2f} "
+            f"| {sentences / seconds:.0f} | {tokens / seconds:,.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -206,15 +224,19 @@ def main(argv=None) -> None:
     result["ratios"] = ratios(result["runs"], args)
     result["input"] = {"sentences": len(words), "mean_words": statistics.mean(words)}
     print(format_machine(info))
-    print(f"- input: {len(words)} sentences, {statistics.mean(words):.1f} words on average; "
-          f"batch size {args.batch_size or 'the default, 320 // beam'}; start-up alone (empty input): "
-          f"{statistics.median(result['startup_s']):.2f} s")  # fmt: skip
+    print(
+        f"- input: {len(words)} sentences, {statistics.mean(words):.1f} words on average; "
+        f"batch size {args.batch_size or 'the default, 320 // beam'}; start-up alone (empty input): "
+        f"{statistics.median(result['startup_s']):.2f} s"
+    )
     print(table(result))
     for name, value in result["ratios"].items():
         print(f"- {name}: {value}x")
     for name, run in result.get("one_at_a_time", {}).items():
-        print(f"- {name}: {run['seconds']:.2f} s; lines differing from the batched output: "
-              f"{run['differing_lines']}")  # fmt: skip
+        print(
+            f"- {name}: {run['seconds']:.2f} s; lines differing from the batched output: "
+            f"{run['differing_lines']}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": info, **result}, indent=1))
 

@@ -177,8 +177,9 @@ class ChatbotAttn(nn.Module):
 
 
 class GlobalAttention(nn.Module):
-    def __init__(self, dim, coverage=False, attn_type="dot", attn_func="softmax",
-                 old_release=False):  # fmt: skip
+    def __init__(
+        self, dim, coverage=False, attn_type="dot", attn_func="softmax", old_release=False
+    ):
         super().__init__()
         self.dim, self.attn_type, self.attn_func = dim, attn_type, attn_func
         self.old_release = old_release

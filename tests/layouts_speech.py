@@ -327,9 +327,11 @@ class _Tacotron2Attention(nn.Module):
 
     def __init__(self, rnn_dim, embedding_dim, attention_dim, n_filters, kernel_size):
         super().__init__()
-        linear = (lambda i, o: LinearNorm(i, o, bias=False)) if self.wrapped else (
-            lambda i, o: nn.Linear(i, o, bias=False)
-        )  # fmt: skip
+        linear = (
+            (lambda i, o: LinearNorm(i, o, bias=False))
+            if self.wrapped
+            else (lambda i, o: nn.Linear(i, o, bias=False))
+        )
         self.query_layer = linear(rnn_dim, attention_dim)
         self.memory_layer = linear(embedding_dim, attention_dim)
         self.v = linear(attention_dim, 1)

@@ -203,7 +203,14 @@ class BahdanauAttention(nn.Module):
         once per sequence (its ``keys`` and ``values`` passed here)."""
         v_eff, bias = self.score_vector() if score_vector is None else score_vector
         context, weights = attend(
-            self.backend, projected_query, projected_keys, values, v_eff, bias,
-            lengths=lengths, mask=mask, stepwise=stepwise,
-        )  # fmt: skip
+            self.backend,
+            projected_query,
+            projected_keys,
+            values,
+            v_eff,
+            bias,
+            lengths=lengths,
+            mask=mask,
+            stepwise=stepwise,
+        )
         return context, weights

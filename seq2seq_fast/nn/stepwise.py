@@ -61,8 +61,15 @@ class _StepAttention(torch.autograd.Function):
         grad_query, grad_v, grad_bias = ctx.memory._accumulate(
             grad_context.contiguous(),
             None if grad_weights is None else grad_weights.contiguous(),
-            query, keys, values, v, bias, lengths, mask, weights,
-        )  # fmt: skip
+            query,
+            keys,
+            values,
+            v,
+            bias,
+            lengths,
+            mask,
+            weights,
+        )
         return guard_double_backward((grad_query, None, None, grad_v, grad_bias, None, None, None))
 
 
@@ -126,14 +133,24 @@ class StepwiseMemory(StepGradients):
         """(context [B, Tq, Dv], weights [B, Tq, Tk]) of query3 [B, Tq, H] against this memory."""
         return _StepAttention.apply(query3, self.keys, self.values, v, bias, lengths, mask, self)
 
-    def _accumulate(self, grad_context, grad_weights, query, keys, values, v, bias, lengths, mask,
-                    weights):  # fmt: skip
+    def _accumulate(
+        self, grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, weights
+    ):
         # bfloat16 keys: dkeys summed over the steps in float32 (the op accepts it)
         acc = torch.float32 if keys.dtype == torch.bfloat16 else keys.dtype
         grads = torch.ops.seq2seq_fast._additive_attention_bwd_accumulate(
-            grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, weights,
+            grad_context,
+            grad_weights,
+            query,
+            keys,
+            values,
+            v,
+            bias,
+            lengths,
+            mask,
+            weights,
             self.buffer(keys, acc),
-        )  # fmt: skip
+        )
         self.record(weights, grad_context)
         return grads
 

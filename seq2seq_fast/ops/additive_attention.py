@@ -64,9 +64,19 @@ def _fwd_fake(query, keys, values, v, bias, lengths, mask, return_weights):
 
 @torch.library.register_fake(BWD_NAME)
 def _bwd_fake(
-    grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, context, lse,
+    grad_context,
+    grad_weights,
+    query,
+    keys,
+    values,
+    v,
+    bias,
+    lengths,
+    mask,
+    context,
+    lse,
     weights=None,
-):  # fmt: skip
+):
     return (
         torch.empty_like(query),
         torch.empty_like(keys),
@@ -83,7 +93,7 @@ if CPU_KERNEL_ERROR is None:  # fake kernels of the ops that the extension defin
     @torch.library.register_fake("seq2seq_fast::_additive_attention_bwd_accumulate")
     def _bwd_accumulate_fake(
         grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, weights, grad_keys
-    ):  # fmt: skip
+    ):
         # grad_keys is updated in place; (grad_query, grad_v, grad_bias) are new
         return torch.empty_like(query), torch.empty_like(v), torch.empty_like(bias)
 
@@ -112,8 +122,17 @@ def _backward(bwd, ctx, grad_context: Tensor | None, grad_weights: Tensor | None
     grads = bwd(
         grad_context.contiguous(),
         None if grad_weights is None else grad_weights.contiguous(),
-        query, keys, values, v, bias, lengths, mask, context, lse, weights,
-    )  # fmt: skip
+        query,
+        keys,
+        values,
+        v,
+        bias,
+        lengths,
+        mask,
+        context,
+        lse,
+        weights,
+    )
     return guard_double_backward((*grads, None, None, None))
 
 
@@ -138,7 +157,9 @@ class AdditiveAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_context, grad_weights, _grad_lse):
-        return _backward(torch.ops.seq2seq_fast.additive_attention_bwd, ctx, grad_context, grad_weights)
+        return _backward(
+            torch.ops.seq2seq_fast.additive_attention_bwd, ctx, grad_context, grad_weights
+        )
 
     @staticmethod
     def eager_apply(*inputs):
@@ -221,9 +242,15 @@ def additive_attention(
 def run_checked(checked: AttentionInputs, return_weights: bool, use_reference: bool):
     """Run inputs that ``check_inputs`` returned through the fused op or the reference."""
     query3, keys, values, v, bias, lengths, mask, single_step = (
-        checked.query, checked.keys, checked.values, checked.v, checked.bias, checked.lengths,
-        checked.mask, checked.single_step,
-    )  # fmt: skip
+        checked.query,
+        checked.keys,
+        checked.values,
+        checked.v,
+        checked.bias,
+        checked.lengths,
+        checked.mask,
+        checked.single_step,
+    )
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
     degenerate = min(query3.shape) == 0 or min(keys.shape) == 0 or values.shape[2] == 0

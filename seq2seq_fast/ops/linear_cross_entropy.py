@@ -86,9 +86,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         want_x, want_w, want_b = needs[0], needs[1], bias is not None and needs[2]
         with torch.autocast(x.device.type, enabled=False):
             loss, grads = _chunked(
-                x, weight, bias, target, label_smoothing, ignore_index, chunk_rows, dtype,
+                x,
+                weight,
+                bias,
+                target,
+                label_smoothing,
+                ignore_index,
+                chunk_rows,
+                dtype,
                 (want_x, want_w, want_b),
-            )  # fmt: skip
+            )
         ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in grads))
         ctx.have = tuple(g is not None for g in grads)
         return loss.to(torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype)

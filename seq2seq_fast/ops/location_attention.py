@@ -39,9 +39,20 @@ if CPU_KERNEL_ERROR is None:  # shapes for torch.compile / FakeTensor tracing of
 
     @torch.library.register_fake("seq2seq_fast::_location_attention_bwd")
     def _location_attention_bwd_fake(
-        grad_context, grad_weights, query, projected, conv, weight, values, v, bias, lengths, mask,
-        weights, grad_projected,
-    ):  # fmt: skip
+        grad_context,
+        grad_weights,
+        query,
+        projected,
+        conv,
+        weight,
+        values,
+        v,
+        bias,
+        lengths,
+        mask,
+        weights,
+        grad_projected,
+    ):
         # grad_projected is updated in place; (dquery, dconv, dweight, dv, dbias) are new
         return (
             torch.empty_like(query),
@@ -185,10 +196,20 @@ class _LocationStep(torch.autograd.Function):
         else:
             grad_context = grad_context.contiguous()
         grads = torch.ops.seq2seq_fast._location_attention_bwd(
-            grad_context, None if grad_weights is None else grad_weights.contiguous(),
-            query, projected, conv, weight, values, v, bias, lengths, mask, weights,
+            grad_context,
+            None if grad_weights is None else grad_weights.contiguous(),
+            query,
+            projected,
+            conv,
+            weight,
+            values,
+            v,
+            bias,
+            lengths,
+            mask,
+            weights,
             memory.buffer(projected),
-        )  # fmt: skip
+        )
         grad_query, grad_conv, grad_weight, grad_v, grad_bias = grads
         needs = ctx.needs_input_grad
         if needs[4]:  # the values' gradient: one product over all the steps, in the gatherer

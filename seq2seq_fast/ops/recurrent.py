@@ -119,8 +119,6 @@ class _LSTMCell(torch.autograd.Function):
         return guard_double_backward((d_gates, d_gates, dc))
 
 
-
-
 def _autocast_dtype() -> torch.dtype | None:
     """The CPU autocast dtype while autocast is on, else None."""
     return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
@@ -223,7 +221,9 @@ def gru_layer(
     gx = F.linear(x, weight_ih, bias_ih)
     dtype = gx.dtype
     # bfloat16 gx takes float32 W_hh / b_hh as they are; otherwise one dtype throughout
-    w_dtype = torch.float32 if dtype == torch.bfloat16 and weight_hh.dtype == torch.float32 else dtype
+    w_dtype = (
+        torch.float32 if dtype == torch.bfloat16 and weight_hh.dtype == torch.float32 else dtype
+    )
     b_hh = None if bias_hh is None else bias_hh.to(w_dtype)
     hs = _GRURecurrence.apply(
         gx.contiguous(), h0.to(dtype).contiguous(), weight_hh.to(w_dtype), b_hh

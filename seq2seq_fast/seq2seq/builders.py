@@ -65,16 +65,27 @@ class Task:
         millions of pairs a plan takes seconds)."""
         if self.corpus is None:
             return None
-        key = (epoch, ctx.rank, ctx.world_size, config.seed, config.batch_tokens,
-               config.batch_size)  # fmt: skip
+        key = (epoch, ctx.rank, ctx.world_size, config.seed, config.batch_tokens, config.batch_size)
         if self.last_plan is not None and self.last_plan[0] == key:
             return self.last_plan[1]
         if config.batch_tokens is not None:
-            plan = token_batches(self.corpus.train, config.batch_tokens, seed=config.seed,
-                                 epoch=epoch, rank=ctx.rank, world_size=ctx.world_size)  # fmt: skip
+            plan = token_batches(
+                self.corpus.train,
+                config.batch_tokens,
+                seed=config.seed,
+                epoch=epoch,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+            )
         else:
-            plan = epoch_batches(self.corpus.train, config.batch_size, seed=config.seed,
-                                 epoch=epoch, rank=ctx.rank, world_size=ctx.world_size)  # fmt: skip
+            plan = epoch_batches(
+                self.corpus.train,
+                config.batch_size,
+                seed=config.seed,
+                epoch=epoch,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+            )
         self.last_plan = (key, plan)
         return plan
 
@@ -91,8 +102,10 @@ class Task:
         n = config.accum_steps
         if self.reverse is not None:
             return [self.pairs(config.batch_size, plan, step) for _ in range(n)]
-        return [self.pairs(config.batch_size, plan, i)
-                for i in range(step * n, min(len(plan), step * n + n))]  # fmt: skip
+        return [
+            self.pairs(config.batch_size, plan, i)
+            for i in range(step * n, min(len(plan), step * n + n))
+        ]
 
     def example(self) -> str:
         """The held-out sentence drawn in the final heatmap."""
@@ -109,35 +122,59 @@ def build_task(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None) -
             config.vocab_size, config.min_len, config.max_len, config.seed, config.heldout_size
         )
         return Task(
-            "reverse", reverse.vocab, reverse.vocab, config.steps_per_epoch,
-            config.max_len, config.max_len + 1,
-            {"kind": "reverse", "vocab_size": config.vocab_size, "min_len": config.min_len,
-             "max_len": config.max_len},
-            reverse=reverse, heldout=reverse.heldout(),
+            "reverse",
+            reverse.vocab,
+            reverse.vocab,
+            config.steps_per_epoch,
+            config.max_len,
+            config.max_len + 1,
+            {
+                "kind": "reverse",
+                "vocab_size": config.vocab_size,
+                "min_len": config.min_len,
+                "max_len": config.max_len,
+            },
+            reverse=reverse,
+            heldout=reverse.heldout(),
             generator=torch.Generator().manual_seed(config.seed * 7919 + 17 + ctx.rank),
-        )  # fmt: skip
+        )
     vocabs = None
     if payload is not None:  # on resume, the vocabularies the model was trained with
         vocabs = (vocab_from_state(payload["src_vocab"]), vocab_from_state(payload["tgt_vocab"]))
     if config.uses_token_store:  # streamed into an on-disk token store (seq2seq/store.py)
         from seq2seq_fast.seq2seq.store import open_store_corpus
 
-        corpus = open_store_corpus(config, vocabs=vocabs, rank=ctx.rank,
-                                   world_size=ctx.world_size, log=lambda m: _log(m, ctx))  # fmt: skip
+        corpus = open_store_corpus(
+            config,
+            vocabs=vocabs,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            log=lambda m: _log(m, ctx),
+        )
     else:
         corpus = TranslationData.load(
-            config.data, swap=config.direction == "2-1", max_words=config.max_words,
-            max_pairs=config.max_pairs, vocab_size=config.spm_vocab_size,
-            normalization=config.normalization, valid_fraction=config.valid_fraction,
-            test_fraction=config.test_fraction, seed=config.seed, vocabs=vocabs,
-            valid_path=config.valid_data, test_path=config.test_data,
+            config.data,
+            swap=config.direction == "2-1",
+            max_words=config.max_words,
+            max_pairs=config.max_pairs,
+            vocab_size=config.spm_vocab_size,
+            normalization=config.normalization,
+            valid_fraction=config.valid_fraction,
+            test_fraction=config.test_fraction,
+            seed=config.seed,
+            vocabs=vocabs,
+            valid_path=config.valid_data,
+            test_path=config.test_data,
             max_held_out=config.max_held_out,
-        )  # fmt: skip
+        )
     _log(corpus.report.summary(), ctx)
     if corpus.report.too_long:
         share = corpus.report.too_long / max(1, corpus.report.too_long + corpus.report.pairs)
-        _log(f"--max-words {config.max_words} dropped {corpus.report.too_long} pairs "
-             f"({share:.0%} of the usable ones)", ctx)  # fmt: skip
+        _log(
+            f"--max-words {config.max_words} dropped {corpus.report.too_long} pairs "
+            f"({share:.0%} of the usable ones)",
+            ctx,
+        )
     _log(
         f"{'official splits' if config.valid_data else 'split'}: {len(corpus.train)} train / "
         f"{len(corpus.valid)} valid / {len(corpus.test)} test pairs; subword vocab "
@@ -146,20 +183,38 @@ def build_task(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None) -
     )
     longest_src, longest_tgt = max_lengths(corpus.train)
     task = Task(
-        "translate", corpus.src_vocab, corpus.tgt_vocab, 0, longest_src, longest_tgt + 1,
-        {"kind": "translate", "data": str(config.data), "direction": config.direction,
-         "valid_data": config.valid_data, "test_data": config.test_data,
-         "src": config.src, "tgt": config.tgt, "shared_vocab": shared_vocab(corpus)},
+        "translate",
+        corpus.src_vocab,
+        corpus.tgt_vocab,
+        0,
+        longest_src,
+        longest_tgt + 1,
+        {
+            "kind": "translate",
+            "data": str(config.data),
+            "direction": config.direction,
+            "valid_data": config.valid_data,
+            "test_data": config.test_data,
+            "src": config.src,
+            "tgt": config.tgt,
+            "shared_vocab": shared_vocab(corpus),
+        },
         corpus=corpus,
-    )  # fmt: skip
+    )
     plan = task.epoch_plan(config, 0, ctx)
     task.steps_per_epoch = -(-len(plan) // config.accum_steps)  # optimiser steps
     src_pad, tgt_pad = padding_fractions(corpus.train, plan)
-    how = (f"of at most {config.batch_tokens} padded tokens" if config.batch_tokens is not None
-           else f"of {config.batch_size} pairs")  # fmt: skip
-    _log(f"batches {how}: {len(plan)} per epoch and process, "
-         f"{sum(map(len, plan)) / max(1, len(plan)):.1f} pairs each on average, padding "
-         f"{src_pad:.1%} of source and {tgt_pad:.1%} of target positions", ctx)  # fmt: skip
+    how = (
+        f"of at most {config.batch_tokens} padded tokens"
+        if config.batch_tokens is not None
+        else f"of {config.batch_size} pairs"
+    )
+    _log(
+        f"batches {how}: {len(plan)} per epoch and process, "
+        f"{sum(map(len, plan)) / max(1, len(plan)):.1f} pairs each on average, padding "
+        f"{src_pad:.1%} of source and {tgt_pad:.1%} of target positions",
+        ctx,
+    )
     return task
 
 

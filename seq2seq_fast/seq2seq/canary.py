@@ -129,8 +129,15 @@ class PreactivationRecorder:
         for module in self.modules:
             original = module.attend_projected  # the bound method
 
-            def recording(projected_query, projected_keys, values, *, _module=module,
-                          _original=original, **kwargs):  # fmt: skip
+            def recording(
+                projected_query,
+                projected_keys,
+                values,
+                *,
+                _module=module,
+                _original=original,
+                **kwargs,
+            ):
                 score = kwargs.get("score_vector")
                 bias = (score if score is not None else _module.score_vector())[1]
                 self.record(projected_query, projected_keys, bias, kwargs.get("lengths"))
@@ -234,15 +241,24 @@ def rerun(
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     try:
         with _rng_as(rng_state, device):
-            with torch.autocast(device.type, dtype=autocast or torch.bfloat16,
-                                enabled=autocast is not None):  # fmt: skip
-                loss, _ = model(batch.src, batch.src_lengths, batch.tgt_in, batch.tgt_out,
-                                label_smoothing=label_smoothing)  # fmt: skip
+            with torch.autocast(
+                device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None
+            ):
+                loss, _ = model(
+                    batch.src,
+                    batch.src_lengths,
+                    batch.tgt_in,
+                    batch.tgt_out,
+                    label_smoothing=label_smoothing,
+                )
             grads = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
     except torch.OutOfMemoryError as exc:
         return Rerun(math.nan, None, error=f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
-    bad = [n for (n, _), g in zip(named, grads, strict=True)
-           if g is not None and not bool(torch.isfinite(g).all())]  # fmt: skip
+    bad = [
+        n
+        for (n, _), g in zip(named, grads, strict=True)
+        if g is not None and not bool(torch.isfinite(g).all())
+    ]
     loss_value = float(loss.detach())
     return Rerun(loss_value, math.isfinite(loss_value) and not bad, bad)
 
@@ -298,8 +314,10 @@ def attention_ops(device: torch.device, decoder: str) -> str:
 
 
 def batch_tensors(batch) -> dict[str, Tensor]:
-    return {name: getattr(batch, name).detach().cpu()
-            for name in ("src", "src_lengths", "tgt_in", "tgt_out")}  # fmt: skip
+    return {
+        name: getattr(batch, name).detach().cpu()
+        for name in ("src", "src_lengths", "tgt_in", "tgt_out")
+    }
 
 
 def describe_batch(batch) -> str:
@@ -383,8 +401,11 @@ def replay(path: str | Path, *, device: str = "cpu") -> dict[str, Any]:
     rng = payload.get("forward_rng")
     if rng is not None and torch.device(device).type != "cuda":
         rng = {"cpu": rng["cpu"]}
-    options = dict(label_smoothing=payload["label_smoothing"], rng_state=rng,
-                   autocast=getattr(torch, payload["autocast"]) if payload["autocast"] else None)  # fmt: skip
+    options = dict(
+        label_smoothing=payload["label_smoothing"],
+        rng_state=rng,
+        autocast=getattr(torch, payload["autocast"]) if payload["autocast"] else None,
+    )
     fused = rerun(model, batch, **options)
     reference, pre = reference_rerun(model, batch, **options)
     return {"fused": fused, "reference": reference, "preactivation": pre}
@@ -412,8 +433,11 @@ def check_step(job: Any, batch: Batch, loss: float, rng) -> Rerun:
     model, ctx, config = job.model, job.ctx, job.config
     # What the fused path got wrong, then its gradients freed: the re-runs need the memory, and
     # the skipped update never reads them (the next step sets them to None anyway).
-    nonfinite = [n for n, p in model.named_parameters()
-                 if p.grad is not None and not bool(torch.isfinite(p.grad).all())]  # fmt: skip
+    nonfinite = [
+        n
+        for n, p in model.named_parameters()
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+    ]
     for p in model.parameters():
         p.grad = None
     options = dict(label_smoothing=config.label_smoothing, autocast=job.autocast, rng_state=rng)
@@ -428,8 +452,9 @@ def check_step(job: Any, batch: Batch, loss: float, rng) -> Rerun:
     compiled = config.compile
     reproduced, served = probe_fused_parts(model, batch, recurrent=not compiled, **options)
     parts = ("attention", "recurrent")
-    flags = max_over_ranks(ctx, [float(p in reproduced) for p in parts]
-                            + [float(bool(served)), *pre.values()])  # fmt: skip
+    flags = max_over_ranks(
+        ctx, [float(p in reproduced) for p in parts] + [float(bool(served)), *pre.values()]
+    )
     reproduced = [p for p, flag in zip(parts, flags, strict=False) if flag]
     pre = dict(zip(pre, flags[3:], strict=True))
     step = job.step + 1

@@ -290,10 +290,13 @@ def snapshots(folder: Path) -> list[Path]:
     return sorted(epochs, key=epochs.__getitem__)
 
 
-def write_snapshot(header: dict[str, Any], weights: dict[str, Any], folder: Path, epoch: int,
-                   keep: int) -> None:
+def write_snapshot(
+    header: dict[str, Any], weights: dict[str, Any], folder: Path, epoch: int, keep: int
+) -> None:
     """The weights at an epoch's end as model.epochE.pt in ``folder`` (weights and vocabularies
     only, as ``export`` writes them), then the snapshots older than the last ``keep`` removed."""
-    save_checkpoint(inference_payload(header, weights, "float32"), folder / f"model.epoch{epoch}.pt")
+    save_checkpoint(
+        inference_payload(header, weights, "float32"), folder / f"model.epoch{epoch}.pt"
+    )
     for old in snapshots(folder)[:-keep]:
         old.unlink(missing_ok=True)

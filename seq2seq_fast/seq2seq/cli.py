@@ -57,10 +57,16 @@ def _bool(text: str) -> bool:
 
 
 def _add_config_options(p) -> None:
-    p.add_argument("--config", metavar="FILE",
-                   help="YAML file of options (names as the flags'); flags given override it")  # fmt: skip
-    p.add_argument("--dump-config", action="store_true",
-                   help="print the resolved configuration as YAML and exit")  # fmt: skip
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML file of options (names as the flags'); flags given override it",
+    )
+    p.add_argument(
+        "--dump-config",
+        action="store_true",
+        help="print the resolved configuration as YAML and exit",
+    )
 
 
 def _add_train(sub) -> argparse.ArgumentParser:
@@ -75,14 +81,24 @@ def _add_train(sub) -> argparse.ArgumentParser:
     add("--data", help="translate: parallel corpus, source<TAB>target lines (.txt/.tsv or .zip)")
     add("--out", help="output folder for model.pt and attention.png (default runs/<task>)")
     add("--resume", metavar="CHECKPOINT", help="continue this checkpoint exactly")
-    add("--init-from", metavar="CHECKPOINT",
+    add(
+        "--init-from",
+        metavar="CHECKPOINT",
         help="fine-tune: start from this checkpoint's weights and vocabularies, with a fresh "
-        "optimiser and schedule (its model shape must match)")  # fmt: skip
+        "optimiser and schedule (its model shape must match)",
+    )
     add("--seed", type=int)
-    add("--backend", choices=[*TRAIN_BACKENDS, "compile"],
-        help="attention backend (compile: the same as --compile, kept as an alias)")  # fmt: skip
-    add("--compile", action="store_true", default=None,
-        help="torch.compile the whole model, RNN layers and attention in one graph")  # fmt: skip
+    add(
+        "--backend",
+        choices=[*TRAIN_BACKENDS, "compile"],
+        help="attention backend (compile: the same as --compile, kept as an alias)",
+    )
+    add(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="torch.compile the whole model, RNN layers and attention in one graph",
+    )
     g = p.add_argument_group("model")
     g.add_argument("--decoder", choices=["gnmt", "bahdanau"])
     g.add_argument("--cell", choices=["gru", "lstm"])
@@ -93,27 +109,40 @@ def _add_train(sub) -> argparse.ArgumentParser:
     g.add_argument("--decoder-layers", type=int)
     g.add_argument("--bidirectional", type=_bool, metavar="BOOL")
     g.add_argument("--dropout", type=float)
-    g.add_argument("--output-layer", choices=["concat", "attentional"],
-                   help="softmax input: [s; c] itself, or tanh(W [s; c]) of hidden width")  # fmt: skip
+    g.add_argument(
+        "--output-layer",
+        choices=["concat", "attentional"],
+        help="softmax input: [s; c] itself, or tanh(W [s; c]) of hidden width",
+    )
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int)
     g.add_argument("--steps-per-epoch", type=int, help="reverse task: batches per epoch")
     g.add_argument("--batch-size", type=int, help="pairs per batch")
-    g.add_argument("--batch-tokens", type=int, metavar="N",
-                   help="translate: instead, batches of length-similar pairs of at most N padded "
-                   "tokens (pairs x max(source, target+1) widths)")  # fmt: skip
-    g.add_argument("--accum-steps", type=int, metavar="N",
-                   help="sum the gradients of N batches per optimiser step (a batch N times "
-                   "larger, in one batch's memory)")  # fmt: skip
+    g.add_argument(
+        "--batch-tokens",
+        type=int,
+        metavar="N",
+        help="translate: instead, batches of length-similar pairs of at most N padded "
+        "tokens (pairs x max(source, target+1) widths)",
+    )
+    g.add_argument(
+        "--accum-steps",
+        type=int,
+        metavar="N",
+        help="sum the gradients of N batches per optimiser step (a batch N times "
+        "larger, in one batch's memory)",
+    )
     g.add_argument("--lr", type=float)
     g.add_argument("--weight-decay", type=float)
     g.add_argument("--warmup-steps", type=int)
     g.add_argument("--min-lr-ratio", type=float)
     g.add_argument("--clip-norm", type=float)
     g.add_argument("--label-smoothing", type=float)
-    g.add_argument("--precision", choices=["fp32", "bf16"],
-                   help="bf16: autocast with fp32 master weights (fp32 where the CPU lacks "
-                   "AVX512-BF16/AMX)")  # fmt: skip
+    g.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        help="bf16: autocast with fp32 master weights (fp32 where the CPU lacks AVX512-BF16/AMX)",
+    )
     g.add_argument("--time-budget-min", type=float, help="stop training after this many minutes")
     g = p.add_argument_group("reverse task")
     g.add_argument("--vocab-size", type=int, help="number of symbols (default 32)")
@@ -121,75 +150,125 @@ def _add_train(sub) -> argparse.ArgumentParser:
     g.add_argument("--max-len", type=int, help="longest sequence (default 24)")
     g.add_argument("--heldout-size", type=int, help="held-out sequences (default 1000)")
     g = p.add_argument_group("translate task")
-    g.add_argument("--direction", choices=["1-2", "2-1"],
-                   help="1-2: column 1 -> column 2 (default); 2-1: the other way")  # fmt: skip
+    g.add_argument(
+        "--direction",
+        choices=["1-2", "2-1"],
+        help="1-2: column 1 -> column 2 (default); 2-1: the other way",
+    )
     g.add_argument("--max-words", type=int, help="drop pairs with a longer side (default: all)")
     g.add_argument("--max-pairs", type=int, help="use a fixed-seed random subset of the pairs")
     g.add_argument("--spm-vocab-size", type=int, help="sentencepiece vocabulary per side")
     g.add_argument("--normalization", choices=["NFKC", "NFC"])
     g.add_argument("--valid-fraction", type=float)
     g.add_argument("--test-fraction", type=float)
-    g.add_argument("--valid-data", metavar="PATH",
-                   help="official validation split: used as given, and --data is then the "
-                   "training split (not split again)")  # fmt: skip
-    g.add_argument("--test-data", metavar="PATH",
-                   help="official test split (with --valid-data): the final test BLEU")  # fmt: skip
+    g.add_argument(
+        "--valid-data",
+        metavar="PATH",
+        help="official validation split: used as given, and --data is then the "
+        "training split (not split again)",
+    )
+    g.add_argument(
+        "--test-data",
+        metavar="PATH",
+        help="official test split (with --valid-data): the final test BLEU",
+    )
     g = p.add_argument_group(
         "own data and tokenizers",
         "A two-file corpus (one sentence a line, line i of one translating line i of the other) "
         "and any tokenizer option are read through an on-disk token store: encoded once, "
-        "memory-mapped, reused by the next run with the same files and tokenizers.")
+        "memory-mapped, reused by the next run with the same files and tokenizers.",
+    )
     g.add_argument("--src", metavar="FILE", help="training source sentences, one a line")
     g.add_argument("--tgt", metavar="FILE", help="training target sentences, line by line")
     g.add_argument("--valid-src", metavar="FILE", help="official validation split, source side")
     g.add_argument("--valid-tgt", metavar="FILE", help="official validation split, target side")
     g.add_argument("--test-src", metavar="FILE", help="official test split, source side")
     g.add_argument("--test-tgt", metavar="FILE", help="official test split, target side")
-    g.add_argument("--spm", metavar="MODEL",
-                   help="an existing sentencepiece model for both sides (a shared vocabulary)")  # fmt: skip
+    g.add_argument(
+        "--spm",
+        metavar="MODEL",
+        help="an existing sentencepiece model for both sides (a shared vocabulary)",
+    )
     g.add_argument("--src-spm", metavar="MODEL", help="an existing sentencepiece model, source")
     g.add_argument("--tgt-spm", metavar="MODEL", help="an existing sentencepiece model, target")
-    g.add_argument("--src-vocab", dest="src_vocab_file", metavar="FILE",
-                   help="pre-tokenised source text: its vocabulary, one token a line (or "
-                   "token<TAB>count)")  # fmt: skip
-    g.add_argument("--tgt-vocab", dest="tgt_vocab_file", metavar="FILE",
-                   help="pre-tokenised target text: its vocabulary file")  # fmt: skip
-    g.add_argument("--share-vocab", action="store_true", default=None,
-                   help="one vocabulary for both sides (trained on both when not given)")  # fmt: skip
-    g.add_argument("--tie-embeddings", action="store_true", default=None,
-                   help="the decoder's output projection is its input embedding; with a shared "
-                   "vocabulary the encoder's embedding too")  # fmt: skip
-    g.add_argument("--token-store", type=_bool, metavar="BOOL",
-                   help="the on-disk token store on or off (default: on for --src/--tgt, with a "
-                   "tokenizer option, and for a --data file over 100 MB)")  # fmt: skip
-    g.add_argument("--cache-dir", metavar="DIR",
-                   help="where token stores and trained tokenizers are kept (default "
-                   "<out>/data-cache)")  # fmt: skip
-    g.add_argument("--spm-sample-size", type=int, metavar="N",
-                   help="train sentencepiece on a random sample of N pairs (default 100000; "
-                   "0: all)")  # fmt: skip
-    g.add_argument("--max-held-out", type=int, metavar="N",
-                   help="valid and test sets carved from one file: at most N pairs each "
-                   "(default 3000)")  # fmt: skip
+    g.add_argument(
+        "--src-vocab",
+        dest="src_vocab_file",
+        metavar="FILE",
+        help="pre-tokenised source text: its vocabulary, one token a line (or token<TAB>count)",
+    )
+    g.add_argument(
+        "--tgt-vocab",
+        dest="tgt_vocab_file",
+        metavar="FILE",
+        help="pre-tokenised target text: its vocabulary file",
+    )
+    g.add_argument(
+        "--share-vocab",
+        action="store_true",
+        default=None,
+        help="one vocabulary for both sides (trained on both when not given)",
+    )
+    g.add_argument(
+        "--tie-embeddings",
+        action="store_true",
+        default=None,
+        help="the decoder's output projection is its input embedding; with a shared "
+        "vocabulary the encoder's embedding too",
+    )
+    g.add_argument(
+        "--token-store",
+        type=_bool,
+        metavar="BOOL",
+        help="the on-disk token store on or off (default: on for --src/--tgt, with a "
+        "tokenizer option, and for a --data file over 100 MB)",
+    )
+    g.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="where token stores and trained tokenizers are kept (default <out>/data-cache)",
+    )
+    g.add_argument(
+        "--spm-sample-size",
+        type=int,
+        metavar="N",
+        help="train sentencepiece on a random sample of N pairs (default 100000; 0: all)",
+    )
+    g.add_argument(
+        "--max-held-out",
+        type=int,
+        metavar="N",
+        help="valid and test sets carved from one file: at most N pairs each (default 3000)",
+    )
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-size", type=int, help="valid pairs scored after each epoch")
     g.add_argument("--eval-beam", type=int, help="beam size for the final test BLEU")
-    g.add_argument("--eval-every", type=int,
-                   help="also evaluate every N steps; a new best score writes best.pt")  # fmt: skip
-    g.add_argument("--patience", type=int,
-                   help="stop after N evaluations without a new best (default: never)")  # fmt: skip
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        help="also evaluate every N steps; a new best score writes best.pt",
+    )
+    g.add_argument(
+        "--patience", type=int, help="stop after N evaluations without a new best (default: never)"
+    )
     g = p.add_argument_group("bookkeeping")
     g.add_argument("--save-every", type=int, help="also checkpoint every N steps")
-    g.add_argument("--keep-checkpoints", type=int, metavar="N",
-                   help="keep the weights of the last N epochs as model.epochE.pt, to average "
-                   "with export")  # fmt: skip
+    g.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        metavar="N",
+        help="keep the weights of the last N epochs as model.epochE.pt, to average with export",
+    )
     g.add_argument("--stop-after-steps", type=int, help=argparse.SUPPRESS)
     g.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     g.add_argument("--no-heatmap", dest="heatmap", action="store_false", default=None)
     g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    g.add_argument("--tensorboard", metavar="DIR",
-                   help="also write the metrics as TensorBoard events to DIR (needs the "
-                   "tensorboard package; metrics.jsonl is always written)")  # fmt: skip
+    g.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="also write the metrics as TensorBoard events to DIR (needs the "
+        "tensorboard package; metrics.jsonl is always written)",
+    )
     return p
 
 
@@ -204,23 +283,33 @@ def _positive_int(text: str) -> int:
 
 
 def _add_decode_options(p) -> None:
-    p.add_argument("--checkpoint",
-                   help="model.pt written by seq2seq-fast train, or an exported model (required)")  # fmt: skip
+    p.add_argument(
+        "--checkpoint",
+        help="model.pt written by seq2seq-fast train, or an exported model (required)",
+    )
     p.add_argument("sentence", nargs="?", help="input sentence (default: read lines from stdin)")
     # No defaults here: DecodeOptions holds them (and builds the options from those given).
     p.add_argument("--beam", type=_beam, help=f"beam size (default {DecodeOptions.beam}: greedy)")
-    p.add_argument("--alpha", type=float,
-                   help=f"length normalisation exponent (default {DecodeOptions.alpha})")  # fmt: skip
-    p.add_argument("--beta", type=float,
-                   help=f"coverage penalty weight (default {DecodeOptions.beta})")  # fmt: skip
-    p.add_argument("--max-len-factor", type=_positive_factor,
-                   help="at most ceil(factor * source length) + 1 output tokens (default "
-                   f"{DecodeOptions.max_len_factor})")  # fmt: skip
+    p.add_argument(
+        "--alpha", type=float, help=f"length normalisation exponent (default {DecodeOptions.alpha})"
+    )
+    p.add_argument(
+        "--beta", type=float, help=f"coverage penalty weight (default {DecodeOptions.beta})"
+    )
+    p.add_argument(
+        "--max-len-factor",
+        type=_positive_factor,
+        help="at most ceil(factor * source length) + 1 output tokens (default "
+        f"{DecodeOptions.max_len_factor})",
+    )
     p.add_argument("--backend", choices=["auto", "fused", "reference"], default="auto")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--threads", type=_positive_int,
-                   help="CPU threads (default: torch's count); translate decodes up to 4 "
-                   "batches at once, sharing the threads")  # fmt: skip
+    p.add_argument(
+        "--threads",
+        type=_positive_int,
+        help="CPU threads (default: torch's count); translate decodes up to 4 "
+        "batches at once, sharing the threads",
+    )
 
 
 def _add_translate(sub) -> argparse.ArgumentParser:
@@ -236,14 +325,27 @@ def _add_translate(sub) -> argparse.ArgumentParser:
     add = p.add_argument
     add("-i", "--input", help="file of sentences, one a line, UTF-8 (default: stdin)")
     add("-o", "--output", help="write translations here (default: stdout)")
-    add("--n-best", type=_positive_int,
-        help="write the N best hypotheses per line as text<TAB>score (N lines per input)")  # fmt: skip
-    add("--batch-size", type=_positive_int,
-        help="sentences per batch (default: 320 // beam, i.e. ~320 decoder rows)")  # fmt: skip
-    add("--max-tokens", type=_positive_int,
-        help="also at most this many source tokens (padding included) per batch")  # fmt: skip
-    add("--max-source-tokens", type=_positive_int, default=256,
-        help="longer lines are skipped with a warning (default 256 subword tokens)")  # fmt: skip
+    add(
+        "--n-best",
+        type=_positive_int,
+        help="write the N best hypotheses per line as text<TAB>score (N lines per input)",
+    )
+    add(
+        "--batch-size",
+        type=_positive_int,
+        help="sentences per batch (default: 320 // beam, i.e. ~320 decoder rows)",
+    )
+    add(
+        "--max-tokens",
+        type=_positive_int,
+        help="also at most this many source tokens (padding included) per batch",
+    )
+    add(
+        "--max-source-tokens",
+        type=_positive_int,
+        default=256,
+        help="longer lines are skipped with a warning (default 256 subword tokens)",
+    )
     add("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 
@@ -255,12 +357,21 @@ def _add_export(sub) -> None:
         description="Write the weights and vocabularies of a checkpoint, without optimiser state, "
         "for translate and plot-attention (it cannot be resumed).",
     )
-    p.add_argument("--checkpoint", required=True, nargs="+", metavar="PATH",
-                   help="model.pt written by seq2seq-fast train; several (e.g. the model.epoch*.pt "
-                   "of train --keep-checkpoints): their weights averaged")  # fmt: skip
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        nargs="+",
+        metavar="PATH",
+        help="model.pt written by seq2seq-fast train; several (e.g. the model.epoch*.pt "
+        "of train --keep-checkpoints): their weights averaged",
+    )
     p.add_argument("-o", "--output", required=True, help="file to write, e.g. model.infer.pt")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
-                   help="storage type of the floating-point weights (computation stays float32)")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default="float32",
+        help="storage type of the floating-point weights (computation stays float32)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -297,8 +408,9 @@ def _given(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[s
     return set(vars(given)) - {"command", "commands"}
 
 
-def apply_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                      argv: Sequence[str] | None) -> None:  # fmt: skip
+def apply_config_file(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None
+) -> None:
     """Fill ``args`` from ``--config FILE``: every key of the file whose option was not given
     on the command line (flags override the file). Unknown keys: ConfigFileError naming it."""
     from seq2seq_fast.seq2seq.configfile import read_config_file
@@ -321,8 +433,11 @@ def apply_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
 def train_config(args: argparse.Namespace) -> TrainConfig:
     """The job ``seq2seq-fast train`` runs: the options given, every other field its task's
     default (:class:`TrainConfig` resolves those, as it does in Python)."""
-    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)
-              if getattr(args, f.name, None) is not None}  # fmt: skip
+    values = {
+        f.name: getattr(args, f.name)
+        for f in fields(TrainConfig)
+        if getattr(args, f.name, None) is not None
+    }
     if values.get("backend") == "compile":  # the old spelling of --compile
         values["backend"], values["compile"] = "auto", True
     return TrainConfig(**values)
@@ -380,8 +495,14 @@ def _translator(args, **kwargs):
         torch.set_num_threads(threads // workers)
     elif args.threads is not None:
         torch.set_num_threads(args.threads)
-    return Translator.load(args.checkpoint, backend=args.backend, device=args.device,
-                           options=decode_options(args), workers=workers, **kwargs)  # fmt: skip
+    return Translator.load(
+        args.checkpoint,
+        backend=args.backend,
+        device=args.device,
+        options=decode_options(args),
+        workers=workers,
+        **kwargs,
+    )
 
 
 def decode_options(args: argparse.Namespace) -> DecodeOptions:
@@ -391,8 +512,11 @@ def decode_options(args: argparse.Namespace) -> DecodeOptions:
     try:
         return DecodeOptions(**{name: value for name, value in given.items() if value is not None})
     except ValueError as exc:
-        flags = re.sub(r"\b(n_best|beam|max_len_factor|alpha|beta)\b",
-                       lambda m: "--" + m.group(1).replace("_", "-"), str(exc))  # fmt: skip
+        flags = re.sub(
+            r"\b(n_best|beam|max_len_factor|alpha|beta)\b",
+            lambda m: "--" + m.group(1).replace("_", "-"),
+            str(exc),
+        )
         raise ValueError(flags) from None
 
 
@@ -415,8 +539,11 @@ def translate_settings(args: argparse.Namespace) -> dict:
     """The resolved options of ``translate`` (what --dump-config prints), decoding options
     with their defaults filled in."""
     sub = args.commands["translate"]
-    values = {a.dest: getattr(args, a.dest, None) for a in sub._actions
-              if a.dest not in ("help", *CONFIG_OPTIONS)}  # fmt: skip
+    values = {
+        a.dest: getattr(args, a.dest, None)
+        for a in sub._actions
+        if a.dest not in ("help", *CONFIG_OPTIONS)
+    }
     options = decode_options(args)
     values.update({k: getattr(options, k) for k in values if hasattr(options, k)})
     return values
@@ -432,8 +559,12 @@ def _translate(args) -> int:
         return 0
     if args.sentence is not None and args.input is not None:
         raise ValueError("give either a sentence or --input FILE, not both")
-    translator = _translator(args, batch_size=args.batch_size, max_tokens=args.max_tokens,
-                             max_source_tokens=args.max_source_tokens)  # fmt: skip
+    translator = _translator(
+        args,
+        batch_size=args.batch_size,
+        max_tokens=args.max_tokens,
+        max_source_tokens=args.max_source_tokens,
+    )
     if args.sentence is not None:
         result = translator.translate([args.sentence])[0]
         if not result.source_ids:
@@ -457,8 +588,14 @@ def _translate_lines(args, translator, texts: list[str]) -> int:
     from tqdm import tqdm
 
     started = time.perf_counter()
-    with tqdm(total=len(texts), unit="sent", file=sys.stderr, dynamic_ncols=True, leave=False,
-              disable=not (args.progress and args.input is not None)) as bar:  # fmt: skip
+    with tqdm(
+        total=len(texts),
+        unit="sent",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        leave=False,
+        disable=not (args.progress and args.input is not None),
+    ) as bar:
         results = translator.translate(texts, progress=bar.update)
     lines = [line for result in results for line in _output_lines(result, args.n_best)]
     text = "".join(line + "\n" for line in lines)
@@ -473,8 +610,11 @@ def _translate_lines(args, translator, texts: list[str]) -> int:
             _warn(args, result.warning)
     seconds = time.perf_counter() - started
     tokens = sum(result.tokens for result in results)
-    print(f"{len(texts)} sentences, {tokens} tokens in {seconds:.2f} s "
-          f"({tokens / max(seconds, 1e-9):,.0f} tokens/s)", file=sys.stderr)  # fmt: skip
+    print(
+        f"{len(texts)} sentences, {tokens} tokens in {seconds:.2f} s "
+        f"({tokens / max(seconds, 1e-9):,.0f} tokens/s)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -505,8 +645,10 @@ def _export(args) -> int:
     size, source_size = export_inference(args.checkpoint, args.output, dtype=args.dtype)
     count = len(args.checkpoint)
     what = f"the average of {count} checkpoints; the last is" if count > 1 else "the checkpoint is"
-    print(f"wrote {args.output}: {size / 1e6:.1f} MB ({args.dtype} weights and vocabularies; "
-          f"{what} {source_size / 1e6:.1f} MB)")  # fmt: skip
+    print(
+        f"wrote {args.output}: {size / 1e6:.1f} MB ({args.dtype} weights and vocabularies; "
+        f"{what} {source_size / 1e6:.1f} MB)"
+    )
     return 0
 
 
@@ -528,8 +670,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             print(f"seq2seq-fast {args.command}: error: {exc}", file=sys.stderr)
             return 2
-    handlers = {"train": _train, "translate": _translate, "plot-attention": _plot,
-                "export": _export}  # fmt: skip
+    handlers = {
+        "train": _train,
+        "translate": _translate,
+        "plot-attention": _plot,
+        "export": _export,
+    }
     threads = torch.get_num_threads()
     try:
         return handlers[args.command](args)

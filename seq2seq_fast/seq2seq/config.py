@@ -171,8 +171,10 @@ class TrainConfig:
             if getattr(self, name) is None:
                 setattr(self, name, value)
         if self.task == "translate" and not (self.data or self.src or self.tgt):
-            raise TrainError("--task translate needs --data PATH (a .txt/.tsv file or a .zip) "
-                             "or --src FILE --tgt FILE (one sentence a line)")  # fmt: skip
+            raise TrainError(
+                "--task translate needs --data PATH (a .txt/.tsv file or a .zip) "
+                "or --src FILE --tgt FILE (one sentence a line)"
+            )
         from seq2seq_fast.seq2seq.store import check_data_options
 
         try:

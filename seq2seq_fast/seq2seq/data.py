@@ -85,8 +85,12 @@ class SentencePieceVocab:
         self._to_spm: list[int] | None = None
         sp = self.sp
         if (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()) != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
-            specials = {sp.pad_id(): PAD_ID, sp.unk_id(): UNK_ID, sp.bos_id(): BOS_ID,
-                        sp.eos_id(): EOS_ID}  # fmt: skip
+            specials = {
+                sp.pad_id(): PAD_ID,
+                sp.unk_id(): UNK_ID,
+                sp.bos_id(): BOS_ID,
+                sp.eos_id(): EOS_ID,
+            }
             specials.pop(-1, None)
             to_ours, to_spm = [], [sp.unk_id()] * len(SPECIALS)
             for i in range(sp.get_piece_size()):
@@ -148,9 +152,14 @@ class SentencePieceVocab:
     def pieces(self, ids: Sequence[int]) -> list[str]:
         if self._to_spm is None:
             return [self.sp.id_to_piece(int(i)) for i in ids]
-        return [SPECIALS[i] if 0 <= i < len(SPECIALS) else
-                self.sp.id_to_piece(self._to_spm[i]) if i < len(self._to_spm) else "<unk>"
-                for i in map(int, ids)]  # fmt: skip
+        return [
+            SPECIALS[i]
+            if 0 <= i < len(SPECIALS)
+            else self.sp.id_to_piece(self._to_spm[i])
+            if i < len(self._to_spm)
+            else "<unk>"
+            for i in map(int, ids)
+        ]
 
     def to_state(self) -> dict:
         return {"kind": self.kind, "model": self.model_proto}
@@ -621,8 +630,9 @@ def _rank_share(batches: list, rank: int, world_size: int) -> list:
     return batches[rank::world_size][:per_rank]
 
 
-def _epoch_batches_indexed(lengths, batch_size: int, generator: torch.Generator, rank: int,
-                           world_size: int, bucket: int) -> list:  # fmt: skip
+def _epoch_batches_indexed(
+    lengths, batch_size: int, generator: torch.Generator, rank: int, world_size: int, bucket: int
+) -> list:
     """epoch_batches over a length index: the same draws and sorts, so the same batches."""
     import numpy as np
 
@@ -642,8 +652,9 @@ def _epoch_batches_indexed(lengths, batch_size: int, generator: torch.Generator,
     return _rank_share([batches[i] for i in shuffle], rank, world_size)
 
 
-def _token_batches_indexed(lengths, max_tokens: int, generator: torch.Generator, rank: int,
-                           world_size: int) -> list:  # fmt: skip
+def _token_batches_indexed(
+    lengths, max_tokens: int, generator: torch.Generator, rank: int, world_size: int
+) -> list:
     """token_batches over a length index: pairs sorted by (padded width, target, source), ties in
     a fresh seeded order every epoch, cut greedily at ``max_tokens`` padded tokens. Sorted by
     width first, the width of a batch is that of its last pair, so a cut is found per batch (not

@@ -202,8 +202,9 @@ def beam_search(
     model.eval()
     try:
         limits = max_output_lengths(src_lengths, options.max_len_factor, options.max_len)
-        search = _BeamSearch(model, src, src_lengths, limits, options.beam, options.alpha,
-                             options.beta)  # fmt: skip
+        search = _BeamSearch(
+            model, src, src_lengths, limits, options.beam, options.alpha, options.beta
+        )
         search.run()
     finally:
         model.train(was_training)
@@ -214,8 +215,9 @@ class _BeamSearch:
     """The state of one batched beam search: K rows per sentence still searching, their scores,
     tokens and attention so far, and each sentence's finished hypotheses."""
 
-    def __init__(self, model: Seq2Seq, src: Tensor, src_lengths: Tensor, limits: Tensor, beam,
-                 alpha, beta):  # fmt: skip
+    def __init__(
+        self, model: Seq2Seq, src: Tensor, src_lengths: Tensor, limits: Tensor, beam, alpha, beta
+    ):
         self.model, self.beam, self.alpha, self.beta = model, beam, alpha, beta
         self.src_lengths = src_lengths.cpu()
         self.limits = limits.tolist()  # output steps per sentence

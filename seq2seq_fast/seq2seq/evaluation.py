@@ -60,10 +60,21 @@ def evaluate(job: Any, final: bool = False, model: Seq2Seq | None = None) -> dic
     if final:
         if not task.corpus.test:  # official splits without a test file
             return {}
-        return {"test_bleu": bleu_score(model, task.corpus.test, task.src_vocab,
-                                        task.tgt_vocab, device, beam=config.eval_beam)}  # fmt: skip
-    return {"valid_bleu": bleu_score(model, task.corpus.valid[: config.eval_size],
-                                     task.src_vocab, task.tgt_vocab, device)}  # fmt: skip
+        return {
+            "test_bleu": bleu_score(
+                model,
+                task.corpus.test,
+                task.src_vocab,
+                task.tgt_vocab,
+                device,
+                beam=config.eval_beam,
+            )
+        }
+    return {
+        "valid_bleu": bleu_score(
+            model, task.corpus.valid[: config.eval_size], task.src_vocab, task.tgt_vocab, device
+        )
+    }
 
 
 def score_of(metrics: dict[str, float]) -> float | None:

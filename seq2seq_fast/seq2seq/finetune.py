@@ -47,8 +47,10 @@ def differences(model: Seq2Seq, src_vocab, tgt_vocab, payload: dict[str, Any]) -
     ):
         state = payload[key]
         if vocab.to_state() != state:
-            found.append(f"{side} vocabulary: {vocab.to_state().get('kind')} of {len(vocab)} "
-                         f"entries (checkpoint: a different {state.get('kind')} vocabulary)")  # fmt: skip
+            found.append(
+                f"{side} vocabulary: {vocab.to_state().get('kind')} of {len(vocab)} "
+                f"entries (checkpoint: a different {state.get('kind')} vocabulary)"
+            )
     return found
 
 

@@ -53,8 +53,12 @@ class MetricsLog:
         if not self.enabled:
             return
         numbers = {k: float(v) for k, v in values.items()}
-        record = {"kind": kind, "step": step, "time": round(time.time(), 3),
-                  "elapsed_s": round(time.perf_counter() - self.started, 3)}  # fmt: skip
+        record = {
+            "kind": kind,
+            "step": step,
+            "time": round(time.time(), 3),
+            "elapsed_s": round(time.perf_counter() - self.started, 3),
+        }
         record.update({k: (v if math.isfinite(v) else str(v)) for k, v in numbers.items()})
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")

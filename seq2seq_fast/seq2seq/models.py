@@ -389,9 +389,13 @@ class BahdanauDecoder(nn.Module):
         else:
             query = F.linear(top_hidden, weights.query)
         context, attention_weights = self.attention.attend_projected(
-            query, memory.keys, memory.values, lengths=memory.lengths, score_vector=weights.score,
+            query,
+            memory.keys,
+            memory.values,
+            lengths=memory.lengths,
+            score_vector=weights.score,
             stepwise=stepwise,
-        )  # fmt: skip
+        )
         gates_in = torch.addmm(gates_embedded, context, weights.context_in.t())
         new_state, x = [], context
         last = len(self.cells) - 1
@@ -581,9 +585,13 @@ class Seq2Seq(nn.Module):
         features, weights, _ = self.decoder(tgt_in, state, memory, features_only=True)
         output = self.decoder.output
         loss = linear_cross_entropy(
-            features, output.weight, output.bias, tgt_out,
-            label_smoothing=label_smoothing, ignore_index=PAD_ID,
-        )  # fmt: skip
+            features,
+            output.weight,
+            output.bias,
+            tgt_out,
+            label_smoothing=label_smoothing,
+            ignore_index=PAD_ID,
+        )
         return loss, weights
 
 

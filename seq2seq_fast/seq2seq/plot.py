@@ -64,9 +64,12 @@ def plot_result(result: Translation, src_vocab, tgt_vocab, text: str, path: str 
     if hyp.attention.shape[0] > len(target):
         target.append("</s>")
     return plot_attention(
-        hyp.attention, src_vocab.pieces(result.source_ids), target, path,
+        hyp.attention,
+        src_vocab.pieces(result.source_ids),
+        target,
+        path,
         title=f"{text}  ->  {result.text}",
-    )  # fmt: skip
+    )
 
 
 def plot_translation(

@@ -94,9 +94,18 @@ def count_lines(path: Path, progress: bool = False) -> int:
 
     lines, last = 0, b"\n"
     size = path.stat().st_size
-    with path.open("rb") as handle, tqdm(total=size, unit="B", unit_scale=True, leave=False,
-                                         desc=f"counting {path.name}", disable=not progress,
-                                         file=sys.stderr) as bar:  # fmt: skip
+    with (
+        path.open("rb") as handle,
+        tqdm(
+            total=size,
+            unit="B",
+            unit_scale=True,
+            leave=False,
+            desc=f"counting {path.name}",
+            disable=not progress,
+            file=sys.stderr,
+        ) as bar,
+    ):
         while block := handle.read(1 << 24):
             lines += block.count(b"\n")
             last = block[-1:]
@@ -109,8 +118,10 @@ def check_files(files: CorpusFiles) -> None:
     for path, side in zip(files.paths(), ("source", "target"), strict=False):
         _check_file(path, f"{side} corpus file" if files.tgt else "corpus file")
         if path.suffix.lower() == ".zip":
-            raise CorpusError(f"{path}: a .zip corpus is read in memory: use --data without "
-                              "the token store options, or unzip it")  # fmt: skip
+            raise CorpusError(
+                f"{path}: a .zip corpus is read in memory: use --data without "
+                "the token store options, or unzip it"
+            )
 
 
 def corpus_lines(files: CorpusFiles, progress: bool = False) -> int:
@@ -135,8 +146,12 @@ def file_identity(path: Path) -> dict:
         if stat.st_size > HASH_SPAN:
             handle.seek(max(HASH_SPAN, stat.st_size - HASH_SPAN))
             digest.update(handle.read(HASH_SPAN))
-    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-            "head_tail_sha256": digest.hexdigest()}  # fmt: skip
+    return {
+        "path": str(path.resolve()),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "head_tail_sha256": digest.hexdigest(),
+    }
 
 
 def raw_blocks(files: CorpusFiles, size: int) -> Iterator[tuple[list[bytes], list]]:
@@ -200,8 +215,15 @@ class SplitRule:
     max_held_out: int
 
     @classmethod
-    def make(cls, lines: int, valid_fraction: float, test_fraction: float, seed: int,
-             max_held_out: int, carve: bool) -> SplitRule:  # fmt: skip
+    def make(
+        cls,
+        lines: int,
+        valid_fraction: float,
+        test_fraction: float,
+        seed: int,
+        max_held_out: int,
+        carve: bool,
+    ) -> SplitRule:
         if not carve:
             return cls(seed, 0.0, 0.0, 0)
 
@@ -245,9 +267,15 @@ def _kept_lines(lines: int, options: Options) -> np.ndarray | None:
 
 
 def clean_pairs(
-    files: CorpusFiles, lines: int, options: Options, rule: SplitRule, report: CorpusReport,
-    progress: bool = False, desc: str = "reading", only: np.ndarray | None = None,
-) -> Iterator[tuple[int, str, str]]:  # fmt: skip
+    files: CorpusFiles,
+    lines: int,
+    options: Options,
+    rule: SplitRule,
+    report: CorpusReport,
+    progress: bool = False,
+    desc: str = "reading",
+    only: np.ndarray | None = None,
+) -> Iterator[tuple[int, str, str]]:
     """(split side, source, target) of every usable pair, normalised, in file order; malformed
     and over-long lines counted in ``report`` (the first ones listed with their numbers).
     ``only``: a bool mask by line number; the other lines are skipped unread (a sample)."""
@@ -265,8 +293,16 @@ def clean_pairs(
         else:
             report.more_malformed += 1
 
-    with tqdm(total=lines, unit=" lines", unit_scale=True, leave=False, desc=desc,
-              disable=not progress, file=sys.stderr, mininterval=0.5) as bar:  # fmt: skip
+    with tqdm(
+        total=lines,
+        unit=" lines",
+        unit_scale=True,
+        leave=False,
+        desc=desc,
+        disable=not progress,
+        file=sys.stderr,
+        mininterval=0.5,
+    ) as bar:
         for src_block, tgt_block in raw_blocks(files, CHUNK_PAIRS):
             first, count = number + 1, len(src_block)
             number += count
@@ -283,8 +319,11 @@ def clean_pairs(
             for k, (src, tgt) in enumerate(zip(src_texts, tgt_texts, strict=True)):
                 if not src or not tgt:
                     if tgt_block[k] is None:  # one file, no tab
-                        why = ("empty line" if not src_block[k].strip()
-                               else "no tab-separated target column")  # fmt: skip
+                        why = (
+                            "empty line"
+                            if not src_block[k].strip()
+                            else "no tab-separated target column"
+                        )
                     else:
                         why = src_bad.get(k) or tgt_bad.get(k) or "empty source or target"
                     malformed(first + kept[k], why)
@@ -311,16 +350,24 @@ class TokenStore:
     def __init__(self, folder: Path, manifest: dict) -> None:
         self.folder, self.manifest = folder, manifest
         self.dtype = dtype = np.dtype(manifest["dtype"])
-        self.src_ids = np.memmap(folder / "src.bin", dtype=dtype, mode="r") if manifest[
-            "src_tokens"] else np.zeros(0, dtype)  # fmt: skip
-        self.tgt_ids = np.memmap(folder / "tgt.bin", dtype=dtype, mode="r") if manifest[
-            "tgt_tokens"] else np.zeros(0, dtype)  # fmt: skip
+        self.src_ids = (
+            np.memmap(folder / "src.bin", dtype=dtype, mode="r")
+            if manifest["src_tokens"]
+            else np.zeros(0, dtype)
+        )
+        self.tgt_ids = (
+            np.memmap(folder / "tgt.bin", dtype=dtype, mode="r")
+            if manifest["tgt_tokens"]
+            else np.zeros(0, dtype)
+        )
         # numpy arrays, never Python lists (at 10M pairs those would outweigh the store)
         self.offsets = np.load(folder / "offsets.npy", mmap_mode="r")
         self.lengths = np.load(folder / "lengths.npy")
         self._offsets_at = self.offsets.offset  # the .npy header's length
-        self._fds = {name: os.open(folder / name, os.O_RDONLY)
-                     for name in ("src.bin", "tgt.bin", "offsets.npy")}  # fmt: skip
+        self._fds = {
+            name: os.open(folder / name, os.O_RDONLY)
+            for name in ("src.bin", "tgt.bin", "offsets.npy")
+        }
 
     def __del__(self) -> None:
         for fd in getattr(self, "_fds", {}).values():
@@ -337,8 +384,9 @@ class TokenStore:
         if not 0 <= i < len(self.lengths):
             raise IndexError(f"pair {index} of a store of {len(self.lengths)}")
         fds, size = self._fds, self.dtype.itemsize
-        s, t = np.frombuffer(os.pread(fds["offsets.npy"], 16, self._offsets_at + 16 * i),
-                             np.int64).tolist()  # fmt: skip
+        s, t = np.frombuffer(
+            os.pread(fds["offsets.npy"], 16, self._offsets_at + 16 * i), np.int64
+        ).tolist()
         n, m = self.lengths[i].tolist()
         src = np.frombuffer(os.pread(fds["src.bin"], n * size, s * size), self.dtype)
         tgt = np.frombuffer(os.pread(fds["tgt.bin"], m * size, t * size), self.dtype)
@@ -415,8 +463,9 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _encoded_chunks(vocabs, pairs: Iterator[tuple[int, str, str]], heldout: list[list],
-                    cap: int, dropped: list[int]):  # fmt: skip
+def _encoded_chunks(
+    vocabs, pairs: Iterator[tuple[int, str, str]], heldout: list[list], cap: int, dropped: list[int]
+):
     """Train pairs encoded by chunks -> (source rows, target rows); held-out pairs collected
     into ``heldout`` (valid, test), those over ``cap`` counted in ``dropped``."""
     src_vocab, tgt_vocab = vocabs
@@ -438,9 +487,17 @@ def _encoded_chunks(vocabs, pairs: Iterator[tuple[int, str, str]], heldout: list
 
 
 def build_store(
-    folder: Path, key: str, identity: dict, files: CorpusFiles, lines: int, options: Options,
-    vocabs, *, progress: bool = False, log: Log = print,
-) -> TokenStore:  # fmt: skip
+    folder: Path,
+    key: str,
+    identity: dict,
+    files: CorpusFiles,
+    lines: int,
+    options: Options,
+    vocabs,
+    *,
+    progress: bool = False,
+    log: Log = print,
+) -> TokenStore:
     """Encode the corpus into ``folder`` (built beside it, renamed into place when complete)."""
     src_vocab, tgt_vocab = vocabs
     dtype = np.dtype(np.uint16 if max(len(src_vocab), len(tgt_vocab)) <= 1 << 16 else np.int32)
@@ -450,8 +507,14 @@ def build_store(
     tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
     tmp.mkdir()
     report = CorpusReport(files.name)
-    rule = SplitRule.make(lines, options.valid_fraction, options.test_fraction, options.seed,
-                          options.max_held_out, options.carve)  # fmt: skip
+    rule = SplitRule.make(
+        lines,
+        options.valid_fraction,
+        options.test_fraction,
+        options.seed,
+        options.max_held_out,
+        options.carve,
+    )
     dropped = [0, 0]
     heldout: list[list] = [[], []]
     lengths: list[np.ndarray] = []
@@ -470,8 +533,10 @@ def build_store(
                     src_rows = list(itertools.compress(src_rows, ok.tolist()))
                     tgt_rows = list(itertools.compress(tgt_rows, ok.tolist()))
                     src_len, tgt_len = src_len[ok], tgt_len[ok]
-                for rows, count, out, side in ((src_rows, src_len, src_out, 0),
-                                               (tgt_rows, tgt_len, tgt_out, 1)):  # fmt: skip
+                for rows, count, out, side in (
+                    (src_rows, src_len, src_out, 0),
+                    (tgt_rows, tgt_len, tgt_out, 1),
+                ):
                     total = int(count.sum())
                     flat = np.fromiter(itertools.chain.from_iterable(rows), dtype, total)
                     out.write(flat.tobytes())
@@ -490,17 +555,30 @@ def build_store(
         np.cumsum(pair_lengths[:-1], axis=0, out=offsets[1:])
         _save_npy(tmp / "offsets.npy", offsets)
         _save_npy(tmp / "lengths.npy", pair_lengths)
-        _fsync_write(tmp / "heldout.json", json.dumps(
-            {"valid": valid, "test": test, "dropped_over_cap": dropped,
-             "encoded_empty": empty}, ensure_ascii=False).encode())  # fmt: skip
+        _fsync_write(
+            tmp / "heldout.json",
+            json.dumps(
+                {"valid": valid, "test": test, "dropped_over_cap": dropped, "encoded_empty": empty},
+                ensure_ascii=False,
+            ).encode(),
+        )
         files_sizes = {p.name: p.stat().st_size for p in tmp.iterdir()}
         index_hash = _file_sha256(tmp / "lengths.npy")
         manifest = {
-            "format": STORE_FORMAT, "version": STORE_VERSION, "key": key, "identity": identity,
-            "pairs": len(pair_lengths), "dtype": dtype.name, "src_tokens": totals[0],
-            "tgt_tokens": totals[1], "valid": len(valid), "test": len(test),
-            "files": files_sizes, "lengths_sha256": index_hash, "report": asdict(report),
-        }  # fmt: skip
+            "format": STORE_FORMAT,
+            "version": STORE_VERSION,
+            "key": key,
+            "identity": identity,
+            "pairs": len(pair_lengths),
+            "dtype": dtype.name,
+            "src_tokens": totals[0],
+            "tgt_tokens": totals[1],
+            "valid": len(valid),
+            "test": len(test),
+            "files": files_sizes,
+            "lengths_sha256": index_hash,
+            "report": asdict(report),
+        }
         _fsync_write(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
         if folder.exists():
@@ -513,16 +591,24 @@ def build_store(
     if empty:
         log(f"{empty} training pairs encode to no token on a side: left out")
     if any(dropped):
-        log(f"held-out sets capped at {options.max_held_out} pairs each: {dropped[0]} valid and "
-            f"{dropped[1]} test pairs over the cap left out (never trained on)")  # fmt: skip
+        log(
+            f"held-out sets capped at {options.max_held_out} pairs each: {dropped[0]} valid and "
+            f"{dropped[1]} test pairs over the cap left out (never trained on)"
+        )
     return TokenStore(folder, manifest)
 
 
 # --- tokenizers ------------------------------------------------------------------------------------
 
 
-def sample_sentences(files: CorpusFiles, lines: int, options: Options, rule: SplitRule,
-                     size: int, progress: bool = False) -> tuple[list[str], list[str]]:  # fmt: skip
+def sample_sentences(
+    files: CorpusFiles,
+    lines: int,
+    options: Options,
+    rule: SplitRule,
+    size: int,
+    progress: bool = False,
+) -> tuple[list[str], list[str]]:
     """A seeded random sample of about ``size`` training pairs (held-out ones left out), as
     (sources, targets): what the sentencepiece models are trained on."""
     rng = np.random.default_rng(options.seed + 17)
@@ -532,8 +618,9 @@ def sample_sentences(files: CorpusFiles, lines: int, options: Options, rule: Spl
         chosen[1 + rng.choice(lines, size=size, replace=False)] = True
     sources, targets = [], []
     report = CorpusReport(files.name)
-    for side, src, tgt in clean_pairs(files, lines, options, rule, report, progress, "sampling",
-                                      only=chosen):  # fmt: skip
+    for side, src, tgt in clean_pairs(
+        files, lines, options, rule, report, progress, "sampling", only=chosen
+    ):
         if side == 0:
             sources.append(src)
             targets.append(tgt)
@@ -570,14 +657,23 @@ def _given(spec: TokenizerSpec):
     for side in ("src", "tgt"):
         if getattr(spec, f"{side}_spm") and getattr(spec, f"{side}_vocab"):
             raise CorpusError(f"--{side}-spm and --{side}-vocab both given: one tokenizer a side")
-    return (load("spm", spec.src_spm) or load("vocab", spec.src_vocab),
-            load("spm", spec.tgt_spm) or load("vocab", spec.tgt_vocab))  # fmt: skip
+    return (
+        load("spm", spec.src_spm) or load("vocab", spec.src_vocab),
+        load("spm", spec.tgt_spm) or load("vocab", spec.tgt_vocab),
+    )
 
 
 def resolve_tokenizers(
-    spec: TokenizerSpec, files: CorpusFiles, count: Callable[[], int], options: Options,
-    cache_dir: Path, identity: dict, *, progress: bool = False, log: Log = print,
-):  # fmt: skip
+    spec: TokenizerSpec,
+    files: CorpusFiles,
+    count: Callable[[], int],
+    options: Options,
+    cache_dir: Path,
+    identity: dict,
+    *,
+    progress: bool = False,
+    log: Log = print,
+):
     """-> (source vocabulary, target vocabulary); the same object twice when shared. Trained
     sentencepiece models are cached beside the stores (keyed like them), so a second run neither
     re-reads the corpus nor trains again. ``count()``: the corpus's line count."""
@@ -595,8 +691,15 @@ def resolve_tokenizers(
     if src is not None and tgt is not None:
         return src, tgt
     wanted = ["shared"] if spec.share else [s for s, v in (("src", src), ("tgt", tgt)) if v is None]
-    key = _digest({"identity": identity, "options": asdict(options), "size": spec.vocab_size,
-                   "sample": spec.sample_size, "wanted": wanted})  # fmt: skip
+    key = _digest(
+        {
+            "identity": identity,
+            "options": asdict(options),
+            "size": spec.vocab_size,
+            "sample": spec.sample_size,
+            "wanted": wanted,
+        }
+    )
     paths = {w: cache_dir / f"spm-{key}.{w}.model" for w in wanted}
     trained = {}
     if all(p.exists() for p in paths.values()):
@@ -605,17 +708,24 @@ def resolve_tokenizers(
         log(f"sentencepiece model(s) from the cache: {', '.join(str(p) for p in paths.values())}")
     else:
         lines = count()
-        rule = SplitRule.make(lines, options.valid_fraction, options.test_fraction, options.seed,
-                              options.max_held_out, options.carve)  # fmt: skip
-        sources, targets = sample_sentences(files, lines, options, rule, spec.sample_size,
-                                            progress)  # fmt: skip
+        rule = SplitRule.make(
+            lines,
+            options.valid_fraction,
+            options.test_fraction,
+            options.seed,
+            options.max_held_out,
+            options.carve,
+        )
+        sources, targets = sample_sentences(files, lines, options, rule, spec.sample_size, progress)
         if not sources:
             raise CorpusError(f"no usable training pair in {files.name} to train a tokenizer on")
         texts = {"shared": sources + targets, "src": sources, "tgt": targets}
         cache_dir.mkdir(parents=True, exist_ok=True)
         for w, path in paths.items():
-            log(f"training a {spec.vocab_size}-piece sentencepiece model ({w}) on "
-                f"{len(texts[w])} sampled sentences")  # fmt: skip
+            log(
+                f"training a {spec.vocab_size}-piece sentencepiece model ({w}) on "
+                f"{len(texts[w])} sampled sentences"
+            )
             vocab = SentencePieceVocab.train(texts[w], spec.vocab_size)
             tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
             _fsync_write(tmp, vocab.model_proto)
@@ -634,8 +744,9 @@ def _digest(value) -> str:
 # --- what the training job calls -------------------------------------------------------------------
 
 
-def _read_official(path: str | None, tgt: str | None, options: Options, swap: bool,
-                   what: str) -> list[tuple[str, str]]:  # fmt: skip
+def _read_official(
+    path: str | None, tgt: str | None, options: Options, swap: bool, what: str
+) -> list[tuple[str, str]]:
     """An official valid/test split, small enough to read whole: two files or one TSV."""
     if path is None:
         return []
@@ -673,8 +784,9 @@ def load_store_corpus(
     cache_dir = Path(cache_dir)
     options.carve = valid[0] is None
     if test[0] is not None and valid[0] is None:
-        raise CorpusError("a test split needs a validation split too (--valid-src/--valid-tgt "
-                          "or --valid-data)")  # fmt: skip
+        raise CorpusError(
+            "a test split needs a validation split too (--valid-src/--valid-tgt or --valid-data)"
+        )
     check_files(files)
     identity = {"files": [file_identity(p) for p in files.paths()], "swap": files.swap}
     counted: list[int] = []
@@ -686,17 +798,24 @@ def load_store_corpus(
 
     if vocabs is None:
         if rank == 0:
-            vocabs = resolve_tokenizers(spec, files, count, options, cache_dir, identity,
-                                        progress=progress, log=log)  # fmt: skip
+            vocabs = resolve_tokenizers(
+                spec, files, count, options, cache_dir, identity, progress=progress, log=log
+            )
         if barrier is not None:
             barrier()
         if rank != 0:
-            vocabs = resolve_tokenizers(spec, files, count, options, cache_dir, identity,
-                                        progress=False, log=lambda _: None)  # fmt: skip
+            vocabs = resolve_tokenizers(
+                spec, files, count, options, cache_dir, identity, progress=False, log=lambda _: None
+            )
     from seq2seq_fast.seq2seq.vocab import vocab_digest
 
-    key = _digest({"identity": identity, "options": asdict(options),
-                   "vocabs": [vocab_digest(v) for v in vocabs]})  # fmt: skip
+    key = _digest(
+        {
+            "identity": identity,
+            "options": asdict(options),
+            "vocabs": [vocab_digest(v) for v in vocabs],
+        }
+    )
     folder = cache_dir / f"store-{key}"
     store = None
     if rank == 0:
@@ -708,8 +827,9 @@ def load_store_corpus(
             if why:
                 log(f"token store {folder}: {why}; rebuilding it")
             log(f"token store: encoding {files.name} into {folder}")
-            store = build_store(folder, key, identity, files, count(), options, vocabs,
-                                progress=progress, log=log)  # fmt: skip
+            store = build_store(
+                folder, key, identity, files, count(), options, vocabs, progress=progress, log=log
+            )
     if barrier is not None:
         barrier()
     if store is None:
@@ -722,8 +842,9 @@ def load_store_corpus(
         held_valid = _read_official(valid[0], valid[1], options, files.swap, "validation")
         held_test = _read_official(test[0], test[1], options, files.swap, "test")
     elif not held_valid:
-        raise CorpusError(f"{files.name}: too few usable pairs ({store.report().pairs}) to "
-                          "carve a validation set")  # fmt: skip
+        raise CorpusError(
+            f"{files.name}: too few usable pairs ({store.report().pairs}) to carve a validation set"
+        )
     return TranslationData(vocabs[0], vocabs[1], store, held_valid, held_test, store.report())
 
 
@@ -748,29 +869,48 @@ def uses_token_store(config) -> bool:
     ``token_store`` True/False forces either."""
     if config.token_store is not None:
         return bool(config.token_store)
-    if config.src or config.share_vocab or config.cache_dir or any(
-            getattr(config, n) for n in _TOKENIZER_OPTIONS):  # fmt: skip
+    if (
+        config.src
+        or config.share_vocab
+        or config.cache_dir
+        or any(getattr(config, n) for n in _TOKENIZER_OPTIONS)
+    ):
         return True
     data = Path(config.data) if config.data else None
     try:
-        return bool(data and data.suffix.lower() != ".zip"
-                    and data.stat().st_size > BIG_CORPUS_BYTES)  # fmt: skip
+        return bool(
+            data and data.suffix.lower() != ".zip" and data.stat().st_size > BIG_CORPUS_BYTES
+        )
     except OSError:
         return False  # the in-memory reader names the problem
 
 
 def check_data_options(config) -> None:
     """ValueError naming the options when the data options do not go together."""
-    given = [n for n in ("src", "tgt", "valid_src", "valid_tgt", "test_src", "test_tgt",
-                         *_TOKENIZER_OPTIONS, "share_vocab", "cache_dir", "token_store")
-             if getattr(config, n) not in (None, False)]  # fmt: skip
+    given = [
+        n
+        for n in (
+            "src",
+            "tgt",
+            "valid_src",
+            "valid_tgt",
+            "test_src",
+            "test_tgt",
+            *_TOKENIZER_OPTIONS,
+            "share_vocab",
+            "cache_dir",
+            "token_store",
+        )
+        if getattr(config, n) not in (None, False)
+    ]
     if config.task != "translate" and given:
         raise ValueError(f"{', '.join(_flag(n) for n in given)}: for --task translate")
     for a, b in (("src", "tgt"), ("valid_src", "valid_tgt"), ("test_src", "test_tgt")):
         if bool(getattr(config, a)) != bool(getattr(config, b)):
             have, lack = (a, b) if getattr(config, a) else (b, a)
-            raise ValueError(f"{_flag(have)} needs {_flag(lack)} (a two-file corpus: one file "
-                             "a side)")  # fmt: skip
+            raise ValueError(
+                f"{_flag(have)} needs {_flag(lack)} (a two-file corpus: one file a side)"
+            )
     if config.src and config.data:
         raise ValueError("--data and --src/--tgt both given: one training corpus")
     if config.valid_src and config.valid_data:
@@ -778,18 +918,25 @@ def check_data_options(config) -> None:
     if config.test_src and config.test_data:
         raise ValueError("--test-data and --test-src/--test-tgt both given: one test set")
     if config.test_src and not (config.valid_src or config.valid_data):
-        raise ValueError("--test-src/--test-tgt need a validation split too (--valid-src/"
-                         "--valid-tgt or --valid-data)")  # fmt: skip
+        raise ValueError(
+            "--test-src/--test-tgt need a validation split too (--valid-src/"
+            "--valid-tgt or --valid-data)"
+        )
     if config.spm and (config.src_spm or config.tgt_spm):
         raise ValueError("--spm (one model for both sides) and --src-spm/--tgt-spm both given")
     for side in ("src", "tgt"):
         if (config.spm or getattr(config, f"{side}_spm")) and getattr(config, f"{side}_vocab_file"):
-            raise ValueError(f"{_flag(side + '_vocab_file')} and a sentencepiece model both "
-                             f"given for the {side} side: one tokenizer a side")  # fmt: skip
-    if config.token_store is False and (config.src or any(
-            getattr(config, n) for n in _TOKENIZER_OPTIONS)):  # fmt: skip
-        raise ValueError("--token-store off: two-file corpora and tokenizer files are read "
-                         "through the token store")  # fmt: skip
+            raise ValueError(
+                f"{_flag(side + '_vocab_file')} and a sentencepiece model both "
+                f"given for the {side} side: one tokenizer a side"
+            )
+    if config.token_store is False and (
+        config.src or any(getattr(config, n) for n in _TOKENIZER_OPTIONS)
+    ):
+        raise ValueError(
+            "--token-store off: two-file corpora and tokenizer files are read "
+            "through the token store"
+        )
     if config.spm_sample_size < 0:
         raise ValueError(f"spm_sample_size must be >= 0, got {config.spm_sample_size}")
     if config.max_held_out < 1:
@@ -798,15 +945,19 @@ def check_data_options(config) -> None:
 
 def tokenizer_spec(config) -> TokenizerSpec:
     return TokenizerSpec(
-        src_spm=config.spm or config.src_spm, tgt_spm=config.spm or config.tgt_spm,
-        src_vocab=config.src_vocab_file, tgt_vocab=config.tgt_vocab_file,
-        share=bool(config.share_vocab or config.spm), vocab_size=config.spm_vocab_size,
+        src_spm=config.spm or config.src_spm,
+        tgt_spm=config.spm or config.tgt_spm,
+        src_vocab=config.src_vocab_file,
+        tgt_vocab=config.tgt_vocab_file,
+        share=bool(config.share_vocab or config.spm),
+        vocab_size=config.spm_vocab_size,
         sample_size=config.spm_sample_size or 1 << 62,
-    )  # fmt: skip
+    )
 
 
-def open_store_corpus(config, *, vocabs=None, rank: int = 0, world_size: int = 1,
-                      log: Log = print) -> TranslationData:  # fmt: skip
+def open_store_corpus(
+    config, *, vocabs=None, rank: int = 0, world_size: int = 1, log: Log = print
+) -> TranslationData:
     """The training job's corpus through the token store (see :func:`load_store_corpus`)."""
     swap = config.direction == "2-1"
     if config.src:
@@ -817,23 +968,38 @@ def open_store_corpus(config, *, vocabs=None, rank: int = 0, world_size: int = 1
     def pair(a: str | None, b: str | None) -> tuple[str | None, str | None]:
         return (b, a) if swap and b is not None else (a, b)
 
-    valid = pair(config.valid_src, config.valid_tgt) if config.valid_src else (config.valid_data,
-                                                                               None)  # fmt: skip
+    valid = (
+        pair(config.valid_src, config.valid_tgt) if config.valid_src else (config.valid_data, None)
+    )
     test = pair(config.test_src, config.test_tgt) if config.test_src else (config.test_data, None)
     options = Options(
-        normalization=config.normalization, max_words=config.max_words,
-        max_pairs=config.max_pairs, seed=config.seed, valid_fraction=config.valid_fraction,
-        test_fraction=config.test_fraction, max_held_out=config.max_held_out,
-    )  # fmt: skip
+        normalization=config.normalization,
+        max_words=config.max_words,
+        max_pairs=config.max_pairs,
+        seed=config.seed,
+        valid_fraction=config.valid_fraction,
+        test_fraction=config.test_fraction,
+        max_held_out=config.max_held_out,
+    )
     barrier = None
     if world_size > 1:
         import torch.distributed as dist
 
         barrier = dist.barrier
     cache_dir = Path(config.cache_dir) if config.cache_dir else config.out_dir / "data-cache"
-    return load_store_corpus(files, tokenizer_spec(config), options, cache_dir, vocabs=vocabs,
-                             valid=valid, test=test, rank=rank, barrier=barrier,
-                             progress=config.progress, log=log)  # fmt: skip
+    return load_store_corpus(
+        files,
+        tokenizer_spec(config),
+        options,
+        cache_dir,
+        vocabs=vocabs,
+        valid=valid,
+        test=test,
+        rank=rank,
+        barrier=barrier,
+        progress=config.progress,
+        log=log,
+    )
 
 
 def check_tokenizers_fit(config, payload: dict, checkpoint: str) -> None:
@@ -846,7 +1012,8 @@ def check_tokenizers_fit(config, payload: dict, checkpoint: str) -> None:
     spec = tokenizer_spec(config)
     given = _given(spec)
     sources = (spec.src_spm or spec.src_vocab, spec.tgt_spm or spec.tgt_vocab)
-    for side, vocab, source, key in zip(("source", "target"), given, sources,
-                                        ("src_vocab", "tgt_vocab"), strict=True):  # fmt: skip
+    for side, vocab, source, key in zip(
+        ("source", "target"), given, sources, ("src_vocab", "tgt_vocab"), strict=True
+    ):
         if vocab is not None:
             check_vocab_fits(vocab, payload[key], side=side, source=source, checkpoint=checkpoint)

@@ -104,6 +104,7 @@ class TrainResult:
     final_checkpoint: Path | None = None
     final_step: int = 0
 
+
 @dataclass
 class Job:
     """One training run's objects and position (what a checkpoint stores)."""
@@ -202,6 +203,7 @@ def save_job(job: Job, path: Path | None = None) -> None:
     if ctx.enabled:
         dist.barrier()
 
+
 def save_snapshot(job: Job) -> None:
     """``keep_checkpoints`` N > 0: the weights at this epoch's end as model.epochE.pt beside
     model.pt (weights and vocabularies only, as ``export`` writes them), then the snapshots
@@ -209,8 +211,9 @@ def save_snapshot(job: Job) -> None:
     keep = job.config.keep_checkpoints
     if not keep or not job.ctx.is_main:
         return
-    write_snapshot(_model_header(job), job.model.state_dict(), job.checkpoint_path.parent,
-                   job.epoch, keep)  # fmt: skip
+    write_snapshot(
+        _model_header(job), job.model.state_dict(), job.checkpoint_path.parent, job.epoch, keep
+    )
 
 
 def merge_batches(batches: list[Batch]) -> Batch:
@@ -218,24 +221,35 @@ def merge_batches(batches: list[Batch]) -> Batch:
 
     def cat(tensors: list[Tensor]) -> Tensor:
         width = max(t.shape[1] for t in tensors)
-        return torch.cat([nn.functional.pad(t, (0, width - t.shape[1]), value=PAD_ID)
-                          for t in tensors])  # fmt: skip
+        return torch.cat(
+            [nn.functional.pad(t, (0, width - t.shape[1]), value=PAD_ID) for t in tensors]
+        )
 
-    return Batch(cat([b.src for b in batches]), torch.cat([b.src_lengths for b in batches]),
-                 cat([b.tgt_in for b in batches]), cat([b.tgt_out for b in batches]))  # fmt: skip
+    return Batch(
+        cat([b.src for b in batches]),
+        torch.cat([b.src_lengths for b in batches]),
+        cat([b.tgt_in for b in batches]),
+        cat([b.tgt_out for b in batches]),
+    )
 
 
 def _loss(job: Job, batch: Batch) -> Tensor:
     """The forward of one batch: its loss, the mean over its target tokens."""
     config = job.config
-    with torch.autocast(job.ctx.device.type, dtype=job.autocast or torch.bfloat16,
-                        enabled=job.autocast is not None):  # fmt: skip
+    with torch.autocast(
+        job.ctx.device.type, dtype=job.autocast or torch.bfloat16, enabled=job.autocast is not None
+    ):
         if config.compile:  # the loss outside the compiled graph, as before
             logits, _ = job.run_model(batch.src, batch.src_lengths, batch.tgt_in)
             return sequence_loss(logits.float(), batch.tgt_out, config.label_smoothing)
         # output layer + loss by chunks of rows (ops/linear_cross_entropy.py)
-        loss, _ = job.run_model(batch.src, batch.src_lengths, batch.tgt_in, batch.tgt_out,
-                                label_smoothing=config.label_smoothing)  # fmt: skip
+        loss, _ = job.run_model(
+            batch.src,
+            batch.src_lengths,
+            batch.tgt_in,
+            batch.tgt_out,
+            label_smoothing=config.label_smoothing,
+        )
         return loss
 
 
@@ -293,6 +307,7 @@ def train_step(job: Job, batch: Batch | list[Batch]) -> float:
 # Steps in a row with a non-finite gradient norm after which a run counts as diverged.
 MAX_NONFINITE_STEPS = 20
 
+
 def _skip_nonfinite_step(job: Job, loss: float, reference: canary.Rerun | None = None) -> None:
     """A step whose gradient norm is inf or NaN: no update (the weights stay finite). One is
     reported; MAX_NONFINITE_STEPS in a row save the run's last finite state and stop it.
@@ -303,14 +318,20 @@ def _skip_nonfinite_step(job: Job, loss: float, reference: canary.Rerun | None =
     if reference is None:
         cause = "the model itself diverged (on the reference attention backend: no re-run)"
     elif reference.finite is False:
-        cause = ("the model itself diverged (the plain-PyTorch reference re-run of the step "
-                 "gives non-finite values as well)")  # fmt: skip
+        cause = (
+            "the model itself diverged (the plain-PyTorch reference re-run of the step "
+            "gives non-finite values as well)"
+        )
     else:
-        cause = (f"not verified (the plain-PyTorch reference re-run could not run: "
-                 f"{reference.error}; a fused-kernel fault is not ruled out)")  # fmt: skip
+        cause = (
+            f"not verified (the plain-PyTorch reference re-run could not run: "
+            f"{reference.error}; a fused-kernel fault is not ruled out)"
+        )
     if job.nonfinite_steps == 1:
-        log(f"step {job.step + 1}: non-finite gradient (loss {loss}), update skipped: {cause}",
-             job.ctx)  # fmt: skip
+        log(
+            f"step {job.step + 1}: non-finite gradient (loss {loss}), update skipped: {cause}",
+            job.ctx,
+        )
     if job.nonfinite_steps >= MAX_NONFINITE_STEPS:
         save_job(job)
         raise TrainError(
@@ -340,8 +361,9 @@ def run_epoch(job: Job) -> bool:
     plan = task.epoch_plan(config, job.epoch, ctx)
     steps = None if plan is None else -(-len(plan) // config.accum_steps)
     if steps is not None and steps != task.steps_per_epoch:  # the schedule counted them once
-        raise TrainError(f"epoch {job.epoch + 1} has {steps} steps, the first had "
-                         f"{task.steps_per_epoch}")  # fmt: skip
+        raise TrainError(
+            f"epoch {job.epoch + 1} has {steps} steps, the first had {task.steps_per_epoch}"
+        )
     job.model.train()
     bar = tqdm(
         total=task.steps_per_epoch,
@@ -356,10 +378,13 @@ def run_epoch(job: Job) -> bool:
     try:
         while job.batch_in_epoch < task.steps_per_epoch:
             batches = [
-                make_batch(pairs, src_pad_to=task.pad_src if compiled else None,
-                           tgt_pad_to=task.pad_tgt if compiled else None).to(ctx.device)
+                make_batch(
+                    pairs,
+                    src_pad_to=task.pad_src if compiled else None,
+                    tgt_pad_to=task.pad_tgt if compiled else None,
+                ).to(ctx.device)
                 for pairs in task.step_pairs(config, plan, job.batch_in_epoch)
-            ]  # fmt: skip
+            ]
             loss_value = train_step(job, batches if len(batches) > 1 else batches[0])
             window_tokens += sum(b.num_target_tokens for b in batches) * ctx.world_size
             window_losses.append(loss_value)
@@ -368,12 +393,16 @@ def run_epoch(job: Job) -> bool:
                 now = time.perf_counter()
                 tokens_per_s = window_tokens / max(now - window_start, 1e-9)
                 lr = job.scheduler.get_last_lr()[0]
-                bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_s:,.0f}",
-                                lr=f"{lr:.1e}")  # fmt: skip
+                bar.set_postfix(
+                    loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.1e}"
+                )
                 if job.metrics_log is not None:
                     loss_mean = sum(window_losses) / len(window_losses)
-                    job.metrics_log.write("train", job.step, {"loss": loss_mean, "lr": lr,
-                                                              "tokens_per_s": tokens_per_s})  # fmt: skip
+                    job.metrics_log.write(
+                        "train",
+                        job.step,
+                        {"loss": loss_mean, "lr": lr, "tokens_per_s": tokens_per_s},
+                    )
                 window_tokens, window_losses, window_start = 0, [], now
             if _should_stop(job):
                 return True
@@ -386,8 +415,6 @@ def run_epoch(job: Job) -> bool:
         return False
     finally:
         bar.close()
-
-
 
 
 def track_best(job: Job) -> bool:
@@ -408,8 +435,11 @@ def track_best(job: Job) -> bool:
         return False
     job.evals_since_best += 1
     if job.config.patience and job.evals_since_best >= job.config.patience:
-        log(f"early stop at step {job.step}: {job.evals_since_best} evaluations without a "
-             f"better score than {job.best_score:.4g} (best.pt)", job.ctx)  # fmt: skip
+        log(
+            f"early stop at step {job.step}: {job.evals_since_best} evaluations without a "
+            f"better score than {job.best_score:.4g} (best.pt)",
+            job.ctx,
+        )
         return True
     return False
 
@@ -458,8 +488,13 @@ def _resume_config(config: TrainConfig, resume: str | Path) -> tuple[TrainConfig
     return saved, payload
 
 
-def build_job(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None, started: float,
-              init: dict[str, Any] | None = None):  # fmt: skip
+def build_job(
+    config: TrainConfig,
+    ctx: Dist,
+    payload: dict[str, Any] | None,
+    started: float,
+    init: dict[str, Any] | None = None,
+):
     """Seed, build the task, the model and its optimiser (in this order: the seeded RNG streams
     depend on it), and restore ``payload`` when resuming. ``init``: the checkpoint of
     ``--init-from``, whose vocabularies the task takes and whose weights the model starts from."""
@@ -498,8 +533,13 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     init = load_init(config.init_from) if config.init_from and payload is None else None
-    metrics_log = MetricsLog(config.out_dir, started=started, tensorboard_dir=config.tensorboard,
-                             fresh=resume is None, enabled=ctx.is_main)  # fmt: skip
+    metrics_log = MetricsLog(
+        config.out_dir,
+        started=started,
+        tensorboard_dir=config.tensorboard,
+        fresh=resume is None,
+        enabled=ctx.is_main,
+    )
     if ctx.is_main:  # the resolved configuration, beside the checkpoint (which stores it too)
         write_config(asdict(config), config.out_dir / CONFIG_FILE)
     job = build_job(config, ctx, payload, started, init)
@@ -509,8 +549,11 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
         for path in stale:
             path.unlink(missing_ok=True)
         if stale:
-            log(f"removed {len(stale)} epoch snapshot(s) of an earlier run: "
-                 f"{', '.join(p.name for p in stale)}", ctx)  # fmt: skip
+            log(
+                f"removed {len(stale)} epoch snapshot(s) of an earlier run: "
+                f"{', '.join(p.name for p in stale)}",
+                ctx,
+            )
     if ctx.is_main:
         params = sum(p.numel() for p in job.model.parameters())
         log(
@@ -570,8 +613,11 @@ def final_model(job: Job) -> FinalModel:
         return last
     payload = load_checkpoint(path)
     if payload.get("best", {}).get("score") != job.best_score:
-        log(f"{path} holds another run's best (score {payload.get('best', {}).get('score')}, "
-             f"this run's {job.best_score}): evaluating the last model", job.ctx)  # fmt: skip
+        log(
+            f"{path} holds another run's best (score {payload.get('best', {}).get('score')}, "
+            f"this run's {job.best_score}): evaluating the last model",
+            job.ctx,
+        )
         return last
     model = job.model
     if payload["step"] != job.step:  # a copy: job.model stays the last state (model.pt)
@@ -598,8 +644,14 @@ def finish(job: Job, payload: dict[str, Any] | None, stopped_early: bool) -> Tra
             from seq2seq_fast.seq2seq.plot import plot_translation
 
             heatmap_path = config.out_dir / "attention.png"
-            plot_translation(final.model, job.task.src_vocab, job.task.tgt_vocab,
-                             job.task.example(), heatmap_path, device=ctx.device)  # fmt: skip
+            plot_translation(
+                final.model,
+                job.task.src_vocab,
+                job.task.tgt_vocab,
+                job.task.example(),
+                heatmap_path,
+                device=ctx.device,
+            )
         _record_final(job, final, payload)
         if job.metrics_log is not None:
             job.metrics_log.write("final", final.step, job.metrics)
@@ -616,10 +668,16 @@ def finish(job: Job, payload: dict[str, Any] | None, stopped_early: bool) -> Tra
             log(f"attention heatmap: {heatmap_path}", ctx)
         log(f"trained {job.step} steps in {seconds:.0f}s", ctx)
     return TrainResult(
-        job.checkpoint_path, heatmap_path, job.metrics, job.losses, job.step, job.epoch, seconds,
+        job.checkpoint_path,
+        heatmap_path,
+        job.metrics,
+        job.losses,
+        job.step,
+        job.epoch,
+        seconds,
         final_checkpoint=job.checkpoint_path.with_name(final.name) if final else None,
         final_step=final.step if final else job.step,
-    )  # fmt: skip
+    )
 
 
 def _record_final(job: Job, final: FinalModel, payload: dict[str, Any] | None) -> None:

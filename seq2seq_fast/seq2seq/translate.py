@@ -81,8 +81,11 @@ class Translator:
         self.options = options or DecodeOptions()
         if batch_size is None:
             batch_size = max(1, ROWS_PER_BATCH // self.options.beam)
-        for name, value in (("batch_size", batch_size), ("max_source_tokens", max_source_tokens),
-                            ("workers", workers)):  # fmt: skip
+        for name, value in (
+            ("batch_size", batch_size),
+            ("max_source_tokens", max_source_tokens),
+            ("workers", workers),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
@@ -109,8 +112,9 @@ class Translator:
         normalization = payload.get("normalization") or dict(payload.get("train_config") or {}).get(
             "normalization", "NFKC"
         )
-        return cls(model, src_vocab, tgt_vocab, device=device, normalization=normalization,
-                   **kwargs)  # fmt: skip
+        return cls(
+            model, src_vocab, tgt_vocab, device=device, normalization=normalization, **kwargs
+        )
 
     def encode(self, texts: Sequence[str]) -> list[Translation]:
         """Encode every input; empty and over-long ones get their warning (line = position + 1)."""

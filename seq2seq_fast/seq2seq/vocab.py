@@ -23,9 +23,20 @@ from seq2seq_fast.seq2seq.data import (
 # Spellings of the special tokens that toolkits write into their vocabulary files: they are ours
 # already (ids 0-3), so a file listing them does not add them again.
 SPECIAL_SPELLINGS = frozenset(
-    {*SPECIALS, "<blank>", "<bos>", "<eos>", "<unk>", "<UNK>", "<PAD>", "<S>", "</S>", "<BOS>",
-     "<EOS>"}
-)  # fmt: skip
+    {
+        *SPECIALS,
+        "<blank>",
+        "<bos>",
+        "<eos>",
+        "<unk>",
+        "<UNK>",
+        "<PAD>",
+        "<S>",
+        "</S>",
+        "<BOS>",
+        "<EOS>",
+    }
+)
 
 
 class WordVocab:
@@ -139,19 +150,25 @@ def check_vocab_fits(vocab, saved_state: dict, *, side: str, source: str, checkp
     saved = vocab_from_state(saved_state)
     where = f"the {side} vocabulary {source} does not fit {checkpoint}"
     if saved.kind != vocab.kind:
-        raise CorpusError(f"{where}: it is a {vocab.kind} vocabulary, the checkpoint's is "
-                          f"{saved.kind}")  # fmt: skip
+        raise CorpusError(
+            f"{where}: it is a {vocab.kind} vocabulary, the checkpoint's is {saved.kind}"
+        )
     if len(saved) != len(vocab):
         raise CorpusError(f"{where}: {len(vocab)} entries, the checkpoint's has {len(saved)}")
     if vocab_digest(saved) == vocab_digest(vocab):
         return
     pieces = vocab.pieces(range(len(vocab)))
-    for index, (ours, theirs) in enumerate(zip(pieces, saved.pieces(range(len(saved))),
-                                               strict=True)):  # fmt: skip
+    for index, (ours, theirs) in enumerate(
+        zip(pieces, saved.pieces(range(len(saved))), strict=True)
+    ):
         if ours != theirs:
             lines = getattr(vocab, "lines", None)
-            line = f" (line {lines[index - len(SPECIALS)]})" if lines and index >= len(
-                SPECIALS) else ""  # fmt: skip
-            raise CorpusError(f"{where}: entry {index}{line} is {ours!r}, the checkpoint's is "
-                              f"{theirs!r}")  # fmt: skip
+            line = (
+                f" (line {lines[index - len(SPECIALS)]})"
+                if lines and index >= len(SPECIALS)
+                else ""
+            )
+            raise CorpusError(
+                f"{where}: entry {index}{line} is {ours!r}, the checkpoint's is {theirs!r}"
+            )
     raise CorpusError(f"{where}: same entries, different model settings")

@@ -444,8 +444,12 @@ def _location_call(b, t, dtype):
 
 
 def _cell_call(b, t, dtype):
-    return (_rand(b, Q, dtype=dtype), _rand(b, Q, dtype=dtype), _rand(b, t, K, dtype=dtype),
-            lengths_mask(b, t))  # fmt: skip
+    return (
+        _rand(b, Q, dtype=dtype),
+        _rand(b, Q, dtype=dtype),
+        _rand(b, t, K, dtype=dtype),
+        lengths_mask(b, t),
+    )
 
 
 def _residual_call(b, t, dtype):
@@ -465,17 +469,46 @@ class _Call(nn.Module):
 
 
 CASES = [
-    Case("join_scorer", _wrap(JoinScorer), lambda b, t, d: (_rand(b, Q, dtype=d), _rand(b, t, K, dtype=d)), "att"),
-    Case("time_major_join", _wrap(TimeMajorJoin), lambda b, t, d: (_rand(t, b, K, dtype=d), _rand(1, b, Q, dtype=d)), "att"),
-    Case("pre_projected", PreProjectedHolder, lambda b, t, d: (_rand(b, t, K, dtype=d), _rand(b, Q, dtype=d)), "attention"),
+    Case(
+        "join_scorer",
+        _wrap(JoinScorer),
+        lambda b, t, d: (_rand(b, Q, dtype=d), _rand(b, t, K, dtype=d)),
+        "att",
+    ),
+    Case(
+        "time_major_join",
+        _wrap(TimeMajorJoin),
+        lambda b, t, d: (_rand(t, b, K, dtype=d), _rand(1, b, Q, dtype=d)),
+        "att",
+    ),
+    Case(
+        "pre_projected",
+        PreProjectedHolder,
+        lambda b, t, d: (_rand(b, t, K, dtype=d), _rand(b, Q, dtype=d)),
+        "attention",
+    ),
     Case("pointer_bias", _wrap(Pointer), _pointer_call, "att"),
     Case("cell_wrapper", _wrap(AttentiveCell), _cell_call, "att"),
-    Case("tempered_kwargs", lambda: _Call(Tempered()), lambda b, t, d: (_rand(b, Q, dtype=d), _rand(b, t, K, dtype=d), lengths_mask(b, t)), "att"),
+    Case(
+        "tempered_kwargs",
+        lambda: _Call(Tempered()),
+        lambda b, t, d: (_rand(b, Q, dtype=d), _rand(b, t, K, dtype=d), lengths_mask(b, t)),
+        "att",
+    ),
     Case("wrapped_multi_query", _wrap(WrappedMulti), _multi_call, "att"),
     Case("time_major_float_mask", _wrap(TimeMajorFloatMask), _float_mask_call, "att"),
     Case("residual_normed", _wrap(ResidualNormed), _residual_call, "att"),
     Case("location_block", LocationHolder, _location_call, "attention"),
-    Case("conv_location", _wrap(ConvLocation), lambda b, t, d: (_rand(b, t, K, dtype=d), _rand(b, Q, dtype=d), torch.softmax(_rand(b, t, dtype=d), -1)), "att"),
+    Case(
+        "conv_location",
+        _wrap(ConvLocation),
+        lambda b, t, d: (
+            _rand(b, t, K, dtype=d),
+            _rand(b, Q, dtype=d),
+            torch.softmax(_rand(b, t, dtype=d), -1),
+        ),
+        "att",
+    ),
     # look-alikes
     Case("relu_show_attend", _wrap(ShowAttendRelu), _feature_call, None),
     Case("sigmoid_gate", _wrap(SigmoidGate), _feature_call, None),
@@ -486,8 +519,13 @@ CASES = [
     Case("log_softmax", _wrap(LogSoftmaxScores), _feature_call, None),
     Case("no_vector", _wrap(NoVector), _feature_call, None),
     Case("mask_per_query", _wrap(MaskPerQuery), _multi_call, None),
-    Case("join_relu", _wrap(lambda: JoinScorer(squash=torch.relu)), lambda b, t, d: (_rand(b, Q, dtype=d), _rand(b, t, K, dtype=d)), None),
-]  # fmt: skip
+    Case(
+        "join_relu",
+        _wrap(lambda: JoinScorer(squash=torch.relu)),
+        lambda b, t, d: (_rand(b, Q, dtype=d), _rand(b, t, K, dtype=d)),
+        None,
+    ),
+]
 
 
 # --- more layouts: the projection by a batch-repeated vector, einsum, in-place masks ----------------
@@ -594,9 +632,13 @@ def _data_call(b, t, dtype):
 
 CASES += [
     Case("data_masked_fill", _wrap(DataFilled), _data_call, "att"),
-    Case("repeated_up_a_rank", _wrap(RepeatedUpARank),
-         lambda b, t, d: (_rand(b, Q, dtype=d), _rand(t, b, K, dtype=d)), "att"),
-]  # fmt: skip
+    Case(
+        "repeated_up_a_rank",
+        _wrap(RepeatedUpARank),
+        lambda b, t, d: (_rand(b, Q, dtype=d), _rand(t, b, K, dtype=d)),
+        "att",
+    ),
+]
 
 
 # --- a pointer network (combinatorial optimisation): Conv1d over [B, H, T], v from the left --------
@@ -630,7 +672,7 @@ def _pointer_conv_call(b, t, dtype):
 CASES += [
     Case("conv_pointer", _wrap(ConvPointer), _pointer_conv_call, "att"),
     Case("conv_pointer_exploration", _wrap(lambda: ConvPointer(10.0)), _pointer_conv_call, None),
-]  # fmt: skip
+]
 
 
 # --- a speech toolkit's MLP attention: float round trip around the mask, time-major ----------------
@@ -689,8 +731,13 @@ class CoverageAttention(nn.Module):
 
 
 def _coverage_call(b, t, dtype):
-    return (_rand(b, Q, dtype=dtype), _rand(b * t, A, dtype=dtype), _rand(b, t, K, dtype=dtype),
-            lengths_mask(b, t).to(dtype), torch.rand(b, t, dtype=dtype))  # fmt: skip
+    return (
+        _rand(b, Q, dtype=dtype),
+        _rand(b * t, A, dtype=dtype),
+        _rand(b, t, K, dtype=dtype),
+        lengths_mask(b, t).to(dtype),
+        torch.rand(b, t, dtype=dtype),
+    )
 
 
 class CoverageBatched(CoverageAttention):

@@ -34,8 +34,11 @@ class Temperature(nn.Module):
 
     def __init__(self, hidden: int, temperature: float = 1.5) -> None:
         super().__init__()
-        self.Wa, self.Ua, self.Va = (nn.Linear(hidden, hidden), nn.Linear(hidden, hidden),
-                                     nn.Linear(hidden, 1))  # fmt: skip
+        self.Wa, self.Ua, self.Va = (
+            nn.Linear(hidden, hidden),
+            nn.Linear(hidden, hidden),
+            nn.Linear(hidden, 1),
+        )
         self.temperature = temperature
 
     def forward(self, query, keys):

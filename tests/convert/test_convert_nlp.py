@@ -182,49 +182,84 @@ def _joey_reorder(x, state, index):
 
 FAMILIES = {
     "tutorial": Family(
-        lambda: layouts.TutorialAttention(5), "tutorial", _tutorial_inputs, _tutorial_step,
-        lambda m, x: x["hidden"], lambda x, st, i: _reorder_rows(x, st, i, 0),
+        lambda: layouts.TutorialAttention(5),
+        "tutorial",
+        _tutorial_inputs,
+        _tutorial_step,
+        lambda m, x: x["hidden"],
+        lambda x, st, i: _reorder_rows(x, st, i, 0),
     ),
     "gnmt": Family(
-        lambda: layouts.GNMTAttention(5, 4, 7, normalize=True), "gnmt", _gnmt_inputs, _gnmt_step,
-        lambda m, x: x["hidden"], _gnmt_reorder,
+        lambda: layouts.GNMTAttention(5, 4, 7, normalize=True),
+        "gnmt",
+        _gnmt_inputs,
+        _gnmt_step,
+        lambda m, x: x["hidden"],
+        _gnmt_reorder,
     ),
     "concat": Family(
-        lambda: layouts.ConcatAttention(4, 5), "concat", _concat_inputs, _concat_step,
-        lambda m, x: x["hidden"], _concat_reorder,
+        lambda: layouts.ConcatAttention(4, 5),
+        "concat",
+        _concat_inputs,
+        _concat_step,
+        lambda m, x: x["hidden"],
+        _concat_reorder,
     ),
     "concat-vector-nomask": Family(
-        lambda: layouts.ConcatAttention(4, 5, vector_score=True), "concat",
-        lambda dtype: _concat_inputs(dtype, masked=False), _concat_step,
-        lambda m, x: x["hidden"], _concat_reorder,
+        lambda: layouts.ConcatAttention(4, 5, vector_score=True),
+        "concat",
+        lambda dtype: _concat_inputs(dtype, masked=False),
+        _concat_step,
+        lambda m, x: x["hidden"],
+        _concat_reorder,
     ),
     "concat_batch_first": Family(
-        lambda: layouts.ConcatAttention(4, 5, batch_first=True), "concat_batch_first",
-        lambda dtype: _concat_inputs(dtype, time_major=False), _concat_step,
-        lambda m, x: x["hidden"], _concat_reorder,
+        lambda: layouts.ConcatAttention(4, 5, batch_first=True),
+        "concat_batch_first",
+        lambda dtype: _concat_inputs(dtype, time_major=False),
+        _concat_step,
+        lambda m, x: x["hidden"],
+        _concat_reorder,
     ),
     "chatbot_concat": Family(
-        lambda: layouts.ChatbotAttn("concat", 5), "chatbot_concat",
-        lambda dtype: _concat_inputs(dtype, enc=5, dec=5, masked=False) | {
-            "memory": torch.randn(S, B, 5, dtype=dtype).requires_grad_(),
-            "mix": _mix(dtype, 5, 5),
-        },
-        _chatbot_step, lambda m, x: x["hidden"], _concat_reorder,
+        lambda: layouts.ChatbotAttn("concat", 5),
+        "chatbot_concat",
+        lambda dtype: (
+            _concat_inputs(dtype, enc=5, dec=5, masked=False)
+            | {
+                "memory": torch.randn(S, B, 5, dtype=dtype).requires_grad_(),
+                "mix": _mix(dtype, 5, 5),
+            }
+        ),
+        _chatbot_step,
+        lambda m, x: x["hidden"],
+        _concat_reorder,
     ),
     "opennmt_mlp": Family(
-        lambda: layouts.GlobalAttention(6, attn_type="mlp"), "opennmt_mlp", _onmt_inputs,
-        _onmt_step, lambda m, x: x["source"], _onmt_reorder,
+        lambda: layouts.GlobalAttention(6, attn_type="mlp"),
+        "opennmt_mlp",
+        _onmt_inputs,
+        _onmt_step,
+        lambda m, x: x["source"],
+        _onmt_reorder,
     ),
     "opennmt_mlp_time_major": Family(
         lambda: layouts.GlobalAttention(6, attn_type="mlp", old_release=True),
-        "opennmt_mlp_time_major", _onmt_inputs, _onmt_step, lambda m, x: x["source"],
+        "opennmt_mlp_time_major",
+        _onmt_inputs,
+        _onmt_step,
+        lambda m, x: x["source"],
         _onmt_reorder,
     ),
     "joeynmt": Family(
-        lambda: layouts.BahdanauAttention(7, 4, 5), "joeynmt", _joey_inputs, _joey_step,
-        _joey_start, _joey_reorder,
+        lambda: layouts.BahdanauAttention(7, 4, 5),
+        "joeynmt",
+        _joey_inputs,
+        _joey_step,
+        _joey_start,
+        _joey_reorder,
     ),
-}  # fmt: skip
+}
 
 
 def _decode(family: Family, module: nn.Module, x: dict, reorder_at: int | None = None):
@@ -328,8 +363,9 @@ def test_opennmt_whole_sequence_and_coverage():
     family, plain, fused = _pair("opennmt_mlp", torch.float64)
     torch.manual_seed(3)
     source, memory = torch.randn(B, 5, 6, dtype=torch.float64), torch.randn(B, S, 6).double()
-    for a, b in zip(plain["attn"](source, memory, LENGTHS), fused["attn"](source, memory, LENGTHS),
-                    strict=True):  # fmt: skip
+    for a, b in zip(
+        plain["attn"](source, memory, LENGTHS), fused["attn"](source, memory, LENGTHS), strict=True
+    ):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9)
     with pytest.raises(NotImplementedError, match="coverage"):
         fused["attn"](source, memory, LENGTHS, torch.zeros(B, S, dtype=torch.float64))

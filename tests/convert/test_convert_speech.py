@@ -280,9 +280,16 @@ def test_converted_matches_recreation(name, dtype):
 
 @requires_cpu_kernel
 @pytest.mark.parametrize(
-    "name", ["espnet_att_add", "speechbrain_location", "fairseq_mlp", "tacotron2_nvidia",
-             "coqui_location", "d2l_dropout"],
-)  # fmt: skip
+    "name",
+    [
+        "espnet_att_add",
+        "speechbrain_location",
+        "fairseq_mlp",
+        "tacotron2_nvidia",
+        "coqui_location",
+        "d2l_dropout",
+    ],
+)
 def test_parameters_state_dict_and_optimiser_kept(name):
     case = CASES[name]
     torch.manual_seed(0)

@@ -158,11 +158,23 @@ def test_rows_without_a_valid_frame_follow_the_original():
 
     dtype = torch.float64
     for make, call in (
-        (lambda: _Holder(Pointer()), lambda b, t, pad: (torch.randn(b, t, 6, dtype=dtype),
-                                                        torch.randn(b, 5, dtype=dtype), pad)),
-        (lambda: _Call(Tempered()), lambda b, t, pad: (torch.randn(b, 5, dtype=dtype),
-                                                       torch.randn(b, t, 6, dtype=dtype), ~pad)),
-    ):  # fmt: skip
+        (
+            lambda: _Holder(Pointer()),
+            lambda b, t, pad: (
+                torch.randn(b, t, 6, dtype=dtype),
+                torch.randn(b, 5, dtype=dtype),
+                pad,
+            ),
+        ),
+        (
+            lambda: _Call(Tempered()),
+            lambda b, t, pad: (
+                torch.randn(b, 5, dtype=dtype),
+                torch.randn(b, t, 6, dtype=dtype),
+                ~pad,
+            ),
+        ),
+    ):
         torch.manual_seed(0)
         original = make().to(dtype)
         model = copy.deepcopy(original)
@@ -184,8 +196,12 @@ def test_report_names_the_energy_module_and_converts_its_caller():
     report = fuse_attention_report(model)
     assert set(report.watching) == {"(model)", "att", "att.energy"}
     b, t = 2, 4
-    model(torch.randn(b, 5, dtype=torch.float64), torch.randn(b, 5, dtype=torch.float64),
-          torch.randn(b, t, 6, dtype=torch.float64), torch.ones(b, t, dtype=torch.bool))  # fmt: skip
+    model(
+        torch.randn(b, 5, dtype=torch.float64),
+        torch.randn(b, 5, dtype=torch.float64),
+        torch.randn(b, t, 6, dtype=torch.float64),
+        torch.ones(b, t, dtype=torch.bool),
+    )
     assert [r.path for r in report.replaced] == ["att"]
     assert [s.path for s in report.skipped] == ["att.energy"]
     assert "caller" in report.skipped[0].reason
@@ -212,8 +228,11 @@ def test_a_converted_module_deep_copies_and_pickles_converted(tmp_path):
     original = _Holder(Pointer()).to(dtype)
     model = copy.deepcopy(original)
     report = fuse_attention_report(model)
-    args = (torch.randn(2, 4, 6, dtype=dtype), torch.randn(2, 5, dtype=dtype),
-            torch.tensor([[False] * 4, [False, False, True, True]]))  # fmt: skip
+    args = (
+        torch.randn(2, 4, 6, dtype=dtype),
+        torch.randn(2, 5, dtype=dtype),
+        torch.tensor([[False] * 4, [False, False, True, True]]),
+    )
     model(*args)
     assert report.count == 1
     torch.save(model, tmp_path / "model.pt")

@@ -20,10 +20,15 @@ ACCUMULATE = torch.ops.seq2seq_fast._additive_attention_bwd_accumulate
 
 
 def _leaves(batch, num_keys, hidden, value_dim, dtype, seed=0):
-    query, keys, values, v, bias = make_inputs(batch, 1, num_keys, hidden, value_dim, dtype,
-                                               seed=seed)  # fmt: skip
-    mix = torch.randn(value_dim, hidden, generator=torch.Generator().manual_seed(seed + 5),
-                      dtype=dtype) / value_dim**0.5  # fmt: skip
+    query, keys, values, v, bias = make_inputs(
+        batch, 1, num_keys, hidden, value_dim, dtype, seed=seed
+    )
+    mix = (
+        torch.randn(
+            value_dim, hidden, generator=torch.Generator().manual_seed(seed + 5), dtype=dtype
+        )
+        / value_dim**0.5
+    )
     return [t.requires_grad_(True) for t in (query[:, 0], keys, values, v, bias, mix)]
 
 
@@ -37,8 +42,9 @@ def _decode(leaves, lengths, mask, steps, *, stepwise, queries_per_call=1, weigh
     gen = torch.Generator().manual_seed(3)
     for t in range(steps):
         q = query.unsqueeze(1).expand(-1, queries_per_call, -1) * (1 + 0.1 * t)
-        context, weights = attend("fused", q, k, val, v, bias, lengths=lengths, mask=mask,
-                                  stepwise=memory)  # fmt: skip
+        context, weights = attend(
+            "fused", q, k, val, v, bias, lengths=lengths, mask=mask, stepwise=memory
+        )
         if stepwise:
             assert type(context.grad_fn).__name__ == "_StepAttentionBackward"
         target = torch.randn(context.shape, generator=gen, dtype=context.dtype)
@@ -63,10 +69,14 @@ def test_gradients_equal_the_plain_op(shape, kind, queries_per_call):
     leaves = _leaves(batch, num_keys, hidden, value_dim, torch.float64)
     lengths, mask = key_masks(kind, batch, num_keys)
     steps = 5
-    plain = _grads(_decode(leaves, lengths, mask, steps, stepwise=False,
-                           queries_per_call=queries_per_call), leaves)  # fmt: skip
-    gathered = _grads(_decode(leaves, lengths, mask, steps, stepwise=True,
-                              queries_per_call=queries_per_call), leaves)  # fmt: skip
+    plain = _grads(
+        _decode(leaves, lengths, mask, steps, stepwise=False, queries_per_call=queries_per_call),
+        leaves,
+    )
+    gathered = _grads(
+        _decode(leaves, lengths, mask, steps, stepwise=True, queries_per_call=queries_per_call),
+        leaves,
+    )
     names = ("query", "keys", "values", "v", "bias", "mix")
     for name, a, b in zip(names, gathered, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
@@ -86,8 +96,9 @@ def test_float32_and_many_queries_split_over_items():
     )
     start = torch.randn_like(keys)
     grad_keys = start.clone()
-    dq2, dv2, db2 = ACCUMULATE(grad_context, None, query, keys, values, v, bias, lengths, None,
-                               weights, grad_keys)  # fmt: skip
+    dq2, dv2, db2 = ACCUMULATE(
+        grad_context, None, query, keys, values, v, bias, lengths, None, weights, grad_keys
+    )
     torch.testing.assert_close(grad_keys, start + dk, rtol=1e-5, atol=1e-5)
     assert torch.equal(grad_keys[:, 8:], start[:, 8:])  # rows past the length are left alone
     for a, b in ((dq2, dq), (dv2, dv), (db2, db)):
@@ -100,8 +111,11 @@ def test_accumulating_op_rejects_a_misshapen_grad_keys():
         query, keys, values, v, bias, None, None, True
     )
     args = (torch.ones_like(context), None, query, keys, values, v, bias, None, None, weights)
-    for bad in (torch.zeros(2, 4, 16), torch.zeros(2, 5, 16, dtype=torch.float64),
-                torch.zeros(2, 16, 5).transpose(1, 2)):  # fmt: skip
+    for bad in (
+        torch.zeros(2, 4, 16),
+        torch.zeros(2, 5, 16, dtype=torch.float64),
+        torch.zeros(2, 16, 5).transpose(1, 2),
+    ):
         with pytest.raises(RuntimeError, match="grad_keys must be a contiguous CPU tensor"):
             ACCUMULATE(*args, bad)
 
@@ -150,8 +164,9 @@ def test_for_training_applies_only_where_it_pays():
     with torch.no_grad():
         assert StepwiseMemory.for_training(keys, values, "auto") is None
     grabbed = []
-    torch.func.grad(lambda k: grabbed.append(StepwiseMemory.for_training(k, values, "auto")) or
-                    k.sum())(keys.detach())  # fmt: skip
+    torch.func.grad(
+        lambda k: grabbed.append(StepwiseMemory.for_training(k, values, "auto")) or k.sum()
+    )(keys.detach())
     assert grabbed == [None]  # torch.func transforms take the plain op
     empty = torch.zeros(2, 0, 8, requires_grad=True)
     assert StepwiseMemory.for_training(empty, torch.zeros(2, 0, 4), "auto") is None
@@ -199,8 +214,14 @@ def test_bahdanau_decoder_trains_through_the_memory_with_the_fused_backend():
     tgt = torch.randint(4, 12, (3, 4))
     for backend in ("fused", "reference"):
         torch.manual_seed(0)
-        config = Seq2SeqConfig(src_vocab_size=12, tgt_vocab_size=12, embed_size=8, hidden_size=16,
-                               decoder="bahdanau", backend=backend)  # fmt: skip
+        config = Seq2SeqConfig(
+            src_vocab_size=12,
+            tgt_vocab_size=12,
+            embed_size=8,
+            hidden_size=16,
+            decoder="bahdanau",
+            backend=backend,
+        )
         model = Seq2Seq(config)
         loss = sequence_loss(model(src, torch.tensor([5, 2, 4]), tgt)[0], tgt)
         names = _graph_node_names(loss)

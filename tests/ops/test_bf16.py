@@ -153,16 +153,16 @@ def test_attention_bf16_backward_without_saved_weights():
     what the backward with them gives, up to bfloat16 rounding of the saved weights."""
     inputs = [t.to(BF16) for t in make_inputs(2, 5, 9, 16, 6, torch.float32, seed=37)]
     lengths = torch.tensor([9, 0])
-    ctx, weights, lse = torch.ops.seq2seq_fast.additive_attention_fwd(
-        *inputs, lengths, None, True
-    )
+    ctx, weights, lse = torch.ops.seq2seq_fast.additive_attention_fwd(*inputs, lengths, None, True)
     gc = torch.randn(ctx.shape, generator=torch.Generator().manual_seed(3)).to(BF16)
     bwd = torch.ops.seq2seq_fast.additive_attention_bwd
     with_p = bwd(gc, None, *inputs, lengths, None, ctx, lse, weights)
     without = bwd(gc, None, *inputs, lengths, None, ctx, lse, None)
     for a, b in zip(with_p, without, strict=True):
         assert a.dtype == b.dtype == BF16
-        torch.testing.assert_close(a.float(), b.float(), rtol=0.02, atol=0.02 * a.abs().max().item())
+        torch.testing.assert_close(
+            a.float(), b.float(), rtol=0.02, atol=0.02 * a.abs().max().item()
+        )
     assert (without[0][1] == 0).all()  # the empty row's query gradient
 
 
@@ -215,8 +215,9 @@ def test_attention_op_takes_bf16_directly():
     inputs = [t.to(BF16) for t in make_inputs(2, 3, 5, 16, 4, torch.float32)]
     context, weights, lse = torch.ops.seq2seq_fast.additive_attention_fwd(*inputs, None, None, True)
     assert context.dtype == BF16 and weights.dtype == BF16 and lse.dtype == torch.float32
-    torch.library.opcheck(torch.ops.seq2seq_fast.additive_attention_fwd.default,
-                          (*inputs, None, None, True))  # fmt: skip
+    torch.library.opcheck(
+        torch.ops.seq2seq_fast.additive_attention_fwd.default, (*inputs, None, None, True)
+    )
 
 
 # --- the recurrent ops -----------------------------------------------------------------------------
@@ -358,8 +359,15 @@ def test_model_under_autocast_uses_the_ops_within_twice_plain_error(monkeypatch,
 
     if cell == "lstm" and not _torch_lstm_runs_under_autocast():
         pytest.skip("PyTorch's CPU LSTM (oneDNN) has no bfloat16 primitive on this CPU")
-    config = dict(src_vocab_size=13, tgt_vocab_size=11, embed_size=16, hidden_size=32,
-                  decoder=decoder, cell=cell, decoder_layers=2)  # fmt: skip
+    config = dict(
+        src_vocab_size=13,
+        tgt_vocab_size=11,
+        embed_size=16,
+        hidden_size=32,
+        decoder=decoder,
+        cell=cell,
+        decoder_layers=2,
+    )
     torch.manual_seed(0)
     fused = Seq2Seq(Seq2SeqConfig(**config, backend="fused"))
     plain = Seq2Seq(Seq2SeqConfig(**config, backend="reference"))

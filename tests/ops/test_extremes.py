@@ -318,9 +318,10 @@ def test_nonfinite_values_at_masked_positions(backend, dtype, bad, masking):
     zeroed = [t.clone().cpu().double() for t in inputs]
     zeroed[2][1, 5:] = 0.0
     ref_context, ref_weights = additive_attention_ref(
-        *zeroed, lengths=None if lengths is None else torch.tensor(lengths),
+        *zeroed,
+        lengths=None if lengths is None else torch.tensor(lengths),
         mask=None if mask is None else mask.cpu(),
-    )  # fmt: skip
+    )
     tol = tolerance(dtype, inputs[3])
     assert normwise_error(weights, ref_weights) <= tol
     assert normwise_error(context[0], ref_context[0]) <= tol  # row 0 holds no bad value

@@ -117,8 +117,15 @@ def _compare_model_with_and_without(monkeypatch, config, wrapped, switch, expect
 def test_models_use_it_and_match_nn_gru(monkeypatch):
     """A GRU Seq2Seq (bidirectional encoder, GNMT decoder) gives the same loss and gradients with
     the fused recurrence as with nn.GRU's own (applies() forced False)."""
-    config = Seq2SeqConfig(src_vocab_size=13, tgt_vocab_size=11, embed_size=8, hidden_size=16,
-                           decoder="gnmt", decoder_layers=2, backend="reference")  # fmt: skip
+    config = Seq2SeqConfig(
+        src_vocab_size=13,
+        tgt_vocab_size=11,
+        embed_size=8,
+        hidden_size=16,
+        decoder="gnmt",
+        decoder_layers=2,
+        backend="reference",
+    )
     # encoder: 2 directions; decoder: 2 layers
     model = _compare_model_with_and_without(monkeypatch, config, "gru_layer", "applies", 4)
     assert isinstance(model.decoder, GNMTDecoder)
@@ -148,8 +155,9 @@ def test_cell_equals_nn_gru_cell(dtype, tol):
     # gates_hidden as a strided view: the first 3H columns of a [B, 3H + A] product, as the
     # Bahdanau decoder's stacked [W_hh; W_q] gives it
     extra = torch.zeros(A, H, dtype=dtype)
-    stacked = nn.functional.linear(h, torch.cat([cell.weight_hh, extra]),
-                                   torch.cat([cell.bias_hh, extra[:, 0]]))  # fmt: skip
+    stacked = nn.functional.linear(
+        h, torch.cat([cell.weight_hh, extra]), torch.cat([cell.bias_hh, extra[:, 0]])
+    )
     gates_hidden = stacked[:, : 3 * H]
     assert gates_hidden.stride() == (3 * H + A, 1)
     got = fused_gru.gru_cell(nn.functional.linear(x, cell.weight_ih, cell.bias_ih), gates_hidden, h)
@@ -194,8 +202,9 @@ def test_ops_trace_under_torch_compile():
             gates_in, nn.functional.linear(hc, cell.weight_hh, cell.bias_hh), hc
         )
 
-    torch.testing.assert_close(torch.compile(step, fullgraph=True)(xc, hc), cell(xc, hc),
-                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(
+        torch.compile(step, fullgraph=True)(xc, hc), cell(xc, hc), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_ops_take_empty_sizes():
@@ -278,9 +287,16 @@ def test_lstm_cell_equals_nn_lstm_cell(dtype, tol):
 
 def test_bahdanau_decoders_use_the_cell_ops_and_match_plain_ops(monkeypatch):
     for cell, wrapped in (("gru", "gru_cell"), ("lstm", "lstm_cell")):
-        config = Seq2SeqConfig(src_vocab_size=13, tgt_vocab_size=11, embed_size=8, hidden_size=16,
-                               decoder="bahdanau", cell=cell, decoder_layers=2,
-                               backend="reference")  # fmt: skip
+        config = Seq2SeqConfig(
+            src_vocab_size=13,
+            tgt_vocab_size=11,
+            embed_size=8,
+            hidden_size=16,
+            decoder="bahdanau",
+            cell=cell,
+            decoder_layers=2,
+            backend="reference",
+        )
         # 5 target steps x 2 decoder layers
         with monkeypatch.context() as patch:
             _compare_model_with_and_without(patch, config, wrapped, "cell_applies", 10)

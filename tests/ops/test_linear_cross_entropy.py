@@ -106,8 +106,9 @@ def test_bf16_autocast_close_to_float32_with_float32_gradients():
     expected = _reference(x, weight, bias, target, 0.1)
     expected_grads = torch.autograd.grad(expected, (x, weight, bias))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = linear_cross_entropy(x, weight, bias, target, label_smoothing=0.1, ignore_index=PAD,
-                                   chunk_rows=16)  # fmt: skip
+        got = linear_cross_entropy(
+            x, weight, bias, target, label_smoothing=0.1, ignore_index=PAD, chunk_rows=16
+        )
     assert got.dtype == torch.float32
     got_grads = torch.autograd.grad(got, (x, weight, bias))
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
@@ -121,8 +122,9 @@ def test_float32_matches_unfused_float32():
     x, weight, bias, target = _inputs((16, 20), 64, 500, dtype=torch.float32, seed=5)
     expected = _reference(x, weight, bias, target, 0.1)
     expected_grads = torch.autograd.grad(expected, (x, weight, bias))
-    got = linear_cross_entropy(x, weight, bias, target, label_smoothing=0.1, ignore_index=PAD,
-                               chunk_rows=37)  # fmt: skip
+    got = linear_cross_entropy(
+        x, weight, bias, target, label_smoothing=0.1, ignore_index=PAD, chunk_rows=37
+    )
     got_grads = torch.autograd.grad(got, (x, weight, bias))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     for g, e in zip(got_grads, expected_grads, strict=True):
@@ -170,8 +172,15 @@ def test_model_loss_through_forward_matches_logits_and_sequence_loss(decoder, ou
     from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig, sequence_loss
 
     torch.manual_seed(0)
-    config = Seq2SeqConfig(src_vocab_size=13, tgt_vocab_size=17, embed_size=8, hidden_size=12,
-                           decoder=decoder, output_layer=output_layer, backend="reference")  # fmt: skip
+    config = Seq2SeqConfig(
+        src_vocab_size=13,
+        tgt_vocab_size=17,
+        embed_size=8,
+        hidden_size=12,
+        decoder=decoder,
+        output_layer=output_layer,
+        backend="reference",
+    )
     model = Seq2Seq(config).double()
     src = torch.randint(4, 13, (3, 5))
     lengths = torch.tensor([5, 3, 4])

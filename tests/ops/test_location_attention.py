@@ -84,8 +84,9 @@ def test_location_convolution_refuses_bad_input_by_name():
     with pytest.raises(RuntimeError, match=r"weight \[3, 2, 5\] does not match features"):
         ops._location_conv_fwd(torch.randn(2, 1, 8), torch.randn(3, 2, 5))
     with pytest.raises(RuntimeError, match=r"grad must be \[B\*T, C\]=\[16, 3\]"):
-        ops._location_conv_bwd(torch.randn(16, 4), torch.randn(2, 1, 8), torch.randn(3, 1, 5),
-                               True, True)  # fmt: skip
+        ops._location_conv_bwd(
+            torch.randn(16, 4), torch.randn(2, 1, 8), torch.randn(3, 1, 5), True, True
+        )
 
 
 @requires_cpu_kernel

@@ -40,7 +40,7 @@ def _attention_samples() -> dict[str, tuple]:
             *inputs,
             weights,
             torch.randn_like(keys),
-        ),  # fmt: skip
+        ),
         "_fast_tanh": (torch.randn(5, 7), torch.randn(5, 7), 1),
     }
 
@@ -81,9 +81,12 @@ def _location_samples() -> dict[str, tuple]:
         "_location_conv_bwd": (grad, features, weight, True, False),
         "_location_attention_fwd": inputs,
         "_location_attention_bwd": (
-            torch.randn_like(context), torch.randn_like(weights), *inputs, weights,
+            torch.randn_like(context),
+            torch.randn_like(weights),
+            *inputs,
+            weights,
             torch.randn_like(projected),
-        ),  # fmt: skip
+        ),
     }
 
 

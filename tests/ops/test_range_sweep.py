@@ -45,8 +45,17 @@ def magnitudes(step: float = 0.5) -> torch.Tensor:
     return torch.cat([dense, sparse])
 
 
-def sweep_inputs(num_queries: int, num_keys: int, hidden: int, value_dim: int, *,
-                 bias_shift: float, seed: int = 0, splits=SPLITS, step=0.5):  # fmt: skip
+def sweep_inputs(
+    num_queries: int,
+    num_keys: int,
+    hidden: int,
+    value_dim: int,
+    *,
+    bias_shift: float,
+    seed: int = 0,
+    splits=SPLITS,
+    step=0.5,
+):
     """(query, keys, values, v, bias, preact, rows) in float64, one batch row per (magnitude p,
     sign, split); preact [B] is p, the row's q + k + bias (the size of each part for "cancel");
     rows lists (p, split)."""
@@ -157,8 +166,9 @@ SHAPES = {"step": (1, 6), "tq1": (1, 6), "tq4": (4, 5)}  # (Tq, Tk); "step" pass
 
 
 def truth_of(inputs, lengths, mask, step):
-    return run(additive_attention_ref, inputs, lengths=lengths, mask=mask, step=step,
-               dtype=torch.float64)  # fmt: skip
+    return run(
+        additive_attention_ref, inputs, lengths=lengths, mask=mask, step=step, dtype=torch.float64
+    )
 
 
 def allowed_errors(inputs, lengths, mask, step, truth, dtype, tol):
@@ -167,8 +177,7 @@ def allowed_errors(inputs, lengths, mask, step, truth, dtype, tol):
     parts are large and cancel: any float32 sum of them rounds by an ulp of the parts."""
     if dtype == torch.float64:
         return dict.fromkeys(NAMES, tol)
-    plain = run(additive_attention_ref, inputs, lengths=lengths, mask=mask, step=step,
-                dtype=dtype)  # fmt: skip
+    plain = run(additive_attention_ref, inputs, lengths=lengths, mask=mask, step=step, dtype=dtype)
     folded = run_folded(inputs, lengths=lengths, mask=mask, step=step, dtype=dtype)
     allowed = {}
     for name, base, base2, want in zip(NAMES, plain, folded, truth, strict=True):
@@ -249,18 +258,33 @@ def test_triton_kernels_over_the_whole_range(tanh_path, path):
     tanh = pytest.importorskip("seq2seq_fast._triton.tanh")
     device = triton_device()
     num_queries, num_keys = SHAPES[path]
-    *inputs, _, rows = sweep_inputs(num_queries, num_keys, 24, 3, bias_shift=25.0, seed=3,
-                                    splits=("same", "opposite", "cancel"), step=1.0)  # fmt: skip
+    *inputs, _, rows = sweep_inputs(
+        num_queries,
+        num_keys,
+        24,
+        3,
+        bias_shift=25.0,
+        seed=3,
+        splits=("same", "opposite", "cancel"),
+        step=1.0,
+    )
     inputs = [t.float().double() for t in inputs]
     lengths, mask = key_validity("lengths", len(rows), num_keys)
     step = path == "step"
     truth = truth_of(inputs, lengths, mask, step)
     on_device = [t.to(device) for t in inputs]
     with tanh.tanh_override(tanh_path):
-        ours = run(triton_attention, on_device, lengths=lengths.to(device), mask=None, step=step,
-                   dtype=torch.float32)  # fmt: skip
-    allowed = allowed_errors(inputs, lengths, None, step, truth, torch.float32,
-                             fp32_tolerance(inputs[3]))  # fmt: skip
+        ours = run(
+            triton_attention,
+            on_device,
+            lengths=lengths.to(device),
+            mask=None,
+            step=step,
+            dtype=torch.float32,
+        )
+    allowed = allowed_errors(
+        inputs, lengths, None, step, truth, torch.float32, fp32_tolerance(inputs[3])
+    )
     assert_sweep_matches(ours, truth, rows, allowed)
 
 

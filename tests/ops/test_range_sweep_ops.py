@@ -137,8 +137,14 @@ class Sweep:
         self.labels = labels
         self.failures: list[str] = []
 
-    def rows(self, name: str, got: Tensor, want: Tensor, limit: Tensor,
-             where: Callable[[int], str] | None = None) -> None:  # fmt: skip
+    def rows(
+        self,
+        name: str,
+        got: Tensor,
+        want: Tensor,
+        limit: Tensor,
+        where: Callable[[int], str] | None = None,
+    ) -> None:
         """got, want [B, ...], compared per batch row against limit [B]."""
         assert got.shape == want.shape, f"{self.title} {name}: {got.shape} != {want.shape}"
         self._finite(name, got, want)
@@ -422,10 +428,13 @@ def test_gru_recurrence_over_the_whole_range(isa, dtype, hidden_bias, monkeypatc
     gx, h0, w_hh, b_hh, H, patterns = gru_layer_inputs(mags, hidden_bias)
     inputs = [t if t is None else t.to(dtype) for t in (gx, h0, w_hh, b_hh)]
     exact = [t if t is None else t.double() for t in inputs]
-    truth, plains = cached(("gru", dtype, hidden_bias), lambda: (
-        outputs_and_grads(gru_recurrence_ref, exact, F64, 7),
-        [] if dtype == F64 else [outputs_and_grads(gru_recurrence_ref, inputs, dtype, 7)],
-    ))  # fmt: skip
+    truth, plains = cached(
+        ("gru", dtype, hidden_bias),
+        lambda: (
+            outputs_and_grads(gru_recurrence_ref, exact, F64, 7),
+            [] if dtype == F64 else [outputs_and_grads(gru_recurrence_ref, inputs, dtype, 7)],
+        ),
+    )
     ours = outputs_and_grads(gru_recurrence_op, inputs, dtype, 7)
     for out in ours:
         assert out.dtype == dtype
@@ -463,13 +472,17 @@ def test_gru_cell_over_the_whole_range(isa, dtype, monkeypatch):
     _use_isa(isa, monkeypatch)
     mags = signed_magnitudes()
     gi, gh, H, patterns = cell_gate_inputs(3, mags, seed=1)
-    h = torch.tanh(torch.randn(mags.shape[0], H, generator=torch.Generator().manual_seed(2),
-                               dtype=F64))  # fmt: skip
+    h = torch.tanh(
+        torch.randn(mags.shape[0], H, generator=torch.Generator().manual_seed(2), dtype=F64)
+    )
     inputs = [t.to(dtype) for t in (gi, gh, h)]
-    truth, plains = cached(("gru cell", dtype), lambda: (
-        outputs_and_grads(gru_step_ref, [t.double() for t in inputs], F64, 3),
-        [] if dtype == F64 else [outputs_and_grads(gru_step_ref, inputs, dtype, 3)],
-    ))  # fmt: skip
+    truth, plains = cached(
+        ("gru cell", dtype),
+        lambda: (
+            outputs_and_grads(gru_step_ref, [t.double() for t in inputs], F64, 3),
+            [] if dtype == F64 else [outputs_and_grads(gru_step_ref, inputs, dtype, 3)],
+        ),
+    )
     ours = outputs_and_grads(recurrent.gru_cell, inputs, dtype, 3)
     for out in ours:
         assert out.dtype == dtype
@@ -502,10 +515,13 @@ def test_lstm_cell_over_the_whole_range(isa, dtype, monkeypatch):
     mags = signed_magnitudes()
     gi, gh, c, H, patterns = lstm_inputs(mags)
     inputs = [t.to(dtype) for t in (gi, gh, c)]
-    truth, plains = cached(("lstm cell", dtype), lambda: (
-        outputs_and_grads(lstm_step_ref, [t.double() for t in inputs], F64, 5),
-        [] if dtype == F64 else [outputs_and_grads(lstm_step_ref, inputs, dtype, 5)],
-    ))  # fmt: skip
+    truth, plains = cached(
+        ("lstm cell", dtype),
+        lambda: (
+            outputs_and_grads(lstm_step_ref, [t.double() for t in inputs], F64, 5),
+            [] if dtype == F64 else [outputs_and_grads(lstm_step_ref, inputs, dtype, 5)],
+        ),
+    )
     ours = outputs_and_grads(recurrent.lstm_cell, inputs, dtype, 5)
     for out in ours:
         assert out.dtype == dtype
@@ -528,8 +544,15 @@ def test_lstm_cell_over_the_whole_range(isa, dtype, monkeypatch):
 
 # --- the location-aware step ops ----------------------------------------------------------------
 
-LOCATION_SPLITS = ("same", "query", "projected", "location", "query-vs-keys", "proj-vs-loc",
-                   "cancel")  # fmt: skip
+LOCATION_SPLITS = (
+    "same",
+    "query",
+    "projected",
+    "location",
+    "query-vs-keys",
+    "proj-vs-loc",
+    "cancel",
+)
 LOCATION_FRAMES = 6
 LOCATION_VALUES = 3
 
@@ -551,15 +574,18 @@ def location_inputs(hidden: int, filters: int, bias_shift: float, seed: int = 0)
     for b, (split, p) in enumerate(rows):
         c = 15.0 + abs(p) / 4
         s = math.copysign(1.0, p)
-        parts[b] = torch.tensor({
-            "same": (p / 3, p / 3, p / 3),
-            "query": (p, 0.0, 0.0),
-            "projected": (0.0, p, 0.0),
-            "location": (0.0, 0.0, p),
-            "query-vs-keys": (p + s * c, -s * c / 2, -s * c / 2),
-            "proj-vs-loc": (0.0, p + s * c, -s * c),
-            "cancel": (p, 0.0, -p),
-        }[split], dtype=F64)  # fmt: skip
+        parts[b] = torch.tensor(
+            {
+                "same": (p / 3, p / 3, p / 3),
+                "query": (p, 0.0, 0.0),
+                "projected": (0.0, p, 0.0),
+                "location": (0.0, 0.0, p),
+                "query-vs-keys": (p + s * c, -s * c / 2, -s * c / 2),
+                "proj-vs-loc": (0.0, p + s * c, -s * c),
+                "cancel": (p, 0.0, -p),
+            }[split],
+            dtype=F64,
+        )
     bias = bias_shift * sigma + noise(A, s=0.3)
     query = noise(B, 1, A) + (parts[:, 0, None, None] - bias_shift) * sigma
     projected = noise(B, T, A) + parts[:, 1, None, None] * sigma
@@ -571,8 +597,18 @@ def location_inputs(hidden: int, filters: int, bias_shift: float, seed: int = 0)
     values = noise(B, T, LOCATION_VALUES, s=1.0)
     v = noise(A, s=1.0 / math.sqrt(A))
     pre_keys = projected + (conv @ dense.t()).view(B, T, A)
-    return dict(query=query, projected=projected, conv=conv, dense=dense, values=values, v=v,
-                bias=bias, rows=rows, sigma=sigma, pre_keys=pre_keys)  # fmt: skip
+    return dict(
+        query=query,
+        projected=projected,
+        conv=conv,
+        dense=dense,
+        values=values,
+        v=v,
+        bias=bias,
+        rows=rows,
+        sigma=sigma,
+        pre_keys=pre_keys,
+    )
 
 
 def location_validity(kind: str, batch: int, seed: int = 1):
@@ -590,8 +626,17 @@ def location_validity(kind: str, batch: int, seed: int = 1):
     return None, None
 
 
-LOCATION_NAMES = ("context", "weights", "grad query", "grad projected", "grad conv",
-                  "grad values", "grad dense", "grad v", "grad bias")  # fmt: skip
+LOCATION_NAMES = (
+    "context",
+    "weights",
+    "grad query",
+    "grad projected",
+    "grad conv",
+    "grad values",
+    "grad dense",
+    "grad v",
+    "grad bias",
+)
 LOCATION_ROWS = 6  # the first six have batch rows; dense's, v's and bias's are sums
 
 
@@ -604,8 +649,9 @@ def location_reference(t: dict, lengths, mask, dtype, folded: bool = False):
     B, T, A = p.shape
     keys = p + (c @ w.t()).view(B, T, A)
     if folded:
-        context, weights = additive_attention_ref(q + b, keys, val, vv, None, lengths=lengths,
-                                                  mask=mask)  # fmt: skip
+        context, weights = additive_attention_ref(
+            q + b, keys, val, vv, None, lengths=lengths, mask=mask
+        )
     else:
         context, weights = additive_attention_ref(q, keys, val, vv, b, lengths=lengths, mask=mask)
     gc, gw = location_upstream(B, dtype)
@@ -638,11 +684,15 @@ def test_location_step_ops_over_the_whole_range(isa, dtype, kind, bias_shift, mo
     t.update({n: t[n].to(dtype) for n in names})  # the truth is of the rounded inputs
     B = len(t["rows"])
     lengths, mask = location_validity(kind, B)
-    truth, plains = cached(("location", dtype, kind, bias_shift), lambda: (
-        location_reference(t, lengths, mask, F64),
-        [] if dtype == F64 else [location_reference(t, lengths, mask, dtype, folded)
-                                 for folded in (False, True)],
-    ))  # fmt: skip
+    truth, plains = cached(
+        ("location", dtype, kind, bias_shift),
+        lambda: (
+            location_reference(t, lengths, mask, F64),
+            []
+            if dtype == F64
+            else [location_reference(t, lengths, mask, dtype, folded) for folded in (False, True)],
+        ),
+    )
 
     ops = torch.ops.seq2seq_fast
     inputs = (*(t[n] for n in names), lengths, mask)
@@ -657,10 +707,13 @@ def test_location_step_ops_over_the_whole_range(isa, dtype, kind, bias_shift, mo
         assert out.dtype == dtype
 
     labels = [f"{split} p={p:+g}" for split, p in t["rows"]]
-    sweep = Sweep(f"location step ({kind}, bias {bias_shift:g}), {DTYPE_NAMES[dtype]}, {isa}",
-                  labels)  # fmt: skip
+    sweep = Sweep(
+        f"location step ({kind}, bias {bias_shift:g}), {DTYPE_NAMES[dtype]}, {isa}", labels
+    )
     allowed = allowed_rows(dtype, truth[:LOCATION_ROWS], [p[:LOCATION_ROWS] for p in plains])
-    if dtype == torch.float32:  # the score's float32 tanh: sum|v| * TANH_BOUND (tests/ops/test_ops.py)
+    if (
+        dtype == torch.float32
+    ):  # the score's float32 tanh: sum|v| * TANH_BOUND (tests/ops/test_ops.py)
         allowed = [a + fp32_tolerance(t["v"]) for a in allowed]
     for i in range(LOCATION_ROWS):
         sweep.rows(LOCATION_NAMES[i], ours[i], truth[i], allowed[i])
@@ -718,11 +771,16 @@ def ce_reference(x, weight, bias, target, eps, dtype, autocast=False, order="bat
             rows = (target != -1).nonzero().flatten() if order == "chunks" else None
             size = 100 if order == "chunks" else 1
             rows = torch.arange(len(target)) if rows is None else rows
-            parts = torch.cat([F.linear(leaves[0][rows[i : i + size]], *leaves[1:])
-                               for i in range(0, len(rows), size)])  # fmt: skip
+            parts = torch.cat(
+                [
+                    F.linear(leaves[0][rows[i : i + size]], *leaves[1:])
+                    for i in range(0, len(rows), size)
+                ]
+            )
             logits = parts.new_zeros(len(target), parts.shape[1]).index_copy(0, rows, parts)
-        losses = F.cross_entropy(logits, target, ignore_index=-1, label_smoothing=eps,
-                                 reduction="none")  # fmt: skip
+        losses = F.cross_entropy(
+            logits, target, ignore_index=-1, label_smoothing=eps, reduction="none"
+        )
         mean = F.cross_entropy(logits, target, ignore_index=-1, label_smoothing=eps)
     count = int((target != -1).sum())
     grads = torch.autograd.grad(mean * count, leaves)
@@ -735,11 +793,14 @@ def ce_ours(x, weight, bias, target, eps, dtype, autocast=False):
     with torch.autocast("cpu", dtype=BF16, enabled=autocast):
         mean = linear_cross_entropy(*leaves, target, **kwargs)
         with torch.no_grad():  # each row alone: the op gives only the mean
-            rows = torch.stack([
-                linear_cross_entropy(leaves[0][b : b + 1], *leaves[1:], target[b : b + 1],
-                                     **kwargs)
-                for b in range(x.shape[0])
-            ])  # fmt: skip
+            rows = torch.stack(
+                [
+                    linear_cross_entropy(
+                        leaves[0][b : b + 1], *leaves[1:], target[b : b + 1], **kwargs
+                    )
+                    for b in range(x.shape[0])
+                ]
+            )
     count = int((target != -1).sum())
     grads = torch.autograd.grad(mean * count, leaves)
     return [rows, mean.detach(), *grads]
@@ -767,14 +828,18 @@ def test_linear_cross_entropy_over_the_whole_range(dtype, autocast, eps):
     plain_dtype = BF16 if autocast else dtype  # the products' dtype
     plains = []
     if dtype != F64:
-        plains = [ce_reference(*inputs, target, eps, dtype, autocast, order)
-                  for order in ("batch", "chunks", "rows")]  # fmt: skip
+        plains = [
+            ce_reference(*inputs, target, eps, dtype, autocast, order)
+            for order in ("batch", "chunks", "rows")
+        ]
     loss_dtype = torch.float32 if dtype == BF16 or autocast else dtype
     assert ours[0].dtype == ours[1].dtype == loss_dtype
     assert all(g.dtype == dtype for g in ours[2:])
     names = ("row loss", "mean loss", "grad x", "grad weight", "grad bias")
-    labels = [f"{kind} m={m:+g}" + (" (padding)" if target[b] == -1 else "")
-              for b, (kind, m) in enumerate(rows)]  # fmt: skip
+    labels = [
+        f"{kind} m={m:+g}" + (" (padding)" if target[b] == -1 else "")
+        for b, (kind, m) in enumerate(rows)
+    ]
     mode = DTYPE_NAMES[dtype] + (" under bf16 autocast" if autocast else "")
     sweep = Sweep(f"linear + cross-entropy (label smoothing {eps:g}), {mode}", labels)
 
@@ -789,6 +854,7 @@ def test_linear_cross_entropy_over_the_whole_range(dtype, autocast, eps):
             limit = limit + 2 * torch.stack(plain).amax(0)
         sweep.rows(names[i], got, want, limit)
     for i in (1, 3, 4):
-        sweep.whole(names[i], ours[i], truth[i],
-                    whole_limit(plain_dtype, truth[i], [p[i] for p in plains]))  # fmt: skip
+        sweep.whole(
+            names[i], ours[i], truth[i], whole_limit(plain_dtype, truth[i], [p[i] for p in plains])
+        )
     sweep.finish()

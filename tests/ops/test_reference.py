@@ -90,9 +90,13 @@ def test_reference_single_step_query_and_no_bias():
     values = torch.randn(2, 3, 2, generator=gen, dtype=torch.float64)
     v = torch.randn(4, generator=gen, dtype=torch.float64)
     want_ctx, want_w = oracle(
-        query[:, None].tolist(), keys.tolist(), values.tolist(), v.tolist(), [0.0] * 4,
+        query[:, None].tolist(),
+        keys.tolist(),
+        values.tolist(),
+        v.tolist(),
+        [0.0] * 4,
         [[True] * 3, [True] * 3],
-    )  # fmt: skip
+    )
     got_ctx, got_w = additive_attention_ref(query, keys, values, v)
     assert got_ctx.shape == (2, 2) and got_w.shape == (2, 3)
     torch.testing.assert_close(got_ctx, want_ctx[:, 0], atol=1e-12, rtol=1e-12)

@@ -94,9 +94,19 @@ def fused(inputs, lengths, mask, grad_context, grad_weights, *, fwd_config=None,
         query, keys, values, v, bias, lengths, mask, True, config=fwd_config
     )
     grads = tk.additive_attention_bwd(
-        grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, context, lse,
+        grad_context,
+        grad_weights,
+        query,
+        keys,
+        values,
+        v,
+        bias,
+        lengths,
+        mask,
+        context,
+        lse,
         configs=bwd_configs,
-    )  # fmt: skip
+    )
     return context, weights, lse, grads
 
 
@@ -128,9 +138,14 @@ def check_fp32(shape, kind="none", strided=False, seed=0, fwd_config=None, bwd_c
     grad_context = torch.randn(batch, num_queries, value_dim, generator=gen).to(DEVICE)
     grad_weights = torch.randn(batch, num_queries, num_keys, generator=gen).to(DEVICE)
     context, weights, lse, grads = fused(
-        inputs, lengths, mask, grad_context, grad_weights,
-        fwd_config=fwd_config, bwd_configs=bwd_configs,
-    )  # fmt: skip
+        inputs,
+        lengths,
+        mask,
+        grad_context,
+        grad_weights,
+        fwd_config=fwd_config,
+        bwd_configs=bwd_configs,
+    )
     ref_context, ref_weights, ref_grads = reference(
         inputs, lengths, mask, grad_context, grad_weights
     )
@@ -362,8 +377,9 @@ def test_cost_model_ranks_benchmark_shapes(name, dtype):
     costs = [cost for _, cost in ranked]
     assert costs == sorted(costs) and len(ranked) >= 4
     best = ranked[0][0]
-    assert best == tk.forward_config(num_queries, num_keys, hidden, value_dim, dtype=dtype,
-                                     batch=batch)  # fmt: skip
+    assert best == tk.forward_config(
+        num_queries, num_keys, hidden, value_dim, dtype=dtype, batch=batch
+    )
     # Minimum-programs rule: every benchmark shape can give all 132 SMs a program, so it must.
     for cfg, _ in ranked:
         assert batch * -(-num_queries // cfg.block_q) >= tiles.H200_SMS, cfg
@@ -404,11 +420,16 @@ def test_sweep_candidates_vary_block_q():
     for batch, num_queries, num_keys, hidden, value_dim in BENCH_SHAPES.values():
         if num_queries == 1:
             continue
-        picks = tiles.sweep_forward(batch, num_queries, num_keys, hidden, value_dim,
-                                    dtype=torch.bfloat16)  # fmt: skip
+        picks = tiles.sweep_forward(
+            batch, num_queries, num_keys, hidden, value_dim, dtype=torch.bfloat16
+        )
         assert len({cfg.block_q for cfg, _ in picks}) >= 2
-        assert picks[0][0] == tiles.rank_forward(batch, num_queries, num_keys, hidden, value_dim,
-                                                 dtype=torch.bfloat16)[0][0]  # fmt: skip
+        assert (
+            picks[0][0]
+            == tiles.rank_forward(
+                batch, num_queries, num_keys, hidden, value_dim, dtype=torch.bfloat16
+            )[0][0]
+        )
 
 
 def test_every_scratch_and_gradient_element_is_written(monkeypatch):
@@ -454,8 +475,10 @@ def test_tanh_argument_reaches_the_kernels():
     # exp and product differ in the last bits: the explicit argument must change the result,
     # and the context manager must act on the launchers as the argument does.
     inputs = make_inputs(2, 3, 7, 33, 4, torch.float32, seed=39)
-    by_arg = {m: tk.additive_attention_fwd(*inputs, None, None, True, tanh=m)[1]
-              for m in ("exp", "product")}  # fmt: skip
+    by_arg = {
+        m: tk.additive_attention_fwd(*inputs, None, None, True, tanh=m)[1]
+        for m in ("exp", "product")
+    }
     assert not torch.equal(by_arg["exp"], by_arg["product"])
     with tk.tanh_override("exp"):
         by_context = tk.additive_attention_fwd(*inputs, None, None, True)[1]

@@ -36,8 +36,9 @@ def triton_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def triton_attention(query, keys, values, v, bias=None, *, lengths=None, mask=None,
-                     return_weights=True):  # fmt: skip
+def triton_attention(
+    query, keys, values, v, bias=None, *, lengths=None, mask=None, return_weights=True
+):
     """The launchers as the op calls them (inputs normalised as ``additive_attention`` does)."""
     tk = triton_module()
     single_step = query.dim() == 2
@@ -98,8 +99,17 @@ def tolerance(dtype: torch.dtype, v: torch.Tensor) -> float:
     return 1e-10 if dtype == torch.float64 else fp32_tolerance(v)
 
 
-def forward_backward(fn, inputs, *, lengths=None, mask=None, grad_context=None,
-                     grad_weights=None, dtype=None, return_weights=True):  # fmt: skip
+def forward_backward(
+    fn,
+    inputs,
+    *,
+    lengths=None,
+    mask=None,
+    grad_context=None,
+    grad_weights=None,
+    dtype=None,
+    return_weights=True,
+):
     """(context, weights, grads) of sum(ctx*gc) + sum(w*gw); inputs cast to dtype when given.
 
     gc and gw default to fixed pseudo-random tensors (seed 0), the same for every backend.

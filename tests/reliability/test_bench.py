@@ -65,10 +65,25 @@ def _table(text: str, section: str) -> list[list[str]]:
 def test_bench_bf16_runs_on_tiny_shapes():
     """python -m bench.bench_bf16 in CI: every table present and filled with numbers."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.bench_bf16", "--size", "tiny", "--op-size", "tiny",
-         "--rounds", "1", "--threads", "1"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bench.bench_bf16",
+            "--size",
+            "tiny",
+            "--op-size",
+            "tiny",
+            "--rounds",
+            "1",
+            "--threads",
+            "1",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     text = proc.stdout
     hardware = dict(_table(text, "hardware"))
@@ -76,8 +91,12 @@ def test_bench_bf16_runs_on_tiny_shapes():
     assert hardware["kernel instruction set (_C)"] in ("portable", "avx2", "avx512")
     training = _table(text, "training")
     assert [row[0] for row in training] == [
-        "whole step", "encoder", "decoder", "output+loss", "optimizer"
-    ]  # fmt: skip
+        "whole step",
+        "encoder",
+        "decoder",
+        "output+loss",
+        "optimizer",
+    ]
     for _, fp32_ms, bf16_ms, ratio in training:
         assert float(fp32_ms) > 0 and float(bf16_ms) > 0 and float(ratio) > 0
     conversion = dict(_table(text, "conversion"))
@@ -96,14 +115,30 @@ def test_bench_bf16_runs_on_tiny_shapes():
 def test_report_quick_writes_tables_and_json(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.harness", "--quick", "--size", "tiny", "--device", "cpu",
-         "--threads", "1", "--rounds", "2", "--min-sample-ms", "1", "--json", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "bench.harness",
+            "--quick",
+            "--size",
+            "tiny",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--rounds",
+            "2",
+            "--min-sample-ms",
+            "1",
+            "--json",
+            str(out),
+        ],
         cwd=ROOT,
         env=_env(),
         capture_output=True,
         text=True,
         timeout=300,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     text = proc.stdout
     assert text.startswith("## additive attention benchmark")
@@ -230,8 +265,11 @@ def test_ratio_summary_is_the_median_of_per_round_ratios():
 def test_cpu_shapes_cut_only_the_batch_and_sizes_nest():
     for full, cpu in zip(shapes.FULL_SHAPES, shapes.CPU_SHAPES, strict=True):
         assert (full.q_len, full.k_len, full.hidden, full.value_dim) == (
-            cpu.q_len, cpu.k_len, cpu.hidden, cpu.value_dim,
-        )  # fmt: skip
+            cpu.q_len,
+            cpu.k_len,
+            cpu.hidden,
+            cpu.value_dim,
+        )
         assert cpu.batch <= full.batch
     for device in ("cpu", "cuda"):
         full = shapes.shapes_for("full", device)

@@ -22,9 +22,18 @@ pytest.importorskip("triton")
 
 
 def _entry(**changes):
-    entry = {"shape": "gnmt-train", "dtype": "bf16", "tanh": "approx", "kernel": "_fwd_kernel",
-             "registers": 160, "spill_bytes": 0, "blocks_per_sm": 3, "loop_local_memory": 0,
-             "mufu_kinds": ["MUFU.EX2", "MUFU.TANH"], "mma": ["HMMA"]}  # fmt: skip
+    entry = {
+        "shape": "gnmt-train",
+        "dtype": "bf16",
+        "tanh": "approx",
+        "kernel": "_fwd_kernel",
+        "registers": 160,
+        "spill_bytes": 0,
+        "blocks_per_sm": 3,
+        "loop_local_memory": 0,
+        "mufu_kinds": ["MUFU.EX2", "MUFU.TANH"],
+        "mma": ["HMMA"],
+    }
     return {**entry, **changes}
 
 
@@ -66,7 +75,7 @@ def _run_default_cases(tmp_path, env: dict) -> tuple[list[dict], str]:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         for part, cases in enumerate(halves)
     ]
     outputs = [proc.communicate(timeout=600)[0] for proc in procs]
@@ -97,8 +106,11 @@ def test_kernels_compile_for_sm90_as_the_gpu_would(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get(SIDE_ENV), reason=f"{SIDE_ENV} unset: no side Triton "
-                    "(bench/triton_side_install.sh installs the GPU machine's)")  # fmt: skip
+@pytest.mark.skipif(
+    not os.environ.get(SIDE_ENV),
+    reason=f"{SIDE_ENV} unset: no side Triton "
+    "(bench/triton_side_install.sh installs the GPU machine's)",
+)
 def test_kernels_compile_under_the_gpu_machines_triton(tmp_path):
     import triton
 

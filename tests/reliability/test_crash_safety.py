@@ -34,10 +34,23 @@ from seq2seq_fast.seq2seq.train import TrainConfig, train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(
-    vocab_size=6, min_len=2, max_len=5, heldout_size=20, embed_size=12, hidden_size=16,
-    batch_size=8, lr=1e-2, warmup_steps=2, progress=False, heatmap=False, threads=1,
-    epochs=2, steps_per_epoch=4, dropout=0.1, save_every=2,
-)  # fmt: skip
+    vocab_size=6,
+    min_len=2,
+    max_len=5,
+    heldout_size=20,
+    embed_size=12,
+    hidden_size=16,
+    batch_size=8,
+    lr=1e-2,
+    warmup_steps=2,
+    progress=False,
+    heatmap=False,
+    threads=1,
+    epochs=2,
+    steps_per_epoch=4,
+    dropout=0.1,
+    save_every=2,
+)
 
 
 def tiny(out: Path, **overrides) -> TrainConfig:

@@ -87,10 +87,24 @@ def test_dry_run_with_a_failing_probe_still_prints_the_summary(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path)}
     env.pop("TRITON_INTERPRET", None)  # the script sets it itself in a dry run
     proc = subprocess.run(
-        ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--inject-failure", "probes",
-         "--shapes", "tiny-decode-step", "--max-rows", "1", "--no-sweep", "--skip-tests"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            "bash",
+            str(ROOT / "bench" / "gpu_check.sh"),
+            "--dry-run",
+            "--inject-failure",
+            "probes",
+            "--shapes",
+            "tiny-decode-step",
+            "--max-rows",
+            "1",
+            "--no-sweep",
+            "--skip-tests",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]
     tail = output.strip().splitlines()

@@ -244,10 +244,22 @@ def fuse(model_factory, **kwargs):
 # --- checkpoints ---------------------------------------------------------------------------------
 
 TINY_TRAIN = dict(
-    vocab_size=6, min_len=2, max_len=5, heldout_size=10, embed_size=8, hidden_size=8,
-    batch_size=4, lr=1e-2, warmup_steps=1, backend="reference", progress=False, heatmap=False,
-    threads=1, epochs=1, steps_per_epoch=1,
-)  # fmt: skip
+    vocab_size=6,
+    min_len=2,
+    max_len=5,
+    heldout_size=10,
+    embed_size=8,
+    hidden_size=8,
+    batch_size=4,
+    lr=1e-2,
+    warmup_steps=1,
+    backend="reference",
+    progress=False,
+    heatmap=False,
+    threads=1,
+    epochs=1,
+    steps_per_epoch=1,
+)
 
 
 def good_checkpoint(folder: Path) -> Path:
@@ -588,8 +600,12 @@ def _child(folder: Path, names: list[str]) -> None:
             record = {"name": name, "ok": _describe(result)}
         except Exception as exc:
             classes = [c.__name__ for c in type(exc).__mro__]
-            record = {"name": name, "error": type(exc).__name__, "classes": classes,
-                      "message": str(exc)[:2000]}  # fmt: skip
+            record = {
+                "name": name,
+                "error": type(exc).__name__,
+                "classes": classes,
+                "message": str(exc)[:2000],
+            }
         print(json.dumps(record), flush=True)
 
 
@@ -639,7 +655,7 @@ def run_each_apart(names: list[str], folder: Path, timeout: float = 240) -> dict
             stderr=subprocess.PIPE,
             text=True,
             env=env,
-        )  # fmt: skip
+        )
         for name in names
     }
     results = {}
@@ -710,9 +726,28 @@ if __name__ == "__main__":
 
 # --- the command line --------------------------------------------------------------------------
 
-CLI_TINY = ["--vocab-size", "6", "--min-len", "2", "--max-len", "5", "--heldout-size", "10",
-            "--embed-size", "8", "--hidden-size", "8", "--batch-size", "4", "--epochs", "1",
-            "--steps-per-epoch", "1", "--no-progress", "--no-heatmap"]  # fmt: skip
+CLI_TINY = [
+    "--vocab-size",
+    "6",
+    "--min-len",
+    "2",
+    "--max-len",
+    "5",
+    "--heldout-size",
+    "10",
+    "--embed-size",
+    "8",
+    "--hidden-size",
+    "8",
+    "--batch-size",
+    "4",
+    "--epochs",
+    "1",
+    "--steps-per-epoch",
+    "1",
+    "--no-progress",
+    "--no-heatmap",
+]
 CK = "{checkpoint}"  # replaced by a real checkpoint's path
 BAD = "{garbage}"  # replaced by a file of garbage
 
@@ -763,8 +798,11 @@ def cli_files(scratch):
     folder.mkdir(exist_ok=True)
     garbage = folder / "garbage.pt"
     garbage.write_bytes(b"\x00\x01 not a checkpoint, not a corpus \xff\n")
-    return {"checkpoint": str(good_checkpoint(scratch)), "garbage": str(garbage),
-            "folder": str(folder)}  # fmt: skip
+    return {
+        "checkpoint": str(good_checkpoint(scratch)),
+        "garbage": str(garbage),
+        "folder": str(folder),
+    }
 
 
 def _cli_param(name):

@@ -55,13 +55,30 @@ def test_compiles_for_aarch64(source, tmp_path):
     if omp is None:
         pytest.skip("no omp.h from the host compiler")
     cmd = [
-        sys.executable, "-m", "ziglang", "c++", "-target", "aarch64-linux-gnu", "-std=c++17",
-        "-O2", "-fopenmp", "-c", str(source), "-o", str(tmp_path / "out.o"),
-        "-DTORCH_EXTENSION_NAME=_C", "-I", sysconfig.get_paths()["include"],
-        "-isystem", str(omp),
+        sys.executable,
+        "-m",
+        "ziglang",
+        "c++",
+        "-target",
+        "aarch64-linux-gnu",
+        "-std=c++17",
+        "-O2",
+        "-fopenmp",
+        "-c",
+        str(source),
+        "-o",
+        str(tmp_path / "out.o"),
+        "-DTORCH_EXTENSION_NAME=_C",
+        "-I",
+        sysconfig.get_paths()["include"],
+        "-isystem",
+        str(omp),
         # our sources: every warning is an error; torch's and Python's headers are -isystem
-        "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter",
-    ]  # fmt: skip
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-Wno-unused-parameter",
+    ]
     for path in include_paths():
         cmd += ["-isystem", path]
     # pyconfig.h redefines _POSIX_C_SOURCE after the target's libc headers: not ours to fix
@@ -88,8 +105,19 @@ def test_kernel_tables_match_plain_loops_here(tmp_path):
     if compiler is None:
         pytest.skip("no host C++ compiler")
     binary = tmp_path / "harness"
-    cmd = [compiler, "-std=c++17", "-O2", "-fno-math-errno", "-I", str(ROOT / "csrc"),
-           str(HARNESS), *map(str, SOURCES_KERNELS), "-o", str(binary), "-lm"]  # fmt: skip
+    cmd = [
+        compiler,
+        "-std=c++17",
+        "-O2",
+        "-fno-math-errno",
+        "-I",
+        str(ROOT / "csrc"),
+        str(HARNESS),
+        *map(str, SOURCES_KERNELS),
+        "-o",
+        str(binary),
+        "-lm",
+    ]
     build = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-4000:]
     out = _run_harness([], binary)
@@ -107,15 +135,35 @@ def test_portable_kernels_run_on_aarch64(tmp_path):
     # library code, so only musl is built for the target (not libc++ too).
     for source in (HARNESS, ROOT / "csrc" / "kernels" / "portable.cpp"):
         obj = tmp_path / (source.stem + ".o")
-        cmd = [*zig, "c++", *target, "-std=c++17", "-O2", "-fno-math-errno", "-fno-exceptions",
-               "-fno-threadsafe-statics", "-Wall", "-Wextra", "-Werror",
-               "-I", str(ROOT / "csrc"), "-c", str(source), "-o", str(obj)]  # fmt: skip
+        cmd = [
+            *zig,
+            "c++",
+            *target,
+            "-std=c++17",
+            "-O2",
+            "-fno-math-errno",
+            "-fno-exceptions",
+            "-fno-threadsafe-statics",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-I",
+            str(ROOT / "csrc"),
+            "-c",
+            str(source),
+            "-o",
+            str(obj),
+        ]
         build = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         assert build.returncode == 0, build.stderr[-4000:]
         objects.append(str(obj))
     binary = tmp_path / "harness-aarch64"
-    link = subprocess.run([*zig, "cc", *target, "-static", *objects, "-o", str(binary)],
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    link = subprocess.run(
+        [*zig, "cc", *target, "-static", *objects, "-o", str(binary)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert link.returncode == 0, link.stderr[-4000:]
     assert int.from_bytes(binary.read_bytes()[18:20], "little") == 183  # EM_AARCH64
     out = _run_harness([qemu], binary)

@@ -19,10 +19,22 @@ from seq2seq_fast.seq2seq.distributed import Dist
 from seq2seq_fast.seq2seq.train import Job, merge_batches, train, train_step
 
 TINY = dict(
-    vocab_size=6, min_len=2, max_len=7, heldout_size=20, embed_size=16, hidden_size=32,
-    batch_size=8, lr=1e-3, warmup_steps=1, progress=False, heatmap=False, threads=1, epochs=1,
-    steps_per_epoch=4, label_smoothing=0.1,
-)  # fmt: skip
+    vocab_size=6,
+    min_len=2,
+    max_len=7,
+    heldout_size=20,
+    embed_size=16,
+    hidden_size=32,
+    batch_size=8,
+    lr=1e-3,
+    warmup_steps=1,
+    progress=False,
+    heatmap=False,
+    threads=1,
+    epochs=1,
+    steps_per_epoch=4,
+    label_smoothing=0.1,
+)
 EPS = 1e-3
 
 
@@ -155,11 +167,18 @@ def test_accumulation_under_ddp_all_reduces_once(tmp_path):
     script = tmp_path / "ddp_accum.py"
     script.write_text(DDP_SCRIPT, encoding="utf-8")
     config = dict(TINY, backend="reference", accum_steps=2)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))  # fmt: skip
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
+    )
     proc = subprocess.run(
         [torchrun, "--standalone", "--nproc_per_node=2", str(script), repr(config)],
-        capture_output=True, text=True, env=env, timeout=240,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout

@@ -32,10 +32,22 @@ pytestmark = pytest.mark.skipif(CPU_KERNEL_ERROR is not None, reason="the C++ ex
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 TINY = dict(
-    vocab_size=6, min_len=2, max_len=5, heldout_size=20, embed_size=16, hidden_size=32,
-    batch_size=32, lr=1e-2, warmup_steps=5, backend="auto", progress=False, heatmap=False,
-    threads=1, epochs=1, steps_per_epoch=8,
-)  # fmt: skip
+    vocab_size=6,
+    min_len=2,
+    max_len=5,
+    heldout_size=20,
+    embed_size=16,
+    hidden_size=32,
+    batch_size=32,
+    lr=1e-2,
+    warmup_steps=5,
+    backend="auto",
+    progress=False,
+    heatmap=False,
+    threads=1,
+    epochs=1,
+    steps_per_epoch=8,
+)
 
 
 def poison(monkeypatch, steps: set[int], *, reference_too: bool = False) -> dict:
@@ -156,8 +168,11 @@ def test_a_nonfinite_reference_skips_the_step_and_says_the_model_diverged(
 def test_a_diverged_run_stops_saying_the_model_itself_diverged(tmp_path, monkeypatch):
     monkeypatch.setattr(train_module, "MAX_NONFINITE_STEPS", 3)
     poison(monkeypatch, set(range(2, 9)), reference_too=True)
-    with pytest.raises(TrainError, match=r"training diverged: the model itself diverged \(the "
-                       r"plain-PyTorch reference re-run .* 3 steps in a row \(steps 2-4"):  # fmt: skip
+    with pytest.raises(
+        TrainError,
+        match=r"training diverged: the model itself diverged \(the "
+        r"plain-PyTorch reference re-run .* 3 steps in a row \(steps 2-4",
+    ):
         train(TrainConfig(**TINY, out=str(tmp_path)))
     assert not list(tmp_path.glob("fused-failure*"))
 
@@ -169,8 +184,11 @@ def test_finite_steps_and_the_reference_backend_never_rerun(tmp_path, monkeypatc
     monkeypatch.setattr(canary, "reference_rerun", no_rerun)
     train(TrainConfig(**TINY | {"steps_per_epoch": 4}, out=str(tmp_path / "auto")))
     poison(monkeypatch, {2}, reference_too=True)
-    train(TrainConfig(**TINY | {"steps_per_epoch": 4, "backend": "reference"},
-                      out=str(tmp_path / "reference")))  # fmt: skip
+    train(
+        TrainConfig(
+            **TINY | {"steps_per_epoch": 4, "backend": "reference"}, out=str(tmp_path / "reference")
+        )
+    )
     assert "(on the reference attention backend: no re-run)" in capsys.readouterr().out
 
 

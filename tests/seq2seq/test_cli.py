@@ -12,11 +12,35 @@ import torch
 from seq2seq_fast.seq2seq.cli import main
 
 TRAIN_ARGS = [
-    "train", "--epochs", "1", "--steps-per-epoch", "120", "--batch-size", "32", "--lr", "1e-2",
-    "--warmup-steps", "10", "--hidden-size", "32", "--embed-size", "16", "--vocab-size", "6",
-    "--min-len", "2", "--max-len", "5", "--heldout-size", "50", "--backend", "reference",
-    "--no-progress", "--threads", "1",
-]  # fmt: skip
+    "train",
+    "--epochs",
+    "1",
+    "--steps-per-epoch",
+    "120",
+    "--batch-size",
+    "32",
+    "--lr",
+    "1e-2",
+    "--warmup-steps",
+    "10",
+    "--hidden-size",
+    "32",
+    "--embed-size",
+    "16",
+    "--vocab-size",
+    "6",
+    "--min-len",
+    "2",
+    "--max-len",
+    "5",
+    "--heldout-size",
+    "50",
+    "--backend",
+    "reference",
+    "--no-progress",
+    "--threads",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +116,19 @@ def test_bad_corpus_gives_one_error_line(tmp_path, capsys):
 def test_console_script_errors_cleanly(tmp_path):
     """The real process: nonzero exit, one message, no traceback."""
     proc = subprocess.run(
-        [sys.executable, "-m", "seq2seq_fast", "translate", "--checkpoint",
-         str(tmp_path / "nope.pt"), "a"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "seq2seq_fast",
+            "translate",
+            "--checkpoint",
+            str(tmp_path / "nope.pt"),
+            "a",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "checkpoint not found" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -107,12 +140,17 @@ def test_console_script_translates_and_exits_cleanly(checkpoint, tmp_path):
     source.write_text("a b\n\nc d e\n")
     target = tmp_path / "out.txt"
     base = [sys.executable, "-m", "seq2seq_fast", "translate", "--checkpoint", str(checkpoint)]
-    proc = subprocess.run([*base, "--input", str(source)], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [*base, "--input", str(source)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["b a", "", "e d c"]
-    proc = subprocess.run([*base, "--input", str(source), "--output", str(target)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [*base, "--input", str(source), "--output", str(target)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert target.read_text().splitlines() == ["b a", "", "e d c"]
 
@@ -121,8 +159,9 @@ def test_console_script_trains_without_exit_noise(tmp_path):
     """Training imports Triton, whose nanobind bindings report objects still alive at exit as
     leaks: freezing the collector must not keep Triton's objects from being collected."""
     args = [*TRAIN_ARGS, "--steps-per-epoch", "3", "--no-heatmap", "--out", str(tmp_path)]
-    proc = subprocess.run([sys.executable, "-m", "seq2seq_fast", *args], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "seq2seq_fast", *args], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     assert "held-out sequence accuracy" in proc.stdout
     assert "leaked" not in proc.stderr and "nanobind" not in proc.stderr, proc.stderr[-2000:]

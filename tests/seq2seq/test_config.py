@@ -27,8 +27,11 @@ def test_python_and_cli_build_the_same_job(task):
 
 def test_the_task_defaults_differ_and_each_task_gets_its_own():
     reverse, translate = TrainConfig(), TrainConfig.for_task("translate", data="c.tsv")
-    differing = {k for k in TASK_DEFAULTS["translate"]
-                 if TASK_DEFAULTS["translate"][k] != TASK_DEFAULTS["reverse"][k]}  # fmt: skip
+    differing = {
+        k
+        for k in TASK_DEFAULTS["translate"]
+        if TASK_DEFAULTS["translate"][k] != TASK_DEFAULTS["reverse"][k]
+    }
     assert differing  # else the test below checks nothing
     for name in differing:
         assert getattr(translate, name) != getattr(reverse, name), name

@@ -52,9 +52,16 @@ def _batches(steps: int, seed: int = 0):
 def _model(decoder: str, cell: str, scale: float) -> Seq2Seq:
     """A small model whose attention projections are ``scale`` times their initial size."""
     torch.manual_seed(0)
-    config = Seq2SeqConfig(src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, embed_size=16,
-                           hidden_size=32, attention_size=24, decoder=decoder, cell=cell,
-                           backend="fused")  # fmt: skip
+    config = Seq2SeqConfig(
+        src_vocab_size=VOCAB,
+        tgt_vocab_size=VOCAB,
+        embed_size=16,
+        hidden_size=32,
+        attention_size=24,
+        decoder=decoder,
+        cell=cell,
+        backend="fused",
+    )
     model = Seq2Seq(config)
     with torch.no_grad():
         model.attention.key_proj.weight.mul_(scale)
@@ -115,8 +122,9 @@ def test_fused_matches_plain_pytorch_at_every_step_of_a_saturated_run(decoder, c
             loss, grads = _loss_and_grads(model, batch, plain=False)
             ref_loss, ref_grads = _loss_and_grads(model, batch, plain=True)
             assert torch.isfinite(loss), f"step {step}: fused loss {float(loss)}"
-            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, s=step: f"step {s}: loss: {m}")  # fmt: skip
+            torch.testing.assert_close(
+                loss, ref_loss, rtol=1e-5, atol=1e-6, msg=lambda m, s=step: f"step {s}: loss: {m}"
+            )
             for name, g, r in zip(names, grads, ref_grads, strict=True):
                 error = float((g - r).norm() / r.norm().clamp_min(1e-12))
                 assert error < 1e-4, f"step {step}: grad of {name}: relative error {error:.2e}"

@@ -137,8 +137,11 @@ def test_translation_data_with_sentencepiece(tmp_path):
     assert isinstance(vocab, SentencePieceVocab)
     assert vocab.encode("petit chat") == data.tgt_vocab.encode("petit chat")
     assert [vocab.sp.pad_id(), vocab.sp.unk_id(), vocab.sp.bos_id(), vocab.sp.eos_id()] == [
-        PAD_ID, UNK_ID, BOS_ID, EOS_ID,
-    ]  # fmt: skip
+        PAD_ID,
+        UNK_ID,
+        BOS_ID,
+        EOS_ID,
+    ]
 
 
 def test_symbol_vocab_round_trip():

@@ -199,10 +199,22 @@ def test_module_shared_by_threads_equals_serial(threads):
 # --- training ------------------------------------------------------------------------------------
 
 TINY_TRAIN = dict(
-    vocab_size=6, min_len=2, max_len=5, heldout_size=20, embed_size=12, hidden_size=16,
-    batch_size=8, lr=1e-2, warmup_steps=2, progress=False, heatmap=False, threads=2,
-    epochs=1, steps_per_epoch=6, dropout=0.1,
-)  # fmt: skip
+    vocab_size=6,
+    min_len=2,
+    max_len=5,
+    heldout_size=20,
+    embed_size=12,
+    hidden_size=16,
+    batch_size=8,
+    lr=1e-2,
+    warmup_steps=2,
+    progress=False,
+    heatmap=False,
+    threads=2,
+    epochs=1,
+    steps_per_epoch=6,
+    dropout=0.1,
+)
 
 
 @requires_cpp

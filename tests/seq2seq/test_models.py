@@ -30,7 +30,7 @@ CONFIGS = [
     pytest.param(
         dict(decoder=d, cell=c, bidirectional=b, encoder_layers=el, decoder_layers=dl),
         id=f"{d}-{c}-{'bi' if b else 'uni'}-{el}x{dl}",
-    )  # fmt: skip
+    )
     for d, c, b, el, dl in [
         ("gnmt", "gru", True, 1, 1),
         ("gnmt", "lstm", False, 2, 3),
@@ -42,8 +42,14 @@ CONFIGS = [
 
 def _model(backend: str = "reference", seed: int = 0, **overrides) -> Seq2Seq:
     torch.manual_seed(seed)
-    config = dict(src_vocab_size=13, tgt_vocab_size=11, embed_size=8, hidden_size=16,
-                  attention_size=12, backend=backend)  # fmt: skip
+    config = dict(
+        src_vocab_size=13,
+        tgt_vocab_size=11,
+        embed_size=8,
+        hidden_size=16,
+        attention_size=12,
+        backend=backend,
+    )
     config.update(overrides)
     return Seq2Seq(Seq2SeqConfig(**config))
 
@@ -124,8 +130,11 @@ def test_beam_one_equals_greedy(overrides):
 def test_beam_search_outputs():
     model = _model(decoder="gnmt")
     src, lengths, _, _ = _batch()
-    for (hyp,), n in zip(beam_search(model, src, lengths, DecodeOptions(beam=4, beta=0.2)),
-                         lengths.tolist(), strict=True):  # fmt: skip
+    for (hyp,), n in zip(
+        beam_search(model, src, lengths, DecodeOptions(beam=4, beta=0.2)),
+        lengths.tolist(),
+        strict=True,
+    ):
         assert EOS_ID not in hyp.tokens and PAD_ID not in hyp.tokens
         assert len(hyp.tokens) <= 2 * n + 1
         assert hyp.attention.shape[1] == n
@@ -169,8 +178,13 @@ def test_fused_and_reference_give_same_loss_and_gradients(decoder):
     torch.testing.assert_close(loss_fused, loss_ref, rtol=1e-5, atol=1e-6)
     assert grads_ref.keys() == grads_fused.keys()
     for name in grads_ref:
-        torch.testing.assert_close(grads_fused[name], grads_ref[name], rtol=1e-4, atol=1e-5,
-                                   msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            grads_fused[name],
+            grads_ref[name],
+            rtol=1e-4,
+            atol=1e-5,
+            msg=lambda m, n=name: f"{n}: {m}",
+        )
 
 
 def test_config_rejects_bad_values():
@@ -197,8 +211,17 @@ def test_unpacked_encoder_equals_packed(cell, bidirectional, layers):
     """The padded-batch RNN path (reversed rows for the backward direction) gives the packed path's
     outputs at valid positions, zeros in the padding, the same final states and gradients."""
     torch.manual_seed(0)
-    encoder = Encoder(Seq2SeqConfig(13, 11, embed_size=8, hidden_size=16, cell=cell,
-                                    bidirectional=bidirectional, encoder_layers=layers)).double()  # fmt: skip
+    encoder = Encoder(
+        Seq2SeqConfig(
+            13,
+            11,
+            embed_size=8,
+            hidden_size=16,
+            cell=cell,
+            bidirectional=bidirectional,
+            encoder_layers=layers,
+        )
+    ).double()
     lengths = torch.tensor([7, 3, 5, 1, 6, 7])
     x = torch.randn(6, 9, 8, dtype=torch.float64)  # two columns of padding past the longest row
     valid = (torch.arange(9)[None, :] < lengths[:, None]).unsqueeze(-1)

@@ -41,8 +41,14 @@ def test_conversion_profile_counts_the_casts_and_their_bytes():
 
 def _bf16_step(decoder: str, tgt_len: int):
     torch.manual_seed(0)
-    config = Seq2SeqConfig(src_vocab_size=13, tgt_vocab_size=11, embed_size=16, hidden_size=16,
-                           decoder=decoder, backend="fused")  # fmt: skip
+    config = Seq2SeqConfig(
+        src_vocab_size=13,
+        tgt_vocab_size=11,
+        embed_size=16,
+        hidden_size=16,
+        decoder=decoder,
+        backend="fused",
+    )
     model = Seq2Seq(config).train()
     gen = torch.Generator().manual_seed(1)
     src = torch.randint(4, 13, (3, 6), generator=gen)

@@ -19,10 +19,22 @@ from seq2seq_fast.seq2seq.metrics import read_metrics
 from seq2seq_fast.seq2seq.train import train
 
 TINY = dict(
-    vocab_size=6, min_len=2, max_len=5, heldout_size=20, embed_size=16, hidden_size=32,
-    batch_size=16, lr=1e-2, warmup_steps=5, backend="reference", progress=False, heatmap=False,
-    threads=1, epochs=2, steps_per_epoch=12,
-)  # fmt: skip
+    vocab_size=6,
+    min_len=2,
+    max_len=5,
+    heldout_size=20,
+    embed_size=16,
+    hidden_size=32,
+    batch_size=16,
+    lr=1e-2,
+    warmup_steps=5,
+    backend="reference",
+    progress=False,
+    heatmap=False,
+    threads=1,
+    epochs=2,
+    steps_per_epoch=12,
+)
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +81,11 @@ def test_tensorboard_events_hold_the_same_values(tmp_path):
     event_accumulator = pytest.importorskip(
         "tensorboard.backend.event_processing.event_accumulator"
     )
-    train(TrainConfig(**TINY | {"epochs": 1}, out=str(tmp_path / "run"),
-                      tensorboard=str(tmp_path / "tb")))  # fmt: skip
+    train(
+        TrainConfig(
+            **TINY | {"epochs": 1}, out=str(tmp_path / "run"), tensorboard=str(tmp_path / "tb")
+        )
+    )
     events = event_accumulator.EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     rows = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
@@ -84,8 +99,18 @@ def test_tensorboard_events_hold_the_same_values(tmp_path):
 
 def test_tensorboard_missing_names_the_flag_and_the_install(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
-    code = main(["train", "--out", str(tmp_path), "--tensorboard", str(tmp_path / "tb"),
-                 "--steps-per-epoch", "1", "--no-progress"])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "--out",
+            str(tmp_path),
+            "--tensorboard",
+            str(tmp_path / "tb"),
+            "--steps-per-epoch",
+            "1",
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2
     assert f"--tensorboard {tmp_path / 'tb'} needs the tensorboard package" in err
@@ -101,24 +126,35 @@ def _cli(*args):
 
 def test_config_file_precedence_task_defaults_then_file_then_flags(tmp_path, capsys):
     path = tmp_path / "run.yaml"
-    path.write_text("task: translate\ndata: corpus.tsv\nhidden-size: 48\nlr: 0.001\n"
-                    "label_smoothing: 0.0\n", encoding="utf-8")  # fmt: skip
+    path.write_text(
+        "task: translate\ndata: corpus.tsv\nhidden-size: 48\nlr: 0.001\nlabel_smoothing: 0.0\n",
+        encoding="utf-8",
+    )
     assert main(["train", "--config", str(path), "--lr", "0.002", "--dump-config"]) == 0
     resolved = yaml.safe_load(capsys.readouterr().out)
     assert resolved["hidden_size"] == 48  # the file
     assert resolved["lr"] == 0.002  # the flag over the file
     assert resolved["label_smoothing"] == 0.0  # the file over the task default (0.1)
     assert resolved["embed_size"] == TASK_DEFAULTS["translate"]["embed_size"]  # task default
-    expected = TrainConfig.for_task("translate", data="corpus.tsv", hidden_size=48, lr=0.002,
-                                    label_smoothing=0.0)  # fmt: skip
+    expected = TrainConfig.for_task(
+        "translate", data="corpus.tsv", hidden_size=48, lr=0.002, label_smoothing=0.0
+    )
     assert resolved == asdict(expected)
 
 
 def test_a_flag_equal_to_its_default_still_beats_the_file(tmp_path, capsys):
     path = tmp_path / "t.yaml"
     path.write_text("beam: 4\ndevice: cuda\nn-best: 2\n", encoding="utf-8")
-    argv = ["translate", "--config", str(path), "--checkpoint", "x.pt", "--device", "cpu",
-            "--dump-config"]  # fmt: skip
+    argv = [
+        "translate",
+        "--config",
+        str(path),
+        "--checkpoint",
+        "x.pt",
+        "--device",
+        "cpu",
+        "--dump-config",
+    ]
     assert main(argv) == 0
     resolved = yaml.safe_load(capsys.readouterr().out)
     assert (resolved["beam"], resolved["n_best"], resolved["device"]) == (4, 2, "cpu")
@@ -165,8 +201,12 @@ def test_translate_reads_its_options_from_a_config_file(run, tmp_path, capsys):
 
 
 def test_init_from_takes_the_weights_with_a_fresh_optimiser(run, tmp_path):
-    config = TrainConfig(**TINY | {"lr": 0.0, "epochs": 1, "steps_per_epoch": 3},
-                         out=str(tmp_path), init_from=str(run.checkpoint), seed=5)  # fmt: skip
+    config = TrainConfig(
+        **TINY | {"lr": 0.0, "epochs": 1, "steps_per_epoch": 3},
+        out=str(tmp_path),
+        init_from=str(run.checkpoint),
+        seed=5,
+    )
     result = train(config)
     old, new = load_checkpoint(run.checkpoint), load_checkpoint(result.checkpoint)
     # lr 0: the weights are the checkpoint's, untouched
@@ -179,8 +219,11 @@ def test_init_from_takes_the_weights_with_a_fresh_optimiser(run, tmp_path):
 
 
 def test_init_from_a_different_shape_says_what_differs(run, tmp_path, capsys):
-    config = TrainConfig(**TINY | {"hidden_size": 48, "vocab_size": 7}, out=str(tmp_path),
-                         init_from=str(run.checkpoint))  # fmt: skip
+    config = TrainConfig(
+        **TINY | {"hidden_size": 48, "vocab_size": 7},
+        out=str(tmp_path),
+        init_from=str(run.checkpoint),
+    )
     with pytest.raises(TrainError) as info:
         train(config)
     message = str(info.value)
@@ -189,8 +232,18 @@ def test_init_from_a_different_shape_says_what_differs(run, tmp_path, capsys):
     assert "src_vocab_size: 11 (checkpoint: 10)" in message
     assert "source vocabulary" in message and "target vocabulary" in message
     assert "embed_size" not in message and "dropout" not in message
-    code = main(["train", "--out", str(tmp_path / "cli"), "--init-from", str(run.checkpoint),
-                 "--hidden-size", "48", "--no-progress"])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "--out",
+            str(tmp_path / "cli"),
+            "--init-from",
+            str(run.checkpoint),
+            "--hidden-size",
+            "48",
+            "--no-progress",
+        ]
+    )
     assert code == 2 and "hidden_size: 48 (checkpoint: 32)" in capsys.readouterr().err
 
 
@@ -204,15 +257,33 @@ def test_fine_tuning_a_translate_model_on_new_data_keeps_its_vocabularies(tmp_pa
     the new data), its weights, and (with --accum-steps 2) half as many optimiser steps."""
     from tests.seq2seq.test_train import _toy_corpus, tiny_config
 
-    first = train(tiny_config(tmp_path / "a", task="translate", data=str(_toy_corpus(tmp_path /
-                  "a.tsv")), epochs=1, spm_vocab_size=40, valid_fraction=0.1,
-                  test_fraction=0.1, eval_size=10))  # fmt: skip
+    first = train(
+        tiny_config(
+            tmp_path / "a",
+            task="translate",
+            data=str(_toy_corpus(tmp_path / "a.tsv")),
+            epochs=1,
+            spm_vocab_size=40,
+            valid_fraction=0.1,
+            test_fraction=0.1,
+            eval_size=10,
+        )
+    )
     new_corpus = tmp_path / "b.tsv"
     lines = (tmp_path / "a.tsv").read_text(encoding="utf-8").splitlines()
     new_corpus.write_text("\n".join(line.upper() for line in lines[:120]) + "\n", encoding="utf-8")
-    config = tiny_config(tmp_path / "b", task="translate", data=str(new_corpus), epochs=1,
-                         spm_vocab_size=40, valid_fraction=0.1, test_fraction=0.1, eval_size=10,
-                         lr=0.0, init_from=str(first.checkpoint))  # fmt: skip
+    config = tiny_config(
+        tmp_path / "b",
+        task="translate",
+        data=str(new_corpus),
+        epochs=1,
+        spm_vocab_size=40,
+        valid_fraction=0.1,
+        test_fraction=0.1,
+        eval_size=10,
+        lr=0.0,
+        init_from=str(first.checkpoint),
+    )
     plain = train(replace_config(config, out=str(tmp_path / "c")))  # same job, no accumulation
     accumulated = train(replace_config(config, accum_steps=2))
     old, new = load_checkpoint(first.checkpoint), load_checkpoint(accumulated.checkpoint)

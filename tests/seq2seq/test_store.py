@@ -52,10 +52,14 @@ def write_corpus(folder, lines=400, seed=0, name=""):
 def load(src, tgt, cache, spec=None, options=None, **kwargs):
     logs = []
     corpus = load_store_corpus(
-        CorpusFiles(str(src), str(tgt)), spec or TokenizerSpec(vocab_size=60),
-        options or Options(valid_fraction=0.05, test_fraction=0.05), cache, progress=False,
-        log=logs.append, **kwargs,
-    )  # fmt: skip
+        CorpusFiles(str(src), str(tgt)),
+        spec or TokenizerSpec(vocab_size=60),
+        options or Options(valid_fraction=0.05, test_fraction=0.05),
+        cache,
+        progress=False,
+        log=logs.append,
+        **kwargs,
+    )
     return corpus, logs
 
 
@@ -98,8 +102,13 @@ def test_fresh_store_holds_every_training_pair_encoded(tmp_path):
 def test_reused_store_is_not_encoded_or_trained_again(tmp_path, monkeypatch):
     src, tgt = write_corpus(tmp_path)
     first, _ = load(src, tgt, tmp_path / "cache")
-    forbid(monkeypatch, (store, "build_store"), (SentencePieceVocab, "train"),
-           (SentencePieceVocab, "encode_batch"), (store, "sample_sentences"))  # fmt: skip
+    forbid(
+        monkeypatch,
+        (store, "build_store"),
+        (SentencePieceVocab, "train"),
+        (SentencePieceVocab, "encode_batch"),
+        (store, "sample_sentences"),
+    )
     second, logs = load(src, tgt, tmp_path / "cache")
     assert any("reused" in line for line in logs)
     assert second.train.folder == first.train.folder
@@ -200,8 +209,11 @@ def test_malformed_lines_are_counted_with_their_numbers(tmp_path):
     src, tgt = write_corpus(tmp_path, lines=60)
     src_lines = src.read_text().splitlines()
     src_lines[9] = "   "  # line 10: empty source
-    src.write_bytes(("\n".join(src_lines[:20]) + "\n").encode() + b"bad \xff byte\n"
-                    + ("\n".join(src_lines[21:]) + "\n").encode())  # line 21: not UTF-8  # fmt: skip
+    src.write_bytes(
+        ("\n".join(src_lines[:20]) + "\n").encode()
+        + b"bad \xff byte\n"
+        + ("\n".join(src_lines[21:]) + "\n").encode()
+    )  # line 21: not UTF-8
     corpus, _ = load(src, tgt, tmp_path / "cache")
     numbers = dict(corpus.report.malformed)
     assert set(numbers) == {10, 21}
@@ -276,8 +288,10 @@ def test_store_batches_cover_every_pair_within_the_token_limit(tmp_path):
 def test_each_rank_reads_its_own_share(tmp_path):
     src, tgt = write_corpus(tmp_path, lines=1000)
     corpus, _ = load(src, tgt, tmp_path / "cache")
-    shares = [data.token_batches(corpus.train, 50, seed=0, epoch=0, rank=r, world_size=3)
-              for r in range(3)]  # fmt: skip
+    shares = [
+        data.token_batches(corpus.train, 50, seed=0, epoch=0, rank=r, world_size=3)
+        for r in range(3)
+    ]
     assert len({len(s) for s in shares}) == 1
     seen = [set(np.concatenate(s).tolist()) for s in shares]
     assert not (seen[0] & seen[1]) and not (seen[1] & seen[2]) and not (seen[0] & seen[2])
@@ -288,9 +302,15 @@ def test_each_rank_reads_its_own_share(tmp_path):
 
 def _train_spm(path, sentences, **ids):
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_writer=model,
-                                   vocab_size=40, hard_vocab_limit=False, minloglevel=2,
-                                   num_threads=1, **ids)  # fmt: skip
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences),
+        model_writer=model,
+        vocab_size=40,
+        hard_vocab_limit=False,
+        minloglevel=2,
+        num_threads=1,
+        **ids,
+    )
     path.write_bytes(model.getvalue())
     return spm.SentencePieceProcessor(model_proto=model.getvalue())
 
@@ -303,8 +323,14 @@ def test_existing_spm_model_with_other_ids_is_used_as_is(tmp_path, monkeypatch):
     )
     assert (sp.unk_id(), sp.bos_id(), sp.eos_id(), sp.pad_id()) == (0, 1, 2, -1)
     forbid(monkeypatch, (SentencePieceVocab, "train"), (store, "sample_sentences"))
-    corpus, _ = load(src, tgt, tmp_path / "cache", spec=TokenizerSpec(src_spm=str(
-        tmp_path / "own.model"), tgt_spm=str(tmp_path / "own.model"), share=True))  # fmt: skip
+    corpus, _ = load(
+        src,
+        tgt,
+        tmp_path / "cache",
+        spec=TokenizerSpec(
+            src_spm=str(tmp_path / "own.model"), tgt_spm=str(tmp_path / "own.model"), share=True
+        ),
+    )
     vocab = corpus.src_vocab
     assert vocab is corpus.tgt_vocab and vocab.model_proto == (tmp_path / "own.model").read_bytes()
     assert len(vocab) == sp.get_piece_size() + 1  # its 3 specials are ours, plus <pad>
@@ -322,8 +348,14 @@ def test_existing_spm_model_with_other_ids_is_used_as_is(tmp_path, monkeypatch):
 
 
 def test_spm_model_with_our_ids_keeps_them(tmp_path):
-    sp = _train_spm(tmp_path / "ours.model", ["red cat", "blue dog"] * 50,
-                    pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID)  # fmt: skip
+    sp = _train_spm(
+        tmp_path / "ours.model",
+        ["red cat", "blue dog"] * 50,
+        pad_id=PAD_ID,
+        unk_id=UNK_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+    )
     vocab = read_spm_model(tmp_path / "ours.model")
     assert len(vocab) == sp.get_piece_size()
     assert vocab.encode("red dog") == sp.encode("red dog")
@@ -360,17 +392,23 @@ def test_vocabulary_that_does_not_fit_a_checkpoint_names_file_and_line(tmp_path)
     saved = WordVocab(["red", "cat", "dog"]).to_state()
     path = tmp_path / "other.txt"
     path.write_text("red\ncow\ndog\n")
-    with pytest.raises(CorpusError, match=rf"{path} does not fit ck\.pt: entry 5 \(line 2\) is "
-                       r"'cow', the checkpoint's is 'cat'"):  # fmt: skip
-        check_vocab_fits(read_vocab_file(path), saved, side="source", source=str(path),
-                         checkpoint="ck.pt")  # fmt: skip
+    with pytest.raises(
+        CorpusError,
+        match=rf"{path} does not fit ck\.pt: entry 5 \(line 2\) is "
+        r"'cow', the checkpoint's is 'cat'",
+    ):
+        check_vocab_fits(
+            read_vocab_file(path), saved, side="source", source=str(path), checkpoint="ck.pt"
+        )
     path.write_text("red\ncat\n")
     with pytest.raises(CorpusError, match=r"6 entries, the checkpoint's has 7"):
-        check_vocab_fits(read_vocab_file(path), saved, side="source", source=str(path),
-                         checkpoint="ck.pt")  # fmt: skip
+        check_vocab_fits(
+            read_vocab_file(path), saved, side="source", source=str(path), checkpoint="ck.pt"
+        )
     path.write_text("red\ncat\ndog\n")
-    check_vocab_fits(read_vocab_file(path), saved, side="source", source=str(path),
-                     checkpoint="ck.pt")  # fmt: skip
+    check_vocab_fits(
+        read_vocab_file(path), saved, side="source", source=str(path), checkpoint="ck.pt"
+    )
 
 
 def test_pretokenised_corpus_with_vocabulary_files(tmp_path, monkeypatch):
@@ -378,8 +416,9 @@ def test_pretokenised_corpus_with_vocabulary_files(tmp_path, monkeypatch):
     (tmp_path / "src.vocab").write_text("\n".join(f"{w}\t1" for w in WORDS[:-1]) + "\n")
     (tmp_path / "tgt.vocab").write_text("\n".join(w.upper() for w in WORDS) + "\n")
     forbid(monkeypatch, (SentencePieceVocab, "train"))
-    spec = TokenizerSpec(src_vocab=str(tmp_path / "src.vocab"),
-                         tgt_vocab=str(tmp_path / "tgt.vocab"))  # fmt: skip
+    spec = TokenizerSpec(
+        src_vocab=str(tmp_path / "src.vocab"), tgt_vocab=str(tmp_path / "tgt.vocab")
+    )
     corpus, _ = load(src, tgt, tmp_path / "cache", spec=spec)
     assert isinstance(corpus.src_vocab, WordVocab) and len(corpus.src_vocab) == 4 + 9
     unknown = 0
@@ -389,12 +428,20 @@ def test_pretokenised_corpus_with_vocabulary_files(tmp_path, monkeypatch):
         assert all(w in WORDS[:-1] or w == "<unk>" for w in words)  # "sun" is not in the file
         unknown += words.count("<unk>")
         assert corpus.tgt_vocab.decode(t).split() == [
-            "SUN" if w == "<unk>" else w.upper() for w in reversed(words)]  # fmt: skip
+            "SUN" if w == "<unk>" else w.upper() for w in reversed(words)
+        ]
     assert unknown > 0
     with pytest.raises(CorpusError, match="--share-vocab needs one vocabulary"):
-        load(src, tgt, tmp_path / "cache", spec=TokenizerSpec(
-            src_vocab=str(tmp_path / "src.vocab"), tgt_vocab=str(tmp_path / "tgt.vocab"),
-            share=True))  # fmt: skip
+        load(
+            src,
+            tgt,
+            tmp_path / "cache",
+            spec=TokenizerSpec(
+                src_vocab=str(tmp_path / "src.vocab"),
+                tgt_vocab=str(tmp_path / "tgt.vocab"),
+                share=True,
+            ),
+        )
 
 
 def test_block_normalisation_equals_normalize_text():

@@ -105,12 +105,25 @@ def test_training_by_tokens_resumes_exactly_with_the_full_schedule(tmp_path, mon
     floor after epochs x (batches of one epoch) steps."""
     sizes = []
     make_batch = train_module.make_batch
-    monkeypatch.setattr(train_module, "make_batch",
-                        lambda pairs, **kw: sizes.append(len(pairs)) or make_batch(pairs, **kw))  # fmt: skip
+    monkeypatch.setattr(
+        train_module,
+        "make_batch",
+        lambda pairs, **kw: sizes.append(len(pairs)) or make_batch(pairs, **kw),
+    )
     corpus = _toy_corpus(tmp_path / "toy.tsv")
-    config = tiny_config(tmp_path / "full", task="translate", data=str(corpus), epochs=2,
-                         spm_vocab_size=40, valid_fraction=0.1, test_fraction=0.1, eval_size=20,
-                         dropout=0.1, batch_tokens=90, warmup_steps=2)  # fmt: skip
+    config = tiny_config(
+        tmp_path / "full",
+        task="translate",
+        data=str(corpus),
+        epochs=2,
+        spm_vocab_size=40,
+        valid_fraction=0.1,
+        test_fraction=0.1,
+        eval_size=20,
+        dropout=0.1,
+        batch_tokens=90,
+        warmup_steps=2,
+    )
     full = train(config)
     full_sizes, sizes[:] = list(sizes), []
     task = build_task(config, Dist(), None)

@@ -21,10 +21,20 @@ from seq2seq_fast.seq2seq.config import TrainConfig, TrainError
 from seq2seq_fast.seq2seq.train import train
 
 TINY = dict(
-    vocab_size=6, min_len=2, max_len=5, heldout_size=100, embed_size=16, hidden_size=32,
-    batch_size=32, lr=1e-2, warmup_steps=10, backend="reference", progress=False, heatmap=False,
+    vocab_size=6,
+    min_len=2,
+    max_len=5,
+    heldout_size=100,
+    embed_size=16,
+    hidden_size=32,
+    batch_size=32,
+    lr=1e-2,
+    warmup_steps=10,
+    backend="reference",
+    progress=False,
+    heatmap=False,
     threads=1,
-)  # fmt: skip
+)
 
 
 # "The same" for losses: equal up to float32 rounding. BLAS kernels may round the last bit
@@ -56,8 +66,9 @@ def test_fixed_seed_gives_the_same_run(tmp_path):
 @pytest.mark.parametrize("decoder", ["gnmt", "bahdanau"])
 def test_resume_equals_uninterrupted(tmp_path, decoder):
     """Killed mid-epoch (after step 7 of 2x6) and resumed: the same losses and weights at the end."""
-    config = tiny_config(tmp_path / "full", epochs=2, steps_per_epoch=6, decoder=decoder,
-                         dropout=0.1)  # fmt: skip
+    config = tiny_config(
+        tmp_path / "full", epochs=2, steps_per_epoch=6, decoder=decoder, dropout=0.1
+    )
     full = train(config)
     partial_config = replace(config, out=str(tmp_path / "part"), stop_after_steps=7)
     partial = train(partial_config)
@@ -77,8 +88,19 @@ def test_resume_equals_uninterrupted(tmp_path, decoder):
 def test_checkpoint_contents_and_model_reload(tmp_path):
     result = train(tiny_config(tmp_path, epochs=1, steps_per_epoch=5))
     payload = load_checkpoint(result.checkpoint)
-    for key in ("model_config", "train_config", "src_vocab", "tgt_vocab", "model", "optimizer",
-                "scheduler", "rng", "epoch", "step", "metrics"):  # fmt: skip
+    for key in (
+        "model_config",
+        "train_config",
+        "src_vocab",
+        "tgt_vocab",
+        "model",
+        "optimizer",
+        "scheduler",
+        "rng",
+        "epoch",
+        "step",
+        "metrics",
+    ):
         assert key in payload
     assert payload["step"] == 5 and payload["epoch"] == 1
     model, src_vocab, _, _ = load_model(result.checkpoint)
@@ -136,12 +158,37 @@ def test_ddp_two_processes_gloo(tmp_path):
     out = tmp_path / "ddp"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     command = [
-        torchrun, "--standalone", "--nproc_per_node=2", "-m", "seq2seq_fast", "train",
-        "--out", str(out), "--epochs", "1", "--steps-per-epoch", "4", "--batch-size", "16",
-        "--hidden-size", "16", "--embed-size", "8", "--vocab-size", "6", "--min-len", "2",
-        "--max-len", "4", "--heldout-size", "20", "--backend", "reference", "--no-progress",
+        torchrun,
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "seq2seq_fast",
+        "train",
+        "--out",
+        str(out),
+        "--epochs",
+        "1",
+        "--steps-per-epoch",
+        "4",
+        "--batch-size",
+        "16",
+        "--hidden-size",
+        "16",
+        "--embed-size",
+        "8",
+        "--vocab-size",
+        "6",
+        "--min-len",
+        "2",
+        "--max-len",
+        "4",
+        "--heldout-size",
+        "20",
+        "--backend",
+        "reference",
+        "--no-progress",
         "--no-heatmap",
-    ]  # fmt: skip
+    ]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "2 process(es)" in proc.stdout
@@ -167,9 +214,17 @@ def _toy_corpus(path):
 
 def test_translate_resume_equals_uninterrupted(tmp_path):
     corpus = _toy_corpus(tmp_path / "toy.tsv")
-    config = tiny_config(tmp_path / "full", task="translate", data=str(corpus), epochs=2,
-                         spm_vocab_size=40, valid_fraction=0.1, test_fraction=0.1, eval_size=20,
-                         dropout=0.1)  # fmt: skip
+    config = tiny_config(
+        tmp_path / "full",
+        task="translate",
+        data=str(corpus),
+        epochs=2,
+        spm_vocab_size=40,
+        valid_fraction=0.1,
+        test_fraction=0.1,
+        eval_size=20,
+        dropout=0.1,
+    )
     full = train(config)
     part = train(replace(config, out=str(tmp_path / "part"), stop_after_steps=full.step // 2 + 1))
     resumed = train(TrainConfig(progress=False), resume=tmp_path / "part/model.pt")
@@ -179,9 +234,16 @@ def test_translate_resume_equals_uninterrupted(tmp_path):
 
 def test_translate_task_end_to_end(tmp_path):
     corpus = _toy_corpus(tmp_path / "toy.tsv")
-    config = tiny_config(tmp_path / "run", task="translate", data=str(corpus), epochs=1,
-                         spm_vocab_size=40, valid_fraction=0.1, test_fraction=0.1,
-                         heatmap=True)  # fmt: skip
+    config = tiny_config(
+        tmp_path / "run",
+        task="translate",
+        data=str(corpus),
+        epochs=1,
+        spm_vocab_size=40,
+        valid_fraction=0.1,
+        test_fraction=0.1,
+        heatmap=True,
+    )
     result = train(config)
     assert 0.0 <= result.metrics["test_bleu"] <= 100.0 and "valid_bleu" in result.metrics
     assert result.heatmap is not None and result.heatmap.stat().st_size > 1000
@@ -195,9 +257,16 @@ def test_translate_official_splits_used_as_given(tmp_path, capsys):
     files["valid"].write_text("\n".join(lines[150:175]) + "\n")
     # A word of the test split only: the vocabularies are trained on the training split.
     files["test"].write_text("\n".join(lines[175:]) + "\nzebra zebra\tzebre zebre\n")
-    config = tiny_config(tmp_path / "run", task="translate", data=str(files["train"]),
-                         valid_data=str(files["valid"]), test_data=str(files["test"]), epochs=1,
-                         spm_vocab_size=40, eval_size=1000)  # fmt: skip
+    config = tiny_config(
+        tmp_path / "run",
+        task="translate",
+        data=str(files["train"]),
+        valid_data=str(files["valid"]),
+        test_data=str(files["test"]),
+        epochs=1,
+        spm_vocab_size=40,
+        eval_size=1000,
+    )
     result = train(config)
     out = capsys.readouterr().out
     assert "official splits: 149 train / 25 valid / 27 test pairs" in out
@@ -210,6 +279,10 @@ def test_translate_official_splits_used_as_given(tmp_path, capsys):
 
 
 def test_python_dash_m_entry_point():
-    proc = subprocess.run([sys.executable, "-m", "seq2seq_fast", "--help"], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "seq2seq_fast", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and "train" in proc.stdout and "plot-attention" in proc.stdout

@@ -12,10 +12,22 @@ from seq2seq_fast.seq2seq.config import TrainConfig, TrainError
 from seq2seq_fast.seq2seq.train import train
 
 TINY = dict(
-    vocab_size=6, min_len=2, max_len=5, heldout_size=50, embed_size=16, hidden_size=32,
-    batch_size=32, lr=1e-2, warmup_steps=10, backend="reference", progress=False, heatmap=False,
-    threads=1, epochs=1, steps_per_epoch=30,
-)  # fmt: skip
+    vocab_size=6,
+    min_len=2,
+    max_len=5,
+    heldout_size=50,
+    embed_size=16,
+    hidden_size=32,
+    batch_size=32,
+    lr=1e-2,
+    warmup_steps=10,
+    backend="reference",
+    progress=False,
+    heatmap=False,
+    threads=1,
+    epochs=1,
+    steps_per_epoch=30,
+)
 
 
 def test_bf16_without_hardware_support_says_so_and_trains_in_fp32(tmp_path, monkeypatch, capsys):
@@ -59,8 +71,9 @@ def test_bad_options_are_named(field, value):
 
 def test_interval_evaluation_keeps_best_and_stops_early(tmp_path, capsys):
     # lr 0: the model never changes, so the second evaluation cannot beat the first
-    config = TrainConfig(**TINY | {"epochs": 3, "lr": 0.0}, out=str(tmp_path), eval_every=5,
-                         patience=1)  # fmt: skip
+    config = TrainConfig(
+        **TINY | {"epochs": 3, "lr": 0.0}, out=str(tmp_path), eval_every=5, patience=1
+    )
     result = train(config)
     assert result.step == 10
     assert "early stop at step 10" in capsys.readouterr().out
@@ -103,9 +116,17 @@ def test_final_test_bleu_and_heatmap_are_of_the_best_checkpoint(tmp_path, monkey
         plot, "plot_translation", lambda model, *a, **k: drawn.append(_state(model))
     )
     corpus = _toy_corpus(tmp_path / "toy.tsv")
-    config = tiny_config(tmp_path / "run", task="translate", data=str(corpus), epochs=2,
-                         spm_vocab_size=40, valid_fraction=0.1, test_fraction=0.1, eval_every=2,
-                         heatmap=True)  # fmt: skip
+    config = tiny_config(
+        tmp_path / "run",
+        task="translate",
+        data=str(corpus),
+        epochs=2,
+        spm_vocab_size=40,
+        valid_fraction=0.1,
+        test_fraction=0.1,
+        eval_every=2,
+        heatmap=True,
+    )
     result = train(config)
     best, last = load_checkpoint(tmp_path / "run/best.pt"), load_checkpoint(result.checkpoint)
     assert best["step"] == 2 and last["step"] == result.step > 4
@@ -143,8 +164,9 @@ def test_a_time_budget_spent_between_evaluations_scores_the_last_model(tmp_path,
         "evaluate",
         lambda job, final=False, model=None: {"seq_acc": job.step / 100, "tok_acc": 1.0},
     )
-    config = TrainConfig(**TINY | {"epochs": 3}, out=str(tmp_path), eval_every=5,
-                         time_budget_min=1.0)  # fmt: skip
+    config = TrainConfig(
+        **TINY | {"epochs": 3}, out=str(tmp_path), eval_every=5, time_budget_min=1.0
+    )
     result = train(config)
     assert result.step == 7  # elapsed 0, 10, ..., 60 s after steps 1..7
     assert (result.final_checkpoint.name, result.final_step) == ("best.pt", 7)
@@ -192,8 +214,9 @@ def test_keep_checkpoints_keeps_the_last_epochs_weights(tmp_path, capsys):
 
     stale = tmp_path / "model.epoch9.pt"
     stale.write_bytes(b"an earlier run's snapshot")
-    config = TrainConfig(**TINY | {"epochs": 3, "steps_per_epoch": 5}, out=str(tmp_path),
-                         keep_checkpoints=2)  # fmt: skip
+    config = TrainConfig(
+        **TINY | {"epochs": 3, "steps_per_epoch": 5}, out=str(tmp_path), keep_checkpoints=2
+    )
     result = train(config)
     assert (
         "removed 1 epoch snapshot(s) of an earlier run: model.epoch9.pt" in capsys.readouterr().out

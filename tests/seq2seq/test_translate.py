@@ -28,10 +28,11 @@ FUSED = "fused" if fused_available("cpu", torch.float32) else "reference"
 CASES = [
     pytest.param(FUSED, dict(decoder="gnmt", cell="gru"), id=f"gnmt-gru-{FUSED}"),
     pytest.param(
-        "reference", dict(decoder="bahdanau", cell="lstm", decoder_layers=2),
+        "reference",
+        dict(decoder="bahdanau", cell="lstm", decoder_layers=2),
         id="bahdanau-lstm-2-reference",
     ),
-]  # fmt: skip
+]
 
 
 def _model(
@@ -40,9 +41,13 @@ def _model(
     vocab = SymbolVocab(reverse_symbols(10))
     torch.manual_seed(seed)
     config = Seq2SeqConfig(
-        src_vocab_size=len(vocab), tgt_vocab_size=len(vocab), embed_size=16, hidden_size=24,
-        backend=backend, **overrides,
-    )  # fmt: skip
+        src_vocab_size=len(vocab),
+        tgt_vocab_size=len(vocab),
+        embed_size=16,
+        hidden_size=24,
+        backend=backend,
+        **overrides,
+    )
     model = Seq2Seq(config).eval()
     with torch.no_grad():  # untrained: make </s> likely enough that rows finish at different steps
         model.decoder.output.bias[EOS_ID] += eos_bias
@@ -120,8 +125,11 @@ def _plain_beam_search(model, ids, beam, n_best, alpha=0.6, max_len_factor=2.0):
     for t in range(limit):
         at_limit = torch.full((beam,), limit <= t + 1)
         logp, _, state = _step_log_probs(model, y, state, memory, at_limit)
-        scored = [(hyps[r][0] + float(logp[r, v]), r, v)
-                  for r in range(beam) for v in range(logp.shape[1])]  # fmt: skip
+        scored = [
+            (hyps[r][0] + float(logp[r, v]), r, v)
+            for r in range(beam)
+            for v in range(logp.shape[1])
+        ]
         best = sorted(scored, key=lambda c: -c[0])[: 2 * beam]
         for score, r, v in best[:beam]:
             if v == EOS_ID and math.isfinite(score):
@@ -183,8 +191,9 @@ def test_translator_keeps_order_and_flags_empty_and_long_lines(beam):
     model, vocab = _model("reference")
     texts = ["a b c", "", "d e f g h i j", "   ", "b", "a " * 30, "c d", "e f g h"]
     options = DecodeOptions(beam=beam, n_best=min(beam, 2))
-    translator = Translator(model, vocab, vocab, options=options, batch_size=3, max_tokens=12,
-                            max_source_tokens=20)  # fmt: skip
+    translator = Translator(
+        model, vocab, vocab, options=options, batch_size=3, max_tokens=12, max_source_tokens=20
+    )
     counts = []
     results = translator.translate(texts, progress=counts.append)
     assert sum(counts) == len(texts)
@@ -283,12 +292,18 @@ def checkpoint(tmp_path_factory):
     model, vocab = _model("auto", decoder="gnmt", eos_bias=0.0)
     path = tmp_path_factory.mktemp("translate") / "model.pt"
     save_checkpoint(
-        {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
-         "model_config": model.config.to_dict(), "src_vocab": vocab.to_state(),
-         "tgt_vocab": vocab.to_state(), "model": model.state_dict(),
-         "optimizer": {"state": {}, "param_groups": []}, "train_config": {"task": "reverse"}},
+        {
+            "format": CHECKPOINT_FORMAT,
+            "version": CHECKPOINT_VERSION,
+            "model_config": model.config.to_dict(),
+            "src_vocab": vocab.to_state(),
+            "tgt_vocab": vocab.to_state(),
+            "model": model.state_dict(),
+            "optimizer": {"state": {}, "param_groups": []},
+            "train_config": {"task": "reverse"},
+        },
         path,
-    )  # fmt: skip
+    )
     return path
 
 
@@ -305,8 +320,20 @@ def test_translate_file_keeps_one_line_per_input(checkpoint, tmp_path, capsys):
     source = tmp_path / "in.txt"
     source.write_text("\n".join(LINES) + "\n")
     target = tmp_path / "out.txt"
-    code, out, err = _run(capsys, "translate", "--checkpoint", checkpoint, "--input", source,
-                          "--output", target, "--batch-size", "2", "--max-source-tokens", "8")  # fmt: skip
+    code, out, err = _run(
+        capsys,
+        "translate",
+        "--checkpoint",
+        checkpoint,
+        "--input",
+        source,
+        "--output",
+        target,
+        "--batch-size",
+        "2",
+        "--max-source-tokens",
+        "8",
+    )
     assert code == 0, err
     lines = target.read_text().split("\n")
     assert lines[-1] == "" and len(lines) - 1 == len(LINES)
@@ -316,8 +343,18 @@ def test_translate_file_keeps_one_line_per_input(checkpoint, tmp_path, capsys):
     assert all(lines[i] for i in (0, 2, 3, 6))
     assert f"{len(LINES)} sentences, " in err and "tokens/s" in err
     # Per-sentence (batch of 1) and stdin give the same lines.
-    code, out, err = _run(capsys, "translate", "--checkpoint", checkpoint, "--input", source,
-                          "--batch-size", "1", "--max-source-tokens", "8")  # fmt: skip
+    code, out, err = _run(
+        capsys,
+        "translate",
+        "--checkpoint",
+        checkpoint,
+        "--input",
+        source,
+        "--batch-size",
+        "1",
+        "--max-source-tokens",
+        "8",
+    )
     assert code == 0 and out.split("\n") == lines
 
 
@@ -326,15 +363,17 @@ def test_translate_command_leaves_torch_threads_as_they_were(checkpoint, tmp_pat
     source.write_text("\n".join(LINES) + "\n")
     before = torch.get_num_threads()
     for threads in ("1", "2", "3"):
-        code, out, _ = _run(capsys, "translate", "--checkpoint", checkpoint, "--input", source,
-                            "--threads", threads)  # fmt: skip
+        code, out, _ = _run(
+            capsys, "translate", "--checkpoint", checkpoint, "--input", source, "--threads", threads
+        )
         assert code == 0 and len(out.splitlines()) == len(LINES)
         assert torch.get_num_threads() == before
 
 
 @pytest.mark.parametrize(("threads", "workers", "each"), [("1", 1, 1), ("3", 3, 1), ("8", 4, 2)])
-def test_translate_threads_become_workers(checkpoint, tmp_path, capsys, monkeypatch, threads,
-                                          workers, each):  # fmt: skip
+def test_translate_threads_become_workers(
+    checkpoint, tmp_path, capsys, monkeypatch, threads, workers, each
+):
     seen = {}
     load = Translator.load.__func__
 
@@ -343,8 +382,9 @@ def test_translate_threads_become_workers(checkpoint, tmp_path, capsys, monkeypa
         return load(cls, *args, **kwargs)
 
     monkeypatch.setattr(Translator, "load", classmethod(spy))
-    code, out, _ = _run(capsys, "translate", "--checkpoint", checkpoint, "a b c", "--threads",
-                        threads)  # fmt: skip
+    code, out, _ = _run(
+        capsys, "translate", "--checkpoint", checkpoint, "a b c", "--threads", threads
+    )
     assert code == 0 and out.strip() and seen == {"workers": workers, "each": each}
 
 
@@ -353,8 +393,18 @@ def test_translate_stdin_and_beam_n_best(checkpoint, capsys, monkeypatch):
     monkeypatch.setattr(
         sys, "stdin", SimpleNamespace(buffer=io.BytesIO(data), isatty=lambda: False)
     )
-    code, out, err = _run(capsys, "translate", "--checkpoint", checkpoint, "--beam", "3",
-                          "--n-best", "2", "--max-source-tokens", "8")  # fmt: skip
+    code, out, err = _run(
+        capsys,
+        "translate",
+        "--checkpoint",
+        checkpoint,
+        "--beam",
+        "3",
+        "--n-best",
+        "2",
+        "--max-source-tokens",
+        "8",
+    )
     assert code == 0, err
     lines = out.split("\n")[:-1]
     assert len(lines) == 2 * len(LINES)
@@ -369,8 +419,9 @@ def test_translate_stdin_and_beam_n_best(checkpoint, capsys, monkeypatch):
     monkeypatch.setattr(
         sys, "stdin", SimpleNamespace(buffer=io.BytesIO(data), isatty=lambda: False)
     )
-    code, out, _ = _run(capsys, "translate", "--checkpoint", checkpoint, "--beam", "3",
-                        "--max-source-tokens", "8")  # fmt: skip
+    code, out, _ = _run(
+        capsys, "translate", "--checkpoint", checkpoint, "--beam", "3", "--max-source-tokens", "8"
+    )
     assert out.split("\n")[:-1] == [line.split("\t")[0] for line in lines[::2]]
 
 
@@ -386,16 +437,18 @@ def test_translate_option_errors(checkpoint, capsys):
     code, _, err = _run(capsys, "translate", "--checkpoint", checkpoint, "--n-best", "3", "a b")
     assert code == 2 and "--n-best 3 needs --beam >= 3" in err
     if not torch.cuda.is_available():
-        code, _, err = _run(capsys, "translate", "--checkpoint", checkpoint, "--device", "cuda",
-                            "a b")  # fmt: skip
+        code, _, err = _run(
+            capsys, "translate", "--checkpoint", checkpoint, "--device", "cuda", "a b"
+        )
         assert code == 2 and "CUDA is not available" in err
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_export_translates_the_same_and_cannot_be_resumed(checkpoint, tmp_path, capsys, dtype):
     exported = tmp_path / "model.infer.pt"
-    code, out, err = _run(capsys, "export", "--checkpoint", checkpoint, "-o", exported,
-                          "--dtype", dtype)  # fmt: skip
+    code, out, err = _run(
+        capsys, "export", "--checkpoint", checkpoint, "-o", exported, "--dtype", dtype
+    )
     assert code == 0, err
     assert f"wrote {exported}" in out and "MB" in out
     payload = load_checkpoint(exported)
@@ -411,8 +464,9 @@ def test_export_translates_the_same_and_cannot_be_resumed(checkpoint, tmp_path, 
         outputs.append(out)
     if dtype == "float32":
         assert outputs[0] == outputs[1]
-    code, out, err = _run(capsys, "plot-attention", "--checkpoint", exported, "a b c",
-                          "-o", tmp_path / "a.png")  # fmt: skip
+    code, out, err = _run(
+        capsys, "plot-attention", "--checkpoint", exported, "a b c", "-o", tmp_path / "a.png"
+    )
     assert code == 0 and (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
     code, _, err = _run(capsys, "train", "--resume", exported, "--no-progress")
     assert code == 2 and "cannot be resumed" in err and "Traceback" not in err
@@ -420,12 +474,18 @@ def test_export_translates_the_same_and_cannot_be_resumed(checkpoint, tmp_path, 
 
 def _checkpoint_of(model, vocab, path, **extra):
     save_checkpoint(
-        {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION,
-         "model_config": model.config.to_dict(), "src_vocab": vocab.to_state(),
-         "tgt_vocab": vocab.to_state(), "model": model.state_dict(),
-         "train_config": {"task": "reverse"}, **extra},
+        {
+            "format": CHECKPOINT_FORMAT,
+            "version": CHECKPOINT_VERSION,
+            "model_config": model.config.to_dict(),
+            "src_vocab": vocab.to_state(),
+            "tgt_vocab": vocab.to_state(),
+            "model": model.state_dict(),
+            "train_config": {"task": "reverse"},
+            **extra,
+        },
         path,
-    )  # fmt: skip
+    )
     return path
 
 

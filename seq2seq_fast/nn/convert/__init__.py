@@ -58,9 +58,13 @@ for _info in pkgutil.iter_modules(__path__):
 def _has_hooks(module: nn.Module) -> bool:
     return any(
         getattr(module, name, None)
-        for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-                     "_backward_pre_hooks")
-    )  # fmt: skip
+        for name in (
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_backward_hooks",
+            "_backward_pre_hooks",
+        )
+    )
 
 
 def _convert_one(module: nn.Module, path: str, backend: str, check: bool, report: ConversionReport):
@@ -137,8 +141,10 @@ def fuse_attention_report(
     for flag, value in (("traced", traced), ("named", named)):
         if not isinstance(value, bool):
             raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
-    if named and any(_matches(layout, model) for layout in registered_layouts()) and not isinstance(
-        model, FusedStandIn
+    if (
+        named
+        and any(_matches(layout, model) for layout in registered_layouts())
+        and not isinstance(model, FusedStandIn)
     ):
         raise ValueError(
             f"model itself is a recognised attention module ({type(model).__name__}); fuse_attention "

@@ -149,8 +149,13 @@ def forward_defined_in(module: nn.Module, *class_names: str) -> bool:
     return qualname.rsplit(".", 1)[0].split(".")[-1] in class_names
 
 
-def is_linear(module: object, *, bias: bool | None = None, out_features: int | None = None,
-              in_features: int | None = None) -> bool:  # fmt: skip
+def is_linear(
+    module: object,
+    *,
+    bias: bool | None = None,
+    out_features: int | None = None,
+    in_features: int | None = None,
+) -> bool:
     """An nn.Linear (exactly; a subclass may change forward) with the given properties."""
     if type(module) is not nn.Linear:
         return False

@@ -232,9 +232,18 @@ class _GatheredStep(torch.autograd.Function):
         acc = torch.float32 if keys.dtype == torch.bfloat16 else keys.dtype
         grad_keys = torch.zeros(keys.shape, dtype=acc, device=keys.device)
         grad_query, grad_v, grad_bias = torch.ops.seq2seq_fast._additive_attention_bwd_accumulate(
-            grad_context, None if grad_weights is None else grad_weights.contiguous(),
-            query, keys, values, v, bias, lengths, mask, weights, grad_keys,
-        )  # fmt: skip
+            grad_context,
+            None if grad_weights is None else grad_weights.contiguous(),
+            query,
+            keys,
+            values,
+            v,
+            bias,
+            lengths,
+            mask,
+            weights,
+            grad_keys,
+        )
         grad_keys = grad_keys.to(keys.dtype) if ctx.needs_input_grad[1] else None
         return guard_double_backward(
             (grad_query, grad_keys, None, grad_v, grad_bias, None, None, None)

@@ -61,12 +61,44 @@ _SOFTMAX_NAMES = {"softmax", "_softmax", "log_softmax"}
 # ops through which energies stay energies on their way to a softmax (a projection, shape ops,
 # scale, masks, a dtype change); anything else ends them
 _CARRIES = {
-    "linear", "matmul", "__matmul__", "bmm", "einsum", "mul", "__mul__", "__rmul__", "sum",
-    "squeeze", "unsqueeze", "view", "reshape", "permute", "transpose", "contiguous", "flatten",
-    "masked_fill", "masked_fill_", "where", "add", "__add__", "__radd__", "add_", "sub",
-    "__sub__", "div", "__truediv__", "div_", "float", "double", "to", "type_as", "__getitem__",
-    "tanh", "dropout", "new_full",
-}  # fmt: skip
+    "linear",
+    "matmul",
+    "__matmul__",
+    "bmm",
+    "einsum",
+    "mul",
+    "__mul__",
+    "__rmul__",
+    "sum",
+    "squeeze",
+    "unsqueeze",
+    "view",
+    "reshape",
+    "permute",
+    "transpose",
+    "contiguous",
+    "flatten",
+    "masked_fill",
+    "masked_fill_",
+    "where",
+    "add",
+    "__add__",
+    "__radd__",
+    "add_",
+    "sub",
+    "__sub__",
+    "div",
+    "__truediv__",
+    "div_",
+    "float",
+    "double",
+    "to",
+    "type_as",
+    "__getitem__",
+    "tanh",
+    "dropout",
+    "new_full",
+}
 _state = threading.local()
 _events = itertools.count()
 _claimed: set[int] = set()  # tanh events a module has taken (tried to convert)
@@ -209,11 +241,13 @@ def _decide(recording: _Recording, watch: _Watch) -> None:
     if not recording.softmaxed & mine:
         watch.report.skipped.append(
             Skipped(
-                recording.path, (LAYOUT,), class_name(recording.module),
+                recording.path,
+                (LAYOUT,),
+                class_name(recording.module),
                 "computes a tanh over a sum but no softmax over it in its own call "
                 "(converted with its caller if the caller holds the softmax)",
             )
-        )  # fmt: skip
+        )
         return
     _claimed.update(mine)
     _decided.add(recording.module)

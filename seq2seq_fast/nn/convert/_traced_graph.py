@@ -59,8 +59,20 @@ _MUL = {operator.mul, torch.mul, "mul", "__mul__", "__rmul__"}
 _DIV = {operator.truediv, torch.div, torch.true_divide, "div", "__truediv__"}
 _SUM = {torch.sum, "sum"}
 _CAT = {torch.cat, torch.concat, torch.concatenate}
-_SHAPE_OPS = {"squeeze", "unsqueeze", "transpose", "permute", "view", "reshape", "contiguous",
-              torch.squeeze, torch.unsqueeze, torch.transpose, torch.permute, torch.reshape}  # fmt: skip
+_SHAPE_OPS = {
+    "squeeze",
+    "unsqueeze",
+    "transpose",
+    "permute",
+    "view",
+    "reshape",
+    "contiguous",
+    torch.squeeze,
+    torch.unsqueeze,
+    torch.transpose,
+    torch.permute,
+    torch.reshape,
+}
 _MASKED_FILL = {"masked_fill", torch.masked_fill}
 _REPEATS = {"repeat", "expand", "expand_as"}
 _WHERE = {torch.where}
@@ -481,8 +493,10 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
     if _value(node).dtype != _value(scores).dtype:
         raise NoMatch("the scores reach the softmax in another dtype")
     dim = _arg(softmax, 1, "dim")
-    if not isinstance(dim, int) or _arg(softmax, 3 if softmax.op == "call_function" else 2,
-                                         "dtype") is not None:  # fmt: skip
+    if (
+        not isinstance(dim, int)
+        or _arg(softmax, 3 if softmax.op == "call_function" else 2, "dtype") is not None
+    ):
         raise NoMatch("softmax without an int dim, or with a dtype")
     memory_axis = origin[dim % len(origin)]
     if memory_axis is None:
@@ -509,9 +523,23 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
         if step[0] in ("fill", "add", "keep"):
             _check_mask(step, query_axes)
     return Match(
-        tanh, softmax, queries, keys, biases, vector, rank, tuple(batch_axes), tuple(query_axes),
-        memory_axis, scores_origin, hidden, steps, shape_ops, split_nodes, helpers,
-    )  # fmt: skip
+        tanh,
+        softmax,
+        queries,
+        keys,
+        biases,
+        vector,
+        rank,
+        tuple(batch_axes),
+        tuple(query_axes),
+        memory_axis,
+        scores_origin,
+        hidden,
+        steps,
+        shape_ops,
+        split_nodes,
+        helpers,
+    )
 
 
 def _check_mask(step: tuple, query_axes: list[int]) -> None:
@@ -784,15 +812,47 @@ class TracedWeights:
 
 
 _PURE_METHODS = {
-    "view", "reshape", "permute", "transpose", "contiguous", "unsqueeze", "squeeze", "expand",
-    "expand_as", "repeat", "size", "flatten", "__getitem__", "add", "mul", "float", "to",
-}  # fmt: skip
+    "view",
+    "reshape",
+    "permute",
+    "transpose",
+    "contiguous",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "expand_as",
+    "repeat",
+    "size",
+    "flatten",
+    "__getitem__",
+    "add",
+    "mul",
+    "float",
+    "to",
+}
 _PURE_FUNCTIONS = {
-    torch._C._nn.linear, F.linear, torch.matmul, torch.bmm, operator.getitem, operator.add,
-    operator.mul, operator.sub, operator.floordiv, operator.neg, torch.add, torch.mul,
-    torch.transpose, torch.permute, torch.reshape, torch.unsqueeze, torch.squeeze, F.conv1d,
-    torch.conv1d, torch.cat, torch.stack,
-}  # fmt: skip
+    torch._C._nn.linear,
+    F.linear,
+    torch.matmul,
+    torch.bmm,
+    operator.getitem,
+    operator.add,
+    operator.mul,
+    operator.sub,
+    operator.floordiv,
+    operator.neg,
+    torch.add,
+    torch.mul,
+    torch.transpose,
+    torch.permute,
+    torch.reshape,
+    torch.unsqueeze,
+    torch.squeeze,
+    F.conv1d,
+    torch.conv1d,
+    torch.cat,
+    torch.stack,
+}
 
 
 def _key_function(graph: fx.Graph, term: fx.Node):
@@ -983,10 +1043,15 @@ def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
             masks.append(step[1])
     key_terms = _key_terms(graph, match, match.softmax)
     plan = Plan(
-        match.rank, match.batch_axes, match.query_axes, match.memory_axis, match.scores_origin,
+        match.rank,
+        match.batch_axes,
+        match.query_axes,
+        match.memory_axis,
+        match.scores_origin,
         match.hidden_axis,
-        tuple(plan_steps), backend,
-    )  # fmt: skip
+        tuple(plan_steps),
+        backend,
+    )
     with graph.inserting_before(match.softmax):
         replacement = TracedWeights(plan)
         replacement.description = match.describe()

@@ -67,9 +67,14 @@ class FusedAllenNLPAdditiveAttention(FusedStandIn):
             return self._plain(vector, matrix, matrix_mask)
         memory = self.key_cache.get(matrix, (self._u_matrix,), lambda: self._memory(matrix))
         _, weights = attend(
-            self.backend, vector.matmul(self._w_matrix), memory.keys, memory.values,
-            self._v_vector[:, 0], stepwise=memory.stepwise, **masking(matrix_mask),
-        )  # fmt: skip
+            self.backend,
+            vector.matmul(self._w_matrix),
+            memory.keys,
+            memory.values,
+            self._v_vector[:, 0],
+            stepwise=memory.stepwise,
+            **masking(matrix_mask),
+        )
         return weights
 
 

@@ -97,9 +97,14 @@ class FusedConcatAttention(FusedStandIn):
         query = F.linear(hidden, linear.weight[:, :width])
         valid = None if mask is None else mask != 0
         _, weights = attend(
-            self.backend, query, memory.keys, memory.values, self._score_vector(), mask=valid,
+            self.backend,
+            query,
+            memory.keys,
+            memory.values,
+            self._score_vector(),
+            mask=valid,
             stepwise=memory.stepwise,
-        )  # fmt: skip
+        )
         if valid is not None:  # no valid key: the original's scores are all -1e10, uniform weights
             empty = ~valid.any(dim=1, keepdim=True)
             weights = torch.where(empty, 1.0 / weights.shape[-1], weights)

@@ -103,9 +103,15 @@ class FusedCoquiOriginalAttention(FusedStandIn):
                 linear_of(layer.location_dense).weight,
             )
             context, alignment = attend_location(
-                self, self.backend, self.query_layer(query), processed_inputs, location, inputs,
-                v, mask,
-            )  # fmt: skip
+                self,
+                self.backend,
+                self.query_layer(query),
+                processed_inputs,
+                location,
+                inputs,
+                v,
+                mask,
+            )
         else:
             context, alignment = attend_gathered(
                 self, self.backend, self.query_layer(query), processed_inputs, inputs, v, mask

@@ -82,9 +82,14 @@ class FusedD2LAdditiveAttention(FusedStandIn):
             keys, (w_k.weight, w_k.bias, values), lambda: self._memory(keys, values, not dropping)
         )
         context, weights = attend(
-            self.backend, self.W_q(queries), memory.keys, memory.values, self.w_v.weight[0],
-            lengths=valid_lens, stepwise=None if dropping else memory.stepwise,
-        )  # fmt: skip
+            self.backend,
+            self.W_q(queries),
+            memory.keys,
+            memory.values,
+            self.w_v.weight[0],
+            lengths=valid_lens,
+            stepwise=None if dropping else memory.stepwise,
+        )
         if valid_lens is not None and bool((valid_lens == 0).any()):
             empty = (valid_lens == 0).view(-1, 1, 1)  # d2l: uniform weights over every key
             weights = torch.where(empty, 1.0 / keys.shape[1], weights)

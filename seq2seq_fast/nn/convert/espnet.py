@@ -82,9 +82,11 @@ class FusedEspnetAttAdd(FusedStandIn):
             self.pre_compute_enc_h = self.mlp_enc(enc_hs_pad)
             # the same values, through a node that gathers gradients where that applies
             memory = step_memory(
-                self.pre_compute_enc_h, self.enc_h, self.backend,
+                self.pre_compute_enc_h,
+                self.enc_h,
+                self.backend,
                 stepwise=self.gather_steps and not self.han_mode,
-            )  # fmt: skip
+            )
             self.pre_compute_enc_h, self.enc_h = memory.keys, memory.values
             self._stepwise = memory.stepwise
 
@@ -201,9 +203,10 @@ def _match_loc(module: nn.Module) -> bool:
         type(conv) is nn.Conv2d
         and conv.bias is None
         and same_padding_conv(conv, in_channels=1)
-        and is_linear(module.mlp_att, bias=False, in_features=conv.out_channels,
-                      out_features=module.att_dim)
-    )  # fmt: skip
+        and is_linear(
+            module.mlp_att, bias=False, in_features=conv.out_channels, out_features=module.att_dim
+        )
+    )
 
 
 def _unsupported_loc(module: nn.Module) -> str | None:

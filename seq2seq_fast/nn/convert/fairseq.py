@@ -91,9 +91,15 @@ class FusedFairseqLocationAttention(FusedStandIn):
         v_eff = scaled(self.proj_out[1].weight[0], self.scaling)
         location = (attn_state, self.conv.weight, self.proj_attn.weight)  # keys: + proj_attn(conv)
         return attend_location(
-            self, self.backend, self.proj_dec(decoder_h), self.proj_enc_out, location, encoder_out,
-            v_eff, valid_from_padding(encoder_padding_mask),
-        )  # fmt: skip
+            self,
+            self.backend,
+            self.proj_dec(decoder_h),
+            self.proj_enc_out,
+            location,
+            encoder_out,
+            v_eff,
+            valid_from_padding(encoder_padding_mask),
+        )
 
 
 def _match_location(module: nn.Module) -> bool:
@@ -111,14 +117,16 @@ def _match_location(module: nn.Module) -> bool:
     return (
         is_linear(out[1], in_features=width, out_features=1)
         and is_linear(module.proj_enc, bias=True, out_features=width)
-        and is_linear(module.proj_dec, bias=False, out_features=width,
-                      in_features=module.decoder_dim)
+        and is_linear(
+            module.proj_dec, bias=False, out_features=width, in_features=module.decoder_dim
+        )
         and type(conv) is nn.Conv1d
         and conv.bias is None
         and same_padding_conv(conv, in_channels=conv.in_channels)
-        and is_linear(module.proj_attn, bias=False, in_features=conv.out_channels,
-                      out_features=width)
-    )  # fmt: skip
+        and is_linear(
+            module.proj_attn, bias=False, in_features=conv.out_channels, out_features=width
+        )
+    )
 
 
 def _example_location(module: nn.Module, dtype: torch.dtype) -> tuple[tuple, dict]:
@@ -174,9 +182,14 @@ class FusedFairseqMLPAttention(FusedStandIn):
         )
         valid = None if encoder_padding_mask is None else ~encoder_padding_mask.t()
         context, weights = attend(
-            self.backend, self.decoder_proj(decoder_state), memory.keys, memory.values,
-            self.to_scores.weight[0], stepwise=memory.stepwise, **masking(valid),
-        )  # fmt: skip
+            self.backend,
+            self.decoder_proj(decoder_state),
+            memory.keys,
+            memory.values,
+            self.to_scores.weight[0],
+            stepwise=memory.stepwise,
+            **masking(valid),
+        )
         return context, weights.t()
 
 
@@ -187,11 +200,12 @@ def _match_mlp(module: nn.Module) -> bool:
         return False
     width = getattr(module, "attention_dim", None)
     return (
-        is_linear(module.encoder_proj, bias=True, out_features=width,
-                  in_features=module.context_dim)
+        is_linear(
+            module.encoder_proj, bias=True, out_features=width, in_features=module.context_dim
+        )
         and is_linear(module.decoder_proj, bias=False, out_features=width)
         and is_linear(module.to_scores, bias=False, in_features=width, out_features=1)
-    )  # fmt: skip
+    )
 
 
 def _example_mlp(module: nn.Module, dtype: torch.dtype) -> tuple[tuple, dict]:

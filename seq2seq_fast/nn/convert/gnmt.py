@@ -91,9 +91,11 @@ class FusedGNMTAttention(FusedStandIn):
         batch_keys = keys
         stepwise = query.dim() == 2 or query.shape[1] == 1
         memory = self.key_cache.get(
-            given, (self.linear_k.weight, self.batch_first, stepwise),
-            lambda: self._memory(batch_keys, stepwise), watch=lambda m: (m.projection,),
-        )  # fmt: skip
+            given,
+            (self.linear_k.weight, self.batch_first, stepwise),
+            lambda: self._memory(batch_keys, stepwise),
+            watch=lambda m: (m.projection,),
+        )
         if self.normalize:
             v_eff = self.linear_att / self.linear_att.norm() * self.normalize_scalar
             bias = self.normalize_bias
@@ -101,9 +103,15 @@ class FusedGNMTAttention(FusedStandIn):
             v_eff, bias = self.linear_att, None
         values = keys if memory.values is None else memory.values
         context, weights = attend(
-            self.backend, self.linear_q(query), memory.keys, values, v_eff, bias,
-            mask=self._valid, stepwise=memory.stepwise,
-        )  # fmt: skip
+            self.backend,
+            self.linear_q(query),
+            memory.keys,
+            values,
+            v_eff,
+            bias,
+            mask=self._valid,
+            stepwise=memory.stepwise,
+        )
         if self._empty_rows is not None:
             context, weights = _uniform_rows(self._empty_rows, context, weights, keys)
         if query.dim() == 3 and not self.batch_first:

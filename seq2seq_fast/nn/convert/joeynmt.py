@@ -85,9 +85,14 @@ class FusedJoeyBahdanauAttention(FusedStandIn):
         )
         values_in = values if memory.values is None else memory.values
         context, alphas = attend(
-            self.backend, self.proj_query, memory.keys, values_in, self.energy_layer.weight[0],
-            mask=(mask > 0).squeeze(1), stepwise=memory.stepwise,
-        )  # fmt: skip
+            self.backend,
+            self.proj_query,
+            memory.keys,
+            values_in,
+            self.energy_layer.weight[0],
+            mask=(mask > 0).squeeze(1),
+            stepwise=memory.stepwise,
+        )
         return context, alphas
 
 

@@ -85,9 +85,14 @@ class FusedGlobalAttention(FusedStandIn):
         )
         values = memory_bank if memory.values is None else memory.values
         context, align = attend(
-            self.backend, self.linear_query(source3), memory.keys, values, self.v.weight[0],
-            lengths=lengths, stepwise=memory.stepwise,
-        )  # fmt: skip
+            self.backend,
+            self.linear_query(source3),
+            memory.keys,
+            values,
+            self.v.weight[0],
+            lengths=lengths,
+            stepwise=memory.stepwise,
+        )
         attn_h = self.linear_out(torch.cat([context, source3], dim=2))
         if one_step:
             return attn_h.squeeze(1), align.squeeze(1)

@@ -107,9 +107,14 @@ class FusedContentBasedAttention(FusedStandIn):
             memory = self._stepwise[0]  # the step attends to the memory's aliases
             enc_states = memory.values
         context, weights = attend(
-            self.backend, query, keys, enc_states, v_eff, stepwise=memory,
+            self.backend,
+            query,
+            keys,
+            enc_states,
+            v_eff,
+            stepwise=memory,
             **masking(self.mask != 0),
-        )  # fmt: skip
+        )
         return self.mlp_out(context), weights
 
     def forward(
@@ -186,9 +191,13 @@ def _match_location(module: nn.Module) -> bool:
         type(conv) is nn.Conv1d
         and conv.bias is None
         and same_padding_conv(conv, in_channels=1)
-        and is_linear(module.mlp_loc, bias=True, in_features=conv.out_channels,
-                      out_features=module.mlp_enc.out_features)
-    )  # fmt: skip
+        and is_linear(
+            module.mlp_loc,
+            bias=True,
+            in_features=conv.out_channels,
+            out_features=module.mlp_enc.out_features,
+        )
+    )
 
 
 def _example_call(module: nn.Module, dtype: torch.dtype) -> tuple[tuple, dict]:

@@ -75,9 +75,15 @@ class FusedTacotron2Attention(FusedStandIn):
         )
         v = linear_of(self.v).weight[0]
         return attend_location(
-            self, self.backend, query, processed_memory, location, memory, v,
+            self,
+            self.backend,
+            query,
+            processed_memory,
+            location,
+            memory,
+            v,
             valid_from_padding(mask),
-        )  # fmt: skip
+        )
 
 
 def _match(module: nn.Module) -> bool:

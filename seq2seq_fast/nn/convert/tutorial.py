@@ -70,9 +70,13 @@ class FusedTutorialAttention(FusedStandIn):
         )
         values = keys if memory.values is None else memory.values
         context, weights = attend(
-            self.backend, self.Wa(query), memory.keys, values, self.Va.weight[0],
+            self.backend,
+            self.Wa(query),
+            memory.keys,
+            values,
+            self.Va.weight[0],
             stepwise=memory.stepwise,
-        )  # fmt: skip
+        )
         return context, weights
 
 
