@@ -54,13 +54,13 @@ def hardware() -> dict[str, Any]:
         isa = torch.ops.seq2seq_fast._cpu_isa()
     except (AttributeError, RuntimeError):
         isa = "extension not loaded"
-    from seq2seq_fast.ops import cpu_bf16_hardware
+    from seq2seq_fast.seq2seq.builders import bf16_unavailable_reason
 
     return {
         "native bf16 products (oneDNN)": bool(mkldnn()) if mkldnn else None,
         "AVX512-BF16": bool(avx512_bf16()) if avx512_bf16 else None,
         "AMX": bool(amx()) if amx else None,
-        "seq2seq_fast.ops.cpu_bf16_hardware()": cpu_bf16_hardware(),
+        "--precision bf16 trains in bf16": bf16_unavailable_reason(torch.device("cpu")) or "yes",
         "kernel instruction set (_C)": isa,
     }
 
