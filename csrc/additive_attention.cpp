@@ -373,25 +373,39 @@ void softmax_rows(const KernelTable<T>& kt, T* rows, int64_t nq, int64_t Tk, int
 
 // ---- location term ---------------------------------------------------------------------------
 
-// The keys rows s < nk that an item of batch row b reads (rows H long): the keys tensor's, or for
-// a location-aware step (loc given, `keys` then the projected memory) projected[s] + conv[s] W^T
-// formed in per-thread scratch.
-// The keys rows s < nk that an item of batch row b reads (rows H long): the keys tensor's, or for
-// a location-aware step (loc given, `keys` then the projected memory; float32/64 only)
-// projected[s] + conv[s] W^T formed in per-thread scratch.
+// conv's rows s < nk of batch row b as T rows: in place, or (bfloat16 conv) widened into
+// per-thread scratch.
+template <typename T>
+const T* location_conv_rows(const KernelTable<T>& kt, const LocationTerm<T>& loc, const Sizes& n,
+                            int64_t b, int64_t nk) {
+  if (loc.conv16 == nullptr) return loc.conv + b * n.Tk * loc.C;
+  T* out = thread_scratch<T>(Slot::kLocationRows, n.Tk * loc.C);
+  kt.from_bf16(loc.conv16 + b * n.Tk * loc.C, nk * loc.C, out);
+  return out;
+}
+
+// An item's packed queries and keys (pack_item): the keys tensor's rows of batch row b, or for a
+// location-aware step (loc given, `keys` then the projected memory) projected[s] + conv[s] W^T
+// formed as T rows in per-thread scratch. A bfloat16 step packs its float32 keys as they are (one
+// query: the rational path, as pack_item picks for it).
 template <typename T, typename M>
-const M* item_keys(const KernelTable<T>& kt, const LocationTerm<T>* loc, const M* keys,
-                   const Sizes& n, int64_t b, int64_t nk) {
+ItemKeys<T, M> item_keys(const KernelTable<T>& kt, const LocationTerm<T>* loc, const M* q_rows,
+                         int64_t nq, const M* keys, const Sizes& n, int64_t b, int64_t nk,
+                         const T* bias, int64_t Hp, T* qbuf, T* kbuf) {
   const M* rows = keys + b * n.Tk * n.H;
+  if (loc == nullptr) return pack_item<T, M>(kt, q_rows, nq, rows, nk, bias, n.H, Hp, qbuf, kbuf);
+  T* formed = thread_scratch<T>(Slot::kFormedKeys, n.Tk * n.H);
+  kt.weighted_rows(location_conv_rows(kt, *loc, n, b, nk), loc->C, 1, nk, loc->C, loc->wt, n.H,
+                   formed);
+  for (int64_t e = 0; e < nk * n.H; ++e) formed[e] += T(to_compute(rows[e]));
   if constexpr (std::is_same_v<T, M>) {
-    if (loc == nullptr) return rows;
-    T* out = thread_scratch<T>(Slot::kFormedKeys, n.Tk * n.H);
-    kt.weighted_rows(loc->conv + b * n.Tk * loc->C, loc->C, 1, nk, loc->C, loc->wt, n.H, out);
-    for (int64_t e = 0; e < nk * n.H; ++e) out[e] += rows[e];
-    return out;
+    return pack_item<T, M>(kt, q_rows, nq, formed, nk, bias, n.H, Hp, qbuf, kbuf);
   } else {
-    TORCH_CHECK(loc == nullptr, "seq2seq_fast: internal: a bfloat16 location-aware step");
-    return rows;
+    TORCH_CHECK(nq < kMinQueriesForProduct, "seq2seq_fast: internal: a location-aware step of ",
+                nq, " queries");
+    pack_rows_of(kt, q_rows, nq, n.H, bias, qbuf, Hp);
+    kt.pack_rows(formed, nk, n.H, static_cast<const T*>(nullptr), kbuf, Hp);
+    return {kRational, kbuf, nullptr};
   }
 }
 
@@ -445,9 +459,8 @@ struct ForwardPass {
       ctx = ctx_out;
     }
     if (nk > 0) {
-      const M* k_rows = item_keys<T, M>(kt, loc, kp, n, b, nk);
-      const ItemKeys<T, M> keys = pack_item<T, M>(kt, qp + (b * n.Tq + t0) * n.H, nq, k_rows, nk,
-                                                  bp, n.H, Hp, scratch.qbuf, scratch.kbuf);
+      const ItemKeys<T, M> keys = item_keys<T, M>(kt, loc, qp + (b * n.Tq + t0) * n.H, nq, kp, n,
+                                                  b, nk, bp, Hp, scratch.qbuf, scratch.kbuf);
       item_scores(kt, keys, sv, scratch.qbuf, nq, nk, Hp, rows, n.Tk);
     }
     softmax_rows<T>(kt, rows, nq, n.Tk, nk, kv.row_mask(b), lp + b * n.Tq + t0);
@@ -665,7 +678,9 @@ struct BackwardPass {
   // long: whole vectors for any C); zeros where nk == 0. conv's rows are C long: a product over
   // W's rows when C is a multiple of 8, else dots of H-long rows (no scalar tail columns).
   void location_grads(int64_t b, int64_t item, int64_t nk, const T* gk) const {
-    T* dconv = loc->dconv + b * n.Tk * loc->C;
+    // bfloat16 conv: the rows formed in per-thread scratch, then rounded into dconv16
+    T* dconv = loc->dconv16 != nullptr ? thread_scratch<T>(Slot::kLocationGrads, n.Tk * loc->C)
+                                       : loc->dconv + b * n.Tk * loc->C;
     T* dwt = loc->dw_parts + item * loc->C * Hp;
     if (nk > 0) {
       if (loc->C % 8 == 0) {
@@ -673,11 +688,13 @@ struct BackwardPass {
       } else {
         kt.dots(gk, nk, loc->wtp, loc->C, Hp, dconv, loc->C);
       }
-      kt.weighted_rows(loc->conv + b * n.Tk * loc->C, 1, loc->C, loc->C, nk, gk, Hp, dwt);
+      kt.weighted_rows(location_conv_rows(kt, *loc, n, b, nk), 1, loc->C, loc->C, nk, gk, Hp,
+                       dwt);
     } else {
       std::fill(dwt, dwt + loc->C * Hp, T(0));
     }
     std::fill(dconv + nk * loc->C, dconv + n.Tk * loc->C, T(0));
+    if (loc->dconv16 != nullptr) kt.to_bf16(dconv, n.Tk * loc->C, loc->dconv16 + b * n.Tk * loc->C);
   }
 
   // dq rows from the unscaled sums, and this item's dbias partial (the sum of its dq rows, as T).
@@ -715,9 +732,8 @@ struct BackwardPass {
       if (loc != nullptr) location_grads(b, item, 0, nullptr);
       return;
     }
-    const M* k_rows = item_keys<T, M>(kt, loc, kp, n, b, nk);
-    const ItemKeys<T, M> keys = pack_item<T, M>(kt, qp + (b * n.Tq + t0) * n.H, nq, k_rows, nk,
-                                                bp, n.H, Hp, s.qbuf, s.kbuf);
+    const ItemKeys<T, M> keys = item_keys<T, M>(kt, loc, qp + (b * n.Tq + t0) * n.H, nq, kp, n, b,
+                                                nk, bp, Hp, s.qbuf, s.kbuf);
     const bool prod = keys.path != kRational;
     if (!have_p) {  // the forward's weights, recomputed: scores, then the softmax of each row
       item_scores(kt, keys, sv, s.qbuf, nq, nk, Hp, p_rows, n.Tk);
@@ -875,6 +891,17 @@ backward_impl<double, double, double>(const Tensor&, const std::optional<Tensor>
                                       const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                       const KeyValidity&, const Sizes&, const Tensor&,
                                       const Tensor&, bool, const LocationTerm<double>*);
+template std::tuple<Tensor, Tensor, Tensor> forward_impl<float, Bf16>(
+    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const KeyValidity&,
+    const Sizes&, bool, const LocationTerm<float>*);
+template std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl<float, Bf16, float>(
+    const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
+    const Tensor&, const Tensor&, const KeyValidity&, const Sizes&, const Tensor&, const Tensor&,
+    bool, const LocationTerm<float>*);
+template std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl<float, Bf16, Bf16>(
+    const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
+    const Tensor&, const Tensor&, const KeyValidity&, const Sizes&, const Tensor&, const Tensor&,
+    bool, const LocationTerm<float>*);
 
 namespace {
 

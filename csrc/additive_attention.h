@@ -11,6 +11,8 @@
 #include <optional>
 #include <tuple>
 
+#include "runtime.h"
+
 namespace seq2seq_fast {
 
 struct Sizes {
@@ -53,6 +55,10 @@ struct LocationTerm {
   const T* wtp;  // backward: W^T with rows padded to Hp [C, Hp]
   T* dconv;      // backward: [B*Tk, C], written in full
   T* dw_parts;   // backward: W^T's gradient per item [items, C, Hp]
+  // bfloat16 steps (T = float): conv's rows and its gradient's are bfloat16 (conv, dconv then
+  // nullptr), widened and rounded per item; wt, w, wtp are float32 copies of the weight.
+  const Bf16* conv16 = nullptr;
+  Bf16* dconv16 = nullptr;
 };
 
 // (context, weights or an empty tensor, lse) of the attention; loc given: a location-aware step,
