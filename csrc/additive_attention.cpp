@@ -36,6 +36,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "additive_attention.h"
 #include "bf16.h"
 #include "runtime.h"
 
@@ -60,11 +61,9 @@ struct ProductRange<double> {
 // it wins from two queries per work item on, and loses for one (a decoding step).
 constexpr int64_t kMinQueriesForProduct = 2;
 
-// ---- checks ----------------------------------------------------------------------------------
+}  // namespace
 
-struct Sizes {
-  int64_t B, Tq, Tk, H, Dv;
-};
+// ---- checks ----------------------------------------------------------------------------------
 
 Sizes check_inputs(const char* op, const Tensor& query, const Tensor& keys, const Tensor& values,
                    const Tensor& v, const Tensor& bias, const std::optional<Tensor>& lengths,
@@ -105,17 +104,6 @@ Sizes check_inputs(const char* op, const Tensor& query, const Tensor& keys, cons
   return n;
 }
 
-// Valid keys of each batch row: a prefix length (the kernels only visit s < len) and, for a
-// mask, the bool row (all Tk keys are scored, masked ones dropped in the softmax).
-struct KeyValidity {
-  Tensor lengths, mask;  // contiguous copies kept alive
-  const int64_t* len = nullptr;
-  const bool* mask_ptr = nullptr;
-  int64_t Tk = 0;
-  int64_t count(int64_t b) const { return len ? len[b] : Tk; }
-  const bool* row_mask(int64_t b) const { return mask_ptr ? mask_ptr + b * Tk : nullptr; }
-};
-
 KeyValidity key_validity(const char* op, const std::optional<Tensor>& lengths,
                          const std::optional<Tensor>& mask, int64_t Tk) {
   KeyValidity kv;
@@ -134,6 +122,8 @@ KeyValidity key_validity(const char* op, const std::optional<Tensor>& lengths,
   }
   return kv;
 }
+
+namespace {
 
 // ---- storage and arithmetic types ------------------------------------------------------------
 //
@@ -383,42 +373,39 @@ void softmax_rows(const KernelTable<T>& kt, T* rows, int64_t nq, int64_t Tk, int
 
 // ---- location term ---------------------------------------------------------------------------
 
-// A location-aware step (ESPnet AttLoc, Tacotron 2, ...; caller: seq2seq_fast/nn/convert/
-// _location.py): its keys are projected + conv W^T, with conv [B*Tk, C] the location convolution
-// of the previous weights and W [H, C] the location dense layer's weight. Each item forms its batch
-// row's keys in per-thread scratch (cache-resident) instead of reading a [B, Tk, H] keys tensor
-// that an addmm wrote; the backward forms them again and multiplies its keys gradient out to
-// conv's gradient (rows) and W's (per-item partials, summed in item order).
+// conv's rows s < nk of batch row b as T rows: in place, or (bfloat16 conv) widened into
+// per-thread scratch.
 template <typename T>
-struct LocationTerm {
-  const T* conv;  // [B*Tk, C]
-  const T* wt;    // W^T [C, H]
-  int64_t C;
-  const T* w;    // backward: W [H, C]
-  const T* wtp;  // backward: W^T with rows padded to Hp [C, Hp]
-  T* dconv;      // backward: [B*Tk, C], written in full
-  T* dw_parts;   // backward: W^T's gradient per item [items, C, Hp]
-};
+const T* location_conv_rows(const KernelTable<T>& kt, const LocationTerm<T>& loc, const Sizes& n,
+                            int64_t b, int64_t nk) {
+  if (loc.conv16 == nullptr) return loc.conv + b * n.Tk * loc.C;
+  T* out = thread_scratch<T>(Slot::kLocationRows, n.Tk * loc.C);
+  kt.from_bf16(loc.conv16 + b * n.Tk * loc.C, nk * loc.C, out);
+  return out;
+}
 
-// The keys rows s < nk that an item of batch row b reads (rows H long): the keys tensor's, or for
-// a location-aware step (loc given, `keys` then the projected memory) projected[s] + conv[s] W^T
-// formed in per-thread scratch.
-// The keys rows s < nk that an item of batch row b reads (rows H long): the keys tensor's, or for
-// a location-aware step (loc given, `keys` then the projected memory; float32/64 only)
-// projected[s] + conv[s] W^T formed in per-thread scratch.
+// An item's packed queries and keys (pack_item): the keys tensor's rows of batch row b, or for a
+// location-aware step (loc given, `keys` then the projected memory) projected[s] + conv[s] W^T
+// formed as T rows in per-thread scratch. A bfloat16 step packs its float32 keys as they are (one
+// query: the rational path, as pack_item picks for it).
 template <typename T, typename M>
-const M* item_keys(const KernelTable<T>& kt, const LocationTerm<T>* loc, const M* keys,
-                   const Sizes& n, int64_t b, int64_t nk) {
+ItemKeys<T, M> item_keys(const KernelTable<T>& kt, const LocationTerm<T>* loc, const M* q_rows,
+                         int64_t nq, const M* keys, const Sizes& n, int64_t b, int64_t nk,
+                         const T* bias, int64_t Hp, T* qbuf, T* kbuf) {
   const M* rows = keys + b * n.Tk * n.H;
+  if (loc == nullptr) return pack_item<T, M>(kt, q_rows, nq, rows, nk, bias, n.H, Hp, qbuf, kbuf);
+  T* formed = thread_scratch<T>(Slot::kFormedKeys, n.Tk * n.H);
+  kt.weighted_rows(location_conv_rows(kt, *loc, n, b, nk), loc->C, 1, nk, loc->C, loc->wt, n.H,
+                   formed);
+  for (int64_t e = 0; e < nk * n.H; ++e) formed[e] += T(to_compute(rows[e]));
   if constexpr (std::is_same_v<T, M>) {
-    if (loc == nullptr) return rows;
-    T* out = thread_scratch<T>(Slot::kFormedKeys, n.Tk * n.H);
-    kt.weighted_rows(loc->conv + b * n.Tk * loc->C, loc->C, 1, nk, loc->C, loc->wt, n.H, out);
-    for (int64_t e = 0; e < nk * n.H; ++e) out[e] += rows[e];
-    return out;
+    return pack_item<T, M>(kt, q_rows, nq, formed, nk, bias, n.H, Hp, qbuf, kbuf);
   } else {
-    TORCH_CHECK(loc == nullptr, "seq2seq_fast: internal: a bfloat16 location-aware step");
-    return rows;
+    TORCH_CHECK(nq < kMinQueriesForProduct, "seq2seq_fast: internal: a location-aware step of ",
+                nq, " queries");
+    pack_rows_of(kt, q_rows, nq, n.H, bias, qbuf, Hp);
+    kt.pack_rows(formed, nk, n.H, static_cast<const T*>(nullptr), kbuf, Hp);
+    return {kRational, kbuf, nullptr};
   }
 }
 
@@ -472,9 +459,8 @@ struct ForwardPass {
       ctx = ctx_out;
     }
     if (nk > 0) {
-      const M* k_rows = item_keys<T, M>(kt, loc, kp, n, b, nk);
-      const ItemKeys<T, M> keys = pack_item<T, M>(kt, qp + (b * n.Tq + t0) * n.H, nq, k_rows, nk,
-                                                  bp, n.H, Hp, scratch.qbuf, scratch.kbuf);
+      const ItemKeys<T, M> keys = item_keys<T, M>(kt, loc, qp + (b * n.Tq + t0) * n.H, nq, kp, n,
+                                                  b, nk, bp, Hp, scratch.qbuf, scratch.kbuf);
       item_scores(kt, keys, sv, scratch.qbuf, nq, nk, Hp, rows, n.Tk);
     }
     softmax_rows<T>(kt, rows, nq, n.Tk, nk, kv.row_mask(b), lp + b * n.Tq + t0);
@@ -498,12 +484,14 @@ struct ForwardPass {
   }
 };
 
+}  // namespace
+
 template <typename T, typename M>
 std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Tensor& keys_in,
                                                 const Tensor& values_in, const Tensor& v_in,
                                                 const Tensor& bias_in, const KeyValidity& kv,
                                                 const Sizes& n, bool return_weights,
-                                                const LocationTerm<T>* loc = nullptr) {
+                                                const LocationTerm<T>* loc) {
   const Tensor query = query_in.contiguous(), keys = keys_in.contiguous();
   const Tensor values = values_in.contiguous();
   const Tensor v = v_in.contiguous(), bias = bias_in.contiguous();
@@ -533,6 +521,8 @@ std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Te
       [&](int64_t item, Scratch& scratch) { pass.run_item(item, scratch); });
   return {context, return_weights ? weights : at::empty({0}, opts), lse};
 }
+
+namespace {
 
 std::tuple<Tensor, Tensor, Tensor> additive_attention_fwd(
     const Tensor& query, const Tensor& keys, const Tensor& values, const Tensor& v,
@@ -688,7 +678,9 @@ struct BackwardPass {
   // long: whole vectors for any C); zeros where nk == 0. conv's rows are C long: a product over
   // W's rows when C is a multiple of 8, else dots of H-long rows (no scalar tail columns).
   void location_grads(int64_t b, int64_t item, int64_t nk, const T* gk) const {
-    T* dconv = loc->dconv + b * n.Tk * loc->C;
+    // bfloat16 conv: the rows formed in per-thread scratch, then rounded into dconv16
+    T* dconv = loc->dconv16 != nullptr ? thread_scratch<T>(Slot::kLocationGrads, n.Tk * loc->C)
+                                       : loc->dconv + b * n.Tk * loc->C;
     T* dwt = loc->dw_parts + item * loc->C * Hp;
     if (nk > 0) {
       if (loc->C % 8 == 0) {
@@ -696,11 +688,13 @@ struct BackwardPass {
       } else {
         kt.dots(gk, nk, loc->wtp, loc->C, Hp, dconv, loc->C);
       }
-      kt.weighted_rows(loc->conv + b * n.Tk * loc->C, 1, loc->C, loc->C, nk, gk, Hp, dwt);
+      kt.weighted_rows(location_conv_rows(kt, *loc, n, b, nk), 1, loc->C, loc->C, nk, gk, Hp,
+                       dwt);
     } else {
       std::fill(dwt, dwt + loc->C * Hp, T(0));
     }
     std::fill(dconv + nk * loc->C, dconv + n.Tk * loc->C, T(0));
+    if (loc->dconv16 != nullptr) kt.to_bf16(dconv, n.Tk * loc->C, loc->dconv16 + b * n.Tk * loc->C);
   }
 
   // dq rows from the unscaled sums, and this item's dbias partial (the sum of its dq rows, as T).
@@ -738,9 +732,8 @@ struct BackwardPass {
       if (loc != nullptr) location_grads(b, item, 0, nullptr);
       return;
     }
-    const M* k_rows = item_keys<T, M>(kt, loc, kp, n, b, nk);
-    const ItemKeys<T, M> keys = pack_item<T, M>(kt, qp + (b * n.Tq + t0) * n.H, nq, k_rows, nk,
-                                                bp, n.H, Hp, s.qbuf, s.kbuf);
+    const ItemKeys<T, M> keys = item_keys<T, M>(kt, loc, qp + (b * n.Tq + t0) * n.H, nq, kp, n, b,
+                                                nk, bp, Hp, s.qbuf, s.kbuf);
     const bool prod = keys.path != kRational;
     if (!have_p) {  // the forward's weights, recomputed: scores, then the softmax of each row
       item_scores(kt, keys, sv, s.qbuf, nq, nk, Hp, p_rows, n.Tk);
@@ -804,6 +797,8 @@ std::pair<Tensor, Tensor> reduce_item_partials(const T* dvp, const T* dbp, int64
   return {dv, dbias};
 }
 
+}  // namespace
+
 // Gradients of every input; dkeys_acc given: dkeys added to it (returned as is); want_dvalues
 // false: no dvalues (an undefined tensor).
 template <typename T, typename M, typename DK>
@@ -811,7 +806,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query_in,
     const Tensor& keys_in, const Tensor& values_in, const Tensor& v_in, const Tensor& bias_in,
     const KeyValidity& kv, const Sizes& n, const Tensor& saved_weights, const Tensor& dkeys_acc,
-    bool want_dvalues, const LocationTerm<T>* loc = nullptr) {
+    bool want_dvalues, const LocationTerm<T>* loc) {
   constexpr bool kInPlace = std::is_same_v<T, M>;
   const Tensor query = query_in.contiguous(), keys = keys_in.contiguous();
   const Tensor values = values_in.contiguous(), dctx = grad_context.contiguous();
@@ -879,6 +874,36 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   if (want_dvalues && !dvalues_in_items) dvalues = at::bmm(probs.transpose(1, 2), dctx);
   return {dq, dk, dvalues, dv, dbias};
 }
+
+// The passes the location-aware step (csrc/location_attention.cpp) calls.
+template std::tuple<Tensor, Tensor, Tensor> forward_impl<float, float>(
+    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const KeyValidity&,
+    const Sizes&, bool, const LocationTerm<float>*);
+template std::tuple<Tensor, Tensor, Tensor> forward_impl<double, double>(
+    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const KeyValidity&,
+    const Sizes&, bool, const LocationTerm<double>*);
+template std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl<float, float, float>(
+    const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
+    const Tensor&, const Tensor&, const KeyValidity&, const Sizes&, const Tensor&, const Tensor&,
+    bool, const LocationTerm<float>*);
+template std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>
+backward_impl<double, double, double>(const Tensor&, const std::optional<Tensor>&, const Tensor&,
+                                      const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                      const KeyValidity&, const Sizes&, const Tensor&,
+                                      const Tensor&, bool, const LocationTerm<double>*);
+template std::tuple<Tensor, Tensor, Tensor> forward_impl<float, Bf16>(
+    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const KeyValidity&,
+    const Sizes&, bool, const LocationTerm<float>*);
+template std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl<float, Bf16, float>(
+    const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
+    const Tensor&, const Tensor&, const KeyValidity&, const Sizes&, const Tensor&, const Tensor&,
+    bool, const LocationTerm<float>*);
+template std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl<float, Bf16, Bf16>(
+    const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
+    const Tensor&, const Tensor&, const KeyValidity&, const Sizes&, const Tensor&, const Tensor&,
+    bool, const LocationTerm<float>*);
+
+namespace {
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> checked_backward(
     const char* op, const Tensor& grad_context, const std::optional<Tensor>& grad_weights,
@@ -979,144 +1004,6 @@ std::tuple<Tensor, Tensor, Tensor> additive_attention_bwd_accumulate(
 }
 
 
-// ---- location-aware steps ---------------------------------------------------------------------
-
-struct LocationSizes {
-  Sizes n;
-  int64_t C;
-};
-
-// The checks of a location-aware step's inputs: query [B, 1, H], projected [B, Tk, H] (in keys'
-// place), conv [B*Tk, C], weight [H, C]; float32 or float64.
-LocationSizes check_location(const char* op, const Tensor& query, const Tensor& projected,
-                             const Tensor& conv, const Tensor& weight, const Tensor& values,
-                             const Tensor& v, const Tensor& bias,
-                             const std::optional<Tensor>& lengths,
-                             const std::optional<Tensor>& mask) {
-  const Sizes n = check_inputs(op, query, projected, values, v, bias, lengths, mask);
-  TORCH_CHECK(n.Tq == 1, op, ": one query per batch row (a decoder step), got query ",
-              query.sizes());
-  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kDouble, op,
-              ": float32 or float64 expected, got ", query.scalar_type());
-  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == n.H, op, ": weight must be [H=", n.H,
-              ", C], got ", weight.sizes());
-  const int64_t C = weight.size(1);
-  TORCH_CHECK(conv.dim() == 2 && conv.size(0) == n.B * n.Tk && conv.size(1) == C, op,
-              ": conv must be [B*Tk, C]=[", n.B * n.Tk, ", ", C, "], got ", conv.sizes());
-  for (const Tensor* t : {&conv, &weight}) {
-    TORCH_CHECK(t->scalar_type() == query.scalar_type() && t->device().is_cpu(), op,
-                ": conv and weight must be CPU tensors of query's dtype ", query.scalar_type(),
-                ", got ", t->scalar_type(), " on ", t->device());
-  }
-  return {n, C};
-}
-
-// One location-aware step: (context [B, 1, Dv], weights [B, 1, Tk]) of query against the keys
-// projected + conv weight^T, which are never materialised.
-std::tuple<Tensor, Tensor> location_attention_fwd(const Tensor& query, const Tensor& projected,
-                                                  const Tensor& conv_in, const Tensor& weight_in,
-                                                  const Tensor& values, const Tensor& v,
-                                                  const Tensor& bias,
-                                                  const std::optional<Tensor>& lengths,
-                                                  const std::optional<Tensor>& mask) {
-  const char* op = "seq2seq_fast::_location_attention_fwd";
-  const NoAutocast no_autocast;
-  const LocationSizes sizes = check_location(op, query, projected, conv_in, weight_in, values, v,
-                                             bias, lengths, mask);
-  const Sizes& n = sizes.n;
-  const int64_t C = sizes.C;
-  const KeyValidity kv = key_validity(op, lengths, mask, n.Tk);
-  const auto opts = query.options();
-  if (n.B == 0) return {at::zeros({n.B, n.Tq, n.Dv}, opts), at::zeros({n.B, n.Tq, n.Tk}, opts)};
-  const Tensor conv = conv_in.contiguous(), weight = weight_in.contiguous();
-  const Tensor wt = weight.t().contiguous();
-  std::tuple<Tensor, Tensor> out;
-  AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "_location_attention_fwd", [&] {
-    const LocationTerm<scalar_t> loc{conv.data_ptr<scalar_t>(), wt.data_ptr<scalar_t>(), C,
-                                     nullptr, nullptr, nullptr, nullptr};
-    auto [context, weights, lse] =
-        forward_impl<scalar_t, scalar_t>(query, projected, values, v, bias, kv, n, true, &loc);
-    out = {context, weights};
-  });
-  return out;
-}
-
-// Its backward: the keys gradient is added into grad_projected (in place; a decoder's steps sum
-// there) and multiplied out to conv's and weight's; no values gradient (the caller forms it once
-// for all steps, as for _additive_attention_bwd_accumulate). Returns (dquery, dconv, dweight, dv,
-// dbias).
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> location_attention_bwd(
-    const Tensor& grad_context_in, const std::optional<Tensor>& grad_weights,
-    const Tensor& query, const Tensor& projected, const Tensor& conv_in, const Tensor& weight_in,
-    const Tensor& values, const Tensor& v, const Tensor& bias,
-    const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
-    const Tensor& weights, const Tensor& grad_projected) {
-  const char* op = "seq2seq_fast::_location_attention_bwd";
-  const NoAutocast no_autocast;
-  const LocationSizes sizes = check_location(op, query, projected, conv_in, weight_in, values, v,
-                                             bias, lengths, mask);
-  const Sizes& n = sizes.n;
-  const int64_t C = sizes.C;
-  const std::vector<int64_t> ctx_shape{n.B, n.Tq, n.Dv};
-  TORCH_CHECK(grad_context_in.sizes() == at::IntArrayRef(ctx_shape) &&
-                  grad_context_in.scalar_type() == query.scalar_type(),
-              op, ": grad_context must be [B, 1, Dv]=[", n.B, ", 1, ", n.Dv, "] of query's dtype, got ",
-              grad_context_in.sizes(), " ", grad_context_in.scalar_type());
-  const std::vector<int64_t> p_shape{n.B, n.Tq, n.Tk};
-  TORCH_CHECK(weights.sizes() == at::IntArrayRef(p_shape) && weights.scalar_type() == query.scalar_type(), op,
-              ": weights must be the forward's [B, 1, Tk]=[", n.B, ", 1, ", n.Tk, "], got ",
-              weights.sizes());
-  TORCH_CHECK(!grad_weights.has_value() ||
-                  (grad_weights->sizes() == at::IntArrayRef(p_shape) &&
-                   grad_weights->scalar_type() == query.scalar_type()),
-              op, ": grad_weights must be [B, 1, Tk] of query's dtype, got ",
-              grad_weights.has_value() ? grad_weights->sizes() : at::IntArrayRef());
-  TORCH_CHECK(grad_projected.sizes() == projected.sizes() &&
-                  grad_projected.scalar_type() == query.scalar_type() &&
-                  grad_projected.device().is_cpu() && grad_projected.is_contiguous(),
-              op, ": grad_projected must be a contiguous CPU tensor of projected's shape ",
-              projected.sizes(), " and dtype, got ", grad_projected.sizes(), " ",
-              grad_projected.scalar_type());
-  const KeyValidity kv = key_validity(op, lengths, mask, n.Tk);
-  const auto opts = query.options();
-  Tensor dconv = at::empty({n.B * n.Tk, C}, opts);
-  if (n.B == 0) {
-    return {at::zeros_like(query), dconv, at::zeros_like(weight_in), at::zeros_like(v),
-            at::zeros_like(bias)};
-  }
-  const Plan plan = make_plan(n.B, n.Tq, n.Tk, n.H);
-  TORCH_CHECK(plan.blocks_per_row == 1, op, ": internal: a step's batch row split over items");
-  const Tensor conv = conv_in.contiguous(), weight = weight_in.contiguous();
-  const Tensor wt = weight.t().contiguous();
-  Tensor dweight = at::empty({n.H, C}, opts);
-  std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out;
-  AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "_location_attention_bwd", [&] {
-    const int64_t Hp = round_up(n.H, kPadTo);
-    std::vector<scalar_t> dw_parts(static_cast<size_t>(plan.items * C * Hp));
-    std::vector<scalar_t> wtp(static_cast<size_t>(C * Hp), scalar_t(0));
-    const scalar_t* wtr = wt.data_ptr<scalar_t>();
-    for (int64_t c = 0; c < C; ++c) std::copy(wtr + c * n.H, wtr + (c + 1) * n.H, &wtp[c * Hp]);
-    const LocationTerm<scalar_t> loc{conv.data_ptr<scalar_t>(),  wtr,        C,
-                                     weight.data_ptr<scalar_t>(), wtp.data(), dconv.data_ptr<scalar_t>(),
-                                     dw_parts.data()};
-    auto [dq, dk, dvalues, dv, dbias] =
-        backward_impl<scalar_t, scalar_t, scalar_t>(grad_context_in, grad_weights, query,
-                                                    projected, values, v, bias, kv, n, weights,
-                                                    grad_projected, false, &loc);
-    std::vector<double> sum(static_cast<size_t>(C * Hp), 0.0);  // item order: reproducible
-    for (int64_t item = 0; item < plan.items; ++item) {
-      const scalar_t* part = dw_parts.data() + item * C * Hp;
-      for (int64_t e = 0; e < C * Hp; ++e) sum[e] += part[e];
-    }
-    scalar_t* dwp = dweight.data_ptr<scalar_t>();  // [H, C] from W^T's [C, Hp]
-    for (int64_t h = 0; h < n.H; ++h)
-      for (int64_t c = 0; c < C; ++c) dwp[h * C + c] = scalar_t(sum[c * Hp + h]);
-    out = {dq, dconv, dweight, dv, dbias};
-  });
-  return out;
-}
-
-
 }  // namespace
 }  // namespace seq2seq_fast
 
@@ -1138,22 +1025,4 @@ TORCH_LIBRARY_FRAGMENT(seq2seq_fast, m) {
 
 TORCH_LIBRARY_IMPL(seq2seq_fast, CPU, m) {
   m.impl("_additive_attention_bwd_accumulate", &seq2seq_fast::additive_attention_bwd_accumulate);
-}
-
-// A location-aware decoder step (private; caller seq2seq_fast/nn/convert/_location.py, fake
-// kernels in seq2seq_fast/ops/additive_attention.py).
-TORCH_LIBRARY_FRAGMENT(seq2seq_fast, m) {
-  m.def(
-      "_location_attention_fwd(Tensor query, Tensor projected, Tensor conv, Tensor weight, "
-      "Tensor values, Tensor v, Tensor bias, Tensor? lengths, Tensor? mask) -> (Tensor, Tensor)");
-  m.def(
-      "_location_attention_bwd(Tensor grad_context, Tensor? grad_weights, Tensor query, "
-      "Tensor projected, Tensor conv, Tensor weight, Tensor values, Tensor v, Tensor bias, "
-      "Tensor? lengths, Tensor? mask, Tensor weights, Tensor(a!) grad_projected) -> (Tensor, "
-      "Tensor, Tensor, Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(seq2seq_fast, CPU, m) {
-  m.impl("_location_attention_fwd", &seq2seq_fast::location_attention_fwd);
-  m.impl("_location_attention_bwd", &seq2seq_fast::location_attention_bwd);
 }

@@ -53,6 +53,8 @@ enum class Slot : int {
   kOutRows,       // bfloat16 ops: an item's output rows in float32 before rounding
   kValueRows,     // bfloat16 ops: a batch row's values widened to float32 [Tk, Dv]
   kGradRows,      // bfloat16 ops: an item's context gradient rows widened [block, Dv]
+  kLocationRows,  // bfloat16 location-aware step: a batch row's conv rows widened [Tk, C]
+  kLocationGrads, // bfloat16 location-aware step: a batch row's conv gradient rows [Tk, C]
   kCount
 };
 

@@ -96,7 +96,8 @@ def fused_available(device: torch.device | str, dtype: torch.dtype) -> bool:
 # caller's state would miss them), "bf16" serves bfloat16 autocast (the op casts its inputs).
 _CPU_KERNELS = {
     "attention_step": (_CPU_DTYPES, "same"),  # StepwiseMemory, GatheredValues: accumulating bwd
-    "location": ((torch.float32, torch.float64), "same"),  # location-aware step and convolution
+    "location": (_CPU_DTYPES, "same"),  # location-aware step
+    "location_conv": ((torch.float32, torch.float64), "same"),  # location convolution
     "recurrent": (_CPU_DTYPES, "bf16"),  # GRU layer, GRU and LSTM cells
 }
 KERNELS = ("attention", *_CPU_KERNELS)
@@ -109,8 +110,8 @@ def kernel_unavailable_reason(kernel: str, *tensors: Tensor) -> str | None:
     kernel: "attention" (the op through AdditiveAttentionFunction: CPU or CUDA, any mode, by the
     first tensor's device and dtype, as :func:`fused_unavailable_reason`), "attention_step" (a
     decoder step whose key/value gradients are gathered: StepwiseMemory, GatheredValues),
-    "location" (the location-aware step and convolution) or "recurrent" (GRU/LSTM ops). The last
-    three: CPU tensors only, in the kernel's dtypes, the extension loaded, not inside
+    "location" (the location-aware step), "location_conv" (the location convolution) or
+    "recurrent" (GRU/LSTM ops). The last four: CPU tensors only, in the kernel's dtypes, the extension loaded, not inside
     torch.compile's tracing or a torch.func transform, and autocast as the table above says.
     """
     if kernel == "attention":

@@ -142,7 +142,7 @@ def location_columns(features: Tensor, conv_weight: Tensor) -> Tensor:
     Conv2d's [C, 1, 1, K]: bias-free, stride 1, zero padding K // 2), frames as rows."""
     weight = conv_weight.reshape(conv_weight.shape[0], -1, conv_weight.shape[-1])
     same_dtype, odd = features.dtype == weight.dtype, weight.shape[-1] % 2 == 1
-    if same_dtype and odd and kernel_serves("location", features, weight):
+    if same_dtype and odd and kernel_serves("location_conv", features, weight):
         return _KernelConv.apply(features, weight)
     plain = traced_or_transformed() or torch.is_autocast_enabled("cpu")
     if (
@@ -208,7 +208,8 @@ class _LocationStep(torch.autograd.Function):
             lengths,
             mask,
             weights,
-            memory.buffer(projected),
+            # bfloat16: the steps' sum in float32 (exact over many steps), as StepwiseMemory's
+            memory.buffer(projected, torch.float32 if projected.dtype == torch.bfloat16 else None),
         )
         grad_query, grad_conv, grad_weight, grad_v, grad_bias = grads
         needs = ctx.needs_input_grad

@@ -568,3 +568,51 @@ def test_location_and_gathered_steps_train_under_autocast(name):
     for a, b in zip(*grads, strict=True):
         assert b.dtype == a.dtype
         torch.testing.assert_close(b, a, atol=3e-2 * float(a.abs().max()), rtol=0)
+
+
+@requires_cpu_kernel
+@pytest.mark.parametrize(
+    "name", ["espnet_att_loc", "fairseq_location", "tacotron2_nvidia", "coqui_location"]
+)
+def test_location_steps_of_a_bfloat16_model_run_the_fused_step(name, monkeypatch):
+    """A location-aware module in bfloat16 (no autocast) trains through the fused step ops in
+    bfloat16: its outputs and gradients err at most twice as much as the original's in bfloat16
+    against the float64 truth (same bfloat16 parameters and inputs), plus 2 eps of the scale."""
+    from seq2seq_fast.ops import location_attention
+
+    calls = []
+    step = location_attention._LocationStep.apply
+
+    def counted(*args):
+        calls.append(args[0].dtype)
+        return step(*args)
+
+    monkeypatch.setattr(location_attention._LocationStep, "apply", counted)
+    # every random input and projection drawn in bfloat16, then widened: the same values for all
+    monkeypatch.setattr(
+        f"{__name__}._rand",
+        lambda gen, dtype, *shape: torch.randn(shape, generator=gen, dtype=torch.bfloat16).to(
+            dtype
+        ),
+    )
+    case = CASES[name]
+    plain, fused = _pair(case, torch.bfloat16)
+    truth_model = copy.deepcopy(plain).to(torch.float64)
+    calls.clear()  # (the conversion's own checks)
+    outs_t, grads_t = _run(case, truth_model, torch.float64, seed=1)
+    outs_a, grads_a = _run(case, plain, torch.bfloat16, seed=1)
+    assert not calls
+    outs_b, grads_b = _run(case, fused, torch.bfloat16, seed=1)
+    assert calls and set(calls) == {torch.bfloat16}
+    eps = torch.finfo(torch.bfloat16).eps
+    pairs = [
+        (f"output {i}", t, a, b)
+        for i, (t, a, b) in enumerate(zip(outs_t, outs_a, outs_b, strict=True))
+    ]
+    pairs += [(k, grads_t[k], grads_a[k], grads_b[k]) for k in grads_t]
+    for key, want, a, b in pairs:
+        assert b.dtype == torch.bfloat16, key
+        scale = float(want.abs().max())
+        allowed = 2 * float((a.double() - want).abs().max()) + 2 * eps * max(scale, 1e-3)
+        err = float((b.double() - want).abs().max())
+        assert err <= allowed, f"{key}: error {err:.3e} > allowed {allowed:.3e}"

@@ -1,5 +1,5 @@
-"""bfloat16 on CPU: the fused attention and the GRU/LSTM ops take bfloat16 tensors (float32 inside)
-and serve under torch.autocast("cpu", dtype=torch.bfloat16).
+"""bfloat16 on CPU: the fused attention, the location-aware step and the GRU/LSTM ops take
+bfloat16 tensors (float32 inside) and serve under torch.autocast("cpu", dtype=torch.bfloat16).
 
 Accuracy rule (as for the Triton kernels' float16/bfloat16): against the float64 truth, each output
 and gradient errs at most twice as much as plain PyTorch computing in bfloat16, plus 2 eps of the
@@ -192,6 +192,101 @@ def test_attention_bf16_extra_memory_is_what_float32_needs(backward):
     bf16, fp32 = extra(BF16), extra(torch.float32)
     batch_by_keys = shape[0] * shape[2] * 4  # one float per (row, key): weights-sized
     assert bf16 <= fp32 + batch_by_keys, f"extra bytes: bfloat16 {bf16}, float32 {fp32}"
+
+
+# --- the location-aware step ops -------------------------------------------------------------------
+
+
+def _location_case(kind, filters, hidden=24, seed=3):
+    """A location-aware step's inputs rounded to bfloat16 (query, projected, conv, dense, values,
+    v, bias), lengths, mask, and upstream gradients (float64)."""
+    batch, frames, value_dim = 5, 11, 7
+    query, projected, values, v, bias = make_inputs(
+        batch, 1, frames, hidden, value_dim, torch.float64, seed=seed
+    )
+    lengths, mask = key_masks(kind, batch, frames, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    conv = torch.randn(batch * frames, filters, generator=gen, dtype=torch.float64)
+    dense = torch.randn(hidden, filters, generator=gen, dtype=torch.float64) * 0.3
+    gc = torch.randn(batch, 1, value_dim, generator=gen, dtype=torch.float64)
+    gw = torch.randn(batch, 1, frames, generator=gen, dtype=torch.float64)
+    inputs = [t.to(BF16) for t in (query, projected, conv, dense, values, v, bias)]
+    return inputs, lengths, mask, gc.to(BF16), gw.to(BF16)
+
+
+def _location_plain(inputs, lengths, mask, gc, gw, dtype):
+    """(context, weights, grads of query, projected, conv, dense, v, bias) by plain ops on the
+    materialised keys P + conv W^T, in dtype."""
+    leaves = [t.to(dtype).requires_grad_() for t in inputs]
+    q, p, c, w, val, vv, b = leaves
+    keys = p + (c @ w.t()).view_as(p)
+    context, weights = additive_attention_ref(q, keys, val, vv, b, lengths=lengths, mask=mask)
+    wrt = (q, p, c, w, vv, b)  # the values' gradient is formed by the caller, once for all steps
+    grads = torch.autograd.grad((context, weights), wrt, (gc.to(dtype), gw.to(dtype)))
+    return [context.detach(), weights.detach(), *grads]
+
+
+@pytest.mark.parametrize("acc_dtype", [torch.float32, BF16], ids=["f32-acc", "bf16-acc"])
+@pytest.mark.parametrize("filters", [6, 8])  # conv's gradient by dots / by a product over W's rows
+@pytest.mark.parametrize("kind", ["none", "lengths", "mask"])
+def test_location_step_bf16_within_twice_plain_pytorch_error(kind, filters, acc_dtype):
+    """The location-aware step's ops on bfloat16 tensors: every output and gradient within twice
+    plain PyTorch bfloat16's error against the float64 truth; projected's gradient added into a
+    float32 (the gatherer's) or bfloat16 buffer that already held a sum."""
+    inputs, lengths, mask, gc, gw = _location_case(kind, filters)
+    truth = _location_plain(inputs, lengths, mask, gc, gw, torch.float64)
+    plain = _location_plain(inputs, lengths, mask, gc, gw, BF16)
+    ops = torch.ops.seq2seq_fast
+    args = (*inputs, lengths, mask)
+    context, weights = ops._location_attention_fwd(*args)
+    held = torch.randn(inputs[1].shape, generator=torch.Generator().manual_seed(8)).to(acc_dtype)
+    acc = held.clone()
+    dq, dconv, ddense, dv, dbias = ops._location_attention_bwd(gc, gw, *args, weights, acc)
+    assert acc.dtype == acc_dtype
+    dproj = (acc.double() - held.double()).to(BF16)  # (one more rounding: within the 2 eps floor)
+    names = ["context", "weights", "query", "projected", "conv", "dense", "v", "bias"]
+    ours = [context, weights, dq, dproj, dconv, ddense, dv, dbias]
+    _assert_within_twice_plain(names, ours, truth, plain)
+
+
+def test_location_step_bf16_extra_memory_is_what_float32_needs():
+    """No whole-tensor float32 copies in the bfloat16 location step (forward and backward): its
+    extra memory is at most the float32 op's, plus the float32 copy of the weight W [H, C]."""
+    batch, frames, hidden, filters, value_dim = 8, 64, 256, 32, 256
+
+    def extra(dtype):
+        query, projected, values, v, bias = (
+            t.to(dtype)
+            for t in make_inputs(batch, 1, frames, hidden, value_dim, torch.float32, seed=41)
+        )
+        gen = torch.Generator().manual_seed(42)
+        conv = torch.randn(batch * frames, filters, generator=gen).to(dtype)
+        dense = torch.randn(hidden, filters, generator=gen).to(dtype)
+        gc = torch.randn(batch, 1, value_dim, generator=gen).to(dtype)
+        acc = torch.zeros(projected.shape)  # float32: the gatherer's buffer for either dtype
+        args = (query, projected, conv, dense, values, v, bias, None, None)
+        ops = torch.ops.seq2seq_fast
+
+        def call():
+            context, weights = ops._location_attention_fwd(*args)
+            return (context, weights, *ops._location_attention_bwd(gc, None, *args, weights, acc))
+
+        call()
+        return peak_extra_bytes(call, "cpu")
+
+    bf16, fp32 = extra(BF16), extra(torch.float32)
+    slack = batch * frames * 4 + hidden * filters * 4  # weights-sized, and W in float32
+    assert bf16 <= fp32 + slack, f"extra bytes: bfloat16 {bf16}, float32 {fp32}"
+
+
+def test_location_step_refuses_float16_by_name():
+    inputs, lengths, mask, _, _ = _location_case("none", 8)
+    half = [t.to(torch.float16) for t in inputs]
+    with pytest.raises(
+        RuntimeError,
+        match="_location_attention_fwd: CPU kernel supports float32, float64 and bfloat16",
+    ):
+        torch.ops.seq2seq_fast._location_attention_fwd(*half, lengths, mask)
 
 
 def test_attention_module_under_autocast_runs_the_fused_op():

@@ -18,7 +18,7 @@ requires_cpp = pytest.mark.skipif(
     _library.CPU_KERNEL_ERROR is not None, reason="the C++ extension is not built"
 )
 PACKAGE = Path(__file__).resolve().parents[2] / "seq2seq_fast"
-CPU_KERNELS = ("attention_step", "location", "recurrent")
+CPU_KERNELS = ("attention_step", "location", "location_conv", "recurrent")
 
 
 def _t(dtype=torch.float32, device="cpu"):
@@ -37,7 +37,10 @@ def _t(dtype=torch.float32, device="cpu"):
         ("attention_step", torch.bfloat16, True),
         ("attention_step", torch.float16, False),
         ("location", torch.float64, True),
-        ("location", torch.bfloat16, False),
+        ("location", torch.bfloat16, True),
+        ("location", torch.float16, False),
+        ("location_conv", torch.float64, True),
+        ("location_conv", torch.bfloat16, False),
         ("recurrent", torch.bfloat16, True),
         ("recurrent", torch.float16, False),
     ],
@@ -59,7 +62,7 @@ def test_meta_device_is_not_served(kernel):
 def test_a_tensor_on_another_device_or_dtype_among_several_refuses():
     assert kernel_serves("location", _t(), _t())
     assert not kernel_serves("location", _t(), _t(device="meta"))
-    assert not kernel_serves("location", _t(), _t(torch.bfloat16))
+    assert not kernel_serves("location", _t(), _t(torch.float16))
 
 
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
@@ -99,7 +102,9 @@ def test_autocast_rules():
         # the gathering kernels: only tensors already in the autocast dtype (the op casts others)
         assert kernel_serves("attention_step", bf16, bf16)
         assert not kernel_serves("attention_step", f32, bf16)
-        assert not kernel_serves("location", f32)  # float32/64 only: never under autocast
+        assert kernel_serves("location", bf16, bf16)  # as the gathering kernels
+        assert not kernel_serves("location", f32, bf16)
+        assert not kernel_serves("location_conv", bf16)  # float32/64 only: never under autocast
         assert kernel_serves("recurrent", f32)  # the recurrent ops cast to bfloat16 themselves
         assert kernel_serves("attention", f32)
     with torch.autocast("cpu", dtype=torch.float16):

@@ -107,3 +107,23 @@ def test_opcheck(name):
     op = getattr(OPS, name).default
     args = SAMPLES[name]
     torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("acc_dtype", [torch.float32, torch.bfloat16], ids=["f32-acc", "bf16-acc"])
+def test_opcheck_location_step_in_bf16(acc_dtype):
+    """The location-aware step ops on bfloat16 tensors (grad_projected float32 or bfloat16)."""
+    bf16 = torch.bfloat16
+    gen = torch.Generator().manual_seed(2)
+    query, projected, values, v, bias = (
+        t.to(bf16) for t in make_inputs(3, 1, 9, 16, 5, torch.float32)
+    )
+    lengths, _ = key_masks("lengths", 3, 9)
+    conv = torch.randn(27, 4, generator=gen).to(bf16)
+    dense = torch.randn(16, 4, generator=gen).to(bf16)
+    inputs = (query, projected, conv, dense, values, v, bias, lengths, None)
+    context, weights = OPS._location_attention_fwd(*inputs)
+    torch.library.opcheck(OPS._location_attention_fwd.default, inputs)
+    grads = (torch.randn_like(context), torch.randn_like(weights))
+    acc = torch.randn(projected.shape, generator=gen).to(acc_dtype)
+    args = (*grads, *inputs, weights, acc)
+    torch.library.opcheck(OPS._location_attention_bwd.default, args)

@@ -671,12 +671,12 @@ def location_upstream(batch: int, dtype):
 @requires_cpp
 @pytest.mark.parametrize("bias_shift", [0.0, 25.0], ids=["bias0", "bias25"])
 @pytest.mark.parametrize("kind", ["none", "lengths", "mask"])
-@pytest.mark.parametrize("isa,dtype", isa_cases([torch.float32, F64]))
+@pytest.mark.parametrize("isa,dtype", isa_cases([torch.float32, F64, BF16]))
 def test_location_step_ops_over_the_whole_range(isa, dtype, kind, bias_shift, monkeypatch):
     """The location-aware step's ops (keys formed inside the kernels) as the autograd Function of
     seq2seq_fast/ops/location_attention.py calls them, against plain ops on materialised keys
-    (tests/ops/test_location_attention.py) over the whole range. float32 and float64
-    only: the ops take no bfloat16."""
+    (tests/ops/test_location_attention.py) over the whole range. bfloat16: projected's gradient
+    is added into a float32 buffer, as the Function's gatherer holds it."""
     _use_isa(isa, monkeypatch)
     hidden, filters = (37, 6) if bias_shift else (32, 8)  # a scalar tail / none; C by dots / rows
     t = location_inputs(hidden, filters, bias_shift)
@@ -698,13 +698,14 @@ def test_location_step_ops_over_the_whole_range(isa, dtype, kind, bias_shift, mo
     inputs = (*(t[n] for n in names), lengths, mask)
     context, weights = ops._location_attention_fwd(*inputs)
     gc, gw = location_upstream(B, dtype)
-    acc = torch.zeros_like(t["projected"])
+    acc_dtype = torch.float32 if dtype == BF16 else dtype
+    acc = torch.zeros_like(t["projected"], dtype=acc_dtype)
     dq, dconv, ddense, dv, dbias = ops._location_attention_bwd(gc, gw, *inputs, weights, acc)
     # the values' gradient as LocationMemory forms it (once for all steps) from the weights
     dvalues = torch.bmm(weights.transpose(1, 2), gc)
     ours = [context, weights, dq, acc, dconv.reshape(B, -1), dvalues, ddense, dv, dbias]
-    for out in ours:
-        assert out.dtype == dtype
+    for i, out in enumerate(ours):
+        assert out.dtype == (acc_dtype if i == 3 else dtype), LOCATION_NAMES[i]
 
     labels = [f"{split} p={p:+g}" for split, p in t["rows"]]
     sweep = Sweep(

@@ -69,6 +69,8 @@ class LocationMemory(StepGradients):
             )
         lengths = prefix_lengths(mask)
         mask = None if lengths is not None else mask
+        # (under autocast: the casts check_inputs made of query and v, differentiable)
+        conv, weight = conv.to(query3.dtype), weight.to(query3.dtype)
         bias = query3.new_zeros(width)
         context, weights = _LocationStep.apply(
             query3, self.projected, conv, weight, self.values, v, bias, lengths, mask, self
