@@ -53,6 +53,7 @@ enum class Slot : int {
   kOutRows,       // bfloat16 ops: an item's output rows in float32 before rounding
   kValueRows,     // bfloat16 ops: a batch row's values widened to float32 [Tk, Dv]
   kGradRows,      // bfloat16 ops: an item's context gradient rows widened [block, Dv]
+  kSigmoidRows,   // sigmoid normalisation's backward: 1 - sigmoid(e) of an item [block, Tk]
   kCount
 };
 
