@@ -333,3 +333,19 @@ def test_triton_large_scores(scale):
     want = run(additive_attention_ref, tuple(t.double() for t in inputs), lengths, None)
     want = (want[0].float(), want[1].float(), tuple(g.float() for g in want[2]))
     assert_close_all(got, want, rtol=1e-3, atol=2e-4 * max(1.0, scale / 30))
+
+
+@requires_cpu_kernel
+def test_under_torch_compile():
+    """The Function's setup_context path (tracing) carries normalize to the backward."""
+    inputs = make_inputs(2, 3, 5, 4, 3, torch.float64, scale=3.0)
+    lengths, _ = key_masks("none", 2, 5)
+
+    def f(*xs):
+        context, weights = additive_attention(*xs, normalize="sigmoid")
+        return context, weights
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got = run(lambda *xs, **kw: compiled(*xs), inputs, lengths, None)
+    want = run(additive_attention_ref, inputs, lengths, None)
+    assert_close_all(got, want, rtol=1e-10, atol=1e-12)
