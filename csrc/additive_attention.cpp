@@ -371,6 +371,29 @@ void softmax_rows(const KernelTable<T>& kt, T* rows, int64_t nq, int64_t Tk, int
 }
 
 
+// softmax or sigmoid (the header's Normalize), from the op's schema argument.
+Normalize parse_normalize(const char* op, c10::string_view name) {
+  if (name == "softmax") return Normalize::kSoftmax;
+  if (name == "sigmoid") return Normalize::kSigmoid;
+  TORCH_CHECK(false, op, ": normalize must be 'softmax' or 'sigmoid', got '", std::string(name),
+              "'");
+}
+
+// In place, rows s < nk of nq rows (stride Tk): e -> log sigmoid(e); with one_minus (backward)
+// also 1 - sigmoid(e) = exp(log sigmoid(-e)) into one_minus (same layout). NaN stays NaN.
+template <typename T>
+void log_sigmoid_rows(T* rows, int64_t nq, int64_t Tk, int64_t nk, T* one_minus) {
+  for (int64_t t = 0; t < nq; ++t) {
+    T* row = rows + t * Tk;
+    for (int64_t s = 0; s < nk; ++s) {
+      const T e = row[s];
+      const T tail = std::log1p(std::exp(-std::abs(e)));
+      row[s] = (e < T(0) ? e : T(0)) - tail;  // (NaN: tail is NaN)
+      if (one_minus) one_minus[t * Tk + s] = std::exp((e > T(0) ? -e : T(0)) - tail);
+    }
+  }
+}
+
 // ---- location term ---------------------------------------------------------------------------
 
 // conv's rows s < nk of batch row b as T rows: in place, or (bfloat16 conv) widened into
@@ -428,6 +451,7 @@ struct ForwardPass {
   M *wp, *ctxp;
   float* lp;
   const LocationTerm<T>* loc = nullptr;  // a location-aware step: keys formed per item
+  Normalize normalize = Normalize::kSoftmax;
 
   struct Scratch {
     T *qbuf, *kbuf;
@@ -462,6 +486,7 @@ struct ForwardPass {
       const ItemKeys<T, M> keys = item_keys<T, M>(kt, loc, qp + (b * n.Tq + t0) * n.H, nq, kp, n,
                                                   b, nk, bp, Hp, scratch.qbuf, scratch.kbuf);
       item_scores(kt, keys, sv, scratch.qbuf, nq, nk, Hp, rows, n.Tk);
+      if (normalize == Normalize::kSigmoid) log_sigmoid_rows<T>(rows, nq, n.Tk, nk, nullptr);
     }
     softmax_rows<T>(kt, rows, nq, n.Tk, nk, kv.row_mask(b), lp + b * n.Tq + t0);
     // With lengths, only the valid prefix of the values is read (as the Triton kernel does): a
@@ -491,7 +516,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Te
                                                 const Tensor& values_in, const Tensor& v_in,
                                                 const Tensor& bias_in, const KeyValidity& kv,
                                                 const Sizes& n, bool return_weights,
-                                                const LocationTerm<T>* loc) {
+                                                const LocationTerm<T>* loc, Normalize normalize) {
   const Tensor query = query_in.contiguous(), keys = keys_in.contiguous();
   const Tensor values = values_in.contiguous();
   const Tensor v = v_in.contiguous(), bias = bias_in.contiguous();
@@ -514,7 +539,8 @@ std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Te
                                out_ptr<M>(weights),
                                out_ptr<M>(context),
                                lse.data_ptr<float>(),
-                               loc};
+                               loc,
+                               normalize};
   using Scratch = typename ForwardPass<T, M>::Scratch;
   for_each_item(
       pass.plan, [&] { return pass.make_scratch(); },
@@ -527,10 +553,11 @@ namespace {
 std::tuple<Tensor, Tensor, Tensor> additive_attention_fwd(
     const Tensor& query, const Tensor& keys, const Tensor& values, const Tensor& v,
     const Tensor& bias, const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
-    bool return_weights) {
+    bool return_weights, c10::string_view normalize_name) {
   const char* op = "seq2seq_fast::additive_attention_fwd";
   const NoAutocast no_autocast;
   const Sizes n = check_inputs(op, query, keys, values, v, bias, lengths, mask);
+  const Normalize normalize = parse_normalize(op, normalize_name);
   const KeyValidity kv = key_validity(op, lengths, mask, n.Tk);
   if (n.B == 0 || n.Tq == 0) {  // no rows: nothing to compute (and no work to plan)
     const auto opts = query.options();
@@ -539,12 +566,15 @@ std::tuple<Tensor, Tensor, Tensor> additive_attention_fwd(
             at::empty({n.B, n.Tq}, opts.dtype(at::kFloat))};
   }
   if (is_bf16(query)) {  // bfloat16 rows, float32 arithmetic
-    return forward_impl<float, Bf16>(query, keys, values, v, bias, kv, n, return_weights);
+    return forward_impl<float, Bf16>(query, keys, values, v, bias, kv, n, return_weights, nullptr,
+                                     normalize);
   }
   if (query.scalar_type() == at::kDouble) {
-    return forward_impl<double, double>(query, keys, values, v, bias, kv, n, return_weights);
+    return forward_impl<double, double>(query, keys, values, v, bias, kv, n, return_weights,
+                                        nullptr, normalize);
   }
-  return forward_impl<float, float>(query, keys, values, v, bias, kv, n, return_weights);
+  return forward_impl<float, float>(query, keys, values, v, bias, kv, n, return_weights, nullptr,
+                                    normalize);
 }
 
 // ---- backward --------------------------------------------------------------------------------
@@ -575,6 +605,7 @@ struct BackwardPass {
   M* dvalp;                   // nullptr when dvalues are not formed by the items
   T *dvp, *dbp;               // per item: dv partial [Hp], dbias partial [H]
   const LocationTerm<T>* loc = nullptr;  // a location-aware step (needs acc, one item per row)
+  Normalize normalize = Normalize::kSoftmax;  // sigmoid: p recomputed (have_p false)
 
   struct Scratch {
     T *qbuf, *kbuf, *de, *gq, *gk, *dps;
@@ -630,9 +661,12 @@ struct BackwardPass {
     }
   }
 
-  // de = p (dp - sum_s p dp) over the valid keys, 0 elsewhere; returns the sum of de.
+  // de = p (dp - sum_s p dp) over the valid keys, 0 elsewhere; returns the sum of de. With
+  // factor (sigmoid normalisation, p = softmax of log sigmoid(e)): de times factor =
+  // 1 - sigmoid(e), the derivative of log sigmoid(e); that is sigmoid'(e) / S (dp - sum_s p dp),
+  // S = sum sigmoid.
   double score_grads(const T* p_rows, const T* dps, int64_t nq, int64_t nk, const bool* valid,
-                     T* de) const {
+                     T* de, const T* factor = nullptr) const {
     double sum_de = 0;
     for (int64_t t = 0; t < nq; ++t) {
       const T* p = p_rows + t * n.Tk;
@@ -644,6 +678,7 @@ struct BackwardPass {
       }
       for (int64_t s = 0; s < nk; ++s) {
         d[s] = (!valid || valid[s]) ? p[s] * (g[s] - T(dot)) : T(0);
+        if (factor != nullptr) d[s] *= factor[t * n.Tk + s];
         sum_de += d[s];
       }
     }
@@ -735,8 +770,13 @@ struct BackwardPass {
     const ItemKeys<T, M> keys = item_keys<T, M>(kt, loc, qp + (b * n.Tq + t0) * n.H, nq, kp, n, b,
                                                 nk, bp, Hp, s.qbuf, s.kbuf);
     const bool prod = keys.path != kRational;
+    T* one_minus = nullptr;  // sigmoid normalisation: 1 - sigmoid(e) of the item's rows
     if (!have_p) {  // the forward's weights, recomputed: scores, then the softmax of each row
       item_scores(kt, keys, sv, s.qbuf, nq, nk, Hp, p_rows, n.Tk);
+      if (normalize == Normalize::kSigmoid) {
+        one_minus = thread_scratch<T>(Slot::kSigmoidRows, nq * n.Tk);
+        log_sigmoid_rows<T>(p_rows, nq, n.Tk, nk, one_minus);
+      }
       softmax_rows<T>(kt, p_rows, nq, n.Tk, nk, valid, nullptr);
       if constexpr (!kInPlace) {
         if (p_out != nullptr) store_rows(kt, p_rows, nq * n.Tk, p_out);
@@ -745,7 +785,7 @@ struct BackwardPass {
       kt.from_bf16(p_out, nq * n.Tk, p_rows);
     }
     weight_grads(b, t0, nq, nk, s.dps, s);
-    const double sum_de = score_grads(p_rows, s.dps, nq, nk, valid, s.de);
+    const double sum_de = score_grads(p_rows, s.dps, nq, nk, valid, s.de, one_minus);
     // Product path: sech^2 = 4u and tanh = 1 - 2r; rational: sech^2 = u, tanh = y.
     const T* scale = prod ? sv.grad_product.data() : sv.rational.data();
     DK* dk_rows = dkp + (split ? (b * plan.blocks_per_row + blk) : b) * n.Tk * n.H;
@@ -806,7 +846,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query_in,
     const Tensor& keys_in, const Tensor& values_in, const Tensor& v_in, const Tensor& bias_in,
     const KeyValidity& kv, const Sizes& n, const Tensor& saved_weights, const Tensor& dkeys_acc,
-    bool want_dvalues, const LocationTerm<T>* loc) {
+    bool want_dvalues, const LocationTerm<T>* loc, Normalize normalize) {
   constexpr bool kInPlace = std::is_same_v<T, M>;
   const Tensor query = query_in.contiguous(), keys = keys_in.contiguous();
   const Tensor values = values_in.contiguous(), dctx = grad_context.contiguous();
@@ -859,7 +899,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
                                     dvalues_in_items ? out_ptr<M>(dvalues) : nullptr,
                                     dv_parts.get(),
                                     db_parts.get(),
-                                    loc};
+                                    loc,
+                                    normalize};
   using Scratch = typename BackwardPass<T, M, DK>::Scratch;
   for_each_item(
       plan, [&] { return pass.make_scratch(); },
@@ -878,30 +919,30 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
 // The passes the location-aware step (csrc/location_attention.cpp) calls.
 template std::tuple<Tensor, Tensor, Tensor> forward_impl<float, float>(
     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const KeyValidity&,
-    const Sizes&, bool, const LocationTerm<float>*);
+    const Sizes&, bool, const LocationTerm<float>*, Normalize);
 template std::tuple<Tensor, Tensor, Tensor> forward_impl<double, double>(
     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const KeyValidity&,
-    const Sizes&, bool, const LocationTerm<double>*);
+    const Sizes&, bool, const LocationTerm<double>*, Normalize);
 template std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl<float, float, float>(
     const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
     const Tensor&, const Tensor&, const KeyValidity&, const Sizes&, const Tensor&, const Tensor&,
-    bool, const LocationTerm<float>*);
+    bool, const LocationTerm<float>*, Normalize);
 template std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>
 backward_impl<double, double, double>(const Tensor&, const std::optional<Tensor>&, const Tensor&,
                                       const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                       const KeyValidity&, const Sizes&, const Tensor&,
-                                      const Tensor&, bool, const LocationTerm<double>*);
+                                      const Tensor&, bool, const LocationTerm<double>*, Normalize);
 template std::tuple<Tensor, Tensor, Tensor> forward_impl<float, Bf16>(
     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const KeyValidity&,
-    const Sizes&, bool, const LocationTerm<float>*);
+    const Sizes&, bool, const LocationTerm<float>*, Normalize);
 template std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl<float, Bf16, float>(
     const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
     const Tensor&, const Tensor&, const KeyValidity&, const Sizes&, const Tensor&, const Tensor&,
-    bool, const LocationTerm<float>*);
+    bool, const LocationTerm<float>*, Normalize);
 template std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl<float, Bf16, Bf16>(
     const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
     const Tensor&, const Tensor&, const KeyValidity&, const Sizes&, const Tensor&, const Tensor&,
-    bool, const LocationTerm<float>*);
+    bool, const LocationTerm<float>*, Normalize);
 
 namespace {
 
@@ -910,7 +951,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> checked_backward(
     const Tensor& query, const Tensor& keys, const Tensor& values, const Tensor& v,
     const Tensor& bias, const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
     const Tensor& lse, const std::optional<Tensor>& weights, const Tensor& dkeys_acc,
-    bool want_dvalues) {
+    bool want_dvalues, Normalize normalize = Normalize::kSoftmax) {
   const NoAutocast no_autocast;
   const Sizes n = check_inputs(op, query, keys, values, v, bias, lengths, mask);
   TORCH_CHECK(grad_context.dim() == 3 && grad_context.size(0) == n.B &&
@@ -939,7 +980,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> checked_backward(
                 weights->sizes());
     TORCH_CHECK(weights->scalar_type() == query.scalar_type(), op,
                 ": weights must have query's dtype, got ", weights->scalar_type());
-    saved_p = *weights;
+    // sigmoid normalisation: the backward needs 1 - sigmoid(e) too; it recomputes the scores
+    if (normalize == Normalize::kSoftmax) saved_p = *weights;
   }
   if (dkeys_acc.defined()) {
     // bfloat16 keys: grad_keys may be float32 (exact sums over many calls)
@@ -962,30 +1004,36 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> checked_backward(
                              (dkeys_acc.defined() && dkeys_acc.scalar_type() == at::kFloat);
     if (float_dkeys) {
       return backward_impl<float, Bf16, float>(grad_context, grad_weights, query, keys, values, v,
-                                               bias, kv, n, saved_p, dkeys_acc, want_dvalues);
+                                               bias, kv, n, saved_p, dkeys_acc, want_dvalues,
+        nullptr, normalize);
     }
     return backward_impl<float, Bf16, Bf16>(grad_context, grad_weights, query, keys, values, v,
-                                            bias, kv, n, saved_p, dkeys_acc, want_dvalues);
+                                            bias, kv, n, saved_p, dkeys_acc, want_dvalues,
+        nullptr, normalize);
   }
   if (query.scalar_type() == at::kDouble) {
     return backward_impl<double, double, double>(grad_context, grad_weights, query, keys, values,
-                                                 v, bias, kv, n, saved_p, dkeys_acc, want_dvalues);
+                                                 v, bias, kv, n, saved_p, dkeys_acc, want_dvalues,
+        nullptr, normalize);
   }
   return backward_impl<float, float, float>(grad_context, grad_weights, query, keys, values, v,
-                                            bias, kv, n, saved_p, dkeys_acc, want_dvalues);
+                                            bias, kv, n, saved_p, dkeys_acc, want_dvalues,
+        nullptr, normalize);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_attention_bwd(
     const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query,
     const Tensor& keys, const Tensor& values, const Tensor& v, const Tensor& bias,
     const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
-    const Tensor& context, const Tensor& lse, const std::optional<Tensor>& weights) {
+    const Tensor& context, const Tensor& lse, const std::optional<Tensor>& weights,
+    c10::string_view normalize_name) {
   // context and lse are the contract's (Triton reads lse); the CPU backward forms dp . p from dp
-  // and, without the forward's weights, recomputes them from the scores.
+  // and, without the forward's weights (or with the sigmoid normalisation), recomputes them from
+  // the scores.
   (void)context;
-  return checked_backward("seq2seq_fast::additive_attention_bwd", grad_context, grad_weights,
-                          query, keys, values, v, bias, lengths, mask, lse, weights, Tensor(),
-                          true);
+  const char* op = "seq2seq_fast::additive_attention_bwd";
+  return checked_backward(op, grad_context, grad_weights, query, keys, values, v, bias, lengths,
+                          mask, lse, weights, Tensor(), true, parse_normalize(op, normalize_name));
 }
 
 // The backward of one call among many that attend to the same keys and values (a decoder's

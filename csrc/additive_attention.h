@@ -61,13 +61,21 @@ struct LocationTerm {
   Bf16* dconv16 = nullptr;
 };
 
+// The normalisations of the scores: softmax (exp(e) / sum exp(e)) or sigmoid ("smoothing":
+// sigmoid(e) / sum sigmoid(e), Tacotron-style TTS and LAS-style ASR). The sigmoid one is the
+// softmax of log sigmoid(e) = min(e, 0) - log1p(exp(-|e|)), so that softmax_rows serves both and
+// no |e| overflows or makes a row 0/0 (sigmoid(-1e4) underflows; its log does not); lse is then
+// log sum sigmoid(e) of the valid keys.
+enum class Normalize : int { kSoftmax = 0, kSigmoid = 1 };
+
 // (context, weights or an empty tensor, lse) of the attention; loc given: a location-aware step,
 // `keys_in` then the projected memory.
 template <typename T, typename M>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_impl(
     const at::Tensor& query_in, const at::Tensor& keys_in, const at::Tensor& values_in,
     const at::Tensor& v_in, const at::Tensor& bias_in, const KeyValidity& kv, const Sizes& n,
-    bool return_weights, const LocationTerm<T>* loc = nullptr);
+    bool return_weights, const LocationTerm<T>* loc = nullptr,
+    Normalize normalize = Normalize::kSoftmax);
 
 // (dquery, dkeys, dvalues, dv, dbias); dkeys_acc given: dkeys added to it (returned as is);
 // want_dvalues false: no dvalues (an undefined tensor). DK: the type of the rows dkeys go to.
@@ -77,6 +85,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
     const at::Tensor& query_in, const at::Tensor& keys_in, const at::Tensor& values_in,
     const at::Tensor& v_in, const at::Tensor& bias_in, const KeyValidity& kv, const Sizes& n,
     const at::Tensor& saved_weights, const at::Tensor& dkeys_acc, bool want_dvalues,
-    const LocationTerm<T>* loc = nullptr);
+    const LocationTerm<T>* loc = nullptr, Normalize normalize = Normalize::kSoftmax);
 
 }  // namespace seq2seq_fast

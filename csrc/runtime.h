@@ -55,6 +55,7 @@ enum class Slot : int {
   kGradRows,      // bfloat16 ops: an item's context gradient rows widened [block, Dv]
   kLocationRows,  // bfloat16 location-aware step: a batch row's conv rows widened [Tk, C]
   kLocationGrads, // bfloat16 location-aware step: a batch row's conv gradient rows [Tk, C]
+  kSigmoidRows,   // sigmoid normalisation's backward: 1 - sigmoid(e) of an item [block, Tk]
   kCount
 };
 

@@ -1,7 +1,10 @@
 """Triton kernels for fused additive (Bahdanau) attention, the CUDA backend of the op.
 
     e[b,t,s]   = sum_h v[h] * tanh(query[b,t,h] + keys[b,s,h] + bias[h])
-    p[b,t,:]   = softmax of e[b,t,:] over the valid keys (masked keys get exactly 0)
+    p[b,t,:]   = softmax of e[b,t,:] over the valid keys (masked keys get exactly 0); with
+                 normalize="sigmoid" (SIGMOID): sigmoid(e) / sum sigmoid(e) over them, computed
+                 as the softmax of log sigmoid(e) (lse = log sum sigmoid(e)), and the backward's
+                 ds times 1 - sigmoid(e) (the derivative of log sigmoid), parked in a scratch
     ctx[b,t,:] = sum_s p[b,t,s] * values[b,s,:]
 
 Installed as ``seq2seq_fast._triton.additive_attention``; ``seq2seq_fast.ops.additive_attention``
@@ -196,15 +199,22 @@ def _valid_keys(offs_k, num_keys, key_end, mask_row, sm_s, HAS_MASK: tl.constexp
 
 
 @triton.jit
-def _scores_pass(q_rows, k_batch, v_ptr, b_ptr, mask_row, out_rows, lse, q_in,
+def _log_sigmoid(s, tail):
+    """log sigmoid(s) = min(s, 0) - log(1 + exp(-|s|)), tail = the second term (NaN stays NaN)."""
+    return tl.where(s < 0.0, s, 0.0) - tail
+
+
+@triton.jit
+def _scores_pass(q_rows, k_batch, v_ptr, b_ptr, mask_row, out_rows, om_rows, lse, q_in,
                  Tk, key_end, H, sq_h, sk_s, sk_h, s_v, s_b, sm_s, ss_s,
                  HAS_MASK: tl.constexpr, TANH_MODE: tl.constexpr, FAST_RCP: tl.constexpr,
                  INT64: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_H: tl.constexpr, FORWARD: tl.constexpr):  # fmt: skip
+                 BLOCK_H: tl.constexpr, FORWARD: tl.constexpr, SIGMOID: tl.constexpr):  # fmt: skip
     """Scores of this query tile against every key tile below key_end, stored at out_rows.
 
     FORWARD: stores the masked raw scores and returns (online max m, sum l, valid key count).
     Else (backward): stores p = exp(s - lse) (0 on masked keys) and returns zeros.
+    SIGMOID: log sigmoid(s) in place of s; the backward also stores 1 - sigmoid(s) at om_rows.
     """
     m_i = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_Q,), dtype=tl.float32)
@@ -218,6 +228,12 @@ def _scores_pass(q_rows, k_batch, v_ptr, b_ptr, mask_row, out_rows, lse, q_in,
                         BLOCK_Q, BLOCK_K, BLOCK_H)  # fmt: skip
         valid = _valid_keys(offs_k, Tk, key_end, mask_row, sm_s, HAS_MASK, INT64)
         out_mask = q_in & (offs_k[None, :] < Tk)
+        if SIGMOID:
+            tail = tl.log(1.0 + tl.exp(-tl.abs(s)))
+            if not FORWARD:
+                om = tl.exp(_log_sigmoid(-s, tail))
+                tl.store(om_rows + idx_k[None, :] * ss_s, om, mask=out_mask)
+            s = _log_sigmoid(s, tail)
         if FORWARD:
             num_valid += tl.sum(valid.to(tl.int32), axis=0)
             s = tl.where(valid[None, :], s, float("-inf"))
@@ -285,6 +301,7 @@ def _fwd_kernel(
     TANH_MODE: tl.constexpr, FAST_RCP: tl.constexpr, USE_DOT: tl.constexpr,
     LOWP_DOT: tl.constexpr, INT64: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, ROWS2: tl.constexpr, BLOCK_K2: tl.constexpr,
+    SIGMOID: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_b = _index(pid // n_qt, INT64)
@@ -297,9 +314,9 @@ def _fwd_kernel(
     idx_q = _index(offs_q, INT64)
     m_i, l_i, num_valid = _scores_pass(
         q_ptr + pid_b * sq_b + idx_q[:, None] * sq_t, k_ptr + pid_b * sk_b, v_ptr, b_ptr,
-        mask_ptr + pid_b * sm_b, s_ptr + pid_b * ss_b + idx_q[:, None] * ss_t, 0.0,
+        mask_ptr + pid_b * sm_b, s_ptr + pid_b * ss_b + idx_q[:, None] * ss_t, s_ptr, 0.0,
         q_in, Tk, key_end, H, sq_h, sk_s, sk_h, s_v, s_b, sm_s, ss_s, HAS_MASK, TANH_MODE,
-        FAST_RCP, INT64, BLOCK_Q, BLOCK_K, BLOCK_H, True,
+        FAST_RCP, INT64, BLOCK_Q, BLOCK_K, BLOCK_H, True, SIGMOID,
     )  # fmt: skip
     # +inf for a row with no valid key: exp(s - lse) is then 0 everywhere, never NaN. "No valid
     # key" comes from the count, not from l: a row whose scores are NaN or +-inf must come out
@@ -361,22 +378,25 @@ def _bwd_dp_pass(g_rows, gw_rows, x_batch, p_rows, ds_rows, r_in, Tk, key_end, D
 
 
 @triton.jit
-def _bwd_ds_finish(p_rows, ds_rows, delta, r_in, Tk, key_end, ss_s, INT64: tl.constexpr,
-                   BLOCK_K2: tl.constexpr):  # fmt: skip
-    """ds = p * (dp - delta), in place of dp."""
+def _bwd_ds_finish(p_rows, ds_rows, om_rows, delta, r_in, Tk, key_end, ss_s, INT64: tl.constexpr,
+                   BLOCK_K2: tl.constexpr, SIGMOID: tl.constexpr):  # fmt: skip
+    """ds = p * (dp - delta), in place of dp; SIGMOID: times 1 - sigmoid(s) from om_rows."""
     for k0 in range(0, key_end, BLOCK_K2):
         offs_k = k0 + tl.arange(0, BLOCK_K2)
         offsets = _index(offs_k, INT64)[None, :] * ss_s
         in_tile = r_in & (offs_k[None, :] < key_end)
         p = tl.load(p_rows + offsets, mask=in_tile, other=0.0)
         dp = tl.load(ds_rows + offsets, mask=in_tile, other=0.0)
-        tl.store(ds_rows + offsets, p * (dp - delta[:, None]), mask=in_tile)
+        ds = p * (dp - delta[:, None])
+        if SIGMOID:
+            ds = ds * tl.load(om_rows + offsets, mask=in_tile, other=0.0)
+        tl.store(ds_rows + offsets, ds, mask=in_tile)
 
 
 @triton.jit
 def _bwd_ds_kernel(
     g_ptr, gw_ptr, q_ptr, k_ptr, x_ptr, v_ptr, b_ptr, len_ptr, mask_ptr, lse_ptr,  # inputs
-    p_ptr, ds_ptr,  # outputs: fp32 scratch [B, Tq, Tk], p and ds, one stride set (ss_*)
+    p_ptr, ds_ptr, om_ptr,  # outputs: fp32 scratch [B, Tq, Tk], p, ds and (SIGMOID) 1 - sigmoid(s)
     Tq, Tk, H, Dv, n_qt,
     sg_b, sg_t, sg_d, sgw_b, sgw_t, sgw_s, sq_b, sq_t, sq_h, sk_b, sk_s, sk_h, sx_b, sx_s, sx_d,
     s_v, s_b, s_len, sm_b, sm_s, sl_b, sl_t, ss_b, ss_t, ss_s,
@@ -384,6 +404,7 @@ def _bwd_ds_kernel(
     TANH_MODE: tl.constexpr, FAST_RCP: tl.constexpr, USE_DOT: tl.constexpr,
     LOWP_DOT: tl.constexpr, INT64: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, ROWS2: tl.constexpr, BLOCK_K2: tl.constexpr,
+    SIGMOID: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_b = _index(pid // n_qt, INT64)
@@ -397,9 +418,10 @@ def _bwd_ds_kernel(
     lse = tl.load(lse_ptr + pid_b * sl_b + idx_q * sl_t, mask=offs_q < Tq, other=float("inf"))
     _scores_pass(
         q_ptr + pid_b * sq_b + idx_q[:, None] * sq_t, k_ptr + pid_b * sk_b, v_ptr, b_ptr,
-        mask_ptr + pid_b * sm_b, p_ptr + pid_b * ss_b + idx_q[:, None] * ss_t, lse,
+        mask_ptr + pid_b * sm_b, p_ptr + pid_b * ss_b + idx_q[:, None] * ss_t,
+        om_ptr + pid_b * ss_b + idx_q[:, None] * ss_t, lse,
         (offs_q < Tq)[:, None], Tk, key_end, H, sq_h, sk_s, sk_h, s_v, s_b, sm_s, ss_s, HAS_MASK,
-        TANH_MODE, FAST_RCP, INT64, BLOCK_Q, BLOCK_K, BLOCK_H, False,
+        TANH_MODE, FAST_RCP, INT64, BLOCK_Q, BLOCK_K, BLOCK_H, False, SIGMOID,
     )  # fmt: skip
     tl.debug_barrier()
 
@@ -416,8 +438,8 @@ def _bwd_ds_kernel(
         BLOCK_K2, BLOCK_DV,
     )  # fmt: skip
     tl.debug_barrier()
-    _bwd_ds_finish(p_ptr + scratch_rows, ds_ptr + scratch_rows, delta, r_in, Tk, key_end, ss_s,
-                   INT64, BLOCK_K2)  # fmt: skip
+    _bwd_ds_finish(p_ptr + scratch_rows, ds_ptr + scratch_rows, om_ptr + scratch_rows, delta, r_in,
+                   Tk, key_end, ss_s, INT64, BLOCK_K2, SIGMOID)  # fmt: skip
 
 
 @triton.jit
@@ -634,6 +656,13 @@ def _optional_args(lengths, mask, fallback: torch.Tensor) -> tuple:
     return len_t, s_len, mask_u8, mask_u8.stride(0), mask_u8.stride(1)
 
 
+def _sigmoid(normalize: str) -> bool:
+    """The SIGMOID constexpr of a ``normalize`` name (ValueError for any other name)."""
+    if normalize not in ("softmax", "sigmoid"):
+        raise ValueError(f"normalize must be 'softmax' or 'sigmoid', got {normalize!r}")
+    return normalize == "sigmoid"
+
+
 def _common_constexprs(dtype: torch.dtype, device: torch.device, tanh: str, int64: bool) -> dict:
     return {
         "TANH_MODE": TANH_CODES[resolve_tanh(tanh, dtype, device)],
@@ -665,7 +694,8 @@ def _tile_constexprs(cfg: TileConfig) -> dict:
     }  # fmt: skip
 
 
-def _fwd_impl(query, keys, values, v, bias, lengths, mask, return_weights, config, tanh):
+def _fwd_impl(query, keys, values, v, bias, lengths, mask, return_weights, config, tanh,
+              normalize):  # fmt: skip
     batch, num_queries, hidden = query.shape
     num_keys, value_dim = values.shape[1], values.shape[2]
     dtype, device = query.dtype, query.device
@@ -692,13 +722,14 @@ def _fwd_impl(query, keys, values, v, bias, lengths, mask, return_weights, confi
         *query.stride(), *keys.stride(), *values.stride(), v.stride(0), bias.stride(0), s_len,
         sm_b, sm_s, *context.stride(), *weights_t.stride(), *scores.stride(), *lse.stride(),
         HAS_LENGTHS=lengths is not None, HAS_MASK=mask is not None,
-        RETURN_WEIGHTS=bool(return_weights), **consts, **_tile_constexprs(cfg),
+        RETURN_WEIGHTS=bool(return_weights), SIGMOID=_sigmoid(normalize), **consts,
+        **_tile_constexprs(cfg),
     )  # fmt: skip
     return context, weights, lse
 
 
 def _launch_bwd_ds(grad_context, grad_weights, query, keys, values, v, bias, lengths, mask,
-                   lse, probs, ds, cfg, consts):  # fmt: skip
+                   lse, probs, ds, cfg, consts, one_minus=None):  # fmt: skip
     batch, num_queries, hidden = query.shape
     num_keys, value_dim = values.shape[1], values.shape[2]
     len_t, s_len, mask_t, sm_b, sm_s = _optional_args(lengths, mask, lse)
@@ -706,12 +737,13 @@ def _launch_bwd_ds(grad_context, grad_weights, query, keys, values, v, bias, len
     n_qt = triton.cdiv(num_queries, cfg.block_q)
     _bwd_ds_kernel[(batch * n_qt,)](
         grad_context, grad_weights_t, query, keys, values, v, bias, len_t, mask_t, lse, probs, ds,
-        num_queries, num_keys, hidden, value_dim, n_qt,
+        ds if one_minus is None else one_minus, num_queries, num_keys, hidden, value_dim, n_qt,
         *grad_context.stride(), *grad_weights_t.stride(), *query.stride(), *keys.stride(),
         *values.stride(), v.stride(0), bias.stride(0), s_len, sm_b, sm_s, *lse.stride(),
         *probs.stride(),
         HAS_LENGTHS=lengths is not None, HAS_MASK=mask is not None,
-        HAS_GRAD_WEIGHTS=grad_weights is not None, **consts, **_tile_constexprs(cfg),
+        HAS_GRAD_WEIGHTS=grad_weights is not None, SIGMOID=one_minus is not None, **consts,
+        **_tile_constexprs(cfg),
     )  # fmt: skip
 
 
@@ -747,7 +779,7 @@ def _launch_bwd_dvalues(probs, grad_context, lengths, grad_values, cfg, consts):
 
 
 def _bwd_impl(grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, lse,
-              configs, tanh):  # fmt: skip
+              configs, tanh, normalize):  # fmt: skip
     batch, num_queries, hidden = query.shape
     num_keys, value_dim = values.shape[1], values.shape[2]
     dtype, device = query.dtype, query.device
@@ -769,11 +801,12 @@ def _bwd_impl(grad_context, grad_weights, query, keys, values, v, bias, lengths,
     # element of the gradients (zeros where no key is visited).
     probs = torch.empty((batch, num_queries, num_keys), dtype=torch.float32, device=device)
     ds = torch.empty_like(probs)
+    one_minus = torch.empty_like(probs) if _sigmoid(normalize) else None  # 1 - sigmoid(s)
     int64 = needs_int64_offsets(query, keys, values, grad_context, grad_weights, grad_keys,
                                 grad_values, probs, mask)  # fmt: skip
     consts["INT64"] = int64
     _launch_bwd_ds(grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, lse,
-                   probs, ds, ds_cfg, consts)  # fmt: skip
+                   probs, ds, ds_cfg, consts, one_minus)  # fmt: skip
     grad_query_f32 = torch.empty((batch, num_queries, hidden), dtype=torch.float32, device=device)
     grad_v_partial = torch.empty((batch, hidden), dtype=torch.float32, device=device)
     if hidden > 0:
@@ -797,6 +830,7 @@ def additive_attention_fwd(
     lengths: torch.Tensor | None,
     mask: torch.Tensor | None,
     return_weights: bool,
+    normalize: str = "softmax",
     *,
     config: TileConfig | None = None,
     tanh: str = "auto",
@@ -808,6 +842,7 @@ def additive_attention_fwd(
             (float32, float16 or bfloat16), any strides.
         lengths: int [B] (0 <= length <= Tk) or None. mask: bool [B, Tk] (True = attend) or None.
         return_weights: also write the [B, Tq, Tk] weights.
+        normalize: "softmax" or "sigmoid" (sigmoid(e) / sum sigmoid(e); lse = log sum sigmoid(e)).
         config: tile override (benchmarks); None picks :func:`forward_config`.
         tanh: "auto" (default; see :func:`tanh_override`), "approx", "packed", "product", "exp".
 
@@ -817,7 +852,8 @@ def additive_attention_fwd(
         without a valid key.
     """
     with _on_device(query.device):
-        return _fwd_impl(query, keys, values, v, bias, lengths, mask, return_weights, config, tanh)
+        return _fwd_impl(query, keys, values, v, bias, lengths, mask, return_weights, config, tanh,
+                         normalize)  # fmt: skip
 
 
 def additive_attention_bwd(
@@ -833,6 +869,7 @@ def additive_attention_bwd(
     context: torch.Tensor,
     lse: torch.Tensor,
     weights: torch.Tensor | None = None,
+    normalize: str = "softmax",
     *,
     configs: tuple[TileConfig, TileConfig, TileConfig] | None = None,
     tanh: str = "auto",
@@ -846,9 +883,9 @@ def additive_attention_bwd(
         from the forward; weights: the forward's weights when the caller kept them (unused here:
         p = exp(e - lse) is recomputed in the score tiles, where it costs one exp per pair and
         saves reading a [B, Tq, Tk] tensor). configs: tile override (benchmarks); tanh: as in
-        :func:`additive_attention_fwd`.
+        :func:`additive_attention_fwd`; normalize: as in :func:`additive_attention_fwd`.
     """
     del context, weights
     with _on_device(query.device):
         return _bwd_impl(grad_context, grad_weights, query, keys, values, v, bias, lengths, mask,
-                         lse, configs, tanh)  # fmt: skip
+                         lse, configs, tanh, normalize)  # fmt: skip

@@ -40,10 +40,12 @@ def attend(
     mask: Tensor | None = None,
     return_weights: bool = True,
     stepwise: StepwiseMemory | None = None,
+    normalize: str = "softmax",
 ) -> tuple[Tensor, Tensor | None]:
     """``additive_attention`` through ``backend`` ("auto", "fused" or "reference"); same contract.
     ``stepwise``: a :class:`~seq2seq_fast.nn.stepwise.StepwiseMemory` whose ``keys`` and ``values``
-    are the ones passed (a decoder's steps; used only where the fused CPU kernel runs)."""
+    are the ones passed (a decoder's steps; used only where the fused CPU kernel runs, with the
+    softmax). ``normalize``: "softmax" or "sigmoid", as in ``additive_attention``."""
     checked = check_inputs(query, keys, values, v, bias, lengths, mask)
     use_reference = backend == "reference"
     if not use_reference:
@@ -53,11 +55,11 @@ def attend(
                 raise RuntimeError(f"backend='fused' but {reason}")
             warn_fallback_once(query.device, query.dtype, reason)
             use_reference = True
-    if stepwise is not None and not use_reference:
+    if stepwise is not None and not use_reference and normalize == "softmax":
         result = stepwise.attend_checked(checked, return_weights)
         if result is not None:
             return result
-    return run_checked(checked, return_weights, use_reference)
+    return run_checked(checked, return_weights, use_reference, normalize)
 
 
 class BahdanauAttention(nn.Module):

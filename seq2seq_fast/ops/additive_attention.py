@@ -19,6 +19,10 @@ Op-level contract (inputs already checked and normalised by ``additive_attention
         input dtype. weights: the forward's softmax weights, when the caller kept them; the CPU
         kernel then needs one pass over the (query, key) pairs instead of two (Triton recomputes
         them from lse either way).
+    normalize (trailing, both ops, default "softmax"): "softmax" or "sigmoid" (sigmoid(e) / sum of
+        sigmoid(e) over the valid keys, "smoothing"); lse then holds log sum sigmoid(e) (+inf for
+        a row with no valid key). Computed as the softmax of log sigmoid(e), which is the same
+        and never overflows or divides 0 by 0. The CPU backward recomputes the scores for it.
 """
 
 from __future__ import annotations
@@ -36,24 +40,26 @@ from seq2seq_fast.ops._library import (  # noqa: F401 (fused_available: importab
 )
 
 FWD_NAME = f"{LIBRARY}::additive_attention_fwd"
+SOFTMAX = "softmax"
+NORMALIZATIONS = ("softmax", "sigmoid")
 BWD_NAME = f"{LIBRARY}::additive_attention_bwd"
 
 torch.library.define(
     FWD_NAME,
     "(Tensor query, Tensor keys, Tensor values, Tensor v, Tensor bias, Tensor? lengths, "
-    "Tensor? mask, bool return_weights) -> (Tensor, Tensor, Tensor)",
+    'Tensor? mask, bool return_weights, str normalize="softmax") -> (Tensor, Tensor, Tensor)',
 )
 torch.library.define(
     BWD_NAME,
     "(Tensor grad_context, Tensor? grad_weights, Tensor query, Tensor keys, Tensor values, "
     "Tensor v, Tensor bias, Tensor? lengths, Tensor? mask, Tensor context, Tensor lse, "
-    "Tensor? weights=None) "
+    'Tensor? weights=None, str normalize="softmax") '
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 
 
 @torch.library.register_fake(FWD_NAME)
-def _fwd_fake(query, keys, values, v, bias, lengths, mask, return_weights):
+def _fwd_fake(query, keys, values, v, bias, lengths, mask, return_weights, normalize="softmax"):
     batch, num_queries, _ = query.shape
     num_keys, value_dim = values.shape[1], values.shape[2]
     context = query.new_empty((batch, num_queries, value_dim))
@@ -76,6 +82,7 @@ def _bwd_fake(
     context,
     lse,
     weights=None,
+    normalize="softmax",
 ):
     return (
         torch.empty_like(query),
@@ -104,8 +111,9 @@ if CPU_KERNEL_ERROR is None:  # fake kernels of the ops that the extension defin
 def _save_for_backward(ctx, inputs: tuple, output: tuple) -> None:
     """Save the inputs, the context, the O(B*Tq) row statistics and, when the forward returned
     them, the O(B*Tq*Tk) weights (the backward then needs no recomputation of the softmax)."""
-    query, keys, values, v, bias, lengths, mask, _ = inputs
+    query, keys, values, v, bias, lengths, mask = inputs[:7]
     context, weights, lse = output
+    ctx.normalize = inputs[8] if len(inputs) > 8 else SOFTMAX
     saved_weights = weights if weights.numel() > 0 else None
     ctx.save_for_backward(query, keys, values, v, bias, lengths, mask, context, lse, saved_weights)
     ctx.mark_non_differentiable(lse)
@@ -132,25 +140,26 @@ def _backward(bwd, ctx, grad_context: Tensor | None, grad_weights: Tensor | None
         context,
         lse,
         weights,
+        ctx.normalize,
     )
-    return guard_double_backward((*grads, None, None, None))
+    return guard_double_backward((*grads, None, None, None, None))
 
 
 class AdditiveAttentionFunction(torch.autograd.Function):
     """The autograd Function over the two ops (op-level contract, module docstring).
 
-    ``apply(query3d, keys, values, v, bias, lengths, mask, return_weights)`` returns
+    ``apply(query3d, keys, values, v, bias, lengths, mask, return_weights, normalize)`` returns
     (context, weights, lse); the inputs are those :func:`check_inputs` returns (bias not None).
     ``eager_apply`` is the same call, faster outside tracing and transforms.
     """
 
     @staticmethod
-    def forward(query, keys, values, v, bias, lengths, mask, return_weights):
+    def forward(query, keys, values, v, bias, lengths, mask, return_weights, normalize=SOFTMAX):
         # The CPU kernel writes the weights in the forward anyway (O(B*Tq*Tk), no extra work),
         # and its backward is one pass instead of two with them. Triton recomputes them from lse.
         keep = return_weights or query.device.type == "cpu"
         return torch.ops.seq2seq_fast.additive_attention_fwd(
-            query, keys, values, v, bias, lengths, mask, keep
+            query, keys, values, v, bias, lengths, mask, keep, normalize
         )
 
     setup_context = staticmethod(_save_for_backward)
@@ -190,8 +199,8 @@ def attention_function(fwd, bwd) -> type[AdditiveAttentionFunction]:
 
     class KernelPairFunction(AdditiveAttentionFunction):
         @staticmethod
-        def forward(query, keys, values, v, bias, lengths, mask, return_weights):
-            return fwd(query, keys, values, v, bias, lengths, mask, return_weights)
+        def forward(query, keys, values, v, bias, lengths, mask, return_weights, normalize=SOFTMAX):
+            return fwd(query, keys, values, v, bias, lengths, mask, return_weights, normalize)
 
         @staticmethod
         def backward(ctx, grad_context, grad_weights, _grad_lse):
@@ -210,6 +219,7 @@ def additive_attention(
     lengths: Tensor | None = None,
     mask: Tensor | None = None,
     return_weights: bool = True,
+    normalize: str = "softmax",
 ) -> tuple[Tensor, Tensor | None]:
     """Fused additive attention: scores, mask, softmax and context in one pass, no [B,Tq,Tk,H] tensor.
 
@@ -226,6 +236,9 @@ def additive_attention(
         lengths: integer [B] with 0 <= length <= Tk: keys at positions >= length are masked.
         mask: bool [B, Tk], True = may attend. Not together with ``lengths``.
         return_weights: also return the attention weights (else None, and they are not computed).
+        normalize: "softmax" (default), or "sigmoid": weights = sigmoid(e) / sum of sigmoid(e)
+            over the valid keys (the "smoothing" of Tacotron-style and LAS-style location-aware
+            attention), masked positions exactly 0, a row with no valid key all 0.
 
     Returns:
         context [B, Tq, Dv] ([B, Dv] for a [B, H] query) and weights [B, Tq, Tk] ([B, Tk]) or None,
@@ -236,11 +249,21 @@ def additive_attention(
     inputs raise TypeError. Under torch.autocast the inputs are cast to the autocast dtype.
     """
     checked = check_inputs(query, keys, values, v, bias, lengths, mask)
-    return run_checked(checked, return_weights, use_reference=False)
+    return run_checked(checked, return_weights, use_reference=False, normalize=normalize)
 
 
-def run_checked(checked: AttentionInputs, return_weights: bool, use_reference: bool):
+def check_normalize(normalize: object) -> str:
+    """``normalize`` itself, or a ValueError naming it and what it got."""
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
+    return normalize
+
+
+def run_checked(
+    checked: AttentionInputs, return_weights: bool, use_reference: bool, normalize: str = "softmax"
+):
     """Run inputs that ``check_inputs`` returned through the fused op or the reference."""
+    check_normalize(normalize)
     query3, keys, values, v, bias, lengths, mask, single_step = (
         checked.query,
         checked.keys,
@@ -260,7 +283,15 @@ def run_checked(checked: AttentionInputs, return_weights: bool, use_reference: b
 
         query = query3.squeeze(1) if single_step else query3
         return additive_attention_ref(
-            query, keys, values, v, bias, lengths=lengths, mask=mask, return_weights=return_weights
+            query,
+            keys,
+            values,
+            v,
+            bias,
+            lengths=lengths,
+            mask=mask,
+            return_weights=return_weights,
+            normalize=normalize,
         )
     reason = fused_unavailable_reason(query3.device, query3.dtype)
     if reason is not None:
@@ -270,11 +301,11 @@ def run_checked(checked: AttentionInputs, return_weights: bool, use_reference: b
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query3, keys, values, v, bias))
     if grad:
         context, weights, _ = AdditiveAttentionFunction.eager_apply(
-            query3, keys, values, v, bias, lengths, mask, return_weights
+            query3, keys, values, v, bias, lengths, mask, return_weights, normalize
         )
     else:  # no autograd needed: skip Function.apply's per-call signature binding (~40 us)
         context, weights, _ = torch.ops.seq2seq_fast.additive_attention_fwd(
-            query3, keys, values, v, bias, lengths, mask, return_weights
+            query3, keys, values, v, bias, lengths, mask, return_weights, normalize
         )
     if single_step:
         context = context.squeeze(1)

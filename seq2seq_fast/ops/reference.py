@@ -1,7 +1,8 @@
 """Plain-PyTorch additive (Bahdanau) attention: the specification every fused backend is tested against.
 
     e[b,t,s] = sum_h v[h] * tanh(query[b,t,h] + keys[b,s,h] + bias[h])
-    alpha[b,t,:] = softmax of e[b,t,:] over the valid key positions (masked ones get exactly 0)
+    alpha[b,t,:] = softmax of e[b,t,:] over the valid key positions (masked ones get exactly 0),
+                   or with normalize="sigmoid": sigmoid(e) / sum of sigmoid(e) over them
     context[b,t] = sum_s alpha[b,t,s] * values[b,s]
 
 It builds the full [B, Tq, Tk, H] tensor on purpose: it is the readable truth, not the fast path.
@@ -38,6 +39,7 @@ def additive_attention_ref(
     mask: Tensor | None = None,
     return_weights: bool = True,
     upcast: bool = False,
+    normalize: str = "softmax",
 ) -> tuple[Tensor, Tensor | None]:
     """Reference additive attention, same contract as :func:`seq2seq_fast.additive_attention`.
 
@@ -51,12 +53,17 @@ def additive_attention_ref(
         mask: bool [B, Tk], True = may attend, or None. Not together with ``lengths``.
         return_weights: return the [B, Tq, Tk] weights too (else None).
         upcast: compute in float32 when the inputs are float16/bfloat16, return the input dtype.
+        normalize: "softmax", or "sigmoid" (sigmoid(e) / sum of sigmoid(e) over the valid keys:
+            the "smoothing" of Tacotron-style and LAS-style attention). Computed as the softmax of
+            log sigmoid(e): the same weights, and no 0/0 where every sigmoid(e) underflows.
 
     Returns:
         (context [B, Tq, Dv] or [B, Dv], weights [B, Tq, Tk] or [B, Tk] or None).
     """
     if lengths is not None and mask is not None:
         raise ValueError("pass either lengths or mask, not both")
+    if normalize not in ("softmax", "sigmoid"):
+        raise ValueError(f"normalize must be 'softmax' or 'sigmoid', got {normalize!r}")
     out_dtype = query.dtype
     if upcast and query.dtype in (torch.float16, torch.bfloat16):
         query, keys, values, v = (t.float() for t in (query, keys, values, v))
@@ -69,6 +76,8 @@ def additive_attention_ref(
     if bias is not None:
         pre = pre + bias
     scores = torch.tanh(pre) @ v  # [B, Tq, Tk]
+    if normalize == "sigmoid":  # sigmoid(e) / sum sigmoid(e) = softmax(log sigmoid(e))
+        scores = torch.nn.functional.logsigmoid(scores)
 
     valid = valid_key_mask(batch, num_keys, lengths, mask, scores.device)
     if valid is None:

@@ -57,7 +57,8 @@ logger = logging.getLogger(__name__)
 LAYOUT = "traced"
 _ADD_NAMES = {"add", "__add__", "__radd__", "add_", "__iadd__"}
 _CAT_NAMES = {"cat", "concat", "concatenate"}
-_SOFTMAX_NAMES = {"softmax", "_softmax", "log_softmax"}
+# (sigmoid: the "smoothing" sigmoid(e) / sum sigmoid(e); the graph match checks the division)
+_SOFTMAX_NAMES = {"softmax", "_softmax", "log_softmax", "sigmoid"}
 # ops through which energies stay energies on their way to a softmax (a projection, shape ops,
 # scale, masks, a dtype change); anything else ends them
 _CARRIES = {

@@ -58,6 +58,7 @@ _MATMUL = {torch.matmul, operator.matmul, "matmul", "__matmul__"}
 _MUL = {operator.mul, torch.mul, "mul", "__mul__", "__rmul__"}
 _DIV = {operator.truediv, torch.div, torch.true_divide, "div", "__truediv__"}
 _SUM = {torch.sum, "sum"}
+_SIGMOID = {torch.sigmoid, F.sigmoid, torch.special.expit, "sigmoid"}
 _CAT = {torch.cat, torch.concat, torch.concatenate}
 _SHAPE_OPS = {
     "squeeze",
@@ -374,6 +375,8 @@ class Match:
     shape_ops: list[fx.Node] = field(default_factory=list)
     split_nodes: list[fx.Node] = field(default_factory=list)
     helpers: list[fx.Node] = field(default_factory=list)  # new_full(scores, ...): dtype only
+    normalize: str = "softmax"  # or "sigmoid": `softmax` is then the division
+    normalize_nodes: list[fx.Node] = field(default_factory=list)  # the sum, then the sigmoids
 
     def describe(self) -> str:
         kinds = [s[0] + (f"({s[1]})" if s[0] == "scale" else "") for s in self.steps]
@@ -381,7 +384,42 @@ class Match:
             f"{len(self.query_terms)} query and {len(self.key_terms)} key term(s)"
             + (", a bias" if self.bias_terms else "")
             + (f", then {', '.join(kinds)}" if kinds else "")
+            + (", sigmoid-normalised" if self.normalize == "sigmoid" else "")
         )
+
+
+def _sigmoid_normalisation(node: fx.Node, users: list[fx.Node]):
+    """(division, dim, [sum, sigmoids]) where ``users`` of the scores ``node`` are one or two
+    sigmoid(node) whose only uses are sigmoid(node) / sigmoid(node).sum(dim, keepdim=True) (the
+    "smoothing" normalisation); None otherwise."""
+    if not users or len(users) > 2:
+        return None
+    if not all(_is(u, _SIGMOID) and u.args and u.args[0] is node for u in users):
+        return None
+    if any(len(u.args) > 1 or u.kwargs for u in users):
+        return None
+    uses = {use for u in users for use in u.users}
+    sums = [n for n in uses if _is(n, _SUM)]
+    if len(sums) != 1 or len(sums[0].users) != 1:
+        return None
+    total = sums[0]
+    division = next(iter(total.users))
+    if not (_is(division, _DIV) and len(division.args) == 2 and not division.kwargs):
+        return None
+    if division.args[1] is not total or division.args[0] not in users:
+        return None
+    if total.args[0] not in users or uses != {total, division}:
+        return None
+    if any(set(u.users) - {total, division} for u in users):
+        return None
+    dim = _arg(total, 1, "dim")
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    if not isinstance(dim, int) or _arg(total, 2, "keepdim") is not True:
+        return None
+    if _arg(total, 3, "dtype") is not None or len(total.args) > 3:
+        return None
+    return division, dim, [total, *users]
 
 
 def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
@@ -434,6 +472,9 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
             or (_is(u, {"type_as"}) and len(u.args) == 2 and u.args[1] is node)
         ]  # they take only the scores' dtype (and device)
         helpers += extra
+        normalised = _sigmoid_normalisation(node, [u for u in users if u not in extra])
+        if normalised is not None:
+            break
         if len(users) - len(extra) != 1:
             raise NoMatch(
                 f"the scores are used {len(users)} times (the fused op gives only the weights)"
@@ -487,17 +528,26 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
         else:
             raise NoMatch(f"the scores go into {user.target!r} before any softmax")
         node = user
-    softmax = user
-    if softmax.args[0] is not node:
-        raise NoMatch("the softmax takes the scores as other than its input")
+    normalize, normalize_nodes = "softmax", []
+    if normalised is not None:  # sigmoid(e) / sum sigmoid(e): the division stands for the softmax
+        softmax, dim, normalize_nodes = normalised
+        normalize = "sigmoid"
+        if _is(scores, _LINEAR) and _arg(scores, 2, "bias") is not None:
+            # a softmax ignores a constant added to the scores, the sigmoid does not, and the
+            # op has no score offset
+            raise NoMatch("sigmoid-normalised scores with a bias (the fused op adds none)")
+    else:
+        softmax = user
+        if softmax.args[0] is not node:
+            raise NoMatch("the softmax takes the scores as other than its input")
+        dim = _arg(softmax, 1, "dim")
+        if (
+            not isinstance(dim, int)
+            or _arg(softmax, 3 if softmax.op == "call_function" else 2, "dtype") is not None
+        ):
+            raise NoMatch("softmax without an int dim, or with a dtype")
     if _value(node).dtype != _value(scores).dtype:
         raise NoMatch("the scores reach the softmax in another dtype")
-    dim = _arg(softmax, 1, "dim")
-    if (
-        not isinstance(dim, int)
-        or _arg(softmax, 3 if softmax.op == "call_function" else 2, "dtype") is not None
-    ):
-        raise NoMatch("softmax without an int dim, or with a dtype")
     memory_axis = origin[dim % len(origin)]
     if memory_axis is None:
         raise NoMatch("the softmax runs over an axis of size 1")
@@ -539,6 +589,8 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
         shape_ops,
         split_nodes,
         helpers,
+        normalize,
+        normalize_nodes,
     )
 
 
@@ -581,6 +633,7 @@ class Plan:
     hidden_axis: int
     steps: tuple  # ("scale", "mul"|"div") | ("fill", value, origin) | ("add", None, origin)
     backend: str
+    normalize: str = "softmax"  # or "sigmoid" (sigmoid(e) / sum sigmoid(e))
 
 
 def _pad(t: Tensor, rank: int) -> Tensor:
@@ -639,7 +692,11 @@ class TracedWeights:
         queries = [_pad(t, rank).movedim(hidden, -1) for t in queries]
         location = next((t for t in keys if isinstance(t, _LocationTerm)), None)
         if location is not None and not (
-            rank == 3 and hidden == 2 and plan.memory_axis == 1 and plan.batch_axes == (0,)
+            rank == 3
+            and hidden == 2
+            and plan.memory_axis == 1
+            and plan.batch_axes == (0,)
+            and plan.normalize == "softmax"
         ):
             keys = [t if t is not location else _Plain(t.value()) for t in keys]
             location = None
@@ -696,6 +753,7 @@ class TracedWeights:
             fill_values = tuple(_fill_value(f) for f in fills)
             invalid, not_exact, options, graded = self._masks(masks, fill_values, full, graded)
             plain |= not_exact
+        plain |= bool(graded) and plan.normalize != "softmax"  # (the Jacobian below: softmax's)
         if location is not None and (plain or graded or steps_q != 1):
             key = key + location.value()  # [B, T, A] already: the op's layout
             location = None
@@ -712,7 +770,15 @@ class TracedWeights:
         else:
             options = {} if options is None else options
             _, weights = attend(
-                plan.backend, query, key, values, v_eff, bias, **options, stepwise=memory
+                plan.backend,
+                query,
+                key,
+                values,
+                v_eff,
+                bias,
+                **options,
+                stepwise=memory,
+                normalize=plan.normalize,
             )
             if graded:  # a float mask's gradient: the softmax's Jacobian, by a term worth zero
                 shift = sum(m - m.detach() for m in graded).unsqueeze(1)
@@ -808,6 +874,8 @@ class TracedWeights:
                     mask = mask if step[0] == "fill" else ~mask
                     scores = scores.masked_fill(mask, _fill_value(fills[fill_index]))
                     fill_index += 1
+        if plan.normalize == "sigmoid":
+            return torch.sigmoid(scores) / torch.sigmoid(scores).sum(-1, keepdim=True)
         return torch.softmax(scores, dim=-1)
 
 
@@ -1051,6 +1119,7 @@ def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
         match.hidden_axis,
         tuple(plan_steps),
         backend,
+        match.normalize,
     )
     with graph.inserting_before(match.softmax):
         replacement = TracedWeights(plan)
@@ -1063,6 +1132,8 @@ def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
             node = graph.node_copy(op, lambda n, prev=node, src=op: prev if n is src.args[0] else n)
     match.softmax.replace_all_uses_with(node)
     graph.erase_node(match.softmax)
+    for op in match.normalize_nodes:  # the sigmoid normalisation's sum, then its sigmoids
+        graph.erase_node(op)
     for helper in match.helpers:
         if _is(helper, _NEW_FULL):  # new_full(scores, ...): dtype and device from the vector
             helper.replace_input_with(helper.args[0], match.vector)
