@@ -32,12 +32,7 @@ from torch import Tensor
 
 from seq2seq_fast.ops._autograd import guard_double_backward, traced_or_transformed
 from seq2seq_fast.ops._checks import AttentionInputs, check_inputs
-from seq2seq_fast.ops._library import (  # noqa: F401 (fused_available: importable with the op)
-    CPU_KERNEL_ERROR,
-    LIBRARY,
-    fused_available,
-    fused_unavailable_reason,
-)
+from seq2seq_fast.ops._library import CPU_KERNEL_ERROR, LIBRARY, fused_unavailable_reason
 
 FWD_NAME = f"{LIBRARY}::additive_attention_fwd"
 SOFTMAX = "softmax"

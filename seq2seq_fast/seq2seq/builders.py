@@ -221,7 +221,7 @@ def build_task(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None) -
 def build_model(config: TrainConfig, task: Task, ctx: Dist) -> tuple[Seq2Seq, str]:
     """-> (the model on ctx.device, its attention backend). Under ``compile`` the attention runs
     inside the compiled graph with the same backend."""
-    from seq2seq_fast.ops.additive_attention import fused_unavailable_reason
+    from seq2seq_fast.ops import fused_unavailable_reason
 
     attention_backend = config.backend
     if attention_backend == "fused":

@@ -21,7 +21,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, fields
 
-from seq2seq_fast.seq2seq.config import TASK_DEFAULTS, TRAIN_BACKENDS, TrainConfig
+from seq2seq_fast.nn.attention import BACKENDS
+from seq2seq_fast.seq2seq.config import TASK_DEFAULTS, TrainConfig
 from seq2seq_fast.seq2seq.decoding import DecodeOptions
 
 # translate on CPU: batches decoded at once (Translator workers), at most this many.
@@ -90,7 +91,7 @@ def _add_train(sub) -> argparse.ArgumentParser:
     add("--seed", type=int)
     add(
         "--backend",
-        choices=[*TRAIN_BACKENDS, "compile"],
+        choices=[*BACKENDS, "compile"],
         help="attention backend (compile: the same as --compile, kept as an alias)",
     )
     add(

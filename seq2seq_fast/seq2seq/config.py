@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from seq2seq_fast.nn.attention import BACKENDS
+
 # The fields whose default depends on the task. A TrainConfig field left at None takes its
 # task's value from here, so that ``TrainConfig(task="translate", data=...)`` in Python and
 # ``seq2seq-fast train --task translate --data ...`` build the same job. The reversal main job
@@ -45,7 +47,6 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 
-TRAIN_BACKENDS = ("auto", "fused", "reference")
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -190,8 +191,8 @@ class TrainConfig:
                 "backend 'compile' is now a flag of its own: compile=True (--compile), with "
                 "backend 'auto'"
             )
-        if self.backend not in TRAIN_BACKENDS:
-            raise TrainError(f"backend must be one of {TRAIN_BACKENDS}, got {self.backend!r}")
+        if self.backend not in BACKENDS:
+            raise TrainError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.precision not in PRECISIONS:
             raise TrainError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.output_layer not in ("concat", "attentional"):

@@ -14,7 +14,7 @@ from torch import nn
 from seq2seq_fast.nn import fuse_attention_report
 from seq2seq_fast.nn.convert import FusedStandIn
 from seq2seq_fast.nn.convert._traced_graph import TracedWeights
-from seq2seq_fast.ops.additive_attention import fused_available
+from seq2seq_fast.ops import fused_available
 from tests.convert.test_convert_traced import _assert_close, _run
 
 pytestmark = pytest.mark.skipif(

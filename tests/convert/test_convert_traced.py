@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 from seq2seq_fast.nn import fuse_attention_report
 from seq2seq_fast.nn.convert import FusedStandIn
 from seq2seq_fast.nn.convert._traced_graph import TracedWeights
-from seq2seq_fast.ops.additive_attention import fused_available
+from seq2seq_fast.ops import fused_available
 from tests.convert.layouts_traced import CASES
 
 pytestmark = pytest.mark.skipif(

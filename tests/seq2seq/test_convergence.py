@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from seq2seq_fast.ops.additive_attention import fused_available
+from seq2seq_fast.ops import fused_available
 from seq2seq_fast.seq2seq.canary import PreactivationRecorder, plain_pytorch
 from seq2seq_fast.seq2seq.models import BOS_ID, EOS_ID, PAD_ID, Seq2Seq, Seq2SeqConfig
 

@@ -50,7 +50,7 @@ from seq2seq_fast.nn.convert._base import (
     class_name,
 )
 from seq2seq_fast.nn.convert._traced_graph import TracedWeights, find_matches, rewrite
-from seq2seq_fast.ops.additive_attention import fused_available
+from seq2seq_fast.ops import fused_available
 
 logger = logging.getLogger(__name__)
 
