@@ -285,7 +285,8 @@ def test_ddp_ranks_agree_on_skipping_and_on_stopping(tmp_path):
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=180)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, log[-3000:]
-    assert "rank 0: FusedKernelError" in proc.stdout and "rank 1: FusedKernelError" in proc.stdout
+    assert "rank 0: FusedKernelError" in proc.stdout, log[-3000:]
+    assert "rank 1: FusedKernelError" in proc.stdout, log[-3000:]
     assert "trained on" not in proc.stdout
     # Step 2: every rank skipped the update (rank 1's reference decided for rank 0 as well), and
     # DDP trained on; step 4 stopped both.
