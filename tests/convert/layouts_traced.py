@@ -761,3 +761,43 @@ CASES += [
     # not told apart, so the query term cannot be found: left alone
     Case("coverage_flattened", _wrap(CoverageAttention), _coverage_call, None),
 ]
+
+
+# --- a TTS decoder's attention cell: the energy in a child, softmax without a dim in its caller ----
+
+
+class StepEnergy(nn.Module):
+    """energy(query [B, Q] or [B, 1, Q], keys_proj [B, T, A]) -> [B, T]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.to_hidden = nn.Linear(Q, A, bias=False)
+        self.score = nn.Linear(A, 1, bias=False)
+
+    def forward(self, query, keys_proj):
+        if query.dim() == 2:
+            query = query.unsqueeze(1)
+        return self.score(torch.tanh(self.to_hidden(query) + keys_proj)).squeeze(-1)
+
+
+class ImplicitDimCell(nn.Module):
+    """forward(memory [B, T, K], query [B, Q], pad [B, T] True = padding) -> (context, weights):
+    the memory projected here, the mask filled with -inf, and ``nn.Softmax()`` with no dim (for a
+    2-D input PyTorch takes dim 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.energy = StepEnergy()
+        self.memory_proj = nn.Linear(K, A, bias=False)
+        self.normalise = nn.Softmax()
+
+    def forward(self, memory, query, pad):
+        scores = self.energy(query, self.memory_proj(memory))
+        scores = scores.masked_fill(pad, float("-inf"))
+        weights = self.normalise(scores)  # PyTorch warns: "Implicit dimension choice for softmax"
+        return torch.bmm(weights.unsqueeze(1), memory).squeeze(1), weights
+
+
+CASES += [
+    Case("implicit_softmax_dim", _wrap(ImplicitDimCell), _pointer_call, "att"),
+]

@@ -541,6 +541,10 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
         if softmax.args[0] is not node:
             raise NoMatch("the softmax takes the scores as other than its input")
         dim = _arg(softmax, 1, "dim")
+        if dim is None and _shape(node) is not None:
+            # softmax(x) without a dim (deprecated, still common: nn.Softmax()) takes PyTorch's
+            # implicit one: 0 for 0, 1 or 3 dimensions, else 1
+            dim = 0 if len(_shape(node)) in (0, 1, 3) else 1
         if (
             not isinstance(dim, int)
             or _arg(softmax, 3 if softmax.op == "call_function" else 2, "dtype") is not None
