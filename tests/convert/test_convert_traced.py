@@ -311,3 +311,62 @@ def test_a_first_call_without_gradients_still_converts(mode):
     got, want = _run(model, args), _run(original, args)
     _assert_close(got[0], want[0], dtype, "outputs")
     _assert_close(got[1], want[1], dtype, "gradients")
+
+
+class _GrowingCoverage(torch.nn.Module):
+    """forward(query [B, Q], memory [B, T, K], past [list of [B, T]]) -> weights [B, T]: coverage
+    over a list of every past step's weights, which grows by one each step (an ASR toolkit's
+    form). Each call has a new structure for TorchDynamo: it traces anew every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(5, 4, bias=False)
+        self.k = torch.nn.Linear(6, 4)
+        self.cov = torch.nn.Linear(1, 4, bias=False)
+        self.v = torch.nn.Linear(4, 1, bias=False)
+
+    def forward(self, query, memory, past):
+        coverage = torch.stack(past).sum(0).unsqueeze(2)
+        x = self.q(query).unsqueeze(1) + self.k(memory) + self.cov(coverage)
+        return torch.softmax(self.v(torch.tanh(x)).squeeze(2), -1)
+
+
+def test_a_module_that_traces_anew_every_call_is_put_back_and_says_why():
+    from seq2seq_fast.nn.convert._traced import RETRACE_LIMIT
+    from tests.convert.layouts_traced import _Holder
+
+    dtype = torch.float64
+    torch.manual_seed(0)
+    original = _Holder(_GrowingCoverage()).to(dtype)
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model)
+    memory, query = torch.randn(2, 3, 6, dtype=dtype), torch.randn(2, 5, dtype=dtype)
+    past = [torch.full((2, 3), 1 / 3, dtype=dtype)]
+    model(query, memory, past)  # the first call converts
+    assert report.count == 1 and isinstance(model.att, FusedStandIn), str(report)
+    with pytest.warns(UserWarning, match="put back after"):
+        for _ in range(RETRACE_LIMIT + 1):
+            got = model(query, memory, past)
+            torch.testing.assert_close(got, original(query, memory, past), rtol=1e-10, atol=1e-10)
+            past = [*past, got.detach()]
+    assert type(model.att) is _GrowingCoverage
+    assert report.count == 0, str(report)
+    assert (
+        "traced its forward anew" in report.skipped[-1].reason and report.skipped[-1].path == "att"
+    )
+    torch.testing.assert_close(model(query, memory, past), original(query, memory, past))
+
+
+def test_a_converted_module_stays_converted_over_new_sizes_and_grad_modes():
+    from tests.convert.layouts_traced import Pointer, _Holder, _pointer_call
+
+    model = _Holder(Pointer())
+    report = fuse_attention_report(model)
+    model(*_pointer_call(2, 4, torch.float32))
+    assert report.count == 1, str(report)
+    for step in range(12):  # sizes change, and eval calls without gradients come in between
+        if step % 4 == 3:
+            with torch.no_grad():
+                model(*_pointer_call(3, 7, torch.float32))
+        model(*_pointer_call(2 + step % 3, 4 + step, torch.float32))
+    assert isinstance(model.att, FusedStandIn) and report.count == 1, str(report)

@@ -82,10 +82,14 @@ def _convert_one(module: nn.Module, path: str, backend: str, check: bool, report
         if reason is None and check:
             try:
                 reason = check_equivalent(module, layout, backend)
+                if reason is not None:
+                    reason = f"differs from the stand-in on a random input: {reason}"
             except Exception as exc:  # noqa: BLE001 - any failure refuses the conversion
-                reason = f"the safety check could not run ({type(exc).__name__}: {exc})"
-            if reason is not None:
-                reason = f"differs from the stand-in on a random input: {reason}"
+                # (the module is not called as the layout calls it: not a difference found)
+                reason = (
+                    "the safety check could not call it as this layout calls it "
+                    f"({type(exc).__name__}: {exc})"
+                )
         if reason is None:
             fused = layout.build(module, backend)
             fused.train(module.training)

@@ -355,6 +355,35 @@ class _Rewriter:
 
 _CLASSES: dict[tuple[type, str], type] = {}
 
+# A converted module whose calls keep tracing anew (an argument whose structure changes with every
+# call: a list of past weights that grows by one each decoder step) pays a trace per call, and once
+# TorchDynamo's recompile limit is reached it runs its original code behind the guards anyway. After
+# this many calls in a row that traced anew or ran no fused replacement, it goes back to its own
+# class, with a warning and a line in the report that say why.
+RETRACE_LIMIT = 4
+_UNFUSED_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> calls in a row
+_CONVERTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (report, path)
+
+
+def _count_unfused_call(module: nn.Module, original: type) -> None:
+    count = _UNFUSED_CALLS.get(module, 0) + 1
+    if count < RETRACE_LIMIT:
+        _UNFUSED_CALLS[module] = count
+        return
+    _UNFUSED_CALLS.pop(module, None)
+    module.__class__ = original
+    name = class_name(module)
+    reason = (
+        f"converted, then put back after {count} calls in a row that each traced its forward anew "
+        "or ran no fused replacement (an argument whose structure changes from call to call, "
+        "such as a list that grows each step)"
+    )
+    report, path = _CONVERTED.pop(module, (None, "?"))
+    warnings.warn(f"fuse_attention: {path} ({name}) {reason}; it runs its own code", stacklevel=3)
+    if report is not None:
+        report.replaced[:] = [r for r in report.replaced if r.path != path]
+        report.skipped.append(Skipped(path, (LAYOUT,), name, reason))
+
 
 def traced_class(cls: type, backend: str) -> type:
     """The subclass of ``cls`` whose forward is ``cls.forward`` traced and rewritten."""
@@ -364,7 +393,15 @@ def traced_class(cls: type, backend: str) -> type:
         compiled = torch.compile(cls.forward, backend=rewriter)
 
         def forward(self, *args, **kwargs):
-            return compiled(self, *args, **kwargs)
+            if torch.compiler.is_compiling():  # inside the user's own torch.compile
+                return compiled(self, *args, **kwargs)
+            traced, ran = len(rewriter.found), TracedWeights.calls
+            out = compiled(self, *args, **kwargs)
+            if len(rewriter.found) != traced or TracedWeights.calls == ran:
+                _count_unfused_call(self, cls)
+            elif self in _UNFUSED_CALLS:
+                del _UNFUSED_CALLS[self]
+            return out
 
         def __reduce_ex__(self, protocol):
             # pickles and deep copies name the original class (importable) and rebuild this one
@@ -471,6 +508,7 @@ def _convert(recording: _Recording, watch: _Watch) -> None:
     name = class_name(module)
     if reason is None:
         module.__class__ = traced_class(type(module), watch.backend)
+        _CONVERTED[module] = (report, recording.path)
         report.replaced.append(Replaced(recording.path, f"{LAYOUT} ({found})", name))
         logger.debug("fuse_attention: traced %s (%s): %s", recording.path, name, found)
     else:
