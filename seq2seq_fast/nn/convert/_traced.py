@@ -489,7 +489,10 @@ def _probe_copies(module: nn.Module, recording: _Recording, backend: str):
     found = cls.rewriter.found[before:] or cls.rewriter.found
     misses = [m for _, missed in found for m in missed]
     if not matched:
-        why = "; ".join(dict.fromkeys(misses)) or "no tanh in the traced graph"
+        why = "; ".join(dict.fromkeys(misses)) or (
+            "no tanh in the graphs TorchDynamo captured (its forward breaks the graph before it, "
+            "or the frame was not traced)"
+        )
         return f"not the fused op's form: {why}", ""
     difference = _first_difference(results[0][0], results[1][0], "output") or _first_difference(
         results[0][1], results[1][1], "gradient"
