@@ -356,27 +356,20 @@ class _Rewriter:
 _CLASSES: dict[tuple[type, str], type] = {}
 
 # A converted module whose calls keep tracing anew (an argument whose structure changes with every
-# call: a list of past weights that grows by one each decoder step) pays a trace per call, and once
-# TorchDynamo's recompile limit is reached it runs its original code behind the guards anyway. After
-# this many calls in a row that traced anew or ran no fused replacement, it goes back to its own
+# call: a list of past weights that grows by one each decoder step) pays a trace per call until
+# TorchDynamo's recompile limit, and then runs its own code behind the guards: unfused. A call that
+# ran no fused replacement once the class's traces reach that limit puts the module back in its own
 # class, with a warning and a line in the report that say why.
-RETRACE_LIMIT = 4
-_UNFUSED_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> calls in a row
 _CONVERTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (report, path)
 
 
-def _count_unfused_call(module: nn.Module, original: type) -> None:
-    count = _UNFUSED_CALLS.get(module, 0) + 1
-    if count < RETRACE_LIMIT:
-        _UNFUSED_CALLS[module] = count
-        return
-    _UNFUSED_CALLS.pop(module, None)
+def _put_back(module: nn.Module, original: type, traces: int) -> None:
     module.__class__ = original
     name = class_name(module)
     reason = (
-        f"converted, then put back after {count} calls in a row that each traced its forward anew "
-        "or ran no fused replacement (an argument whose structure changes from call to call, "
-        "such as a list that grows each step)"
+        f"converted, then put back: TorchDynamo stopped tracing its forward after {traces} traces "
+        "(its recompile limit) and ran it unfused; an argument changes structure from call to "
+        "call (a list that grows each step, say)"
     )
     report, path = _CONVERTED.pop(module, (None, "?"))
     warnings.warn(f"fuse_attention: {path} ({name}) {reason}; it runs its own code", stacklevel=3)
@@ -395,12 +388,11 @@ def traced_class(cls: type, backend: str) -> type:
         def forward(self, *args, **kwargs):
             if torch.compiler.is_compiling():  # inside the user's own torch.compile
                 return compiled(self, *args, **kwargs)
-            traced, ran = len(rewriter.found), TracedWeights.calls
+            ran = TracedWeights.calls
             out = compiled(self, *args, **kwargs)
-            if len(rewriter.found) != traced or TracedWeights.calls == ran:
-                _count_unfused_call(self, cls)
-            elif self in _UNFUSED_CALLS:
-                del _UNFUSED_CALLS[self]
+            traces = len(rewriter.found)
+            if TracedWeights.calls == ran and traces >= torch._dynamo.config.recompile_limit:
+                _put_back(self, cls, traces)
             return out
 
         def __reduce_ex__(self, protocol):
