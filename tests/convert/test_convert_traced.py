@@ -371,3 +371,49 @@ def test_a_converted_module_stays_converted_over_new_sizes_and_grad_modes():
                 model(*_pointer_call(3, 7, torch.float32))
         model(*_pointer_call(2 + step % 3, 4 + step, torch.float32))
     assert isinstance(model.att, FusedStandIn) and report.count == 1, str(report)
+
+
+class _ListCache(torch.nn.Module):
+    """forward(memory [B, T, K], query [B, Q]) -> (context, weights); the projected memory kept
+    from the first step in a list (one entry per head in a multi-head toolkit's form)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = torch.nn.Linear(6, 4, bias=False)
+        self.q = torch.nn.Linear(5, 4)
+        self.v = torch.nn.Linear(4, 1)
+        self.cache = None
+
+    def forward(self, memory, query):
+        if self.cache is None:
+            self.cache = [self.k(memory)]
+        w = torch.softmax(self.v(torch.tanh(self.cache[0] + self.q(query).unsqueeze(1))), 1)
+        return torch.bmm(w.squeeze(2).unsqueeze(1), memory).squeeze(1), w.squeeze(2)
+
+
+def test_state_kept_in_a_list_of_graph_tensors_converts():
+    dtype = torch.float64
+    torch.manual_seed(0)
+
+    def steps(model, memory):
+        model.cache = None
+        state, outs = torch.zeros(memory.size(0), 5, dtype=dtype), []
+        for _ in range(3):
+            context, _ = model(memory, state)
+            state = torch.tanh(state + context.sum(1, keepdim=True))
+            outs.append(state)
+        return torch.stack(outs, 1)
+
+    original = _ListCache().to(dtype)
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model)
+    memory = torch.randn(2, 7, 6, dtype=dtype)
+    steps(model, memory).sum().backward()  # converts during the first sequence's steps
+    assert report.count == 1 and isinstance(model, FusedStandIn), str(report)
+    memory = torch.randn(3, 5, 6, dtype=dtype, requires_grad=True)
+    got = steps(model, memory)
+    (g_got,) = torch.autograd.grad(got.sum(), memory)
+    want = steps(original, memory)
+    (g_want,) = torch.autograd.grad(want.sum(), memory)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-10)

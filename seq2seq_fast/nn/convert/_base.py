@@ -182,10 +182,13 @@ CHECK_RTOL, CHECK_ATOL = 1e-7, 1e-9
 def _float64_cpu_copy(module: nn.Module) -> nn.Module:
     # A module that ran with gradients may hold graph tensors as state (d2l's attention_weights,
     # ESPnet's cached projection), which deepcopy refuses: the copy gets them detached.
+    # (also inside lists, tuples and dicts: ESPnet's multi-head attentions keep a list per head)
     memo = {
         id(value): value.detach().clone()
         for sub in module.modules()
-        for value in vars(sub).values()
+        for key, state in vars(sub).items()
+        if key not in ("_parameters", "_buffers", "_modules")
+        for value in pytree.tree_leaves(state)
         if isinstance(value, Tensor) and not value.is_leaf
     }
     return copy.deepcopy(module, memo).to(device="cpu", dtype=torch.float64)

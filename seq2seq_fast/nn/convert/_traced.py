@@ -434,6 +434,15 @@ def _leaves_for_grad(args, kwargs):
     return args, kwargs, inputs
 
 
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))  # _parameters, _buffers, _modules, hooks
+
+
+def _float64_state(value):
+    if isinstance(value, Tensor) and value.is_floating_point():
+        return value.detach().to("cpu", torch.float64)
+    return value
+
+
 def _probe(module: nn.Module, recording: _Recording, backend: str) -> tuple[str | None, str]:
     """(None or why not, what was found) for the traced version of ``module``."""
     # the first call may have run under inference_mode or no_grad: the probe's copies and calls
@@ -450,8 +459,10 @@ def _probe_copies(module: nn.Module, recording: _Recording, backend: str):
         copy_.train(module.training)
         for sub in copy_.modules():  # state kept from earlier calls (a cached projection)
             for key, value in list(vars(sub).items()):
-                if isinstance(value, Tensor) and value.is_floating_point():
-                    setattr(sub, key, value.detach().to("cpu", torch.float64))
+                if isinstance(value, Tensor) or (
+                    isinstance(value, (list, tuple, dict)) and key not in _MODULE_INTERNALS
+                ):
+                    setattr(sub, key, pytree.tree_map(_float64_state, value))
     probe_backend = backend
     if backend != "reference" and not fused_available("cpu", torch.float64):
         probe_backend = "reference"
