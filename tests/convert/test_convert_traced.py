@@ -417,3 +417,36 @@ def test_state_kept_in_a_list_of_graph_tensors_converts():
     (g_want,) = torch.autograd.grad(want.sum(), memory)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-10)
+
+
+class _Sharpened(torch.nn.Module):
+    """forward(memory [B, T, K], query [B, Q]) -> weights; the scores times a float attribute."""
+
+    def __init__(self, sharpen: float) -> None:
+        super().__init__()
+        self.k = torch.nn.Linear(6, 4)
+        self.q = torch.nn.Linear(5, 4, bias=False)
+        self.v = torch.nn.Linear(4, 1, bias=False)
+        self.sharpen = sharpen
+
+    def forward(self, memory, query):
+        e = self.v(torch.tanh(self.k(memory) + self.q(query).unsqueeze(1))).squeeze(2)
+        return torch.softmax(self.sharpen * e, dim=1)
+
+
+def test_instances_whose_float_scales_differ_all_convert():
+    """A second value of a float attribute makes TorchDynamo pass it as a graph input (a
+    symbolic float): the scale then comes in at each call."""
+    dtype = torch.float64
+    for i, sharpen in enumerate((1.0, 2.0, 0.5, 3.0)):
+        torch.manual_seed(i)
+        original = _Sharpened(sharpen).to(dtype)
+        model = copy.deepcopy(original)
+        report = fuse_attention_report(model)
+        args = (torch.randn(2, 7, 6, dtype=dtype), torch.randn(2, 5, dtype=dtype))
+        model(*args)
+        assert report.count == 1, (sharpen, str(report))
+        args = (torch.randn(3, 4, 6, dtype=dtype), torch.randn(3, 5, dtype=dtype))
+        got, want = _run(model, args), _run(original, args)
+        _assert_close(got[0], want[0], dtype, "outputs")
+        _assert_close(got[1], want[1], dtype, "gradients")

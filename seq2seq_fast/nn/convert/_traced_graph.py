@@ -517,6 +517,12 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
                 raise NoMatch("the scores divide something")
             other = user.args[1] if user.args[0] is node else user.args[0]
             number = _number(other)
+            if number is None and isinstance(_value(other), (torch.SymFloat, torch.SymInt)):
+                # a module's float attribute that TorchDynamo made an input (another instance
+                # had another value): its value comes in at run time, checked there too
+                number = _number(_hint(other))
+                if number is None:
+                    raise NoMatch("the scores are scaled by a number the trace cannot see")
             if number is not None and not number > 0:
                 raise NoMatch(f"the scores are scaled by {number}")
             if number is None:
@@ -749,7 +755,7 @@ class TracedWeights:
         ):
             if isinstance(factor, Tensor):
                 factor = factor.reshape(())
-                plain |= not bool(factor > 0)
+            plain |= not bool(factor > 0)
             v_eff = v_eff * factor if step[1] == "mul" else v_eff / factor
         invalid = options = None
         graded = [m for m in masks if isinstance(m, Tensor) and m.requires_grad]
