@@ -349,6 +349,26 @@ def _hint(value):
     return value
 
 
+def _from_call_inputs(node: fx.Node) -> bool:
+    """Whether ``node`` depends on a graph input that is not a parameter or buffer (TorchDynamo
+    names each input by its source: ``L['self']._modules['q']._parameters['weight']``)."""
+    seen, todo = set(), [node]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "placeholder":
+            source = getattr(current.meta.get("grapharg"), "source", None)
+            name = source.name if source is not None else ""
+            if isinstance(_value(current), Tensor) and not (
+                "._parameters[" in name or "._buffers[" in name
+            ):
+                return True
+        todo.extend(current.all_input_nodes)
+    return False
+
+
 def _number(value) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
@@ -575,6 +595,11 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
     keys = [t for t in terms if memory_axis in varies[t]]
     queries = [t for t in terms if memory_axis not in varies[t] and varies[t]]
     biases = [t for t in terms if not varies[t]]
+    if keys and not queries:
+        # a batch of one (TorchDynamo fixes sizes of 1): the query term varies along no axis. A
+        # term computed from the call's inputs, not from parameters alone, is the query.
+        queries = [t for t in biases if _from_call_inputs(t)]
+        biases = [t for t in biases if t not in queries]
     if not keys or not queries:
         raise NoMatch("no term of the sum varies along the softmax's axis, or none along another")
     batch_axes = sorted(set().union(*(varies[t] for t in keys)) - {memory_axis})
