@@ -268,8 +268,8 @@ def test_location_terms_are_formed_inside_the_kernels(monkeypatch):
     assert len(calls) >= 3
 
 
-class _Float32Only(torch.nn.Module):
-    """Additive attention that refuses any dtype but float32 (as some code checks its inputs)."""
+class _NoGradInputs(torch.nn.Module):
+    """Additive attention that refuses inputs that need gradients (the probe's always do)."""
 
     def __init__(self):
         super().__init__()
@@ -277,8 +277,8 @@ class _Float32Only(torch.nn.Module):
         self.v = torch.nn.Linear(4, 1)
 
     def forward(self, query, memory):
-        if memory.dtype != torch.float32:
-            raise TypeError("float32 only")
+        if memory.requires_grad:
+            raise TypeError("no gradients through the memory")
         e = self.v(torch.tanh(self.q(query).unsqueeze(1) + self.k(memory))).squeeze(2)
         return torch.softmax(e, -1)
 
@@ -286,13 +286,56 @@ class _Float32Only(torch.nn.Module):
 def test_a_probe_that_cannot_run_leaves_the_module_and_the_call_alone():
     from tests.convert.layouts_traced import _Holder
 
-    model = _Holder(_Float32Only())
+    model = _Holder(_NoGradInputs())
     report = fuse_attention_report(model)
     args = (torch.randn(2, 5), torch.randn(2, 3, 6))
     want = model.att.__class__.forward(model.att, *args)
     torch.testing.assert_close(model(*args), want)  # the first call: the original's result
     assert report.count == 0 and "could not run" in report.skipped[0].reason
-    assert type(model.att) is _Float32Only
+    assert type(model.att) is _NoGradInputs
+
+
+class _CastsToFloat32(torch.nn.Module):
+    """forward(memory [B, T, K], lengths [B] ints, query [B, Q]) -> (context, weights): a coverage
+    term from a uniform first-step distribution made with ``.float()`` (a speech toolkit's form),
+    so it runs in float32 only. ``squash`` replaces the tanh in the look-alike."""
+
+    def __init__(self, squash=torch.tanh):
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(5, 4, bias=False), torch.nn.Linear(6, 4)
+        self.cov = torch.nn.Linear(1, 4, bias=False)
+        self.v = torch.nn.Linear(4, 1, bias=False)
+        self.squash = squash
+
+    def forward(self, memory, lengths, query):
+        pad = torch.arange(memory.size(1))[None, :] >= lengths[:, None]
+        first = (~pad).float() / lengths.float()[:, None]
+        x = self.q(query).unsqueeze(1) + self.k(memory) + self.cov(first.unsqueeze(2))
+        e = self.v(self.squash(x)).squeeze(2).masked_fill(pad, -float("inf"))
+        w = torch.softmax(e, -1)
+        return torch.bmm(w.unsqueeze(1), memory).squeeze(1), w
+
+
+@pytest.mark.parametrize("squash", [torch.tanh, torch.relu], ids=["tanh", "relu"])
+def test_a_module_that_runs_in_float32_only_is_probed_in_float32(squash):
+    """The float64 probe cannot run it (its float32 mask meets float64 scores); its own calls run
+    in float32, so the probe runs there, with float32's tolerances. The look-alike stays."""
+    from tests.convert.layouts_traced import _Holder
+
+    torch.manual_seed(0)
+    original = _Holder(_CastsToFloat32(squash))
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model)
+    lengths = torch.tensor([7, 3])
+    model(torch.randn(2, 7, 6), lengths, torch.randn(2, 5))
+    if squash is torch.relu:
+        assert report.count == 0 and type(model.att) is _CastsToFloat32, str(report)
+        return
+    assert report.count == 1 and "probed in float32" in report.replaced[0].layout, str(report)
+    args = (torch.randn(3, 5, 6), torch.tensor([5, 1, 4]), torch.randn(3, 5))
+    got, want = _run(model, args), _run(original, args)
+    _assert_close(got[0], want[0], torch.float32, "outputs")
+    _assert_close(got[1], want[1], torch.float32, "gradients")
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])

@@ -179,7 +179,7 @@ def child_names(module: nn.Module) -> set[str]:
 CHECK_RTOL, CHECK_ATOL = 1e-7, 1e-9
 
 
-def _float64_cpu_copy(module: nn.Module) -> nn.Module:
+def _float64_cpu_copy(module: nn.Module, dtype: torch.dtype = torch.float64) -> nn.Module:
     # A module that ran with gradients may hold graph tensors as state (d2l's attention_weights,
     # ESPnet's cached projection), which deepcopy refuses: the copy gets them detached.
     # (also inside lists, tuples and dicts: ESPnet's multi-head attentions keep a list per head)
@@ -191,7 +191,7 @@ def _float64_cpu_copy(module: nn.Module) -> nn.Module:
         for value in pytree.tree_leaves(state)
         if isinstance(value, Tensor) and not value.is_leaf
     }
-    return copy.deepcopy(module, memo).to(device="cpu", dtype=torch.float64)
+    return copy.deepcopy(module, memo).to(device="cpu", dtype=dtype)
 
 
 def _run(module: nn.Module, layout: Layout, args: tuple, kwargs: dict, seed: int):
@@ -230,7 +230,9 @@ def _gradients(module: nn.Module, out, inputs: list[Tensor], seed: int) -> dict[
     }
 
 
-def _first_difference(a, b, what: str) -> str | None:
+def _first_difference(
+    a, b, what: str, rtol: float = CHECK_RTOL, atol: float = CHECK_ATOL
+) -> str | None:
     if isinstance(a, dict) and isinstance(b, dict):
         if a.keys() != b.keys():
             return f"{what}: {sorted(a)} vs {sorted(b)}"
@@ -250,7 +252,7 @@ def _first_difference(a, b, what: str) -> str | None:
             continue
         if x.shape != y.shape or x.dtype != y.dtype:
             return f"{what}[{i}]: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}"
-        if not torch.allclose(x, y, rtol=CHECK_RTOL, atol=CHECK_ATOL, equal_nan=True):
+        if not torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True):
             err = (x - y).abs().max().item()
             return f"{what}[{i}]: values differ (max abs difference {err:.3g})"
     return None

@@ -16,7 +16,9 @@ After the named layouts have taken what they recognise, every other module that 
    the graph stays.
 3. The probe decides: float64 CPU copies of the module, the original and the traced one, run on
    the first call's arguments; every output and the gradients of every parameter and input must
-   agree. Only then is the module converted, in place: its class becomes a subclass of its own
+   agree. (A module that cannot run in float64 because it casts to float32 itself, while its own
+   call ran in float32, is probed in float32 with float32's tolerances; the report says so.)
+   Only then is the module converted, in place: its class becomes a subclass of its own
    whose ``forward`` is the traced one (same object, same parameters, same state_dict keys).
 
 The work is done once per module (a trace, a float64 probe); later calls run the compiled graph
@@ -419,10 +421,10 @@ def _rebuild(cls: type, backend: str) -> nn.Module:
     return object.__new__(traced_class(cls, backend))
 
 
-def _leaves_for_grad(args, kwargs):
+def _leaves_for_grad(args, kwargs, dtype: torch.dtype = torch.float64):
     args, kwargs = pytree.tree_map(
         lambda t: (
-            t.detach().to("cpu", torch.float64).requires_grad_()
+            t.detach().to("cpu", dtype).requires_grad_()
             if isinstance(t, Tensor) and t.is_floating_point()
             else (t.cpu() if isinstance(t, Tensor) else t)
         ),
@@ -437,10 +439,14 @@ def _leaves_for_grad(args, kwargs):
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))  # _parameters, _buffers, _modules, hooks
 
 
-def _float64_state(value):
-    if isinstance(value, Tensor) and value.is_floating_point():
-        return value.detach().to("cpu", torch.float64)
-    return value
+# The probe's tolerances in float32, for a module that cannot run in float64 (one that casts to
+# float32 itself): rounding of the fused op against plain ops is ~1e-6 relative there, and a
+# look-alike (relu, no tanh, a temperature inside it, other padding) differs by far more.
+FLOAT32_PROBE_RTOL, FLOAT32_PROBE_ATOL = 1e-4, 1e-5
+
+
+class _OriginalFailed(Exception):
+    """The original module itself could not run on the probe's float64 copies."""
 
 
 def _probe(module: nn.Module, recording: _Recording, backend: str) -> tuple[str | None, str]:
@@ -448,12 +454,32 @@ def _probe(module: nn.Module, recording: _Recording, backend: str) -> tuple[str 
     # the first call may have run under inference_mode or no_grad: the probe's copies and calls
     # must be ordinary tensors with gradients
     with torch.inference_mode(False), torch.enable_grad():
-        return _probe_copies(module, recording, backend)
+        try:
+            return _probe_copies(module, recording, backend, torch.float64)
+        except _OriginalFailed as failed:
+            # a module that casts to float32 itself (ESPnet's `.float()` masks) cannot run in
+            # float64: where its own call ran in float32, the probe runs in float32
+            cause = failed.__cause__
+            dtypes = {
+                t.dtype
+                for t in pytree.tree_leaves((recording.args, recording.kwargs))
+                if isinstance(t, Tensor) and t.is_floating_point()
+            }
+            if dtypes != {torch.float32}:
+                raise cause from None
+            reason, found = _probe_copies(module, recording, backend, torch.float32)
+            why = f"{type(cause).__name__}: {str(cause).splitlines()[0][:120]}"
+            return reason, f"{found}; probed in float32, as it does not run in float64 ({why})"
 
 
-def _probe_copies(module: nn.Module, recording: _Recording, backend: str):
-    original = _float64_cpu_copy(module)
-    candidate = _float64_cpu_copy(module)
+def _probe_copies(module: nn.Module, recording: _Recording, backend: str, dtype: torch.dtype):
+    def cast_state(value):
+        if isinstance(value, Tensor) and value.is_floating_point():
+            return value.detach().to("cpu", dtype)
+        return value
+
+    original = _float64_cpu_copy(module, dtype)
+    candidate = _float64_cpu_copy(module, dtype)
     for copy_ in (original, candidate):
         _strip_watches(copy_)
         copy_.train(module.training)
@@ -462,9 +488,9 @@ def _probe_copies(module: nn.Module, recording: _Recording, backend: str):
                 if isinstance(value, Tensor) or (
                     isinstance(value, (list, tuple, dict)) and key not in _MODULE_INTERNALS
                 ):
-                    setattr(sub, key, pytree.tree_map(_float64_state, value))
+                    setattr(sub, key, pytree.tree_map(cast_state, value))
     probe_backend = backend
-    if backend != "reference" and not fused_available("cpu", torch.float64):
+    if backend != "reference" and not fused_available("cpu", dtype):
         probe_backend = "reference"
     cls = traced_class(type(module), probe_backend)
     candidate.__class__ = cls
@@ -473,17 +499,22 @@ def _probe_copies(module: nn.Module, recording: _Recording, backend: str):
     default_dtype = torch.get_default_dtype()
     with torch.enable_grad(), torch.inference_mode(False), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # tensors the forward makes itself (zeros for a state, a mask) in float64 too
-        torch.set_default_dtype(torch.float64)
+        # tensors the forward makes itself (zeros for a state, a mask) in the probe's dtype too
+        torch.set_default_dtype(dtype)
         ran: list = []
         try:
             for mod in (original, candidate):
-                args, kwargs, inputs = _leaves_for_grad(recording.args, recording.kwargs)
+                args, kwargs, inputs = _leaves_for_grad(recording.args, recording.kwargs, dtype)
                 TracedWeights.log = ran if mod is candidate else None
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(1)
-                    out = mod(*args, **kwargs)
-                results.append((out, _gradients(mod, out, inputs, 2)))
+                try:
+                    with torch.random.fork_rng(devices=[]):
+                        torch.manual_seed(1)
+                        out = mod(*args, **kwargs)
+                    results.append((out, _gradients(mod, out, inputs, 2)))
+                except Exception as exc:
+                    if mod is original and dtype == torch.float64:
+                        raise _OriginalFailed from exc
+                    raise
         finally:
             TracedWeights.log = None
             torch.set_default_dtype(default_dtype)
@@ -497,9 +528,12 @@ def _probe_copies(module: nn.Module, recording: _Recording, backend: str):
             "or the frame was not traced)"
         )
         return f"not the fused op's form: {why}", ""
-    difference = _first_difference(results[0][0], results[1][0], "output") or _first_difference(
-        results[0][1], results[1][1], "gradient"
-    )
+    tolerances = {}
+    if dtype == torch.float32:
+        tolerances = {"rtol": FLOAT32_PROBE_RTOL, "atol": FLOAT32_PROBE_ATOL}
+    difference = _first_difference(
+        results[0][0], results[1][0], "output", **tolerances
+    ) or _first_difference(results[0][1], results[1][1], "gradient", **tolerances)
     if difference is not None:
         return f"differs from the fused op on its first call's input: {difference}", ""
     return None, "; ".join(matched)
