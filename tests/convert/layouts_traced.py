@@ -801,3 +801,46 @@ class ImplicitDimCell(nn.Module):
 CASES += [
     Case("implicit_softmax_dim", _wrap(ImplicitDimCell), _pointer_call, "att"),
 ]
+
+
+# --- a textbook's attention: lengths to a mask written by index into flattened scores ------------
+
+
+def _masked_normalise(scores: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last axis with positions at or past ``lengths`` written to -1e6 through
+    a flattened view (a textbook's helper: ``x[~keep] = value`` on ``scores.reshape(-1, T)``)."""
+    if lengths is None:
+        return F.softmax(scores, dim=-1)
+    shape = scores.shape
+    flat = scores.reshape(-1, shape[-1])
+    per_row = torch.repeat_interleave(lengths, shape[1])
+    keep = torch.arange(shape[-1], dtype=torch.float32)[None, :] < per_row[:, None]
+    flat[~keep] = -1e6
+    return F.softmax(flat.reshape(shape), dim=-1)
+
+
+class TextbookAdditive(nn.Module):
+    """forward(queries [B, 1, Q], memory [B, T, K], lengths [B]) -> context [B, 1, K]; the weights
+    kept on the module (``last_weights``), as the textbook does for plotting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_mem = nn.Linear(K, A, bias=False)
+        self.w_query = nn.Linear(Q, A, bias=False)
+        self.w_out = nn.Linear(A, 1, bias=False)
+
+    def forward(self, queries, memory, lengths):
+        feats = self.w_query(queries).unsqueeze(2) + self.w_mem(memory).unsqueeze(1)
+        scores = self.w_out(torch.tanh(feats)).squeeze(-1)
+        self.last_weights = _masked_normalise(scores, lengths)
+        return torch.bmm(self.last_weights, memory)
+
+
+def _textbook_call(b, t, dtype):
+    lengths = lengths_mask(b, t).sum(1)
+    return (_rand(b, 1, Q, dtype=dtype), _rand(b, t, K, dtype=dtype), lengths)
+
+
+CASES += [
+    Case("textbook_index_mask", _wrap(TextbookAdditive), _textbook_call, "att"),
+]

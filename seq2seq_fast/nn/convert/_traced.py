@@ -380,6 +380,24 @@ def _put_back(module: nn.Module, original: type, traces: int) -> None:
         report.skipped.append(Skipped(path, (LAYOUT,), name, reason))
 
 
+_WARNED: weakref.WeakSet = weakref.WeakSet()
+
+
+def _warn_unmatched(module: nn.Module, found: list) -> None:
+    """A new trace of a converted module's forward (other sizes, another grad mode) without the
+    pattern: those calls run its own code. Said once per module."""
+    if module in _WARNED:
+        return
+    _WARNED.add(module)
+    misses = "; ".join(dict.fromkeys(m for _, missed in found for m in missed)) or "no tanh"
+    _, path = _CONVERTED.get(module, (None, "?"))
+    warnings.warn(
+        f"fuse_attention: {path} ({class_name(module)}): a new trace of its forward did not "
+        f"match ({misses}); calls that take that trace run its own code, unfused",
+        stacklevel=3,
+    )
+
+
 def traced_class(cls: type, backend: str) -> type:
     """The subclass of ``cls`` whose forward is ``cls.forward`` traced and rewritten."""
     key = (cls, backend)
@@ -390,11 +408,14 @@ def traced_class(cls: type, backend: str) -> type:
         def forward(self, *args, **kwargs):
             if torch.compiler.is_compiling():  # inside the user's own torch.compile
                 return compiled(self, *args, **kwargs)
-            ran = TracedWeights.calls
+            ran, before = TracedWeights.calls, len(rewriter.found)
             out = compiled(self, *args, **kwargs)
-            traces = len(rewriter.found)
-            if TracedWeights.calls == ran and traces >= torch._dynamo.config.recompile_limit:
-                _put_back(self, cls, traces)
+            if TracedWeights.calls == ran:  # this call ran unfused
+                traces = len(rewriter.found)
+                if traces >= torch._dynamo.config.recompile_limit:
+                    _put_back(self, cls, traces)
+                elif traces > before:
+                    _warn_unmatched(self, rewriter.found[before:])
             return out
 
         def __reduce_ex__(self, protocol):

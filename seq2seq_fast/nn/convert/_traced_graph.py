@@ -79,6 +79,7 @@ _REPEATS = {"repeat", "expand", "expand_as"}
 _WHERE = {torch.where}
 _NEW_FULL = {"new_full"}
 _CASTS = {"float", "double", "half", "bfloat16", "to", "type_as"}
+_SIZES = {"size", "dim"}
 
 
 class NoMatch(Exception):
@@ -349,6 +350,23 @@ def _hint(value):
     return value
 
 
+def _is_mask_setitem(user: fx.Node, node: fx.Node) -> bool:
+    """``scores[mask] = value`` with a bool mask of the scores' shape: an in-place masked_fill_
+    (d2l's ``masked_softmax`` writes ``X[~mask] = -1e6``)."""
+    if not (user.op == "call_function" and user.target is operator.setitem):
+        return False
+    if len(user.args) != 3 or user.args[0] is not node or not isinstance(user.args[1], fx.Node):
+        return False
+    index, scores = _value(user.args[1]), _value(node)
+    # (a bool index of the scores' rank must have their shape, or the write would fail)
+    return (
+        isinstance(index, Tensor)
+        and isinstance(scores, Tensor)
+        and index.dtype == torch.bool
+        and index.dim() == scores.dim()
+    )
+
+
 def _from_call_inputs(node: fx.Node) -> bool:
     """Whether ``node`` depends on a graph input that is not a parameter or buffer (TorchDynamo
     names each input by its source: ``L['self']._modules['q']._parameters['weight']``)."""
@@ -395,6 +413,7 @@ class Match:
     shape_ops: list[fx.Node] = field(default_factory=list)
     split_nodes: list[fx.Node] = field(default_factory=list)
     helpers: list[fx.Node] = field(default_factory=list)  # new_full(scores, ...): dtype only
+    sizes: list[tuple[fx.Node, int]] = field(default_factory=list)  # (size, after k shape ops)
     normalize: str = "softmax"  # or "sigmoid": `softmax` is then the division
     normalize_nodes: list[fx.Node] = field(default_factory=list)  # the sum, then the sigmoids
 
@@ -461,9 +480,14 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
     steps, shape_ops = [], []
     node = scores
     helpers: list[fx.Node] = []  # scores.new_full(...) for a where: the scores' dtype only
+    sizes: list[tuple[fx.Node, int]] = []  # .size() of the chain, after this many shape ops
     while True:
         users = [u for u in node.users if u not in helpers or u.args[0] is node]
-        fills_in_place = [u for u in users if _is(u, {"masked_fill_"}) and u.args[0] is node]
+        fills_in_place = [
+            u
+            for u in users
+            if (_is(u, {"masked_fill_"}) and u.args[0] is node) or _is_mask_setitem(u, node)
+        ]
         for data in [u for u in users if getattr(u.target, "__name__", "") == "_get_data_attr"]:
             # scores.data.masked_fill_(...): the forward sees the fill, autograd does not, and a
             # softmax's backward gives those positions zero gradient all the same
@@ -491,6 +515,12 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
             if (_is(u, _NEW_FULL) and u.args[0] is node)
             or (_is(u, {"type_as"}) and len(u.args) == 2 and u.args[1] is node)
         ]  # they take only the scores' dtype (and device)
+        # `shape = scores.shape` (d2l's masked_softmax, to reshape back): asked of the weights
+        # after the same shape ops
+        for u in users:
+            if _is(u, _SIZES) and u.args[0] is node:
+                extra.append(u)
+                sizes.append((u, len(shape_ops)))
         helpers += extra
         normalised = _sigmoid_normalisation(node, [u for u in users if u not in extra])
         if normalised is not None:
@@ -624,6 +654,7 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
         shape_ops,
         split_nodes,
         helpers,
+        sizes,
         normalize,
         normalize_nodes,
     )
@@ -1163,8 +1194,20 @@ def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
             replacement,
             (match.query_terms, key_terms, match.bias_terms, match.vector, scales, masks, fills),
         )
-        for op in match.shape_ops:
-            node = graph.node_copy(op, lambda n, prev=node, src=op: prev if n is src.args[0] else n)
+        sizes = {}  # the chain's .size() / .dim(): asked of the weights at the same point
+
+        def ask_sizes(applied: int, of: fx.Node) -> None:
+            for helper, at in match.sizes:
+                if at == applied:
+                    sizes[helper] = graph.call_method(helper.target, (of, *helper.args[1:]))
+                    sizes[helper].meta.update(helper.meta)
+
+        ask_sizes(0, node)
+        for k, op in enumerate(match.shape_ops):
+            node = graph.node_copy(
+                op, lambda n, prev=node, src=op: prev if n is src.args[0] else sizes.get(n, n)
+            )
+            ask_sizes(k + 1, node)
     match.softmax.replace_all_uses_with(node)
     graph.erase_node(match.softmax)
     for op in match.normalize_nodes:  # the sigmoid normalisation's sum, then its sigmoids
@@ -1174,5 +1217,13 @@ def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
             helper.replace_input_with(helper.args[0], match.vector)
         elif _is(helper, {"type_as"}):  # x.type_as(scores) (dead if x is the scores' chain)
             helper.replace_input_with(helper.args[1], match.vector)
-        else:  # an in-place fill of the scores or of their .data: in the op's mask now
-            graph.erase_node(helper)
+        elif helper not in sizes:  # an in-place fill of the scores or of their .data: in the
+            graph.erase_node(helper)  # op's mask now
+    # the original shape ops (dead now, but a graph whose scores are written in place may keep
+    # them), then the sizes asked of them
+    for op in reversed(match.shape_ops):
+        if not op.users:
+            graph.erase_node(op)
+    for helper, size in sizes.items():  # its other users come after the weights too
+        helper.replace_all_uses_with(size)
+        graph.erase_node(helper)
