@@ -844,3 +844,24 @@ def _textbook_call(b, t, dtype):
 CASES += [
     Case("textbook_index_mask", _wrap(TextbookAdditive), _textbook_call, "att"),
 ]
+
+
+class ExpandedPointer(ConvPointer):
+    """The query term expanded along the frames first ([B, H] -> [B, H, T]), an implicit-dim
+    softmax, and padding filled with -inf: a combinatorial pointer network's form."""
+
+    def forward(self, query, ref, pad):
+        e = self.project_ref(ref)
+        q = self.project_query(query).unsqueeze(2).expand(-1, -1, ref.size(2))
+        v = self.vec.unsqueeze(0).expand(ref.size(0), -1).unsqueeze(1)
+        u = torch.bmm(v, torch.tanh(q + e)).squeeze(1).masked_fill(pad, float("-inf"))
+        return e, nn.Softmax()(u)
+
+
+def _expanded_pointer_call(b, t, dtype):
+    return (*_pointer_conv_call(b, t, dtype), ~lengths_mask(b, t))
+
+
+CASES += [
+    Case("expanded_pointer", _wrap(ExpandedPointer), _expanded_pointer_call, "att"),
+]

@@ -148,15 +148,18 @@ def _terms(node: fx.Node) -> list[fx.Node]:
     return [node]
 
 
-def _peel_repeat(node: fx.Node) -> fx.Node:
-    """The tensor a repeat/expand along leading axes was made from, where broadcasting it gives
-    the same (a linear map commutes with it; a sum broadcasts it)."""
+def _peel_repeat(node: fx.Node, kept_from_end: int = 0) -> fx.Node:
+    """The tensor a repeat/expand along other axes than one was made from, where broadcasting it
+    gives the same (a linear map commutes with it; a sum broadcasts it). The kept axis is
+    ``kept_from_end`` axes before the last (the hidden axis: the last one, or the middle one of a
+    [B, H, T] layout)."""
     while _is(node, _REPEATS) and isinstance(node.args[0], fx.Node):
         source, out = _shape(node.args[0]), _shape(node)
         if source is None or out is None or not source or len(source) > len(out):
             break
         padded = (1,) * (len(out) - len(source)) + source
-        if not _same(padded[-1], out[-1]):
+        kept = len(out) - 1 - kept_from_end
+        if kept < 0 or not _same(padded[kept], out[kept]):
             break
         if not all(_is_one(a) or _same(a, b) for a, b in zip(padded, out, strict=True)):
             break
@@ -467,8 +470,8 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
     if not isinstance(inner, fx.Node) or shape is None or len(shape) < 2:
         raise NoMatch("the tanh's input is not a tensor of rank 2 or more")
     rank = len(shape)
-    terms, split_nodes = [_peel_repeat(t) for t in _terms(inner)], []
     scores, vector, origin, hidden = _projection(tanh, shape, rank)
+    terms, split_nodes = [_peel_repeat(t, rank - 1 - hidden) for t in _terms(inner)], []
     width = shape[hidden]
     if len(terms) == 1:
         split = _split_concat_linear(graph, terms[0]) if hidden == rank - 1 else None
