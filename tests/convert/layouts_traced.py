@@ -865,3 +865,40 @@ def _expanded_pointer_call(b, t, dtype):
 CASES += [
     Case("expanded_pointer", _wrap(ExpandedPointer), _expanded_pointer_call, "att"),
 ]
+
+
+# --- whole-sequence attention normalised over [B * Tq, S] rows ---------------------------------
+
+
+class MergedRows(nn.Module):
+    """forward(queries [B, Tq, Q], memory [B, T, K], valid [B, T]) -> (context, weights): the
+    scores [B, Tq, T] masked with [B, 1, T], then viewed as [B * Tq, T] for the softmax and back
+    (an NMT toolkit's whole-sequence form). ``late_mask``: the mask is written after the view, one
+    row per (batch, query) pair: left alone (a known limit: the op's mask is per batch row)."""
+
+    def __init__(self, late_mask: bool = False) -> None:
+        super().__init__()
+        self.mem = nn.Linear(K, A, bias=False)
+        self.qry = nn.Linear(Q, A)
+        self.out = nn.Linear(A, 1, bias=False)
+        self.late_mask = late_mask
+
+    def forward(self, queries, memory, valid):
+        b, tq, _ = queries.shape
+        t = memory.size(1)
+        x = self.qry(queries).unsqueeze(2) + self.mem(memory).unsqueeze(1)
+        scores = self.out(torch.tanh(x)).squeeze(3)
+        if self.late_mask:
+            rows = scores.view(b * tq, t)
+            keep = valid.unsqueeze(1).expand(b, tq, t).reshape(b * tq, t)
+            weights = F.softmax(rows.masked_fill(~keep, -float("inf")), -1).view(b, tq, t)
+        else:
+            scores = scores.masked_fill(~valid.unsqueeze(1), -float("inf"))
+            weights = F.softmax(scores.view(b * tq, t), -1).view(b, tq, t)
+        return torch.bmm(weights, memory), weights
+
+
+CASES += [
+    Case("merged_rows", _wrap(MergedRows), _multi_call, "att"),
+    Case("merged_rows_late_mask", _wrap(lambda: MergedRows(late_mask=True)), _multi_call, None),
+]

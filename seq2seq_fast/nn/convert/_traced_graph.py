@@ -326,16 +326,24 @@ def _shape_op_origin(node: fx.Node, origin: tuple) -> tuple:
         return _permuted(origin, [d % rank for d in dims])
     if name == "contiguous":
         return origin
-    # squeeze, unsqueeze, view, reshape: allowed only when they remove or insert 1-axes
-    kept_before = [(s, o) for s, o in zip(before, origin, strict=True) if not _is_one(s)]
-    kept_after = [i for i, s in enumerate(after) if not _is_one(s)]
-    if len(kept_before) != len(kept_after) or not all(
-        _same(s, after[i]) for (s, _), i in zip(kept_before, kept_after, strict=True)
-    ):
+    # squeeze, unsqueeze, view, reshape: they may remove or insert 1-axes, and merge neighbouring
+    # axes into one (a tuple of their origins: [B, Tq, S] -> [B * Tq, S] before a softmax)
+    kept = [(s, o) for s, o in zip(before, origin, strict=True) if not _is_one(s)]
+    new, k = [], 0
+    for size in after:
+        if _is_one(size):
+            new.append(None)
+            continue
+        group, product = [], None
+        while k < len(kept) and (product is None or not _same(product, size)):
+            product = kept[k][0] if product is None else product * kept[k][0]
+            group += list(kept[k][1]) if isinstance(kept[k][1], tuple) else [kept[k][1]]
+            k += 1
+        if product is None or not _same(product, size):
+            raise NoMatch(f"{name} {list(before)} -> {list(after)} mixes axes")
+        new.append(group[0] if len(group) == 1 else tuple(group))
+    if k != len(kept):
         raise NoMatch(f"{name} {list(before)} -> {list(after)} mixes axes")
-    new = [None] * len(after)
-    for (_, o), i in zip(kept_before, kept_after, strict=True):
-        new[i] = o
     return tuple(new)
 
 
@@ -614,6 +622,8 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
     memory_axis = origin[dim % len(origin)]
     if memory_axis is None:
         raise NoMatch("the softmax runs over an axis of size 1")
+    if isinstance(memory_axis, tuple):
+        raise NoMatch("the softmax runs over axes merged into one")
     padded = {}
     for term in terms:
         term_shape = _shape(term)
@@ -669,6 +679,8 @@ def _check_mask(step: tuple, query_axes: list[int]) -> None:
     if mask_shape is None or len(mask_shape) > len(origin):
         raise NoMatch(f"a mask of shape {mask_shape} on scores of shape {list(at_shape)}")
     mask_shape = (1,) * (len(origin) - len(mask_shape)) + mask_shape
+    if any(isinstance(axis, tuple) for axis in origin):
+        raise NoMatch("a mask on scores whose axes were merged")
     for size, axis in zip(mask_shape, origin, strict=True):
         if axis in query_axes and not _is_one(size):
             raise NoMatch("the mask varies along a query axis")
