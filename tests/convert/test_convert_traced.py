@@ -515,3 +515,52 @@ def test_a_first_call_with_a_batch_of_one_decides_the_same(case):
         got, want = _run(model, args), _run(original, args)
         _assert_close(got[0], want[0], dtype, "outputs")
         _assert_close(got[1], want[1], dtype, "gradients")
+
+
+class _Widths(torch.nn.Module):
+    """forward(memory [B, T, 6], query [B, 5], pad [B, T]) -> weights; width and scaling vary by
+    instance, so instances need traces of their own."""
+
+    def __init__(self, width: int, halve: bool) -> None:
+        super().__init__()
+        self.k = torch.nn.Linear(6, width)
+        self.q = torch.nn.Linear(5, width, bias=False)
+        self.v = torch.nn.Linear(width, 1, bias=False)
+        self.halve = halve
+
+    def forward(self, memory, query, pad):
+        e = self.v(torch.tanh(self.k(memory) + self.q(query).unsqueeze(1))).squeeze(2)
+        if self.halve:
+            e = e / 2.0
+        return torch.softmax(e.masked_fill(pad, -float("inf")), 1)
+
+
+def test_many_instances_of_one_class_each_convert_and_run_fused():
+    """TorchDynamo's recompile limit (8) is counted per compiled function: with one per class, the
+    traces of a few instances (widths, dtypes, grad modes) used it up, and later instances were
+    refused or ran unfused. Each converted module has a cache of its own."""
+    limit = torch._dynamo.config.recompile_limit
+    for i in range(limit + 2):
+        dtype = torch.float64 if i % 2 else torch.float32
+        torch.manual_seed(i)
+        original = torch.nn.Sequential()
+        original.att = _Widths(4 + i, i % 3 == 0)
+        original = original.to(dtype)
+        model = copy.deepcopy(original)
+        report = fuse_attention_report(model)
+
+        def args(b, t, dtype=dtype):
+            pad = torch.zeros(b, t, dtype=torch.bool)
+            pad[0, -1] = True
+            return (torch.randn(b, t, 6, dtype=dtype), torch.randn(b, 5, dtype=dtype), pad)
+
+        model.att(*args(2, 4 + i % 5))  # converts
+        assert report.count == 1, (i, str(report))
+        calls = TracedWeights.calls
+        with torch.no_grad():
+            model.att(*args(3, 6))
+        call = args(2, 7)
+        got, want = _run(model.att, call), _run(original.att, call)
+        assert TracedWeights.calls >= calls + 2, i  # both calls ran the fused op
+        _assert_close(got[0], want[0], dtype, "outputs")
+        _assert_close(got[1], want[1], dtype, "gradients")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import types
 import warnings
 import weakref
 
@@ -398,14 +399,34 @@ def _warn_unmatched(module: nn.Module, found: list) -> None:
     )
 
 
+# Each converted module has its own trace cache: one instance's traces (other sizes, dtypes, an
+# argument that grows) never use up another's TorchDynamo recompile limit, which is counted per
+# compiled function (many instances of one class: a sweep, several models, a test session).
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (rewriter, fn)
+
+
+def _compiled_for(module: nn.Module, cls: type, backend: str):
+    entry = _COMPILED.get(module)
+    if entry is None:
+        # TorchDynamo keeps its cache on the code object: a copy of the function with a code
+        # object of its own gets a cache of its own (on every torch version)
+        fn = cls.forward
+        own = types.FunctionType(
+            fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+        )
+        own.__kwdefaults__ = fn.__kwdefaults__
+        rewriter = _Rewriter(backend)
+        entry = _COMPILED[module] = (rewriter, torch.compile(own, backend=rewriter))
+    return entry
+
+
 def traced_class(cls: type, backend: str) -> type:
     """The subclass of ``cls`` whose forward is ``cls.forward`` traced and rewritten."""
     key = (cls, backend)
     if key not in _CLASSES:
-        rewriter = _Rewriter(backend)
-        compiled = torch.compile(cls.forward, backend=rewriter)
 
         def forward(self, *args, **kwargs):
+            rewriter, compiled = _compiled_for(self, cls, backend)
             if torch.compiler.is_compiling():  # inside the user's own torch.compile
                 return compiled(self, *args, **kwargs)
             ran, before = TracedWeights.calls, len(rewriter.found)
@@ -426,7 +447,6 @@ def traced_class(cls: type, backend: str) -> type:
         namespace = {
             "forward": forward,
             "layout": LAYOUT,
-            "rewriter": rewriter,
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
             "__doc__": cls.__doc__,
@@ -516,7 +536,6 @@ def _probe_copies(module: nn.Module, recording: _Recording, backend: str, dtype:
     cls = traced_class(type(module), probe_backend)
     candidate.__class__ = cls
     results = []
-    before = len(cls.rewriter.found)
     default_dtype = torch.get_default_dtype()
     with torch.enable_grad(), torch.inference_mode(False), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -539,9 +558,9 @@ def _probe_copies(module: nn.Module, recording: _Recording, backend: str, dtype:
         finally:
             TracedWeights.log = None
             torch.set_default_dtype(default_dtype)
-    # what the candidate's call ran (its graphs may have been traced for another instance)
+    # what the candidate's call ran, and what its traces found
     matched = list(dict.fromkeys(replacement.description for replacement in ran))
-    found = cls.rewriter.found[before:] or cls.rewriter.found
+    found = _COMPILED[candidate][0].found if candidate in _COMPILED else []
     misses = [m for _, missed in found for m in missed]
     if not matched:
         why = "; ".join(dict.fromkeys(misses)) or (
