@@ -153,7 +153,9 @@ DDP_SCRIPT = textwrap.dedent(
     other = [torch.zeros_like(flat) for _ in range(2)]
     dist.all_gather(other, flat)
     assert torch.equal(other[0], other[1])
-    print("rank", ctx.rank, "ok")
+    # one write a line: the two ranks share the pipe, and print writes the newline apart
+    sys.stdout.write(f"rank {ctx.rank} ok\\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
     """
 )

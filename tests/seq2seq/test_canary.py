@@ -264,9 +264,12 @@ config = TrainConfig(out=sys.argv[1], epochs=1, steps_per_epoch=5, batch_size=16
 try:
     tm.train(config)
 except FusedKernelError as exc:
-    print(f"rank {os.environ['RANK']}: FusedKernelError", exc.path, flush=True)
+    # one write a line: the two ranks share the pipe, and print writes the newline apart
+    sys.stdout.write(f"rank {os.environ['RANK']}: FusedKernelError {exc.path}\\n")
+    sys.stdout.flush()
     sys.exit(3)
-print(f"rank {os.environ['RANK']}: trained on", flush=True)
+sys.stdout.write(f"rank {os.environ['RANK']}: trained on\\n")
+sys.stdout.flush()
 """
 
 
