@@ -179,7 +179,7 @@ def child_names(module: nn.Module) -> set[str]:
 CHECK_RTOL, CHECK_ATOL = 1e-7, 1e-9
 
 
-def _float64_cpu_copy(module: nn.Module, dtype: torch.dtype = torch.float64) -> nn.Module:
+def _cpu_copy(module: nn.Module, dtype: torch.dtype = torch.float64) -> nn.Module:
     # A module that ran with gradients may hold graph tensors as state (d2l's attention_weights,
     # ESPnet's cached projection), which deepcopy refuses: the copy gets them detached.
     # (also inside lists, tuples and dicts: ESPnet's multi-head attentions keep a list per head)
@@ -262,12 +262,12 @@ def check_equivalent(module: nn.Module, layout: Layout, backend: str, seed: int 
     """None when ``layout``'s stand-in for ``module`` gives the same outputs and gradients as
     ``module`` on ``layout.example_call`` (float64 CPU copies; ``module`` is not touched); else
     why not."""
-    original = _float64_cpu_copy(module)
+    original = _cpu_copy(module)
     if backend != "reference" and not fused_available("cpu", torch.float64):
         backend = "reference"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        candidate = layout.build(_float64_cpu_copy(module), backend)
+        candidate = layout.build(_cpu_copy(module), backend)
         candidate.train(module.training)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

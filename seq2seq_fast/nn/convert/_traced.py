@@ -47,8 +47,8 @@ from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Replaced,
     Skipped,
+    _cpu_copy,
     _first_difference,
-    _float64_cpu_copy,
     _gradients,
     class_name,
 )
@@ -361,8 +361,8 @@ _CLASSES: dict[tuple[type, str], type] = {}
 # A converted module whose calls keep tracing anew (an argument whose structure changes with every
 # call: a list of past weights that grows by one each decoder step) pays a trace per call until
 # TorchDynamo's recompile limit, and then runs its own code behind the guards: unfused. A call that
-# ran no fused replacement once the class's traces reach that limit puts the module back in its own
-# class, with a warning and a line in the report that say why.
+# ran no fused replacement once the module's traces reach that limit puts it back in its own class,
+# with a warning and a line in the report that say why.
 _CONVERTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> (report, path)
 
 
@@ -519,8 +519,8 @@ def _probe_copies(module: nn.Module, recording: _Recording, backend: str, dtype:
             return value.detach().to("cpu", dtype)
         return value
 
-    original = _float64_cpu_copy(module, dtype)
-    candidate = _float64_cpu_copy(module, dtype)
+    original = _cpu_copy(module, dtype)
+    candidate = _cpu_copy(module, dtype)
     for copy_ in (original, candidate):
         _strip_watches(copy_)
         copy_.train(module.training)
