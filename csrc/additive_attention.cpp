@@ -38,6 +38,7 @@
 
 #include "additive_attention.h"
 #include "bf16.h"
+#include "kernels/tanh_coeffs.h"
 #include "runtime.h"
 
 namespace seq2seq_fast {
@@ -286,8 +287,9 @@ ScoreVectors<T> score_vectors(const Tensor& v, int64_t H, int64_t Hp) {
 }
 
 // The keys an item's kernels read: packed rows (T, Hp long), or the input rows themselves (M,
-// H = Hp long; a decoding step on the rational path: it streams B * Tk * H keys from memory once,
-// and copying them first would read and write them twice).
+// H = Hp long; a decoding step, one query per item on the rational path or kProductBf16: it
+// streams B * Tk * H keys from memory once, and copying them first would read and write them
+// twice).
 template <typename T, typename M>
 struct ItemKeys {
   int path;
@@ -295,15 +297,24 @@ struct ItemKeys {
   const M* raw;
 };
 
+// One query of bfloat16 rows: kProductBf16 (kernels.h), its packed query scaled by 2 log2(e).
+template <typename T>
+int one_query_path(T* qbuf, int64_t nq, int64_t Hp, bool bf16) {
+  if (!bf16) return kRational;
+  for (int64_t e = 0; e < nq * Hp; ++e) qbuf[e] *= T(S2S_TWO_LOG2E);
+  return kProductBf16;
+}
+
 // Packs an item's query rows (+ bias) and its batch row's keys; picks the tanh path.
 template <typename T, typename M>
 ItemKeys<T, M> pack_item(const KernelTable<T>& kt, const M* q_rows, int64_t nq, const M* k_rows,
                          int64_t nk, const T* bias, int64_t H, int64_t Hp, T* qbuf, T* kbuf) {
   const T q_max = pack_rows_of(kt, q_rows, nq, H, bias, qbuf, Hp);
   if (nq < kMinQueriesForProduct) {
-    if (H == Hp) return {kRational, nullptr, k_rows};
+    const int path = one_query_path(qbuf, nq, Hp, std::is_same_v<M, Bf16>);
+    if (H == Hp) return {path, nullptr, k_rows};
     pack_rows_of(kt, k_rows, nk, H, static_cast<const T*>(nullptr), kbuf, Hp);
-    return {kRational, kbuf, nullptr};
+    return {path, kbuf, nullptr};
   }
   const T k_max = pack_rows_of(kt, k_rows, nk, H, static_cast<const T*>(nullptr), kbuf, Hp);
   if (q_max <= ProductRange<T>::limit && k_max <= ProductRange<T>::limit) {
@@ -410,7 +421,7 @@ const T* location_conv_rows(const KernelTable<T>& kt, const LocationTerm<T>& loc
 // An item's packed queries and keys (pack_item): the keys tensor's rows of batch row b, or for a
 // location-aware step (loc given, `keys` then the projected memory) projected[s] + conv[s] W^T
 // formed as T rows in per-thread scratch. A bfloat16 step packs its float32 keys as they are (one
-// query: the rational path, as pack_item picks for it).
+// query: kProductBf16, as pack_item picks for it).
 template <typename T, typename M>
 ItemKeys<T, M> item_keys(const KernelTable<T>& kt, const LocationTerm<T>* loc, const M* q_rows,
                          int64_t nq, const M* keys, const Sizes& n, int64_t b, int64_t nk,
@@ -428,7 +439,7 @@ ItemKeys<T, M> item_keys(const KernelTable<T>& kt, const LocationTerm<T>* loc, c
                 nq, " queries");
     pack_rows_of(kt, q_rows, nq, n.H, bias, qbuf, Hp);
     kt.pack_rows(formed, nk, n.H, static_cast<const T*>(nullptr), kbuf, Hp);
-    return {kRational, kbuf, nullptr};
+    return {one_query_path(qbuf, nq, Hp, true), kbuf, nullptr};
   }
 }
 

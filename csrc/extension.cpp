@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "kernels/tanh_coeffs.h"
 #include "runtime.h"
 
 namespace seq2seq_fast {
@@ -15,13 +16,15 @@ using at::Tensor;
 
 // tanh(x + y) elementwise exactly as the kernels evaluate it. path: 0 = product (needs
 // |x|, |y| <= the product limit and |x| + |y| <= the safe sum), 1 = rational, 2 = capped product
-// (|x|, |y| <= the product limit). Lets tests bound the error against torch.tanh.
+// (|x|, |y| <= the product limit), 3 = the bfloat16 rows' product (float32; any x, y). Lets tests
+// bound the error against torch.tanh.
 Tensor fast_tanh(const Tensor& x, const Tensor& y, int64_t path) {
   TORCH_CHECK(x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type(),
               "_fast_tanh: x and y must have one shape and dtype");
-  TORCH_CHECK(path == kProduct || path == kRational || path == kProductCapped,
-              "_fast_tanh: path must be 0 (product), 1 (rational) or 2 (capped product), got ",
-              path);
+  TORCH_CHECK(path == kProduct || path == kRational || path == kProductCapped ||
+                  path == kProductBf16,
+              "_fast_tanh: path must be 0 (product), 1 (rational), 2 (capped product) or 3 ",
+              "(bfloat16 rows' product), got ", path);
   auto run = [&](auto tag) {
     using T = decltype(tag);
     const auto& kt = runtime_kernels<T>();
@@ -30,7 +33,9 @@ Tensor fast_tanh(const Tensor& x, const Tensor& y, int64_t path) {
     Tensor a = at::zeros({padded}, x.options()), b = at::zeros({padded}, x.options());
     a.narrow(0, 0, numel).copy_(x.reshape(-1));
     b.narrow(0, 0, numel).copy_(y.reshape(-1));
-    if (path != kRational) {
+    if (path == kProductBf16) {
+      a.mul_(S2S_TWO_LOG2E);
+    } else if (path != kRational) {
       kt.exp_inplace(a.data_ptr<T>(), padded, T(2));
       kt.exp_inplace(b.data_ptr<T>(), padded, T(2));
     }

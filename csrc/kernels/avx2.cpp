@@ -78,6 +78,21 @@ struct S {
     q = fma(q, x2, set1(1.0f));
     return mul(mul(x, p), rcp(q));
   }
+  // 2^t = 2^n p(t - n), n = floor(t), t clamped to [-127, 127] (NaN kept) so that 2^n is built
+  // from its exponent bits (0 at -127) and 1 + 2^t stays finite for the Newton reciprocal.
+  static inline V exp2_lowp(V t) {
+    t = clamp(t, -127.0f, 127.0f);
+    const V n = _mm256_floor_ps(t);
+    const V f = _mm256_sub_ps(t, n);
+    V p = fma(set1(float(S2S_EXP2_C3)), f, set1(float(S2S_EXP2_C2)));
+    p = fma(p, f, set1(float(S2S_EXP2_C1)));
+    p = fma(p, f, set1(float(S2S_EXP2_C0)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                            _mm256_set1_epi32(127)), 23);
+    return mul(p, _mm256_castsi256_ps(bits));
+  }
+  // The 12-bit estimate errs by up to 3.7e-4: the Newton step is kept.
+  static inline V rcp_lowp(V d) { return rcp(d); }
   // exp(x) for x below -87 (where 2^n would leave the normal floats) is 0, -inf included: a
   // masked or -inf score gets weight exactly 0 (the true value is below 1.7e-38 anyway).
   static inline V exp(V x) {

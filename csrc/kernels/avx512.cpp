@@ -74,6 +74,17 @@ struct S {
     q = fma(q, x2, set1(1.0f));
     return mul(mul(x, p), rcp(q));
   }
+  // 2^t = 2^floor(t) p(t - floor(t)): vreduceps gives t - floor(t) (0 for +-inf, NaN for NaN),
+  // vscalefps multiplies by 2^floor(t) (inf for t = inf, 0 for -inf; NaN stays NaN).
+  static inline V exp2_lowp(V t) {
+    const V f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    V p = fma(set1(float(S2S_EXP2_C3)), f, set1(float(S2S_EXP2_C2)));
+    p = fma(p, f, set1(float(S2S_EXP2_C1)));
+    p = fma(p, f, set1(float(S2S_EXP2_C0)));
+    return _mm512_scalef_ps(p, t);
+  }
+  // The 14-bit estimate alone (1 / inf = 0, no Newton step to turn it into NaN).
+  static inline V rcp_lowp(V d) { return _mm512_rcp14_ps(d); }
   // exp(x) below -104 (under half the smallest denormal) is 0, -inf included.
   static inline V exp(V x) {
     const __mmask16 under = _mm512_cmp_ps_mask(x, set1(-104.0f), _CMP_LT_OQ);  // not NaN

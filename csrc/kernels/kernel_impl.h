@@ -5,9 +5,11 @@
 //
 // S provides: T, V (one vector), W (lanes), QB/KB (register tile), load/store/set1/zero, add/mul,
 // fma(a,b,c) = a*b + c, fnma(a,b,c) = c - a*b, rcp (~full precision), tanh (clamped rational),
-// exp, hsum, and a range flag (flag_init/flag_update/flag_any). load/store also take Bf16 rows
-// (kernels.h): converted in registers, so every kernel that is a template on the type of its rows
-// (M / K / X below: T or Bf16) reads bfloat16 with the same arithmetic.
+// exp, cap, absmax/hmax, hsum, and for kProductBf16 exp2_lowp (2^t to 7.6e-5 relative for any t:
+// NaN stays NaN, 2^inf = inf, 2^-inf = 0) and rcp_lowp (1/d for d >= 1 to 2^-14 relative or
+// better, 1/inf = 0). load/store also take Bf16 rows (kernels.h): converted in registers, so
+// every kernel that is a template on the type of its rows (M / K / X below: T or Bf16) reads
+// bfloat16 with the same arithmetic.
 
 // One element of a T or bfloat16 row, as T (the scalar tails of the row loops).
 inline typename S::T scalar(typename S::T x) { return x; }
@@ -31,6 +33,9 @@ inline typename S::V elem(typename S::V a, typename S::V b, typename S::V one,
     return S::rcp(S::fma(a, b, one));  // r = 1 / (1 + e^{2a} e^{2b}); tanh(a + b) = 1 - 2r
   } else if constexpr (P == kProductCapped) {
     return S::rcp(S::cap(S::fma(a, b, one), cap));
+  } else if constexpr (P == kProductBf16) {  // a = 2 log2(e) (q + bias), b a key as it is
+    const auto t = S::fma(b, S::set1(typename S::T(S2S_TWO_LOG2E)), a);
+    return S::rcp_lowp(S::add(S::exp2_lowp(t), one));
   } else {
     return S::tanh(S::add(a, b));
   }
@@ -101,12 +106,13 @@ template <typename K>
 void scores(int path, const typename S::T* A, int64_t nq, const K* Bk, int64_t nk,
             int64_t Hp, const typename S::T* veff, typename S::T offset, typename S::T* out,
             int64_t ldo) {
-  if (path == kProduct) {
-    scores_rows<kProduct>(A, nq, Bk, nk, Hp, veff, offset, out, ldo);
-  } else if (path == kProductCapped) {
-    scores_rows<kProductCapped>(A, nq, Bk, nk, Hp, veff, offset, out, ldo);
-  } else {
-    scores_rows<kRational>(A, nq, Bk, nk, Hp, veff, offset, out, ldo);
+  switch (path) {
+    case kProduct: scores_rows<kProduct>(A, nq, Bk, nk, Hp, veff, offset, out, ldo); break;
+    case kProductCapped:
+      scores_rows<kProductCapped>(A, nq, Bk, nk, Hp, veff, offset, out, ldo);
+      break;
+    case kProductBf16: scores_rows<kProductBf16>(A, nq, Bk, nk, Hp, veff, offset, out, ldo); break;
+    default: scores_rows<kRational>(A, nq, Bk, nk, Hp, veff, offset, out, ldo); break;
   }
 }
 
@@ -200,12 +206,17 @@ template <typename K>
 void fused_grads(int path, const typename S::T* A, int64_t nq, const K* Bk,
                  int64_t nk, int64_t Hp, const typename S::T* de, int64_t ldd, typename S::T* gq,
                  typename S::T* gk, typename S::T* gv, const typename S::T* kscale) {
-  if (path == kProduct) {
-    fused_grads_rows<kProduct>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
-  } else if (path == kProductCapped) {
-    fused_grads_rows<kProductCapped>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
-  } else {
-    fused_grads_rows<kRational>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
+  switch (path) {
+    case kProduct:
+      fused_grads_rows<kProduct>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
+      break;
+    case kProductCapped:
+      fused_grads_rows<kProductCapped>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
+      break;
+    case kProductBf16:
+      fused_grads_rows<kProductBf16>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
+      break;
+    default: fused_grads_rows<kRational>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale); break;
   }
 }
 
@@ -291,40 +302,54 @@ void weighted_rows_block(const typename S::T* w, int64_t so, int64_t si, int64_t
   }
 }
 
-// One output row, x read row by row (four rows per sweep of the L1-resident output): for few
+// Hints that the cache line at p will be read soon (no-op where the compiler has no prefetch).
+inline void prefetch_line([[maybe_unused]] const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+// out += sum_{r < R} w[r * si] x[r * D + .] over D, one sweep of the L1-resident out for R rows;
+// with `next` (R rows that the following sweep reads) each of their cache lines is prefetched
+// as this sweep reaches its column: bfloat16 rows are consumed at twice the bytes per
+// instruction, faster than the hardware prefetchers ramp up on a new group of streams.
+template <int R, typename X>
+void add_weighted_rows(const typename S::T* w, int64_t si, const X* x, int64_t D,
+                       const X* next, typename S::T* out) {
+  using V = typename S::V;
+  constexpr int64_t kLine = 64 / int64_t(sizeof(X));  // elements per cache line
+  V wr[R];
+  for (int r = 0; r < R; ++r) wr[r] = S::set1(w[r * si]);
+  const int64_t Dv = D / S::W * S::W;
+  for (int64_t d = 0; d < Dv; d += S::W) {
+    if (next != nullptr && d % kLine == 0) {
+      for (int r = 0; r < R; ++r) prefetch_line(next + r * D + d);
+    }
+    V acc = S::load(out + d);
+    for (int r = 0; r < R; ++r) acc = S::fma(wr[r], S::load(x + r * D + d), acc);
+    S::store(out + d, acc);
+  }
+  for (int64_t d = Dv; d < D; ++d) {
+    for (int r = 0; r < R; ++r) out[d] += w[r * si] * scalar(x[r * D + d]);
+  }
+}
+
+// One output row, x read row by row (eight rows per sweep of the L1-resident output): for few
 // outputs (a decoding step's context) x streams from memory in address order, which the hardware
 // prefetchers follow, instead of n_in interleaved streams.
 template <typename X>
 void weighted_row_stream(const typename S::T* w, int64_t si, int64_t n_in, const X* x, int64_t D,
                          typename S::T* out) {
-  using V = typename S::V;
   using T = typename S::T;
   for (int64_t d = 0; d < D; ++d) out[d] = T(0);
-  const int64_t Dv = D / S::W * S::W;
   int64_t i = 0;
-  for (; i + 4 <= n_in; i += 4) {
-    const X* x0 = x + i * D;
-    const V w0 = S::set1(w[i * si]), w1 = S::set1(w[(i + 1) * si]);
-    const V w2 = S::set1(w[(i + 2) * si]), w3 = S::set1(w[(i + 3) * si]);
-    for (int64_t d = 0; d < Dv; d += S::W) {
-      V acc = S::load(out + d);
-      acc = S::fma(w0, S::load(x0 + d), acc);
-      acc = S::fma(w1, S::load(x0 + D + d), acc);
-      acc = S::fma(w2, S::load(x0 + 2 * D + d), acc);
-      acc = S::fma(w3, S::load(x0 + 3 * D + d), acc);
-      S::store(out + d, acc);
-    }
-    for (int64_t d = Dv; d < D; ++d) {
-      out[d] += w[i * si] * scalar(x0[d]) + w[(i + 1) * si] * scalar(x0[D + d]) +
-                w[(i + 2) * si] * scalar(x0[2 * D + d]) + w[(i + 3) * si] * scalar(x0[3 * D + d]);
-    }
+  for (; i + 8 <= n_in; i += 8) {
+    const X* next = i + 16 <= n_in ? x + (i + 8) * D : nullptr;
+    add_weighted_rows<8>(w + i * si, si, x + i * D, D, next, out);
   }
-  for (; i < n_in; ++i) {
-    const X* xi = x + i * D;
-    const V wi = S::set1(w[i * si]);
-    for (int64_t d = 0; d < Dv; d += S::W) S::store(out + d, S::fma(wi, S::load(xi + d), S::load(out + d)));
-    for (int64_t d = Dv; d < D; ++d) out[d] += w[i * si] * scalar(xi[d]);
-  }
+  const X* none = nullptr;
+  for (; i + 4 <= n_in; i += 4) add_weighted_rows<4>(w + i * si, si, x + i * D, D, none, out);
+  for (; i < n_in; ++i) add_weighted_rows<1>(w + i * si, si, x + i * D, D, none, out);
 }
 
 template <typename X>
@@ -403,6 +428,8 @@ void tanh_pairs(int path, const typename S::T* a, const typename S::T* b, typena
       S::store(out + i, S::fnma(two, elem<kProduct>(x, y, one, cap), one));
     } else if (path == kProductCapped) {
       S::store(out + i, S::fnma(two, elem<kProductCapped>(x, y, one, cap), one));
+    } else if (path == kProductBf16) {
+      S::store(out + i, S::fnma(two, elem<kProductBf16>(x, y, one, cap), one));
     } else {
       S::store(out + i, elem<kRational>(x, y, one, cap));
     }

@@ -19,6 +19,12 @@
 //              Newton step turns 1 / inf into NaN (this was the NaN of 0.1.0 for a + b in
 //              ~44..80 with two or more queries per item).
 //   kRational: tanh(a + b) by a clamped rational function of a + b; any finite input, NaN and inf.
+//   kProductBf16: bfloat16 rows with one query per item (a decoding step, which the rational path
+//              would bind to its ~16 vector operations per element): A = 2 log2(e) a packed, B the
+//              rows as they are, r = 1 / (1 + 2^{A + 2 log2(e) B}) with a degree-3 2^f and a
+//              14-bit reciprocal (about 9 operations); y = r as on the product path (tanh = 1 - 2r,
+//              u = r - r^2). Its error (<= 1e-4 in tanh, tanh_coeffs.h) is below the inputs' own
+//              rounding (2^-9 relative). Any input: +-inf give +-1, NaN stays NaN.
 #pragma once
 
 #include <cstdint>
@@ -35,7 +41,7 @@
 
 namespace seq2seq_fast {
 
-enum TanhPath : int { kProduct = 0, kRational = 1, kProductCapped = 2 };
+enum TanhPath : int { kProduct = 0, kRational = 1, kProductCapped = 2, kProductBf16 = 3 };
 
 // bfloat16 storage: the upper 16 bits of a float32 (c10::BFloat16's layout, so a tensor's
 // data_ptr<at::BFloat16>() can be read as Bf16). To float32: a 16-bit shift, exact. From float32:
@@ -75,8 +81,8 @@ struct KernelTable {
   // out[i * ldo + j] = a[i] . b[j] (rows D long) for i < na, j < nb: dp = dctx values^T.
   void (*dots)(const T* a, int64_t na, const T* b, int64_t nb, int64_t D, T* out, int64_t ldo);
   // out[t * ldo + s] = offset + sum_h veff[h] * y[t,s,h] for t < nq, s < nk, where
-  // y = f(A[t], B[s]) = r = 1/(1 + A B) (kProduct; veff = -2 v, offset = sum v) or tanh(A + B)
-  // (kRational; veff = v).
+  // y = f(A[t], B[s]) = r = 1/(1 + A B) (kProduct; veff = -2 v, offset = sum v; kProductBf16 the
+  // same r from A = 2 log2(e) a and B = b) or tanh(A + B) (kRational; veff = v).
   void (*scores)(int path, const T* A, int64_t nq, const T* Bk, int64_t nk, int64_t Hp,
                  const T* veff, T offset, T* out, int64_t ldo);
   // The backward's one pass over the (query, key) pairs, y as above computed in registers, with
@@ -87,7 +93,8 @@ struct KernelTable {
   void (*fused_grads)(int path, const T* A, int64_t nq, const T* Bk, int64_t nk, int64_t Hp,
                       const T* de, int64_t ldd, T* gq, T* gk, T* gv, const T* kscale);
   // out[i] = tanh(a[i] + b[i]) as the kernels evaluate it (test hook); n a multiple of 16.
-  // kProduct expects a, b already mapped to exp(2a), exp(2b).
+  // kProduct expects a, b already mapped to exp(2a), exp(2b); kProductBf16 a mapped to
+  // 2 log2(e) a.
   void (*tanh_pairs)(int path, const T* a, const T* b, T* out, int64_t n);
   // One row of a GRU step (csrc/gru.cpp): from gx = W_ih x + b_ih and gh = W_hh h + b_hh (3H each,
   // gates r, z, n) and h_prev = hp (H): h (H) and saved = [r | z | n | gh_n] (4H), with

@@ -35,6 +35,16 @@ struct Scalar {
   }
   static inline T hmax(V x) { return x; }
   static inline V exp(V x) { return std::exp(x); }
+  // 2^t = 2^n p(t - n), n = floor(t), t clamped to [-127, 127]; NaN stays NaN.
+  static inline V exp2_lowp(V t) {
+    if (t != t) return t;
+    t = t < T(-127) ? T(-127) : (t > T(127) ? T(127) : t);
+    const T n = std::floor(t);
+    const T f = t - n;
+    const T p = ((T(S2S_EXP2_C3) * f + T(S2S_EXP2_C2)) * f + T(S2S_EXP2_C1)) * f + T(S2S_EXP2_C0);
+    return std::ldexp(p, int(n));
+  }
+  static inline V rcp_lowp(V d) { return T(1) / d; }
 };
 }  // namespace portable_common
 

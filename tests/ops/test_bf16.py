@@ -127,8 +127,18 @@ def _bf16_against_plain(inputs, lengths, mask, *, step=False, strided=False, see
         ((3, 1, 13, 32, 8), "lengths", True, True),  # strided step, empty row
         ((1, 24, 10, 16, 6), "none", False, False),  # one batch row: queries split over items
         ((2, 6, 7, 20, 9), "mask", False, True),  # strided, an all-masked row
+        ((4, 1, 9, 64, 8), "lengths", True, False),  # a step, H a multiple of 32
+        ((2, 1, 33, 1024, 16), "none", True, False),  # a wide step: 1024 tanh terms a score
     ],
-    ids=["packed", "step-raw-keys", "step-strided", "split-rows", "strided-mask"],
+    ids=[
+        "packed",
+        "step-raw-keys",
+        "step-strided",
+        "split-rows",
+        "strided-mask",
+        "step-h64",
+        "step-wide",
+    ],
 )
 def test_attention_bf16_every_path_and_isa(isa, shape, kind, step, strided, monkeypatch):
     _use_isa(isa, monkeypatch)

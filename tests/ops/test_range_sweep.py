@@ -306,7 +306,8 @@ def test_the_sweep_reaches_every_band():
 @pytest.mark.parametrize("isa", ISAS)
 def test_product_tanh_paths_over_their_whole_domain(isa, monkeypatch):
     """tanh(a + b) from e^{2a} e^{2b}: the plain product path wherever |a| + |b| <= 43 (the safe
-    sum, csrc/kernels/kernels.h), the capped one over all |a|, |b| <= 40, sums to 80 included."""
+    sum, csrc/kernels/kernels.h), the capped one over all |a|, |b| <= 40, sums to 80 included; the
+    bfloat16 rows' one (2^{2 log2(e) (a + b)}) over the grid and parts to 1e4."""
     _use_isa(isa, monkeypatch)
     fast_tanh = torch.ops.seq2seq_fast._fast_tanh
     grid = torch.linspace(-40, 40, 1601)
@@ -318,3 +319,15 @@ def test_product_tanh_paths_over_their_whole_domain(isa, monkeypatch):
     safe = (a.abs() + b.abs()) <= 43
     plain = fast_tanh(a[safe], b[safe], 0)
     assert (plain.double() - exact[safe]).abs().max().item() < 1e-6
+    # The bfloat16 rows' product path (any a, b): the same grid; parts to 100 that cancel (the
+    # float32 rounding of the scaled query, 2^-24 |a|, stays far below the bound there; bfloat16
+    # inputs of that size are themselves rounded by 2^-9 |a|); parts to 1e4 of either sign.
+    bf16_rows = fast_tanh(a, b, 3)
+    assert (bf16_rows.double() - exact).abs().max().item() < 1.5e-4
+    mid = torch.linspace(-100, 100, 20001)
+    big = torch.logspace(0, 4, 2001)
+    a = torch.cat([mid, big, -big, big, -big])
+    b = torch.cat([-mid + torch.linspace(-3, 3, 20001), big, -big, -big / 3, big / 3])
+    got = fast_tanh(a, b, 3)
+    assert torch.isfinite(got).all()
+    assert (got.double() - torch.tanh(a.double() + b.double())).abs().max().item() < 1.5e-4
