@@ -919,7 +919,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   if (split && acc) {
     dk.add_(dk_parts.sum(1));
   } else if (split) {
-    dk = dk_parts.sum(1).to(opts.dtype());  // (bfloat16: the one rounding of the summed rows)
+    if constexpr (std::is_same_v<M, Bf16>) {
+      // Summed in float32 in block order and rounded once into the bfloat16 rows: no float32
+      // [B, Tk, H] temporary beyond what float32 needs (the partials).
+      const T* parts = dk_parts.data_ptr<T>();
+      M* out = out_ptr<M>(dk);
+      const int64_t row = n.Tk * n.H, blocks = plan.blocks_per_row;
+      at::parallel_for(0, n.B * n.Tk, 1, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const T* first = parts + (r / n.Tk) * blocks * row + (r % n.Tk) * n.H;
+          for (int64_t h = 0; h < n.H; ++h) {
+            T sum = first[h];
+            for (int64_t blk = 1; blk < blocks; ++blk) sum += first[blk * row + h];
+            out[r * n.H + h] = to_storage<M>(sum);
+          }
+        }
+      });
+    } else {
+      at::sum_out(dk, dk_parts, {1});
+    }
   }
   auto [dv, dbias] = reduce_item_partials<T, M>(dv_parts.get(), db_parts.get(), plan.items, n.H,
                                                 Hp, opts);
