@@ -24,6 +24,7 @@ struct S {
   static constexpr int W = 8;
   static constexpr int QB = 2;  // 16 ymm registers: 2 x 4 tile
   static constexpr int KB = 4;
+  static constexpr int KB1 = 4;  // one query: 1 x 4 (16 registers)
   static inline V load(const float* p) { return _mm256_loadu_ps(p); }
   static inline void store(float* p, V x) { _mm256_storeu_ps(p, x); }
   // bfloat16: widen to 32 bits and shift into the high half (exact).

@@ -26,6 +26,7 @@ struct S {
   static constexpr int W = 16;
   static constexpr int QB = 4;  // 4 queries x 4 keys: 16 accumulators + 8 operands in 32 registers
   static constexpr int KB = 4;
+  static constexpr int KB1 = 8;  // one query: 1 x 8 (8 accumulators)
   static inline V load(const float* p) { return _mm512_loadu_ps(p); }
   static inline void store(float* p, V x) { _mm512_storeu_ps(p, x); }
   // bfloat16: widen to 32 bits and shift into the high half (exact).

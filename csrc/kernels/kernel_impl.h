@@ -76,12 +76,19 @@ void score_tile(const typename S::T* A, const K* Bk, int64_t Hp,
     for (int j = 0; j < KB; ++j) out[i * ldo + j] = offset + S::hsum(acc[i][j]);
 }
 
+// One query (a decoding step) takes wider key tiles where the registers allow (S::KB1): v and
+// the query are loaded once per KB1 keys, and the loop has more independent chains.
 template <int P, int QB, typename K>
 void score_cols(const typename S::T* A, const K* Bk, int64_t nk, int64_t Hp,
                 const typename S::T* veff, typename S::T offset, typename S::T* out, int64_t ldo) {
+  constexpr int KB = QB == 1 ? S::KB1 : S::KB;
   int64_t s = 0;
-  for (; s + S::KB <= nk; s += S::KB)
-    score_tile<P, QB, S::KB>(A, Bk + s * Hp, Hp, veff, offset, out + s, ldo);
+  for (; s + KB <= nk; s += KB)
+    score_tile<P, QB, KB>(A, Bk + s * Hp, Hp, veff, offset, out + s, ldo);
+  if constexpr (KB > S::KB) {
+    for (; s + S::KB <= nk; s += S::KB)
+      score_tile<P, QB, S::KB>(A, Bk + s * Hp, Hp, veff, offset, out + s, ldo);
+  }
   for (; s < nk; ++s) score_tile<P, QB, 1>(A, Bk + s * Hp, Hp, veff, offset, out + s, ldo);
 }
 

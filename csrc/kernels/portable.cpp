@@ -16,6 +16,7 @@ struct Scalar {
   static constexpr int W = 1;
   static constexpr int QB = 2;
   static constexpr int KB = 4;
+  static constexpr int KB1 = 4;
   static inline V load(const T* p) { return *p; }
   static inline void store(T* p, V x) { *p = x; }
   static inline V load(const Bf16* p) { return T(bf16_to_float(*p)); }

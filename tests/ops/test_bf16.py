@@ -127,7 +127,7 @@ def _bf16_against_plain(inputs, lengths, mask, *, step=False, strided=False, see
         ((3, 1, 13, 32, 8), "lengths", True, True),  # strided step, empty row
         ((1, 24, 10, 16, 6), "none", False, False),  # one batch row: queries split over items
         ((2, 6, 7, 20, 9), "mask", False, True),  # strided, an all-masked row
-        ((4, 1, 9, 64, 8), "lengths", True, False),  # a step, H a multiple of 32
+        ((4, 1, 21, 64, 8), "lengths", True, False),  # a step: 8-key, 4-key and single tiles
         ((2, 1, 33, 1024, 16), "none", True, False),  # a wide step: 1024 tanh terms a score
     ],
     ids=[

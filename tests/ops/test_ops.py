@@ -443,7 +443,14 @@ def _isa_available(isa, monkeypatch):
 def test_each_isa_matches_reference(isa, monkeypatch):
     if not _isa_available(isa, monkeypatch):
         pytest.skip(f"this CPU has no {isa}")
-    for shape, kind in [((3, 6, 9, 17, 5), "lengths"), ((2, 1, 7, 40, 3), "mask")]:
+    # One query with 21 keys and random lengths: the 8-key tiles of a decoding step (AVX-512),
+    # then 4-key tiles and single keys.
+    cases = [
+        ((3, 6, 9, 17, 5), "lengths"),
+        ((2, 1, 7, 40, 3), "mask"),
+        ((4, 1, 21, 32, 4), "lengths"),
+    ]
+    for shape, kind in cases:
         inputs = make_inputs(*shape, torch.float32)
         lengths, mask = key_masks(kind, shape[0], shape[2])
         assert_matches_reference(inputs, lengths, mask)
