@@ -378,23 +378,28 @@ def _is_mask_setitem(user: fx.Node, node: fx.Node) -> bool:
     )
 
 
-def _from_call_inputs(node: fx.Node) -> bool:
-    """Whether ``node`` depends on a graph input that is not a parameter or buffer (TorchDynamo
-    names each input by its source: ``L['self']._modules['q']._parameters['weight']``)."""
+def _ancestors(node: fx.Node):
+    """``node`` and every node it depends on, each once (depth first)."""
     seen, todo = set(), [node]
     while todo:
         current = todo.pop()
         if current in seen:
             continue
         seen.add(current)
-        if current.op == "placeholder":
-            source = getattr(current.meta.get("grapharg"), "source", None)
-            name = source.name if source is not None else ""
-            if isinstance(_value(current), Tensor) and not (
-                "._parameters[" in name or "._buffers[" in name
-            ):
-                return True
+        yield current
         todo.extend(current.all_input_nodes)
+
+
+def _from_call_inputs(node: fx.Node) -> bool:
+    """Whether ``node`` depends on a graph input that is not a parameter or buffer (TorchDynamo
+    names each input by its source: ``L['self']._modules['q']._parameters['weight']``)."""
+    for current in _ancestors(node):
+        if current.op != "placeholder" or not isinstance(_value(current), Tensor):
+            continue
+        source = getattr(current.meta.get("grapharg"), "source", None)
+        name = source.name if source is not None else ""
+        if not ("._parameters[" in name or "._buffers[" in name):
+            return True
     return False
 
 
@@ -1007,22 +1012,16 @@ _PURE_FUNCTIONS = {
 def _key_function(graph: fx.Graph, term: fx.Node):
     """(a GraphModule computing ``term`` from the graph's inputs it depends on, those inputs), or
     None when the term is not a pure function of inputs (dropout, a get_attr, anything else)."""
-    nodes, inputs, stack = set(), [], [term]
-    while stack:
-        node = stack.pop()
-        if node in nodes:
-            continue
+    nodes, inputs = set(), []
+    for node in _ancestors(term):
         nodes.add(node)
         if node.op == "placeholder":
             inputs.append(node)
-            continue
-        if node.op == "call_method" and node.target in _PURE_METHODS:
-            pass
-        elif node.op == "call_function" and node.target in _PURE_FUNCTIONS:
-            pass
-        else:
+        elif not (
+            (node.op == "call_method" and node.target in _PURE_METHODS)
+            or (node.op == "call_function" and node.target in _PURE_FUNCTIONS)
+        ):
             return None
-        stack.extend(node.all_input_nodes)
     order = {node: i for i, node in enumerate(graph.nodes)}
     inputs.sort(key=order.__getitem__)
     sub = fx.Graph()
