@@ -13,4 +13,16 @@ __all__ = [
     "additive_attention_ref",
     "fused_available",
 ]
-__version__ = "0.1.0"
+
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml is its one source)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("seq2seq-fast")
+    except PackageNotFoundError:  # a source tree on sys.path, never installed
+        return "0+unknown"
+
+
+__version__ = _version()
