@@ -177,8 +177,14 @@ def fuse_attention_report(
 
 
 def fuse_attention(
-    model: nn.Module, *, backend: str = "auto", check: bool = True, traced: bool = True
+    model: nn.Module,
+    *,
+    backend: str = "auto",
+    check: bool = True,
+    traced: bool = True,
+    named: bool = True,
 ) -> int:
     """:func:`fuse_attention_report`, returning how many submodules were replaced (the general
     path's come at their first call, after this returns)."""
-    return fuse_attention_report(model, backend=backend, check=check, traced=traced).count
+    report = fuse_attention_report(model, backend=backend, check=check, traced=traced, named=named)
+    return report.count
