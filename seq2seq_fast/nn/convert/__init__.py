@@ -115,6 +115,7 @@ def fuse_attention_report(
     check: bool = True,
     traced: bool = True,
     named: bool = True,
+    example_inputs=None,
 ) -> ConversionReport:
     """Replace, in place, every recognised additive-attention submodule of ``model`` by a fused
     stand-in, and say what was replaced and what matched a layout but was left alone, and why.
@@ -132,6 +133,13 @@ def fuse_attention_report(
             the report as they are called; ``report.watching`` lists those not called yet.
         named: try the named layouts first (``registered_layouts()``); ``named=False`` leaves
             everything to the general path (to compare the two).
+        example_inputs: a call's arguments (a tuple, a dict of keyword arguments, or a
+            ``(args, kwargs)`` pair of a tuple and a dict; a single tensor is one argument):
+            ``model`` is called with them once before this returns, so the general path decides
+            now and the report (and ``fuse_attention``'s count) is complete for every module
+            that call reaches. The call's outputs are dropped and the model's buffers (e.g.
+            batch-norm statistics) are put back as they were. Without it, watched modules
+            convert at their first call and are listed in ``report.watching`` until then.
 
     The stand-ins keep the original Parameter objects (optimisers keep working, ``state_dict``
     keys are unchanged), the call signature and the return values. A module reached by two
@@ -172,8 +180,42 @@ def fuse_attention_report(
                 setattr(parent, name, fused)
     if traced:
         watch_model(model, report, backend)
+        if example_inputs is not None:
+            _call_once(model, example_inputs)
     logger.debug("%s", report)
     return report
+
+
+def _call_once(model: nn.Module, example_inputs) -> None:
+    """``model(*args, **kwargs)`` for ``example_inputs`` (see fuse_attention_report), its buffers
+    restored afterwards; a failing call raises ValueError naming example_inputs."""
+    import torch
+
+    if isinstance(example_inputs, dict):
+        args, kwargs = (), example_inputs
+    elif (
+        isinstance(example_inputs, tuple)
+        and len(example_inputs) == 2
+        and isinstance(example_inputs[0], (tuple, list))
+        and isinstance(example_inputs[1], dict)
+    ):
+        args, kwargs = tuple(example_inputs[0]), example_inputs[1]
+    elif isinstance(example_inputs, (tuple, list)):
+        args, kwargs = tuple(example_inputs), {}
+    else:
+        args, kwargs = (example_inputs,), {}
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        model(*args, **kwargs)
+    except Exception as exc:
+        raise ValueError(
+            f"example_inputs: calling {type(model).__name__} with them failed "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
 
 
 def fuse_attention(
@@ -183,8 +225,18 @@ def fuse_attention(
     check: bool = True,
     traced: bool = True,
     named: bool = True,
+    example_inputs=None,
 ) -> int:
-    """:func:`fuse_attention_report`, returning how many submodules were replaced (the general
-    path's come at their first call, after this returns)."""
-    report = fuse_attention_report(model, backend=backend, check=check, traced=traced, named=named)
+    """:func:`fuse_attention_report`, returning how many submodules were replaced by the time it
+    returns. With ``example_inputs`` that is every conversion the call reaches. Without it, the
+    general path's conversions come later, at each watched module's first call, and are not in
+    the count (``fuse_attention_report(...).watching`` lists the modules still watched)."""
+    report = fuse_attention_report(
+        model,
+        backend=backend,
+        check=check,
+        traced=traced,
+        named=named,
+        example_inputs=example_inputs,
+    )
     return report.count

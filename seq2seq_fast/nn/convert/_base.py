@@ -130,6 +130,11 @@ class ConversionReport:
             f"  skipped {s.path} ({s.original}; matched {', '.join(s.layouts)}): {s.reason}"
             for s in self.skipped
         ]
+        if self.watching:
+            lines.append(
+                f"  watching {len(self.watching)} module(s) until their first call "
+                f"(converted or left alone then): {', '.join(self.watching)}"
+            )
         return "\n".join(lines)
 
 

@@ -1,0 +1,74 @@
+"""``fuse_attention(model, example_inputs=...)`` converts now and counts what it converted; without
+example inputs the count says only what was replaced before the first call, and the report lists
+the modules still watched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from seq2seq_fast import fuse_attention
+from seq2seq_fast.nn import fuse_attention_report
+from seq2seq_fast.nn.convert import FusedStandIn
+from tests.convert.layouts_traced import CASES, K, Pointer, _Holder, _pointer_call
+
+
+class _Normed(nn.Module):
+    """A batch norm before the attention: its running statistics are buffers a call updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(K)
+        self.att = Pointer()
+
+    def forward(self, memory, query, pad):
+        return self.att(self.norm(memory.transpose(1, 2)).transpose(1, 2), query, pad)
+
+
+def test_without_example_inputs_the_count_misses_watched_modules():
+    torch.manual_seed(0)
+    model = _Holder(Pointer())
+    report = fuse_attention_report(model)
+    assert report.count == 0 and "att" in report.watching
+    assert "watching" in str(report) and "att" in str(report)
+    model(*_pointer_call(4, 6, torch.float32))
+    assert report.count == 1 and "att" not in report.watching
+    assert isinstance(model.att, FusedStandIn)
+
+
+@pytest.mark.parametrize("form", ["tuple", "kwargs_pair"])
+def test_example_inputs_convert_now_and_count(form):
+    torch.manual_seed(0)
+    model = _Holder(Pointer())
+    args = _pointer_call(4, 6, torch.float32)
+    want = model(*args)
+    example = args if form == "tuple" else (args, {})
+    assert fuse_attention(model, example_inputs=example) == 1
+    assert isinstance(model.att, FusedStandIn)
+    torch.testing.assert_close(model(*args), want, rtol=1e-5, atol=1e-6)
+
+
+def test_example_inputs_leave_buffers_as_they_were():
+    torch.manual_seed(0)
+    model = _Normed()
+    memory, query, pad = _pointer_call(4, 6, torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+    report = fuse_attention_report(model, example_inputs=(memory, query, pad))
+    after = {k: v for k, v in model.state_dict().items() if "running" in k}
+    assert report.count == 1, str(report)
+    for key, value in before.items():
+        torch.testing.assert_close(after[key], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.converts], ids=lambda c: c.name)
+def test_every_traced_layout_counts_at_once(case):
+    torch.manual_seed(0)
+    model = case.make()
+    assert fuse_attention(model, example_inputs=case.inputs(4, 6, torch.float32)) >= 1
+
+
+def test_a_failing_example_call_names_example_inputs():
+    model = _Holder(Pointer())
+    with pytest.raises(ValueError, match="example_inputs: calling _Holder with them failed"):
+        fuse_attention(model, example_inputs=(torch.randn(2, 3),))
