@@ -400,6 +400,11 @@ class Case:
     make: Callable[[], nn.Module]  # the model handed to fuse_attention
     inputs: Callable[[int, int, torch.dtype], tuple]  # (batch, frames, dtype) -> args
     converts: str | None  # the path converted; None: a look-alike left alone
+    converts_in: tuple | None = None  # the dtypes it converts in (None: every one)
+
+    def converts_at(self, dtype: torch.dtype) -> str | None:
+        """The path converted in ``dtype``, or None where it is left alone."""
+        return self.converts if self.converts_in is None or dtype in self.converts_in else None
 
 
 def _rand(*shape, dtype):
@@ -700,9 +705,9 @@ def _round_trip_call(b, t, dtype):
 
 
 CASES += [
-    # exact in float32 (where .float() changes nothing), but the float64 probe sees the float32
-    # rounding of the scores in the original, and the probe decides: left alone
-    Case("float_round_trip", _wrap(FloatRoundTrip), _round_trip_call, None),
+    # exact in float32, where .float() changes nothing (probed in float32); in float64 the scores'
+    # rounding through float32 is not the op's: left alone there, by the matcher
+    Case("float_round_trip", _wrap(FloatRoundTrip), _round_trip_call, "att", (torch.float32,)),
 ]
 
 
@@ -901,4 +906,66 @@ class MergedRows(nn.Module):
 CASES += [
     Case("merged_rows", _wrap(MergedRows), _multi_call, "att"),
     Case("merged_rows_late_mask", _wrap(lambda: MergedRows(late_mask=True)), _multi_call, None),
+]
+
+
+# --- an NMT toolkit's MLP attention: time-major, the inner bias added in place, a temperature -------
+
+
+class InPlaceInnerBias(nn.Module):
+    """forward(hid [1, B, Q], ctx [T, B, K], ctx_mask [T, B] float, 1 = real) -> (alpha [T, B],
+    z [B, Q]): ``inner.add_(bias)`` in place (the traced graph keeps reading ``inner``'s node),
+    scores divided (or multiplied) by a temperature, filled in place with -1e8, softmax over dim
+    0, the context mapped back to the query width. ``through_view``: the in-place add goes through
+    a slice of ``inner`` (a view): left alone."""
+
+    def __init__(self, temp=0.5, score_bias=True, multiply=False, through_view=False) -> None:
+        super().__init__()
+        self.temperature = temp
+        self.hid2ctx = nn.Linear(Q, A, bias=False)
+        self.ctx2ctx = nn.Linear(K, A, bias=False)
+        self.ctx2hid = nn.Linear(K, Q, bias=False)
+        self.bias = nn.Parameter(torch.randn(A) * 0.5)
+        self.mlp = nn.Linear(A, 1, bias=score_bias)  # under a softmax the score bias cancels
+        self.multiply, self.through_view = multiply, through_view
+
+    def forward(self, hid, ctx, ctx_mask):
+        inner = self.ctx2ctx(ctx) + self.hid2ctx(hid)
+        if self.through_view:
+            inner[..., : A // 2].add_(self.bias[: A // 2])
+        else:
+            inner.add_(self.bias)
+        scores = self.mlp(torch.tanh(inner))
+        if self.multiply:
+            scores = scores * (1.0 / self.temperature)
+        else:
+            scores = scores.div(self.temperature)
+        scores = scores.squeeze(-1)
+        scores.masked_fill_((1 - ctx_mask).bool(), -1e8)
+        alpha = F.softmax(scores, dim=0)
+        return alpha, self.ctx2hid((alpha.unsqueeze(-1) * ctx).sum(0))
+
+
+def _time_major_call(b, t, dtype):
+    return (
+        _rand(1, b, Q, dtype=dtype),
+        _rand(t, b, K, dtype=dtype),
+        lengths_mask(b, t).t().to(dtype),
+    )
+
+
+CASES += [
+    Case("in_place_inner_bias_temperature", _wrap(InPlaceInnerBias), _time_major_call, "att"),
+    Case(
+        "in_place_inner_bias_times_inverse",
+        _wrap(lambda: InPlaceInnerBias(temp=2.0, score_bias=False, multiply=True)),
+        _time_major_call,
+        "att",
+    ),
+    Case(
+        "in_place_add_through_a_view",
+        _wrap(lambda: InPlaceInnerBias(through_view=True)),
+        _time_major_call,
+        None,
+    ),
 ]

@@ -52,7 +52,12 @@ from seq2seq_fast.nn.convert._base import (
     _gradients,
     class_name,
 )
-from seq2seq_fast.nn.convert._traced_graph import TracedWeights, find_matches, rewrite
+from seq2seq_fast.nn.convert._traced_graph import (
+    ROUNDED_SCORES,
+    TracedWeights,
+    find_matches,
+    rewrite,
+)
 from seq2seq_fast.ops import fused_available
 
 logger = logging.getLogger(__name__)
@@ -494,23 +499,29 @@ def _probe(module: nn.Module, recording: _Recording, backend: str) -> tuple[str 
     """(None or why not, what was found) for the traced version of ``module``."""
     # the first call may have run under inference_mode or no_grad: the probe's copies and calls
     # must be ordinary tensors with gradients
+    dtypes = {
+        t.dtype
+        for t in pytree.tree_leaves((recording.args, recording.kwargs))
+        if isinstance(t, Tensor) and t.is_floating_point()
+    }
     with torch.inference_mode(False), torch.enable_grad():
         try:
-            return _probe_copies(module, recording, backend, torch.float64)
+            reason, found = _probe_copies(module, recording, backend, torch.float64)
         except _OriginalFailed as failed:
             # a module that casts to float32 itself (ESPnet's `.float()` masks) cannot run in
             # float64: where its own call ran in float32, the probe runs in float32
             cause = failed.__cause__
-            dtypes = {
-                t.dtype
-                for t in pytree.tree_leaves((recording.args, recording.kwargs))
-                if isinstance(t, Tensor) and t.is_floating_point()
-            }
             if dtypes != {torch.float32}:
                 raise cause from None
             reason, found = _probe_copies(module, recording, backend, torch.float32)
             why = f"{type(cause).__name__}: {str(cause).splitlines()[0][:120]}"
             return reason, f"{found}; probed in float32, as it does not run in float64 ({why})"
+        if reason is not None and ROUNDED_SCORES in reason and dtypes == {torch.float32}:
+            # scores cast to float32 and back: a rounding in float64, nothing in float32, the
+            # dtype the module's own call ran in
+            reason, found = _probe_copies(module, recording, backend, torch.float32)
+            return reason, f"{found}; probed in float32, as its scores go through float32"
+        return reason, found
 
 
 def _probe_copies(module: nn.Module, recording: _Recording, backend: str, dtype: torch.dtype):

@@ -49,6 +49,8 @@ from seq2seq_fast.nn.stepwise import StepwiseMemory
 # a masked_fill value at or below this takes the position out of the softmax exactly (exp underflows
 # to zero in float32 and float64 below about -104 and -745)
 MASK_FILL_MAX = -1e4
+# the miss of scores cast down and back: exact in the lower dtype only (see _traced._probe)
+ROUNDED_SCORES = "the scores are rounded to a lower precision and cast back"
 
 _ADDS = {operator.add, operator.iadd, torch.add, "add", "add_", "__add__", "__radd__"}
 _TANH = {torch.tanh, F.tanh, "tanh"}
@@ -549,7 +551,16 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
         if _is(user, _SOFTMAX):
             break
         if _is(user, _CASTS) and user.args[0] is node:
-            pass  # a dtype round trip (checked at the softmax): the op computes in the dtype
+            # a dtype round trip (checked at the softmax): the op computes in the dtype; a cast
+            # down (float64 scores through .float()) rounds, which the op does not
+            before, after = _value(node), _value(user)
+            if (
+                isinstance(before, Tensor)
+                and isinstance(after, Tensor)
+                and after.is_floating_point()
+                and torch.finfo(after.dtype).eps > torch.finfo(before.dtype).eps
+            ):
+                raise NoMatch(f"{ROUNDED_SCORES} ({before.dtype} to {after.dtype})")
         elif _is(user, _SHAPE_OPS):
             if user.args[0] is not node:
                 raise NoMatch("a shape op takes the scores as other than its input")
@@ -691,14 +702,107 @@ def _check_mask(step: tuple, query_axes: list[int]) -> None:
             raise NoMatch("the mask varies along a query axis")
 
 
+# --- in-place arithmetic ---------------------------------------------------------------------------
+
+# x.add_(y) and the like: the traced graph keeps using the node of x, which no longer holds what
+# it held when it was made. Out of place, with x's later readers reading the new node, the graph
+# says what it computes (nmtpytorch's inner_sum.add_(bias) was read without its bias before).
+_INPLACE_ARITHMETIC = {"add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div"}
+_VIEWS = (
+    _SHAPE_OPS
+    | _REPEATS
+    | {
+        operator.getitem,
+        "__getitem__",
+        "select",
+        "narrow",
+        "t",
+        "expand",
+        "as_strided",
+        "unfold",
+        "split",
+        "chunk",
+        "unbind",
+        "detach",
+        "view_as",
+        "flatten",
+        "unflatten",
+        torch.flatten,
+        torch.split,
+        torch.chunk,
+        torch.unbind,
+        torch.narrow,
+        torch.select,
+    }
+)
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    """A call that writes its first argument: ``x.add_(...)``, ``torch.relu_(x)``..."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return (
+        node.op in ("call_method", "call_function")
+        and isinstance(name, str)
+        and name.endswith("_")
+        and not name.startswith("_")
+        and bool(node.args)
+    )
+
+
+def _aliased(base: fx.Node) -> bool:
+    """Whether another node may share ``base``'s memory: an input, a view, a view of it."""
+    if base.op in ("placeholder", "get_attr") or _is(base, _VIEWS) or base.op == "call_module":
+        return True
+    return any(_is(user, _VIEWS) or user.op == "call_module" for user in base.users)
+
+
+def _functionalize_arithmetic(graph: fx.Graph) -> None:
+    """Rewrite ``x.add_(y)`` (sub_, mul_, div_) of a graph-made, unaliased x out of place; x's
+    readers after the write read its result. Others stay as they are (see _check_not_written)."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op != "call_method" or node.target not in _INPLACE_ARITHMETIC:
+            continue
+        base = node.args[0]
+        if not isinstance(base, fx.Node) or _aliased(base):
+            continue
+        later = [u for u in base.users if u is not node and order[u] > order[node]]
+        node.target = _INPLACE_ARITHMETIC[node.target]
+        for user in later:
+            user.replace_input_with(base, node)
+
+
+def _check_not_written(tanh: fx.Node) -> None:
+    """NoMatch where a tensor the tanh's sum is made from was written in place before the tanh:
+    the rewrite forms the sum from its terms, and would miss what the write added."""
+    order = {node: i for i, node in enumerate(tanh.graph.nodes)}
+    for node in _ancestors(tanh):
+        aliases, todo = set(), [node]  # node and its views, which share its memory
+        while todo:
+            current = todo.pop()
+            aliases.add(current)
+            todo += [u for u in current.users if _is(u, _VIEWS) and u not in aliases]
+        for alias in aliases:
+            for user in alias.users:
+                if user is tanh or not _writes_in_place(user) or user.args[0] is not alias:
+                    continue
+                if order[user] < order[tanh]:
+                    raise NoMatch(
+                        f"{node.name} is written in place ({user.target}) before the tanh reads it"
+                    )
+
+
 def find_matches(graph: fx.Graph) -> tuple[list[Match], list[str]]:
     """(matches, why each other tanh over a sum is not one)."""
+    _functionalize_arithmetic(graph)
     matches, misses = [], []
     for node in list(graph.nodes):
         if not _is(node, _TANH):
             continue
         try:
-            matches.append(_match_at(graph, node))
+            match = _match_at(graph, node)
+            _check_not_written(node)
+            matches.append(match)
         except NoMatch as exc:
             misses.append(str(exc))
     return matches, misses
