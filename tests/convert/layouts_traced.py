@@ -969,3 +969,38 @@ CASES += [
         None,
     ),
 ]
+
+
+# --- a tutorial's concat attention over a time-major memory, at small widths -------------------------
+
+
+class ConcatTimeMajor(nn.Module):
+    """forward(hidden [B, D], outputs [T, B, 2E]) -> weights [B, T]: hidden repeated along the
+    frames, the memory permuted to batch-major, one Linear over [hidden; memory], a bias-free
+    score Linear, softmax over the frames. Every width a symbol in a dynamic trace: the join's
+    parts are cut at the call's own widths."""
+
+    def __init__(self, enc: int, dec: int) -> None:
+        super().__init__()
+        self.enc, self.dec = enc, dec
+        self.attn_fc = nn.Linear(2 * enc + dec, dec)
+        self.v_fc = nn.Linear(dec, 1, bias=False)
+
+    def forward(self, hidden, outputs):
+        frames = outputs.shape[0]
+        hidden = hidden.unsqueeze(1).repeat(1, frames, 1)
+        outputs = outputs.permute(1, 0, 2)
+        energy = torch.tanh(self.attn_fc(torch.cat((hidden, outputs), dim=2)))
+        return torch.softmax(self.v_fc(energy).squeeze(2), dim=1)
+
+
+def _concat_case(enc: int, dec: int) -> Case:
+    return Case(
+        f"concat_time_major_{enc}x{dec}",
+        _wrap(lambda: ConcatTimeMajor(enc, dec)),
+        lambda b, t, d: (_rand(b, dec, dtype=d), _rand(t, b, 2 * enc, dtype=d)),
+        "att",
+    )
+
+
+CASES += [_concat_case(2, 2), _concat_case(2, 3), _concat_case(1, 4), _concat_case(16, 16)]

@@ -169,9 +169,20 @@ def _peel_repeat(node: fx.Node, kept_from_end: int = 0) -> fx.Node:
     return node
 
 
+def _size_hint(size) -> int | None:
+    """A size as an int: itself, or the value TorchDynamo traced a symbolic size at."""
+    if isinstance(size, int):
+        return size
+    node = getattr(size, "node", None)
+    hint = getattr(node, "hint", None) if node is not None and node.has_hint() else None
+    return int(hint) if hint is not None else None
+
+
 def _split_concat_linear(graph: fx.Graph, node: fx.Node) -> list[fx.Node] | None:
     """linear(cat([a, b, ...], -1), W, c) -> [linear(a', W_a), linear(b', W_b), ..., c] as new
-    nodes (a' the tensor a repeat/expand was made from), or None."""
+    nodes (a' the tensor a repeat/expand was made from), or None. A width TorchDynamo traced as a
+    symbol (sizes above 1 of a dynamic trace) is read at run time: W's columns are cut where the
+    call's own parts end, never at the traced example's widths."""
     if not _is(node, _LINEAR):
         return None
     source, weight = _arg(node, 0, "input"), _arg(node, 1, "weight")
@@ -182,22 +193,29 @@ def _split_concat_linear(graph: fx.Graph, node: fx.Node) -> list[fx.Node] | None
     shape = _shape(source)
     if shape is None or not isinstance(parts, (list, tuple)) or dim not in (-1, len(shape) - 1):
         return None
-    terms, start = [], 0
+    widths = [(_shape(part) or (None,))[-1] for part in parts]
+    hints = [_size_hint(width) for width in widths if width is not None]
+    if len(hints) != len(parts) or any(h is None or h <= 0 for h in hints):
+        return None
+    terms, start, hint_start = [], 0, 0
     with graph.inserting_before(node):
-        for part in parts:
-            width = _shape(part)[-1] if _shape(part) else None
-            if not isinstance(width, int):
-                return None
+        for part, width, hint in zip(parts, widths, hints, strict=True):
+            if not isinstance(width, int):  # the part's width at run time
+                width = graph.call_method("size", (part, -1))
+                width.meta["example_value"] = hint
+            end = start + hint if isinstance(start, int) and isinstance(width, int) else None
+            if end is None:
+                end = graph.call_function(operator.add, (start, width))
+                end.meta["example_value"] = hint_start + hint
             columns = graph.call_function(
-                operator.getitem, (weight, (slice(None), slice(start, start + width)))
+                operator.getitem, (weight, (slice(None), slice(start, end)))
             )
-            columns.meta["example_value"] = _value(weight)[:, start : start + width]
+            columns.meta["example_value"] = _value(weight)[:, hint_start : hint_start + hint]
             peeled = _peel_repeat(part)
             term = graph.call_function(torch._C._nn.linear, (peeled, columns))
             term.meta["example_value"] = F.linear(_value(peeled), _value(columns))
-            term.meta["traced_split"] = (peeled, weight, start, start + width)
             terms.append(term)
-            start += width
+            start, hint_start = end, hint_start + hint
     if bias is not None:
         terms.append(bias)
     return terms
