@@ -1004,3 +1004,59 @@ def _concat_case(enc: int, dec: int) -> Case:
 
 
 CASES += [_concat_case(2, 2), _concat_case(2, 3), _concat_case(1, 4), _concat_case(16, 16)]
+
+
+# --- attention pooling with a learned query (a document classifier's word attention) ----------------
+
+
+class LearnedQueryPool(nn.Module):
+    """forward(h [B, T, K], valid [B, T]) -> (pooled [B, K], alpha [B, T]): u = tanh(W h + b)
+    scored against a learned context vector (a Parameter, no query from the call), masked,
+    softmax over the words. ``squash``: relu instead of tanh, a look-alike left alone."""
+
+    def __init__(self, bias: bool = True, squash=torch.tanh) -> None:
+        super().__init__()
+        self.proj = nn.Linear(K, A, bias=bias)
+        self.context = nn.Parameter(torch.randn(A))
+        self.squash = squash
+
+    def forward(self, h, valid):
+        scores = self.squash(self.proj(h)) @ self.context
+        alpha = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=1)
+        return (alpha.unsqueeze(-1) * h).sum(1), alpha
+
+
+class LearnedQueryScorer(nn.Module):
+    """forward(h [T, B, K]) -> weights [T, B, 1]: time-major, the vector a bias-free Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(K, A)
+        self.u = nn.Linear(A, 1, bias=False)
+
+    def forward(self, h):
+        return F.softmax(self.u(torch.tanh(self.proj(h))), dim=0)
+
+
+def _pool_call(b, t, dtype):
+    return (_rand(b, t, K, dtype=dtype), lengths_mask(b, t))
+
+
+CASES += [
+    Case("learned_query_pool", _wrap(LearnedQueryPool), _pool_call, "att"),
+    Case(
+        "learned_query_pool_no_bias", _wrap(lambda: LearnedQueryPool(bias=False)), _pool_call, "att"
+    ),
+    Case(
+        "learned_query_time_major",
+        _wrap(LearnedQueryScorer),
+        lambda b, t, d: (_rand(t, b, K, dtype=d),),
+        "att",
+    ),
+    Case(
+        "learned_query_relu",
+        _wrap(lambda: LearnedQueryPool(squash=torch.relu)),
+        _pool_call,
+        None,
+    ),
+]

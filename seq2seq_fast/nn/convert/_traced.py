@@ -111,6 +111,9 @@ _CARRIES = {
 _state = threading.local()
 _events = itertools.count()
 _claimed: set[int] = set()  # tanh events a module has taken (tried to convert)
+# tanh events over one Linear's output (attention pooling's energies, if a softmax follows;
+# a plain tanh layer's, if none does: those go unreported)
+_affine: set[int] = set()
 
 
 _decided: weakref.WeakSet = weakref.WeakSet()  # modules that took their events: and later ones
@@ -159,9 +162,11 @@ class _Watcher(TorchFunctionMode):
         kind = None
         first = self.marks.get(id(inputs[0])) if inputs else None
         first_kind = first[2] if first is not None and first[0] is inputs[0] else None
-        if name in ("tanh", "tanh_") and first_kind == "sum":
+        if name in ("tanh", "tanh_") and first_kind in ("sum", "affine"):
             event = next(_events)
             events = frozenset({event})  # an energy of its own (not of what made its inputs)
+            if first_kind == "affine":
+                _affine.add(event)
             if any(call in _decided for call in _state.calls):
                 _claimed.add(event)  # inside a module that has taken its attention already
             for recording in _stack():
@@ -177,8 +182,8 @@ class _Watcher(TorchFunctionMode):
                 kind = "sum"
             elif name in _CAT_NAMES and len(inputs) >= 2:
                 kind = "joined"
-            elif name == "linear" and first_kind == "joined":
-                kind = "sum"
+            elif name == "linear":
+                kind = "sum" if first_kind == "joined" else "affine"
             elif first_kind == "sum" and isinstance(out, Tensor) and out.shape == inputs[0].shape:
                 kind = "sum"  # e.g. a sum scaled or dropped out before the tanh: still reported
         if isinstance(out, Tensor) and (events or kind):
@@ -248,6 +253,8 @@ def _decide(recording: _Recording, watch: _Watch) -> None:
     if not mine:
         return
     if not recording.softmaxed & mine:
+        if mine <= _affine:  # a tanh layer, no attention: nothing to report
+            return
         watch.report.skipped.append(
             Skipped(
                 recording.path,

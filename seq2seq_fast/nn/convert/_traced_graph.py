@@ -178,6 +178,19 @@ def _size_hint(size) -> int | None:
     return int(hint) if hint is not None else None
 
 
+def _split_linear_bias(graph: fx.Graph, node: fx.Node) -> list[fx.Node] | None:
+    """linear(x, W, c) -> [linear(x, W), c] as a new node and c; linear(x, W) -> [itself]."""
+    if not _is(node, _LINEAR) or node.kwargs:
+        return None
+    source, weight, bias = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
+    if bias is None:
+        return [node]
+    with graph.inserting_before(node):
+        term = graph.call_function(torch._C._nn.linear, (source, weight))
+        term.meta["example_value"] = F.linear(_value(source), _value(weight))
+    return [term, bias]
+
+
 def _split_concat_linear(graph: fx.Graph, node: fx.Node) -> list[fx.Node] | None:
     """linear(cat([a, b, ...], -1), W, c) -> [linear(a', W_a), linear(b', W_b), ..., c] as new
     nodes (a' the tensor a repeat/expand was made from), or None. A width TorchDynamo traced as a
@@ -505,11 +518,16 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
     rank = len(shape)
     scores, vector, origin, hidden = _projection(tanh, shape, rank)
     terms, split_nodes = [_peel_repeat(t, rank - 1 - hidden) for t in _terms(inner)], []
+    pooled = None  # attention pooling: one Linear inside the tanh, a learned vector, no query
     width = shape[hidden]
     if len(terms) == 1:
         split = _split_concat_linear(graph, terms[0]) if hidden == rank - 1 else None
+        if split is None and hidden == rank - 1:
+            # attention pooling, tanh(W h + b) against a learned vector: one key term (and its
+            # bias), no query; the op runs it with a zero query
+            split = pooled = _split_linear_bias(graph, terms[0])
         if split is None:
-            raise NoMatch("the tanh's input is not a sum of two or more terms")
+            raise NoMatch("the tanh's input is not a sum of two or more terms, nor one Linear")
         split_nodes = [n for n in split if n.op == "call_function" and n.target is not None]
         terms = split
     scores_origin = origin
@@ -677,7 +695,7 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
         # term computed from the call's inputs, not from parameters alone, is the query.
         queries = [t for t in biases if _from_call_inputs(t)]
         biases = [t for t in biases if t not in queries]
-    if not keys or not queries:
+    if not keys or not (queries or pooled):
         raise NoMatch("no term of the sum varies along the softmax's axis, or none along another")
     batch_axes = sorted(set().union(*(varies[t] for t in keys)) - {memory_axis})
     query_axes = [a for a in range(rank - 1) if a != memory_axis and a not in batch_axes]
@@ -936,11 +954,14 @@ class TracedWeights:
                 key = key + canonical(t)
         if values is None:
             values = key.new_zeros(batch, frames, 1)  # the graph forms the context: a placeholder
-        query = queries[0]
-        for t in queries[1:]:
-            query = query + t
-        query_shape = [1 if a == plan.memory_axis else full[a] for a in range(rank)]
-        query = query.expand(query_shape).permute(rows).reshape(batch, steps_q, width)
+        if queries:
+            query = queries[0]
+            for t in queries[1:]:
+                query = query + t
+            query_shape = [1 if a == plan.memory_axis else full[a] for a in range(rank)]
+            query = query.expand(query_shape).permute(rows).reshape(batch, steps_q, width)
+        else:  # attention pooling: a learned vector scores the keys alone
+            query = key.new_zeros(batch, steps_q, width)
         bias = None
         for t in biases:
             t = t.reshape(width)
