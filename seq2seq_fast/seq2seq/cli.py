@@ -426,7 +426,8 @@ def apply_config_file(
         sub = args.commands[args.command]
         allowed = {a.dest for a in sub._actions if a.dest not in ("help", *CONFIG_OPTIONS)}
     given = _given(parser, argv)
-    for name, value in read_config_file(args.config, allowed).items():
+    actions = args.commands[args.command]._actions
+    for name, value in read_config_file(args.config, allowed, actions).items():
         if name not in given:
             setattr(args, name, value)
 
@@ -441,6 +442,14 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     }
     if values.get("backend") == "compile":  # the old spelling of --compile
         values["backend"], values["compile"] = "auto", True
+    corpus = [f"--{name}" for name in ("data", "src", "tgt") if values.get(name) is not None]
+    if corpus and values.get("task") is None:
+        values["task"] = "translate"  # a corpus means translation, never the reversal job
+    elif corpus and values.get("task") == "reverse":
+        raise ValueError(
+            f"{' and '.join(corpus)} given with --task reverse, whose data is built in: "
+            "use --task translate (or leave --task out) to train on a corpus"
+        )
     return TrainConfig(**values)
 
 
