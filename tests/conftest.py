@@ -6,11 +6,16 @@ It is only set when CUDA is unavailable, so a GPU machine runs the real kernels.
 """
 
 import os
+import tempfile
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Token stores and trained tokenizers of runs without --cache-dir go to a per-user cache
+# (~/.cache/seq2seq-fast): the tests' go to a temporary folder instead, never the real one.
+os.environ.setdefault("SEQ2SEQ_FAST_CACHE_DIR", tempfile.mkdtemp(prefix="seq2seq-fast-cache-"))
 
 # Hypothesis profiles for the fuzz tests (tests/ops/test_fuzz.py). "ci" (the default) keeps the whole
 # suite fast; ``pytest --hypothesis-profile=long`` runs many more examples per test. Test files

@@ -15,19 +15,26 @@ read when training a pair at a time (``os.pread``: only what the batches need is
 length index alone is held in memory, 8 bytes a pair). It is keyed by the corpus
 files (resolved path, size, mtime and a hash of their first and last MiB), the tokenizers (a
 hash of each) and the options that change its content, and lives in ``cache_dir`` (default
-``<run folder>/data-cache``): a second run with the same key opens it at once. It is built in a
-temporary folder, every file fsynced, the manifest last, then renamed into place: an interrupted
-build never leaves a store that looks complete, and a store whose manifest is missing or does not
-match its files is rebuilt (with a message).
+a per-user cache: ``$SEQ2SEQ_FAST_CACHE_DIR``, else ``$XDG_CACHE_HOME/seq2seq-fast``, else
+``~/.cache/seq2seq-fast``): a second run with the same key, whatever its run folder, opens it at
+once. It is built in a temporary folder ``.tmp-<store>-<pid>-<random>`` whose builder holds an
+exclusive ``flock`` on its ``.lock`` file (a build removes only temporary folders whose lock it
+can take: their builder is gone), every file fsynced, the manifest last, then renamed into place:
+an interrupted build never leaves a store that looks complete, and a store whose manifest is
+missing or does not match its files is rebuilt (with a message). Builds of one store are
+serialised by a lock file beside it; the second opens what the first built.
 
-Held-out pairs: a source sentence goes to the validation or test set when a seeded hash of it
-falls under that set's share, so every translation of one source lands in the same split without
-a table of sources; each set's share is its fraction of the lines, at most ``max_held_out``
-sentences' worth, and a set that still overflows drops its extra pairs (never to training).
+Held-out pairs: the pairs are grouped by a seeded hash of their source sentence, so every
+translation of one source lands in the same split; the validation set takes the first groups in
+hash order, the test set the next ones, each up to its fraction of the usable pairs and at most
+``max_held_out`` pairs (a first group bigger than that is held out whole, its pairs over the cap
+dropped, never trained on). A pass over the corpus's sources chooses them before the build.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import itertools
 import json
@@ -35,9 +42,11 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import unicodedata
 import zlib
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,7 +62,7 @@ from seq2seq_fast.seq2seq.data import (
 )
 
 STORE_FORMAT = "seq2seq-fast-token-store"
-STORE_VERSION = 1
+STORE_VERSION = 2  # 2: held-out sets chosen by source groups
 CHUNK_PAIRS = 8192  # pairs normalised and encoded per call
 HASH_SPAN = 1 << 20  # bytes of a corpus file's head and tail in its identity
 MALFORMED_LISTED = 100  # malformed lines listed with their numbers (the rest only counted)
@@ -207,39 +216,81 @@ def normalize_block(lines: list, form: str) -> tuple[list, dict[int, str]]:
 
 @dataclass(frozen=True)
 class SplitRule:
-    """Which pairs are held out: a seeded hash of the source bytes against each set's share."""
+    """Which pairs are held out: a seeded hash of the source sentence; hashes up to
+    ``valid_upto`` go to the validation set, then up to ``test_upto`` to the test set (-1: none),
+    so every pair of one source lands on one side."""
 
     seed: int
-    valid_share: float
-    test_share: float
-    max_held_out: int
+    valid_upto: int = -1
+    test_upto: int = -1
 
-    @classmethod
-    def make(
-        cls,
-        lines: int,
-        valid_fraction: float,
-        test_fraction: float,
-        seed: int,
-        max_held_out: int,
-        carve: bool,
-    ) -> SplitRule:
-        if not carve:
-            return cls(seed, 0.0, 0.0, 0)
-
-        def share(fraction: float) -> float:
-            return 0.0 if fraction <= 0 else min(fraction, max_held_out / max(1, lines))
-
-        return cls(seed, share(valid_fraction), share(test_fraction), max_held_out)
+    def source_hash(self, source: str) -> int:
+        return zlib.crc32(source.encode(), self.seed * 2654435761 % (1 << 32))
 
     def side(self, source: str) -> int:
         """0 train, 1 valid, 2 test (of the normalised source sentence)."""
-        if not (self.valid_share or self.test_share):
+        if self.test_upto < 0 and self.valid_upto < 0:
             return 0
-        u = zlib.crc32(source.encode(), self.seed * 2654435761 % (1 << 32)) / 4294967296.0
-        if u < self.valid_share:
+        h = self.source_hash(source)
+        if h <= self.valid_upto:
             return 1
-        return 2 if u < self.valid_share + self.test_share else 0
+        return 2 if h <= self.test_upto else 0
+
+
+def choose_held_out(
+    hashes: np.ndarray, options: Options, name: str = "the corpus"
+) -> tuple[int, int]:
+    """-> (valid_upto, test_upto) from the source hashes of the usable pairs: whole source groups
+    in hash order, each set up to its fraction of the pairs and ``max_held_out`` pairs, at least
+    one group each, at least one group left to train on. CorpusError when the corpus has too few
+    distinct sources for that."""
+    values, counts = np.unique(np.asarray(hashes, np.uint32), return_counts=True)
+    usable = int(counts.sum())
+    fractions = (options.valid_fraction, options.test_fraction)
+    sets = sum(f > 0 for f in fractions)
+    if len(values) < sets + 1:
+        wanted = " and a test" if sets == 2 else ""
+        raise CorpusError(
+            f"{name}: {len(values)} distinct source sentence(s) in {usable} usable pairs: too few "
+            f"to carve a validation{wanted} set and keep pairs to train on (pairs with one source "
+            "stay on one side); give an official split (--valid-data, or --valid-src/--valid-tgt)"
+            + (", or --test-fraction 0" if sets == 2 else "")
+        )
+    bounds, cursor = [-1, -1], 0
+    for k, fraction in enumerate(fractions):
+        if fraction > 0:
+            room = min(options.max_held_out, max(1, round(fraction * usable)))
+            last = len(values) - 1 - (k == 0 and fractions[1] > 0)  # groups left for the rest
+            first = cursor
+            while cursor < last and (cursor == first or counts[cursor] <= room):
+                room -= int(counts[cursor])
+                cursor += 1
+                if room <= 0:
+                    break
+        bounds[k] = int(values[cursor - 1]) if cursor else -1
+    if fractions[1] > 0 and bounds[1] == bounds[0]:
+        bounds[1] = -1
+    return bounds[0], max(bounds)
+
+
+def plan_split(
+    files: CorpusFiles, lines: int, options: Options, progress: bool = False
+) -> SplitRule:
+    """The held-out sets of a corpus (one pass over its normalised sources; see
+    :func:`choose_held_out`), or none when official splits are given."""
+    probe = SplitRule(options.seed)
+    if not options.carve or (options.valid_fraction <= 0 and options.test_fraction <= 0):
+        return probe
+    from array import array
+
+    hashes = array("I")
+    report = CorpusReport(files.name)
+    for _, src, _ in clean_pairs(files, lines, options, probe, report, progress, "splitting"):
+        hashes.append(probe.source_hash(src))
+    if not hashes:
+        raise CorpusError(f"no usable sentence pairs in {report.summary()}")
+    valid_upto, test_upto = choose_held_out(np.frombuffer(hashes, np.uint32), options, files.name)
+    return SplitRule(options.seed, valid_upto, test_upto)
 
 
 @dataclass
@@ -463,6 +514,114 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+# --- temporary folders, locks -------------------------------------------------------------------
+
+LOCK_NAME = ".lock"  # in a temporary folder: its builder holds an exclusive flock on it
+
+
+def _lock(path: Path, blocking: bool = True) -> int | None:
+    """An exclusive flock on ``path`` (created if missing) -> its fd (close it to release); None
+    when not blocking and another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextmanager
+def _exclusive(path: Path, what: str, log: Log):
+    """Hold the lock file ``path`` (one builder of ``what`` at a time across processes)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = _lock(path, blocking=False)
+    if fd is None:
+        log(f"waiting for another process building {what} (lock {path})")
+        fd = _lock(path)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def _new_temp(folder: Path) -> tuple[Path, int]:
+    """A fresh ``.tmp-<store>-<pid>-<random>`` folder beside ``folder`` -> (it, the fd of its held
+    lock). It is made under another name and renamed once its lock is held, so a temporary folder
+    is never seen without a live lock while its builder runs."""
+    prefix = f".new-{folder.name}-{os.getpid()}-"
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=folder.parent))
+    try:
+        fd = _lock(staging / LOCK_NAME)
+        tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}-{staging.name[len(prefix) :]}"
+        os.rename(staging, tmp)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return tmp, fd
+
+
+def remove_stale_temps(folder: Path) -> list[Path]:
+    """Remove the temporary folders of builds of ``folder`` whose builder is gone (its lock can
+    be taken; robust to pid reuse); a live build's folder is left alone. -> those removed."""
+    removed = []
+    for tmp in folder.parent.glob(f".tmp-{folder.name}-*"):
+        if not tmp.is_dir():
+            continue
+        try:
+            fd = os.open(tmp / LOCK_NAME, os.O_RDWR)
+        except FileNotFoundError:
+            fd = None  # no lock file: left by an earlier version, or being removed
+        except OSError:
+            continue
+        try:
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its builder is alive
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return removed
+
+
+def _install(tmp: Path, folder: Path, key: str, manifest: dict, log: Log) -> dict:
+    """Rename the complete ``tmp`` to ``folder`` (atomic). When another build got there first
+    with a complete store, ours is discarded and its manifest returned; an incomplete one found
+    there is moved aside and removed."""
+    for _ in range(3):
+        try:
+            os.rename(tmp, folder)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            theirs, _ = verify_store(folder, key)
+            if theirs is not None:
+                log(f"token store {folder}: built meanwhile by another process; using it")
+                shutil.rmtree(tmp, ignore_errors=True)
+                return theirs
+            aside = folder.parent / f".old-{folder.name}-{os.getpid()}"
+            try:
+                os.rename(folder, aside)
+            except FileNotFoundError:
+                continue
+            shutil.rmtree(aside, ignore_errors=True)
+            continue
+        try:
+            (folder / LOCK_NAME).unlink()
+        except OSError:
+            pass
+        _fsync_dir(folder.parent)
+        return manifest
+    raise OSError(errno.EEXIST, f"could not move the token store into place: {folder}")
+
+
 def _encoded_chunks(
     vocabs, pairs: Iterator[tuple[int, str, str]], heldout: list[list], cap: int, dropped: list[int]
 ):
@@ -495,26 +654,20 @@ def build_store(
     options: Options,
     vocabs,
     *,
+    rule: SplitRule | None = None,
     progress: bool = False,
     log: Log = print,
 ) -> TokenStore:
-    """Encode the corpus into ``folder`` (built beside it, renamed into place when complete)."""
+    """Encode the corpus into ``folder`` (built beside it, renamed into place when complete).
+    ``rule``: the held-out sets (:func:`plan_split` when not given)."""
     src_vocab, tgt_vocab = vocabs
     dtype = np.dtype(np.uint16 if max(len(src_vocab), len(tgt_vocab)) <= 1 << 16 else np.int32)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    for stale in folder.parent.glob(f".tmp-{folder.name}-*"):
-        shutil.rmtree(stale, ignore_errors=True)  # an interrupted build of the same store
-    tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}"
-    tmp.mkdir()
+    if rule is None:
+        rule = plan_split(files, lines, options, progress)
+    remove_stale_temps(folder)
+    tmp, lock = _new_temp(folder)
     report = CorpusReport(files.name)
-    rule = SplitRule.make(
-        lines,
-        options.valid_fraction,
-        options.test_fraction,
-        options.seed,
-        options.max_held_out,
-        options.carve,
-    )
     dropped = [0, 0]
     heldout: list[list] = [[], []]
     lengths: list[np.ndarray] = []
@@ -562,7 +715,7 @@ def build_store(
                 ensure_ascii=False,
             ).encode(),
         )
-        files_sizes = {p.name: p.stat().st_size for p in tmp.iterdir()}
+        files_sizes = {p.name: p.stat().st_size for p in tmp.iterdir() if p.name != LOCK_NAME}
         index_hash = _file_sha256(tmp / "lengths.npy")
         manifest = {
             "format": STORE_FORMAT,
@@ -581,13 +734,12 @@ def build_store(
         }
         _fsync_write(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.rename(tmp, folder)
-        _fsync_dir(folder.parent)
+        manifest = _install(tmp, folder, key, manifest, log)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(lock)  # releases the temporary folder's lock
     if empty:
         log(f"{empty} training pairs encode to no token on a side: left out")
     if any(dropped):
@@ -671,12 +823,14 @@ def resolve_tokenizers(
     cache_dir: Path,
     identity: dict,
     *,
+    plan: Callable[[], SplitRule] | None = None,
     progress: bool = False,
     log: Log = print,
 ):
     """-> (source vocabulary, target vocabulary); the same object twice when shared. Trained
-    sentencepiece models are cached beside the stores (keyed like them), so a second run neither
-    re-reads the corpus nor trains again. ``count()``: the corpus's line count."""
+    sentencepiece models are cached beside the stores (keyed like them: the corpus's identity and
+    the options), so a second run neither re-reads the corpus nor trains again. ``count()``: the
+    corpus's line count; ``plan()``: the held-out sets (the sample is of the training split)."""
     from seq2seq_fast.seq2seq.vocab import vocab_digest
 
     src, tgt = _given(spec)
@@ -698,43 +852,43 @@ def resolve_tokenizers(
             "size": spec.vocab_size,
             "sample": spec.sample_size,
             "wanted": wanted,
+            "split": 2,  # the held-out sets chosen by source groups
         }
     )
     paths = {w: cache_dir / f"spm-{key}.{w}.model" for w in wanted}
     trained = {}
-    if all(p.exists() for p in paths.values()):
+    if not all(p.exists() for p in paths.values()):
+        with _exclusive(cache_dir / f".lock-spm-{key}", "the sentencepiece models", log):
+            if not all(p.exists() for p in paths.values()):  # else trained meanwhile
+                trained = _train_spm(spec, files, count, options, paths, plan, progress, log)
+    if not trained:
         for w, p in paths.items():
             trained[w] = SentencePieceVocab(p.read_bytes())
         log(f"sentencepiece model(s) from the cache: {', '.join(str(p) for p in paths.values())}")
-    else:
-        lines = count()
-        rule = SplitRule.make(
-            lines,
-            options.valid_fraction,
-            options.test_fraction,
-            options.seed,
-            options.max_held_out,
-            options.carve,
-        )
-        sources, targets = sample_sentences(files, lines, options, rule, spec.sample_size, progress)
-        if not sources:
-            raise CorpusError(f"no usable training pair in {files.name} to train a tokenizer on")
-        texts = {"shared": sources + targets, "src": sources, "tgt": targets}
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        for w, path in paths.items():
-            log(
-                f"training a {spec.vocab_size}-piece sentencepiece model ({w}) on "
-                f"{len(texts[w])} sampled sentences"
-            )
-            vocab = SentencePieceVocab.train(texts[w], spec.vocab_size)
-            tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-            _fsync_write(tmp, vocab.model_proto)
-            os.replace(tmp, path)
-            trained[w] = vocab
-        del sources, targets, texts
     if spec.share:
         return trained["shared"], trained["shared"]
     return src or trained["src"], tgt or trained["tgt"]
+
+
+def _train_spm(spec, files, count, options, paths, plan, progress, log) -> dict:
+    lines = count()
+    rule = plan() if plan is not None else plan_split(files, lines, options, progress)
+    sources, targets = sample_sentences(files, lines, options, rule, spec.sample_size, progress)
+    if not sources:
+        raise CorpusError(f"no usable training pair in {files.name} to train a tokenizer on")
+    texts = {"shared": sources + targets, "src": sources, "tgt": targets}
+    trained = {}
+    for w, path in paths.items():
+        log(
+            f"training a {spec.vocab_size}-piece sentencepiece model ({w}) on "
+            f"{len(texts[w])} sampled sentences"
+        )
+        vocab = SentencePieceVocab.train(texts[w], spec.vocab_size)
+        tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+        _fsync_write(tmp, vocab.model_proto)
+        os.replace(tmp, path)
+        trained[w] = vocab
+    return trained
 
 
 def _digest(value) -> str:
@@ -755,7 +909,7 @@ def _read_official(
     files = CorpusFiles(path, tgt)
     lines = corpus_lines(files)
     report = CorpusReport(files.name)
-    rule = SplitRule.make(lines, 0, 0, 0, 0, carve=False)
+    rule = SplitRule(0)
     plain = Options(normalization=options.normalization)
     pairs = [(s, t) for _, s, t in clean_pairs(files, lines, plain, rule, report)]
     if not pairs:
@@ -796,16 +950,39 @@ def load_store_corpus(
             counted.append(corpus_lines(files, progress and rank == 0))
         return counted[0]
 
+    planned: list[SplitRule] = []
+
+    def plan() -> SplitRule:  # the held-out sets: one pass over the sources, only to build
+        if not planned:
+            planned.append(plan_split(files, count(), options, progress and rank == 0))
+        return planned[0]
+
     if vocabs is None:
         if rank == 0:
             vocabs = resolve_tokenizers(
-                spec, files, count, options, cache_dir, identity, progress=progress, log=log
+                spec,
+                files,
+                count,
+                options,
+                cache_dir,
+                identity,
+                plan=plan,
+                progress=progress,
+                log=log,
             )
         if barrier is not None:
             barrier()
         if rank != 0:
             vocabs = resolve_tokenizers(
-                spec, files, count, options, cache_dir, identity, progress=False, log=lambda _: None
+                spec,
+                files,
+                count,
+                options,
+                cache_dir,
+                identity,
+                plan=plan,
+                progress=False,
+                log=lambda _: None,
             )
     from seq2seq_fast.seq2seq.vocab import vocab_digest
 
@@ -824,12 +1001,27 @@ def load_store_corpus(
             log(f"token store: {folder} ({manifest['pairs']} pairs, reused)")
             store = TokenStore(folder, manifest)
         else:
-            if why:
-                log(f"token store {folder}: {why}; rebuilding it")
-            log(f"token store: encoding {files.name} into {folder}")
-            store = build_store(
-                folder, key, identity, files, count(), options, vocabs, progress=progress, log=log
-            )
+            with _exclusive(cache_dir / f".lock-{folder.name}", "this token store", log):
+                manifest, again = verify_store(folder, key)  # built meanwhile by another run?
+                if manifest is not None:
+                    log(f"token store: {folder} ({manifest['pairs']} pairs, built by another run)")
+                    store = TokenStore(folder, manifest)
+                else:
+                    if why or again:
+                        log(f"token store {folder}: {again or why}; rebuilding it")
+                    log(f"token store: encoding {files.name} into {folder}")
+                    store = build_store(
+                        folder,
+                        key,
+                        identity,
+                        files,
+                        count(),
+                        options,
+                        vocabs,
+                        rule=plan(),
+                        progress=progress,
+                        log=log,
+                    )
     if barrier is not None:
         barrier()
     if store is None:
@@ -843,7 +1035,9 @@ def load_store_corpus(
         held_test = _read_official(test[0], test[1], options, files.swap, "test")
     elif not held_valid:
         raise CorpusError(
-            f"{files.name}: too few usable pairs ({store.report().pairs}) to carve a validation set"
+            f"{files.name}: no validation pair carved from {store.report().pairs} usable pairs: "
+            "raise --valid-fraction or --max-held-out, or give --valid-data "
+            "(or --valid-src/--valid-tgt)"
         )
     return TranslationData(vocabs[0], vocabs[1], store, held_valid, held_test, store.report())
 
@@ -955,6 +1149,19 @@ def tokenizer_spec(config) -> TokenizerSpec:
     )
 
 
+def default_cache_dir() -> Path:
+    """Where token stores and trained tokenizers are kept without --cache-dir: shared by every
+    run of this user, so a new --out on the same corpus reuses them. ``$SEQ2SEQ_FAST_CACHE_DIR``,
+    else ``$XDG_CACHE_HOME/seq2seq-fast``, else ``~/.cache/seq2seq-fast``."""
+    env = os.environ.get("SEQ2SEQ_FAST_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and Path(xdg).is_absolute():  # a relative one is to be ignored (the XDG spec)
+        return Path(xdg) / "seq2seq-fast"
+    return Path.home() / ".cache" / "seq2seq-fast"
+
+
 def open_store_corpus(
     config, *, vocabs=None, rank: int = 0, world_size: int = 1, log: Log = print
 ) -> TranslationData:
@@ -986,7 +1193,12 @@ def open_store_corpus(
         import torch.distributed as dist
 
         barrier = dist.barrier
-    cache_dir = Path(config.cache_dir) if config.cache_dir else config.out_dir / "data-cache"
+    if config.cache_dir:
+        cache_dir = Path(config.cache_dir).expanduser()
+        log(f"corpus cache: {cache_dir} (--cache-dir)")
+    else:
+        cache_dir = default_cache_dir()
+        log(f"corpus cache: {cache_dir} (the per-user default; --cache-dir to change)")
     return load_store_corpus(
         files,
         tokenizer_spec(config),

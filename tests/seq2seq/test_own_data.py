@@ -61,7 +61,9 @@ TINY_CONFIG = dict(
 )
 
 
-def test_cli_trains_on_two_files_and_translates(tmp_path, capsys):
+def test_cli_trains_on_two_files_and_translates(tmp_path, capsys, monkeypatch):
+    cache = tmp_path / "user-cache"
+    monkeypatch.setenv("SEQ2SEQ_FAST_CACHE_DIR", str(cache))
     src, tgt = write_corpus(tmp_path, lines=300)
     out = tmp_path / "run"
     args = [
@@ -78,26 +80,17 @@ def test_cli_trains_on_two_files_and_translates(tmp_path, capsys):
     assert main(["train", *args]) == 0
     log = capsys.readouterr().out
     assert "token store: encoding" in log and "split:" in log
+    assert f"corpus cache: {cache} (the per-user default" in log
     payload = load_checkpoint(out / "model.pt")
     assert payload["step"] == 4
     assert payload["src_vocab"]["kind"] == "sentencepiece"  # the tokenizer travels in it
-    assert payload["task"]["src"] == str(src) and (out / "data-cache").is_dir()
+    assert payload["task"]["src"] == str(src) and cache.is_dir()
+    assert not (out / "data-cache").exists()
     assert main(["translate", "--checkpoint", str(out / "model.pt"), "red cat"]) == 0
     assert capsys.readouterr().out.strip() != ""
-    # The second run opens the store (and the trained tokenizers) as they are.
-    assert (
-        main(
-            [
-                "train",
-                *args,
-                "--out",
-                str(tmp_path / "run2"),
-                "--cache-dir",
-                str(out / "data-cache"),
-            ]
-        )
-        == 0
-    )
+    # The second run, with another --out, opens the store (and the trained tokenizers) as they
+    # are from the per-user cache.
+    assert main(["train", *args, "--out", str(tmp_path / "run2")]) == 0
     log = capsys.readouterr().out
     assert "pairs, reused)" in log and "from the cache" in log
     assert "encoding" not in log
@@ -248,7 +241,8 @@ def test_resume_with_a_vocabulary_that_does_not_fit(tmp_path, capsys):
     assert "(line 4) is 'zebra', the checkpoint's is 'cat'" in err
 
 
-def test_tsv_through_the_store_both_directions(tmp_path):
+def test_tsv_through_the_store_both_directions(tmp_path, monkeypatch):
+    monkeypatch.setenv("SEQ2SEQ_FAST_CACHE_DIR", str(tmp_path / "cache"))
     src, tgt = write_corpus(tmp_path, lines=200)
     tsv = tmp_path / "corpus.tsv"
     tsv.write_text(
@@ -270,9 +264,7 @@ def test_tsv_through_the_store_both_directions(tmp_path):
         _, src_vocab, _, payload = load_model(result.checkpoint)
         pieces = "".join(src_vocab.pieces(range(4, len(src_vocab))))
         assert pieces.islower() if direction == "1-2" else pieces.isupper()
-        assert any(
-            p.name.startswith("store-") for p in (tmp_path / direction / "data-cache").iterdir()
-        )
+    assert len(list((tmp_path / "cache").glob("store-*"))) == 2  # one a direction
 
 
 def test_ddp_ranks_share_one_store(tmp_path):
@@ -287,7 +279,10 @@ def test_ddp_ranks_share_one_store(tmp_path):
         pytest.skip("torchrun is not on PATH")
     src, tgt = write_corpus(tmp_path, lines=300)
     out = tmp_path / "ddp"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cache = tmp_path / "cache"
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", SEQ2SEQ_FAST_CACHE_DIR=str(cache)
+    )
     command = [
         torchrun,
         "--standalone",
@@ -310,7 +305,7 @@ def test_ddp_ranks_share_one_store(tmp_path):
     assert "2 process(es)" in proc.stdout and proc.stdout.count("token store: encoding") == 1
     payload = load_checkpoint(out / "model.pt")
     assert payload["world_size"] == 2 and payload["step"] == 3
-    assert len(list((out / "data-cache").glob("store-*"))) == 1
+    assert len(list(cache.glob("store-*"))) == 1
 
 
 def test_big_data_file_goes_through_the_store(tmp_path, monkeypatch):
