@@ -227,7 +227,8 @@ def _add_train(sub) -> argparse.ArgumentParser:
     g.add_argument(
         "--cache-dir",
         metavar="DIR",
-        help="where token stores and trained tokenizers are kept (default <out>/data-cache)",
+        help="where token stores and trained tokenizers are kept (default $SEQ2SEQ_FAST_CACHE_DIR, "
+        "else $XDG_CACHE_HOME/seq2seq-fast, else ~/.cache/seq2seq-fast: shared by runs)",
     )
     g.add_argument(
         "--spm-sample-size",

@@ -141,7 +141,8 @@ class TrainConfig:
     # decoder input embedding = output projection; with a shared vocabulary the encoder's too
     tie_embeddings: bool = False
     token_store: bool | None = None  # None: as above; True/False force it on/off
-    cache_dir: str | None = None  # token stores and trained tokenizers (default <out>/data-cache)
+    # token stores and trained tokenizers (default: a per-user cache, store.default_cache_dir)
+    cache_dir: str | None = None
     spm_sample_size: int = 100_000  # pairs the sentencepiece models are trained on (0: all)
     max_held_out: int = 3000  # at most this many pairs each in valid and test carved from a file
     eval_size: int = 500  # valid pairs scored with BLEU after each epoch
