@@ -5,7 +5,9 @@ its Triton module, so the variable must be set here, before any test module impo
 It is only set when CUDA is unavailable, so a GPU machine runs the real kernels.
 """
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import torch
@@ -15,7 +17,9 @@ if not torch.cuda.is_available():
 
 # Token stores and trained tokenizers of runs without --cache-dir go to a per-user cache
 # (~/.cache/seq2seq-fast): the tests' go to a temporary folder instead, never the real one.
-os.environ.setdefault("SEQ2SEQ_FAST_CACHE_DIR", tempfile.mkdtemp(prefix="seq2seq-fast-cache-"))
+if "SEQ2SEQ_FAST_CACHE_DIR" not in os.environ:
+    os.environ["SEQ2SEQ_FAST_CACHE_DIR"] = tempfile.mkdtemp(prefix="seq2seq-fast-cache-")
+    atexit.register(shutil.rmtree, os.environ["SEQ2SEQ_FAST_CACHE_DIR"], ignore_errors=True)
 
 # Hypothesis profiles for the fuzz tests (tests/ops/test_fuzz.py). "ci" (the default) keeps the whole
 # suite fast; ``pytest --hypothesis-profile=long`` runs many more examples per test. Test files

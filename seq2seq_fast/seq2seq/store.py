@@ -568,12 +568,15 @@ def remove_stale_temps(folder: Path) -> list[Path]:
     """Remove the temporary folders of builds of ``folder`` whose builder is gone (its lock can
     be taken; robust to pid reuse); a live build's folder is left alone. -> those removed."""
     removed = []
-    for tmp in folder.parent.glob(f".tmp-{folder.name}-*"):
+    staged = folder.parent.glob(f".new-{folder.name}-*")  # killed before its rename
+    for tmp in itertools.chain(folder.parent.glob(f".tmp-{folder.name}-*"), staged):
         if not tmp.is_dir():
             continue
         try:
             fd = os.open(tmp / LOCK_NAME, os.O_RDWR)
         except FileNotFoundError:
+            if tmp.name.startswith(".new-"):
+                continue  # its lock may be about to be made
             fd = None  # no lock file: left by an earlier version, or being removed
         except OSError:
             continue

@@ -143,11 +143,14 @@ def test_stale_temp_folder_is_removed_a_live_one_is_not(tmp_path):
     stale = _temp(cache, "999999-dead")  # lock file, nobody holds it
     legacy = _temp(cache, "999998", lock=False)  # an earlier version's: no lock file
     live = _temp(cache, f"{os.getpid()}-live")
+    staged = cache / ".new-store-abc-999997-x"  # killed between making it and renaming it
+    staged.mkdir()
+    (staged / store.LOCK_NAME).touch()
     holder = _python(HOLD, str(live / store.LOCK_NAME))
     try:
         assert holder.stdout.readline().strip() == "LOCKED"
         removed = store.remove_stale_temps(cache / "store-abc")
-        assert sorted(removed) == sorted([stale, legacy])
+        assert sorted(removed) == sorted([stale, legacy, staged])
         assert live.is_dir() and not stale.exists() and not legacy.exists()
     finally:
         holder.kill()
