@@ -561,7 +561,9 @@ def translate_settings(args: argparse.Namespace) -> dict:
 
 
 def _translate(args) -> int:
-    from seq2seq_fast.seq2seq.translate import read_lines
+    import os
+
+    from seq2seq_fast.seq2seq.translate import CHUNK_LINES, iter_chunks
 
     if args.dump_config:
         from seq2seq_fast.seq2seq.configfile import dump_config
@@ -589,40 +591,80 @@ def _translate(args) -> int:
             result = translator.translate([line.rstrip("\n")])[0]
             print("\n".join(_output_lines(result, args.n_best)), flush=True)
         return 0
-    return _translate_lines(args, translator, read_lines(args.input))
+    chunk = os.environ.get("SEQ2SEQ_FAST_TRANSLATE_CHUNK", "")  # lines at a time (tests)
+    if chunk and not (chunk.isdigit() and int(chunk) > 0):
+        raise ValueError(f"SEQ2SEQ_FAST_TRANSLATE_CHUNK={chunk}: not a number of lines >= 1")
+    return _translate_lines(
+        args, translator, iter_chunks(args.input, int(chunk) if chunk else CHUNK_LINES)
+    )
 
 
-def _translate_lines(args, translator, texts: list[str]) -> int:
-    """Translate a file's lines in batches and write exactly one result per line, in order."""
+def _translate_lines(args, translator, chunks) -> int:
+    """Translate the input's lines a chunk at a time (``chunks``: :class:`Chunk` s, in order,
+    each decoded in length-sorted batches) and write exactly one result per line (n_best with
+    --n-best), in input order, each chunk's lines flushed before the next chunk is read: memory
+    stays bounded and output comes as the input does (a pipeline). -o FILE is written to a
+    temporary file beside it, renamed over FILE at the end, so that an interrupted run leaves no
+    complete-looking file."""
+    import os
+    import tempfile
     import time
 
     from tqdm import tqdm
 
+    from seq2seq_fast.seq2seq.translate import count_lines
+
     started = time.perf_counter()
-    with tqdm(
-        total=len(texts),
-        unit="sent",
-        file=sys.stderr,
-        dynamic_ncols=True,
-        leave=False,
-        disable=not (args.progress and args.input is not None),
-    ) as bar:
-        results = translator.translate(texts, progress=bar.update)
-    lines = [line for result in results for line in _output_lines(result, args.n_best)]
-    text = "".join(line + "\n" for line in lines)
-    if args.output is None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    else:
-        with open(args.output, "w", encoding="utf-8", newline="\n") as handle:
-            handle.write(text)
-    for result in results:
-        if result.warning:
-            _warn(args, result.warning)
+    show = bool(args.progress and args.input is not None)
+    handle = temporary = None
+    if args.output is not None:
+        target = os.path.abspath(args.output)
+        fd, temporary = tempfile.mkstemp(
+            dir=os.path.dirname(target), prefix=f".{os.path.basename(target)}.", suffix=".tmp"
+        )
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(fd, 0o666 & ~umask)  # as open() would make it, not mkstemp's 0600
+        handle = os.fdopen(fd, "w", encoding="utf-8", newline="\n")
+    out = sys.stdout if handle is None else handle
+    sentences = tokens = 0
+    try:
+        with tqdm(
+            total=count_lines(args.input) if show else None,
+            unit="sent",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            leave=False,
+            disable=not show,
+        ) as bar:
+            for chunk in chunks:
+                results = translator.translate(chunk.texts, progress=bar.update)
+                out.write(
+                    "".join(
+                        line + "\n"
+                        for result in results
+                        for line in _output_lines(result, args.n_best)
+                    )
+                )
+                out.flush()
+                for i, result in enumerate(results):
+                    number = chunk.first + i
+                    for message in (chunk.warnings.get(i), result.warning):
+                        if message:  # the Translator numbers a chunk's lines from 1
+                            _warn(args, re.sub(r"^line \d+:", f"line {number}:", message))
+                sentences += len(results)
+                tokens += sum(result.tokens for result in results)
+        if handle is not None:
+            handle.close()
+            os.replace(temporary, args.output)
+            temporary = None
+    finally:
+        if temporary is not None:  # failed or interrupted: no output file, complete-looking or not
+            handle.close()
+            os.unlink(temporary)
     seconds = time.perf_counter() - started
-    tokens = sum(result.tokens for result in results)
     print(
-        f"{len(texts)} sentences, {tokens} tokens in {seconds:.2f} s "
+        f"{sentences} sentences, {tokens} tokens in {seconds:.2f} s "
         f"({tokens / max(seconds, 1e-9):,.0f} tokens/s)",
         file=sys.stderr,
     )

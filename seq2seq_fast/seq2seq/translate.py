@@ -229,6 +229,88 @@ def split_lines(data: bytes | str, name: str = "<stdin>") -> list[str]:
     return lines
 
 
+# Lines read, translated and written at a time by the ``translate`` command (and iter_chunks):
+# memory stays bounded for any input, and output comes before the input ends (pipelines).
+CHUNK_LINES = 1000
+
+
+@dataclass
+class Chunk:
+    """Consecutive input lines: ``texts`` (line ``first`` first), and ``warnings`` by index into
+    ``texts`` (lines that were not valid UTF-8, decoded with U+FFFD replacements)."""
+
+    first: int
+    texts: list[str] = field(default_factory=list)
+    warnings: dict[int, str] = field(default_factory=dict)
+
+
+def _decode_line(raw: bytes | str, number: int) -> tuple[str, str | None]:
+    """One line without its line end (LF, CRLF): its text, and a warning when not UTF-8."""
+    if isinstance(raw, str):
+        return raw.removesuffix("\n").removesuffix("\r"), None
+    raw = raw.removesuffix(b"\n").removesuffix(b"\r")
+    try:
+        return raw.decode("utf-8"), None
+    except UnicodeDecodeError as exc:
+        return raw.decode("utf-8", errors="replace"), (
+            f"line {number}: not valid UTF-8 ({exc.reason} at byte {exc.start} of the line): "
+            f"read with U+FFFD for the bad bytes"
+        )
+
+
+def _open_input(path: str | Path | None):
+    """A binary stream of the file at ``path`` (the caller closes it), or of stdin when None."""
+    import sys
+
+    if path is None:
+        stream = sys.stdin
+        return getattr(stream, "buffer", stream), False
+    try:
+        return open(path, "rb"), True  # noqa: SIM115 (closed by iter_chunks)
+    except IsADirectoryError:
+        raise InputError(f"--input {path}: is a directory, not a file") from None
+    except OSError as exc:
+        raise InputError(f"--input {path}: cannot read it ({exc.strerror or exc})") from None
+
+
+def iter_chunks(path: str | Path | None, lines: int = CHUNK_LINES) -> Iterator[Chunk]:
+    """The lines of the file at ``path`` (stdin when None) in chunks of up to ``lines``, each
+    yielded once full (or at the end), so that only one chunk is held: lines as ``wc -l``
+    counts them (a last line without a newline included), line ends LF or CRLF, a UTF-8
+    byte-order mark skipped; a line that is not UTF-8 is decoded with replacements and named in
+    the chunk's ``warnings``. The file is opened at the first ``next()``."""
+    if lines < 1:
+        raise ValueError(f"chunk lines must be >= 1, got {lines}")
+    stream, close = _open_input(path)
+    try:
+        chunk = Chunk(1)
+        for number, raw in enumerate(stream, start=1):
+            if number == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf" if isinstance(raw, bytes) else "\ufeff")
+            text, warning = _decode_line(raw, number)
+            if warning is not None:
+                chunk.warnings[len(chunk.texts)] = warning
+            chunk.texts.append(text)
+            if len(chunk.texts) >= lines:
+                yield chunk
+                chunk = Chunk(number + 1)
+        if chunk.texts:
+            yield chunk
+    finally:
+        if close:
+            stream.close()
+
+
+def count_lines(path: str | Path) -> int:
+    """Lines of a file as :func:`iter_chunks` reads them (for a progress bar's total)."""
+    count, last = 0, b"\n"
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            count += block.count(b"\n")
+            last = block[-1:]
+    return count + (last != b"\n")
+
+
 def read_lines(path: str | Path | None) -> list[str]:
     """All lines of the file at ``path``, or of stdin when None (see :func:`split_lines`)."""
     import sys

@@ -429,8 +429,9 @@ def test_translate_non_utf8_input_names_the_line(checkpoint, tmp_path, capsys):
     source = tmp_path / "latin1.txt"
     source.write_bytes("a b\nc d\ncaf\u00e9 e\n".encode("latin-1"))
     code, out, err = _run(capsys, "translate", "--checkpoint", checkpoint, "--input", source)
-    assert code == 2 and out == ""
-    assert "line 3 is not valid UTF-8" in err and str(source) in err and "Traceback" not in err
+    # Streamed output cannot be taken back: the line is read with U+FFFD and named, not fatal.
+    assert code == 0 and len(out.splitlines()) == 3
+    assert "warning: line 3: not valid UTF-8" in err and "Traceback" not in err
 
 
 def test_translate_option_errors(checkpoint, capsys):
