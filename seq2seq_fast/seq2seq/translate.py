@@ -229,7 +229,8 @@ def split_lines(data: bytes | str, name: str = "<stdin>") -> list[str]:
     return lines
 
 
-# Lines read, translated and written at a time by the ``translate`` command (and iter_chunks):
+# Lines read, translated and written at a time by the ``translate`` command (iter_chunks; fewer
+# when a pipe pauses):
 # memory stays bounded for any input, and output comes before the input ends (pipelines).
 CHUNK_LINES = 1000
 
@@ -273,9 +274,41 @@ def _open_input(path: str | Path | None):
         raise InputError(f"--input {path}: cannot read it ({exc.strerror or exc})") from None
 
 
-def iter_chunks(path: str | Path | None, lines: int = CHUNK_LINES) -> Iterator[Chunk]:
+def _pipe_lines(stream, wait: float) -> Iterator[bytes | str | None]:
+    """The lines of ``stream`` with their line ends, and None wherever a pipe (or a terminal)
+    has had no further input for ``wait`` seconds: a pause, at which a partial chunk is worth
+    translating. Regular files and streams without a file descriptor just give their lines."""
+    import os
+    import select
+    import stat
+
+    try:
+        fd = stream.fileno()
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except (AttributeError, OSError, ValueError):  # io.BytesIO and the like
+        fd, regular = None, True
+    if regular or os.name == "nt" or not hasattr(stream, "read1"):
+        yield from stream
+        return
+    pending = b""
+    # read1 returns what is buffered or else one read's worth (what the pipe holds), and leaves
+    # the buffer empty (64 KiB > its 8 KiB): then select on the descriptor sees all there is.
+    while data := stream.read1(1 << 16):
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
+            yield line + b"\n"
+        if not select.select([fd], [], [], wait)[0]:
+            yield None
+    if pending:
+        yield pending
+
+
+def iter_chunks(
+    path: str | Path | None, lines: int = CHUNK_LINES, *, wait: float = 0.05
+) -> Iterator[Chunk]:
     """The lines of the file at ``path`` (stdin when None) in chunks of up to ``lines``, each
-    yielded once full (or at the end), so that only one chunk is held: lines as ``wc -l``
+    yielded once full, at the end, or (from a pipe) when no more input came for ``wait`` s, so
+    that only one chunk is held and a pipeline gets answers as it sends lines: lines as ``wc -l``
     counts them (a last line without a newline included), line ends LF or CRLF, a UTF-8
     byte-order mark skipped; a line that is not UTF-8 is decoded with replacements and named in
     the chunk's ``warnings``. The file is opened at the first ``next()``."""
@@ -283,8 +316,14 @@ def iter_chunks(path: str | Path | None, lines: int = CHUNK_LINES) -> Iterator[C
         raise ValueError(f"chunk lines must be >= 1, got {lines}")
     stream, close = _open_input(path)
     try:
-        chunk = Chunk(1)
-        for number, raw in enumerate(stream, start=1):
+        chunk, number = Chunk(1), 0
+        for raw in _pipe_lines(stream, wait):
+            if raw is None:  # the input paused: translate what came
+                if chunk.texts:
+                    yield chunk
+                    chunk = Chunk(number + 1)
+                continue
+            number += 1
             if number == 1:
                 raw = raw.removeprefix(b"\xef\xbb\xbf" if isinstance(raw, bytes) else "\ufeff")
             text, warning = _decode_line(raw, number)

@@ -30,7 +30,7 @@ def _stdin(monkeypatch, data: bytes) -> None:
     )
 
 
-def test_iter_chunks_reads_lines_like_wc_in_chunks(tmp_path):
+def test_iter_chunks_reads_lines_like_wc_in_chunks(tmp_path, monkeypatch):
     path = tmp_path / "in.txt"
     path.write_bytes(b"\xef\xbb\xbf" + RAW)
     chunks = list(iter_chunks(path, 4))
@@ -40,6 +40,14 @@ def test_iter_chunks_reads_lines_like_wc_in_chunks(tmp_path):
     assert sorted(numbers) == sorted(NOT_UTF8)
     assert all(w.startswith(f"line {n}: not valid UTF-8") for n, w in numbers.items())
     assert count_lines(path) == len(LINES) == 11
+    read, write = os.pipe()  # the same from a pipe (read as it comes, not as a file)
+    with open(write, "wb") as sink:
+        sink.write(b"\xef\xbb\xbf" + RAW)
+    with open(read, "rb") as stream:
+        monkeypatch.setattr(sys, "stdin", stream)
+        piped = list(iter_chunks(None, 4))
+    assert [t for c in piped for t in c.texts] == LINES
+    assert {c.first + i for c in piped for i in c.warnings} == NOT_UTF8
     path.write_bytes(b"x\n\n")
     assert [c.texts for c in iter_chunks(path, 1)] == [["x"], [""]] and count_lines(path) == 2
     path.write_bytes(b"")
@@ -116,9 +124,16 @@ def test_bad_chunk_setting_is_an_error(checkpoint, capsys, monkeypatch):  # noqa
     assert code == 2 and "SEQ2SEQ_FAST_TRANSLATE_CHUNK=0" in err
 
 
-def test_pipe_gets_the_first_chunk_before_stdin_closes(checkpoint, tmp_path):  # noqa: F811
-    chunk = 3
-    env = dict(os.environ, SEQ2SEQ_FAST_TRANSLATE_CHUNK=str(chunk), PYTHONUNBUFFERED="1")
+@pytest.mark.parametrize(
+    ("setting", "chunk"),
+    [("3", 3), (None, 2)],  # a full chunk; two lines of 1,000, then a pause (the input waits)
+    ids=["full-chunk", "pause"],
+)
+def test_pipe_gets_the_first_lines_before_stdin_closes(checkpoint, tmp_path, setting, chunk):  # noqa: F811
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("SEQ2SEQ_FAST_TRANSLATE_CHUNK", None)
+    if setting is not None:
+        env["SEQ2SEQ_FAST_TRANSLATE_CHUNK"] = setting
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     with open(tmp_path / "err.txt", "wb") as err:
@@ -168,3 +183,17 @@ def test_pipe_gets_the_first_chunk_before_stdin_closes(checkpoint, tmp_path):  #
     assert first + rest == [r.text for r in expected]
     err = (tmp_path / "err.txt").read_text()
     assert f"{len(texts)} sentences, " in err and "warning: line 6: empty input" in err
+
+
+def test_iter_chunks_yields_what_a_pipe_sent_when_it_pauses(monkeypatch):
+    read, write = os.pipe()
+    with open(read, "rb") as stream, open(write, "wb", buffering=0) as sink:
+        monkeypatch.setattr(sys, "stdin", stream)  # a binary stream: read as it is
+        sink.write(b"a b\nc")
+        chunks, got = iter_chunks(None), queue.Queue()
+        threading.Thread(target=lambda: got.put(next(chunks)), daemon=True).start()
+        first = got.get(timeout=30)  # of 1,000 lines, after the pipe paused
+        assert (first.first, first.texts) == (1, ["a b"])
+        sink.write(b" d\r\ne\n")
+        sink.close()
+        assert [(c.first, c.texts) for c in chunks] == [(2, ["c d", "e"])]
