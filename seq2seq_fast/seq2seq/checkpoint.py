@@ -118,7 +118,42 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     for key in ("model_config", "model", "src_vocab", "tgt_vocab"):
         if key not in payload:
             raise CheckpointError(f"{path}: checkpoint lacks {key!r}")
+    if payload.get("int8_scales"):  # export --precision int8: float weights from int8 rows
+        payload["model"] = _dequantized(payload["model"], payload.pop("int8_scales"), path)
     return payload
+
+
+INT8_SUFFIX = "_int8"
+
+
+def _int8_names(payload: dict[str, Any]) -> list[str]:
+    """The weights ``--precision int8`` decodes with int8 products (inference.INT8_LAYERS),
+    stored as int8 by ``export --precision int8``: the decoder's output layers, and the GNMT
+    decoder's query projection and recurrent products. A tied output weight stays float (it is
+    the embedding's too)."""
+    config = dict(payload["model_config"])
+    names = ["decoder.attentional.weight"]
+    if not config.get("tie_embeddings"):
+        names.append("decoder.output.weight")
+    if config.get("decoder", "gnmt") == "gnmt":
+        names.append("decoder.attention.query_proj.weight")
+        for layer in range(int(config.get("decoder_layers", 1))):
+            names += [f"decoder.rnns.{layer}.weight_ih_l0", f"decoder.rnns.{layer}.weight_hh_l0"]
+    return [name for name in names if name in payload["model"]]
+
+
+def _dequantized(weights: dict, scales: dict, path) -> dict:
+    """The state_dict of an int8 export with its int8 rows expanded to float32 (row x scale)."""
+    out = dict(weights)
+    for name, scale in dict(scales).items():
+        q = out.pop(name + INT8_SUFFIX, None)
+        if q is None or q.dim() != 2 or scale.shape != (q.shape[0],):
+            raise CheckpointError(
+                f"{path}: int8 weight {name} is missing or does not match its "
+                f"{list(scale.shape)} scales"
+            )
+        out[name] = q.float() * scale.float()[:, None]
+    return out
 
 
 def load_model(path: str | Path, *, backend: str = "auto", device: str = "cpu"):
@@ -154,16 +189,30 @@ def is_inference_only(payload: dict[str, Any]) -> bool:
     return payload.get("kind") == INFERENCE_KIND
 
 
-def inference_payload(payload: dict[str, Any], weights: dict[str, Any], dtype: str) -> dict:
+def inference_payload(
+    payload: dict[str, Any], weights: dict[str, Any], dtype: str, precision: str = "fp32"
+) -> dict:
     """The content of an inference-only file: ``weights`` (a state_dict, floating-point tensors
-    stored as ``dtype``) with the model config, vocabularies and metadata of ``payload``."""
+    stored as ``dtype``) with the model config, vocabularies and metadata of ``payload``;
+    ``precision``: what translate decodes it in by default ("int8": the weights int8 decoding
+    quantises stored as int8 rows, ``NAME_int8``, with their float32 scales)."""
     target = EXPORT_DTYPES[dtype]
     train_config = dict(payload.get("train_config") or {})
-    return {
+    int8_scales = {}
+    if precision == "int8":
+        from seq2seq_fast.seq2seq.inference import quantize_int8
+
+        weights = dict(weights)
+        for name in _int8_names(payload | {"model": weights}):
+            q, int8_scales[name] = quantize_int8(weights.pop(name))
+            weights[name + INT8_SUFFIX] = q
+    extra = {"int8_scales": int8_scales} if int8_scales else {}
+    return extra | {
         "format": CHECKPOINT_FORMAT,
         "version": CHECKPOINT_VERSION,
         "kind": INFERENCE_KIND,
         "dtype": dtype,
+        "precision": precision,
         "model_config": payload["model_config"],
         "src_vocab": payload["src_vocab"],
         "tgt_vocab": payload["tgt_vocab"],
@@ -229,14 +278,22 @@ def average_weights(paths: Sequence[str | Path]) -> tuple[dict[str, Any], dict[s
 
 
 def export_inference(
-    checkpoint: str | Path | Sequence[str | Path], output: str | Path, *, dtype: str = "float32"
+    checkpoint: str | Path | Sequence[str | Path],
+    output: str | Path,
+    *,
+    dtype: str = "float32",
+    precision: str = "fp32",
 ) -> tuple[int, int]:
     """Write the weights and vocabularies of ``checkpoint`` (a training checkpoint or an export;
     several: their averaged weights, see :func:`average_weights`) to ``output``, floating-point
     tensors stored as ``dtype`` ("float32", "float16", "bfloat16"; loading casts them back to
-    float32). -> (size of output, size of the (last) checkpoint) in bytes."""
+    float32), to be decoded in ``precision`` by default ("fp32", "bf16", "int8": with int8 the
+    layers int8 decoding quantises are stored as int8, see :func:`inference_payload`). -> (size
+    of output, size of the (last) checkpoint) in bytes."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype!r}")
+    if precision not in ("fp32", "bf16", "int8"):
+        raise ValueError(f"precision must be one of fp32, bf16, int8, got {precision!r}")
     paths = [checkpoint] if isinstance(checkpoint, (str, Path)) else list(checkpoint)
     output = Path(output)
     for path in paths:
@@ -248,7 +305,7 @@ def export_inference(
     else:
         payload, weights = average_weights(paths)
     _build_model(payload | {"model": weights}, paths[-1])  # CheckpointError unless a model
-    exported = inference_payload(payload, weights, dtype)
+    exported = inference_payload(payload, weights, dtype, precision)
     if len(paths) > 1:  # the last one's metrics are not the average's
         exported["averaged_from"] = [str(path) for path in paths]
         exported["metrics"] = {}

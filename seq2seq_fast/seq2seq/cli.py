@@ -96,7 +96,15 @@ def _positive_int(text: str) -> int:
 def _add_decode_options(p) -> None:
     p.add_argument(
         "--checkpoint",
-        help="model.pt written by seq2seq-fast train, or an exported model (required)",
+        action="append",
+        help="model.pt written by seq2seq-fast train, or an exported model (required); given "
+        "several times: an ensemble (log-probabilities averaged at each step; same vocabularies)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "int8"],
+        help="decode in float32, bfloat16 (where the CPU has AVX512-BF16 or AMX) or with int8 "
+        "linear layers (default: the checkpoint's, fp32 unless exported with --precision)",
     )
     p.add_argument("sentence", nargs="?", help="input sentence (default: read lines from stdin)")
     # No defaults here: DecodeOptions holds them (and builds the options from those given).
@@ -180,8 +188,16 @@ def _add_export(sub) -> None:
     p.add_argument(
         "--dtype",
         choices=["float32", "float16", "bfloat16"],
-        default="float32",
-        help="storage type of the floating-point weights (computation stays float32)",
+        default=None,
+        help="storage type of the floating-point weights (default float32, bfloat16 with "
+        "--precision bf16); translate computes as --precision says",
+    )
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "int8"],
+        default="fp32",
+        help="the precision translate decodes the file in by default; int8: the layers int8 "
+        "decoding quantises stored as int8 with their scales (a smaller file)",
     )
 
 
@@ -292,7 +308,8 @@ def _translator(args, **kwargs):
     """Load the checkpoint once, on the device and thread count asked for."""
     import torch
 
-    if args.checkpoint is None:
+    checkpoints = [args.checkpoint] if isinstance(args.checkpoint, str) else args.checkpoint
+    if not checkpoints:
         raise ValueError(f"{args.command} needs --checkpoint PATH (or checkpoint: in --config)")
     from seq2seq_fast.seq2seq.translate import Translator
 
@@ -310,14 +327,18 @@ def _translator(args, **kwargs):
         torch.set_num_threads(threads // workers)
     elif args.threads is not None:
         torch.set_num_threads(args.threads)
-    return Translator.load(
-        args.checkpoint,
+    translator = Translator.load(
+        checkpoints,
         backend=args.backend,
         device=args.device,
+        precision=args.precision,
         options=decode_options(args),
         workers=workers,
         **kwargs,
     )
+    for notice in translator.notices:
+        print(f"seq2seq-fast {args.command}: note: {notice}", file=sys.stderr)
+    return translator
 
 
 def decode_options(args: argparse.Namespace) -> DecodeOptions:
@@ -499,12 +520,16 @@ def _plot(args) -> int:
 def _export(args) -> int:
     from seq2seq_fast.seq2seq.checkpoint import export_inference
 
-    size, source_size = export_inference(args.checkpoint, args.output, dtype=args.dtype)
+    dtype = args.dtype or ("bfloat16" if args.precision == "bf16" else "float32")
+    size, source_size = export_inference(
+        args.checkpoint, args.output, dtype=dtype, precision=args.precision
+    )
     count = len(args.checkpoint)
     what = f"the average of {count} checkpoints; the last is" if count > 1 else "the checkpoint is"
+    stored = f"int8 decoder layers, {dtype} others" if args.precision == "int8" else dtype
     print(
-        f"wrote {args.output}: {size / 1e6:.1f} MB ({args.dtype} weights and vocabularies; "
-        f"{what} {source_size / 1e6:.1f} MB)"
+        f"wrote {args.output}: {size / 1e6:.1f} MB ({stored} weights and vocabularies, "
+        f"decoded in {args.precision} by default; {what} {source_size / 1e6:.1f} MB)"
     )
     return 0
 

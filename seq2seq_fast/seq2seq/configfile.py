@@ -89,7 +89,8 @@ def convert_value(value: Any, action: Any) -> Any:
         return None
     if isinstance(action.const, bool) and action.nargs == 0:  # store_true / store_false
         return _as_bool(value)
-    if isinstance(value, (list, tuple)) and action.nargs in ("+", "*"):
+    several = action.nargs in ("+", "*") or type(action).__name__ == "_AppendAction"
+    if isinstance(value, (list, tuple)) and several:
         return [_convert_one(item, action) for item in value]
     return _convert_one(value, action)
 

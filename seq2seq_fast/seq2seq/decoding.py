@@ -98,14 +98,18 @@ def _step_log_probs(model: Seq2Seq, y: Tensor, state, memory: Memory, at_limit: 
 
     The log-softmax in float32 (in float64 it took ~7% of a beam search's time); the searches
     add these up in float64, so that scores stay batch-independent to ~1e-7."""
-    logits, weights, state = model.decoder.step(y, state, memory)
-    logp = logits.float().log_softmax(-1)
+    step = getattr(model, "step_log_probs", None)
+    if step is not None:  # a DecodingModel or an Ensemble (inference.py)
+        logp, weights, state = step(y, state, memory)
+    else:
+        logits, weights, state = model.decoder.step(y, state, memory)
+        logp, weights = logits.float().log_softmax(-1), weights.float()
     logp[:, PAD_ID] = -math.inf
     if bool(at_limit.any()):
         only_eos = torch.full_like(logp[0], -math.inf)
         only_eos[EOS_ID] = 0.0
         logp[at_limit] = only_eos
-    return logp, weights.float(), state
+    return logp, weights, state
 
 
 class _Rows:

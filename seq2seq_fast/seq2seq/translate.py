@@ -77,6 +77,7 @@ class Translator:
         normalization: str = "NFKC",
         device: torch.device | str = "cpu",
         workers: int = 1,
+        precision: str | None = None,
     ) -> None:
         self.options = options or DecodeOptions()
         if batch_size is None:
@@ -90,7 +91,13 @@ class Translator:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"max_tokens must be an int >= 1 or None, got {max_tokens!r}")
-        self.model = model  # the searches run it in eval mode
+        if precision is not None and isinstance(model, Seq2Seq):
+            from seq2seq_fast.seq2seq.inference import DecodingModel
+
+            model = DecodingModel(model, precision)
+        # A Seq2Seq, or a DecodingModel / Ensemble (inference.py); the searches run it in eval mode
+        self.model = model
+        self.notices: list[str] = list(getattr(model, "notices", []))
         self.src_vocab, self.tgt_vocab = src_vocab, tgt_vocab
         self.batch_size, self.max_tokens = batch_size, max_tokens
         self.max_source_tokens = max_source_tokens
@@ -100,18 +107,47 @@ class Translator:
 
     @classmethod
     def load(
-        cls, path: str | Path, *, backend: str = "auto", device: str = "cpu", **kwargs
+        cls,
+        path: str | Path | Sequence[str | Path],
+        *,
+        backend: str = "auto",
+        device: str = "cpu",
+        precision: str | None = None,
+        **kwargs,
     ) -> Translator:
-        """Load a checkpoint (training or exported) once; ``kwargs`` as for the constructor, and
-        ``options``, or the :class:`DecodeOptions` fields (``beam``, ``n_best``, ``alpha``...)."""
+        """Load a checkpoint (training or exported) once, or several as an ensemble (their
+        log-probabilities averaged at each step; they must share the vocabularies), prepared for
+        decoding at ``precision`` ("fp32", "bf16", "int8"; default the checkpoint's own: "int8"
+        for an ``export --precision int8`` file, else "fp32"); ``kwargs`` as for the constructor,
+        and ``options``, or the :class:`DecodeOptions` fields (``beam``, ``n_best``...)."""
         from seq2seq_fast.seq2seq.checkpoint import load_model
+        from seq2seq_fast.seq2seq.inference import DecodingModel, Ensemble, check_precision
 
+        if precision is not None:
+            check_precision(precision)
         if "options" not in kwargs:
             kwargs["options"] = DecodeOptions.from_kwargs(kwargs)
-        model, src_vocab, tgt_vocab, payload = load_model(path, backend=backend, device=device)
-        normalization = payload.get("normalization") or dict(payload.get("train_config") or {}).get(
-            "normalization", "NFKC"
-        )
+        paths = [path] if isinstance(path, (str, Path)) else list(path)
+        if not paths:
+            raise ValueError("no checkpoint given")
+        models, first = [], None
+        for member in paths:
+            model, src_vocab, tgt_vocab, payload = load_model(
+                member, backend=backend, device=device
+            )
+            normalization = payload.get("normalization") or dict(
+                payload.get("train_config") or {}
+            ).get("normalization", "NFKC")
+            if first is None:
+                first = (member, src_vocab, tgt_vocab, payload, normalization)
+            else:
+                _check_same_vocabularies(
+                    first, member, payload, (src_vocab, tgt_vocab), normalization
+                )
+            member_precision = precision or payload.get("precision") or "fp32"
+            models.append(DecodingModel(model, member_precision))
+        _, src_vocab, tgt_vocab, _, normalization = first
+        model = models[0] if len(models) == 1 else Ensemble(models)
         return cls(
             model, src_vocab, tgt_vocab, device=device, normalization=normalization, **kwargs
         )
@@ -200,6 +236,24 @@ class Translator:
         batch = make_batch([(s, [0]) for s in sources])
         src, lengths = batch.src.to(self.device), batch.src_lengths.to(self.device)
         return search(self.model, src, lengths, self.options)
+
+
+def _check_same_vocabularies(first, path, payload, vocabs, normalization: str) -> None:
+    """An ensemble member must read and write the same pieces as the first: else ValueError
+    naming both files and what differs."""
+    first_path, *first_vocabs, first_payload, first_normalization = first
+    for index, (key, side) in enumerate((("src_vocab", "source"), ("tgt_vocab", "target"))):
+        if payload[key] != first_payload[key]:
+            raise ValueError(
+                f"--checkpoint {path}: its {side} vocabulary ({len(vocabs[index])} entries) "
+                f"differs from that of {first_path} ({len(first_vocabs[index])} entries): an "
+                "ensemble's models must share both vocabularies"
+            )
+    if normalization != first_normalization:
+        raise ValueError(
+            f"--checkpoint {path}: it reads text in Unicode form {normalization}, {first_path} "
+            f"in {first_normalization}: an ensemble's models must read text alike"
+        )
 
 
 class InputError(ValueError):

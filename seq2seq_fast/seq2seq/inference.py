@@ -1,0 +1,347 @@
+"""Decoding as deployed: a trained model prepared once for a precision, and ensembles of them.
+
+    PRECISIONS              "fp32", "bf16", "int8"
+    DecodingModel(model, precision)  the model's weights arranged once for decoding; ``encode``
+                            and ``step_log_probs`` are what the searches (decoding.py) call
+    Ensemble(models)        several DecodingModels of one vocabulary pair as one: at each step the
+                            mean of their log-probabilities (and of their attention weights)
+    quantize_int8(weight)   symmetric int8 per output row, and the rows' scales (export)
+
+What each precision changes (the README's table says the same):
+
+fp32   the weights as trained. On CPU the decoder step's products (the recurrent cell's input and
+       hidden products, the attention's query projection, the attentional layer, the vocabulary
+       projection) run through oneDNN with their weights packed once at load (PyTorch's default
+       float32 product, MKL's sgemm, ran 1.8-2x slower at these shapes on the AMD CPUs measured;
+       bench/RESULTS.md); the encoder, the key projection and the bridge run once per batch as
+       trained.
+bf16   every weight cast to bfloat16 once at load; the products in bfloat16 (oneDNN, weights
+       packed on CPU), the attention and the recurrent cells through the fused kernels with
+       bfloat16 inputs and float32 arithmetic inside; the decoder's recurrent state, the
+       log-softmax and the search in float32. Needs AVX512-BF16 or AMX on CPU (else fp32, with
+       a notice).
+int8   dynamic int8 quantisation (``torch.ao.nn.quantized.dynamic.Linear``: fbgemm/oneDNN int8
+       kernels, weights int8 per output row, activations quantised at each call) of the
+       vocabulary projection, the attentional layer, the attention's query projection and the
+       decoder cell's input and hidden products; the encoder, the key projection and the
+       attention op itself in float32. On CUDA (no int8 kernels in PyTorch for this) the weights
+       are kept int8 and expanded to float32 at each use.
+
+Every precision gives the searches float32 log-probabilities; a DecodingModel never changes the
+model it was made from (its weights are copies).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from seq2seq_fast.nn.attention import attend
+from seq2seq_fast.seq2seq.models import (
+    GNMTDecoder,
+    Memory,
+    Seq2Seq,
+    _cell_update,
+    _top_hidden,
+    map_state,
+)
+
+PRECISIONS = ("fp32", "bf16", "int8")
+# The layers --precision int8 quantises (the GNMT decoder's; the Bahdanau decoder's output layers).
+INT8_LAYERS = ("output", "attentional", "query", "recurrent")
+# Rows the packed oneDNN weights are laid out for (a hint only: any row count works): a batch's
+# decoder rows by default (translate.ROWS_PER_BATCH).
+_PACK_ROWS = 320
+
+
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return precision
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str] | None:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def bf16_unavailable_reason(device: torch.device | str) -> str | None:
+    """None when bfloat16 products run natively on ``device``, else why not (one line)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return None if torch.cuda.is_bf16_supported() else "this GPU has no bfloat16 support"
+    if device.type != "cpu":
+        return f"bf16 decoding serves CPU and CUDA devices, not {device.type}"
+    flags = _cpu_flags()
+    if flags is None:
+        return "the CPU's features could not be read (/proc/cpuinfo) to find AVX512-BF16 or AMX"
+    if not flags & {"avx512_bf16", "amx_bf16"}:
+        return "this CPU has neither AVX512-BF16 nor AMX"
+    if not torch.backends.mkldnn.is_available():
+        return "this PyTorch was built without oneDNN"
+    return None
+
+
+def _packs_on(device: torch.device) -> bool:
+    """Whether linear weights are packed for oneDNN's products (CPU, oneDNN present)."""
+    return (
+        device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """weight [N, K] -> (int8 [N, K], float32 scales [N]): symmetric per output row, each row's
+    largest magnitude mapped to 127 (an all-zero row gets scale 1)."""
+    weight = weight.detach().float()
+    amax = weight.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class PreparedLinear(nn.Module):
+    """``F.linear(x, weight, bias)`` in one precision's form, arranged once: float32 or bfloat16
+    (on CPU packed for oneDNN), or int8 (CPU: PyTorch's dynamic quantized Linear; elsewhere int8
+    storage expanded at each call). Returns float32 for float32 and int8, bfloat16 for bf16."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, precision: str) -> None:
+        super().__init__()
+        device = weight.device
+        self.precision = check_precision(precision)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.packed = precision != "int8" and _packs_on(device)
+        self.quantized = None
+        if precision == "int8":
+            q, scale = quantize_int8(weight)
+            self.bias = None if bias is None else bias.detach().float().clone()
+            if device.type == "cpu":
+                self.quantized = _dynamic_int8_linear(q, scale, self.bias)
+            else:
+                self.weight, self.scale = q, scale
+            self.dtype = torch.float32
+            return
+        self.dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        weight = weight.detach().to(self.dtype).contiguous()
+        self.bias = None if bias is None else bias.detach().to(self.dtype).clone()
+        if self.packed:
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS)
+        self.weight = weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.quantized is not None:
+            return self.quantized(x.float())
+        if self.precision == "int8":  # int8 storage off the CPU: expanded at each use
+            weight = self.weight.to(x.dtype) * self.scale.to(x.dtype)[:, None]
+            return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+        x = x.to(self.dtype)
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), self.weight, self.bias, "none", [], ""
+            )
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"precision={self.precision}, packed={self.packed}"
+        )
+
+
+def _dynamic_int8_linear(q: Tensor, scale: Tensor, bias: Tensor | None) -> nn.Module:
+    """PyTorch's dynamic int8 Linear (fbgemm/oneDNN kernels) holding these int8 rows and scales."""
+    from torch.ao.nn.quantized import dynamic as nnqd
+
+    with warnings.catch_warnings():  # torch.ao.quantization's deprecation notices
+        warnings.simplefilter("ignore")
+        qweight = torch._make_per_channel_quantized_tensor(
+            q, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0
+        )
+        module = nnqd.Linear(q.shape[1], q.shape[0], dtype=torch.qint8)
+        module.set_weight_bias(qweight, bias)
+    return module
+
+
+class _Cell(nn.Module):
+    """One recurrent layer of the decoder, one step: its two products prepared, the update
+    through the fused cell ops (models._cell_update). The state stays float32."""
+
+    def __init__(self, rnn: nn.RNNBase, product: str) -> None:
+        super().__init__()
+        self.cell_type = "gru" if isinstance(rnn, nn.GRU) else "lstm"
+        bias_ih = rnn.bias_ih_l0 if rnn.bias else None
+        bias_hh = rnn.bias_hh_l0 if rnn.bias else None
+        self.ih = PreparedLinear(rnn.weight_ih_l0, bias_ih, product)
+        self.hh = PreparedLinear(rnn.weight_hh_l0, bias_hh, product)
+
+    def forward(self, x: Tensor, state):
+        gates_in = self.ih(x).float()
+        gates_hidden = self.hh(_top_hidden(state)).float()
+        return _cell_update(self.cell_type, gates_in, gates_hidden, state)
+
+
+class DecodingModel(nn.Module):
+    """A :class:`Seq2Seq` arranged once for decoding at ``precision``: -> ``encode(src,
+    src_lengths)`` (Memory, initial state) and ``step_log_probs(y, state, memory)`` (float32
+    log-probabilities [R, V], float32 attention weights [R, S], state). ``notices``: what could
+    not be done as asked (e.g. bf16 on a CPU without bf16 products), one line each.
+
+    The GNMT decoder (the default) steps through prepared products (see the module docstring);
+    the Bahdanau decoder steps through its own code with its output layers prepared."""
+
+    def __init__(self, model: Seq2Seq, precision: str = "fp32", *, int8_layers=INT8_LAYERS) -> None:
+        super().__init__()
+        check_precision(precision)
+        unknown = set(int8_layers) - set(INT8_LAYERS)
+        if unknown:
+            raise ValueError(f"int8_layers must be among {INT8_LAYERS}, got {sorted(unknown)}")
+        device = next(model.parameters()).device
+        self.notices: list[str] = []
+        if precision == "bf16":
+            reason = bf16_unavailable_reason(device)
+            if reason is not None:
+                self.notices.append(f"--precision bf16: {reason}; decoding in fp32")
+                precision = "fp32"
+        if precision == "int8" and device.type != "cpu":
+            self.notices.append(
+                f"--precision int8 on {device.type}: weights stored int8, products in float32 "
+                "(PyTorch's int8 kernels are CPU-only)"
+            )
+        self.precision = precision
+        self.config = model.config
+        # A copy, in the precision's dtype: the prepared model never changes the one it came from.
+        base = copy.deepcopy(model).eval()
+        if precision == "bf16":
+            base = base.to(torch.bfloat16)
+        self.base = base
+        decoder = base.decoder
+
+        def kind(layer: str) -> str:  # int8 for the layers asked, fp32 for the others
+            return "fp32" if precision == "int8" and layer not in int8_layers else precision
+
+        # The output layers: prepared for either decoder (modules called as modules).
+        decoder.output = PreparedLinear(decoder.output.weight, decoder.output.bias, kind("output"))
+        if getattr(decoder, "attentional", None) is not None:
+            decoder.attentional = PreparedLinear(
+                decoder.attentional.weight, None, kind("attentional")
+            )
+        self.gnmt = isinstance(decoder, GNMTDecoder)
+        if self.gnmt:
+            attention = decoder.attention
+            self.query = PreparedLinear(attention.query_proj.weight, None, kind("query"))
+            self.cells = nn.ModuleList(_Cell(rnn, kind("recurrent")) for rnn in decoder.rnns)
+            with torch.no_grad():
+                v, bias = attention.score_vector()
+                self.v = v.detach().clone()
+                self.score_bias = None if bias is None else bias.detach().clone()
+        self.eval()
+
+    @property
+    def backend(self) -> str:
+        return self.base.attention.backend
+
+    def encode(self, src: Tensor, src_lengths: Tensor):
+        """-> (Memory, initial decoder state: float32 for the GNMT steps)."""
+        memory, state = self.base.encode(src, src_lengths)
+        if self.gnmt:
+            state = map_state(lambda s: s.float(), state)
+        return memory, state
+
+    def step_log_probs(self, y: Tensor, state, memory: Memory):
+        """One decoding step: y [R] -> (log-probabilities float32 [R, V], attention weights
+        float32 [R, S], new state)."""
+        if not self.gnmt:
+            logits, weights, state = self.base.decoder.step(y, state, memory)
+            return logits.float().log_softmax(-1), weights.float(), state
+        decoder = self.base.decoder
+        x = decoder.embedding(y)
+        layer_state = self.cells[0](x, state[0])
+        h = _top_hidden(layer_state)
+        context, weights = self._attend(h, memory)
+        new_state = [layer_state]
+        for i, cell in enumerate(self.cells[1:], start=1):
+            layer_state = cell(torch.cat([h, context], dim=-1), state[i])
+            out = _top_hidden(layer_state)
+            h = out + h if i >= 2 else out
+            new_state.append(layer_state)
+        features = torch.cat([h, context], dim=-1) if decoder.output_uses_context else h
+        attentional = getattr(decoder, "attentional", None)
+        if attentional is not None:
+            features = torch.tanh(attentional(features))
+        logits = decoder.output(features)
+        return logits.float().log_softmax(-1), weights.float(), tuple(new_state)
+
+    def _attend(self, h: Tensor, memory: Memory) -> tuple[Tensor, Tensor]:
+        """The attention of the GNMT step: query projection and the fused op -> (context
+        float32 [R, D], weights [R, S])."""
+        context, weights = attend(
+            self.backend,
+            self.query(h),
+            memory.keys,
+            memory.values,
+            self.v,
+            self.score_bias,
+            lengths=memory.lengths,
+        )
+        return context.float(), weights
+
+
+class EnsembleMemory:
+    """The encoded source of each model of an :class:`Ensemble` (lengths shared)."""
+
+    def __init__(self, memories: tuple) -> None:
+        self.memories = memories
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.memories[0].lengths
+
+    def index_select(self, index: Tensor) -> EnsembleMemory:
+        return EnsembleMemory(tuple(m.index_select(index) for m in self.memories))
+
+
+class Ensemble(nn.Module):
+    """Several models of one vocabulary pair decoding as one: each step's log-probabilities are
+    the mean of the models' (and the attention weights the mean of theirs); each model keeps its
+    own encoded source and state. The models may differ in shape."""
+
+    def __init__(self, models) -> None:
+        super().__init__()
+        models = list(models)
+        if not models:
+            raise ValueError("an ensemble needs at least one model")
+        vocab = {m.config.tgt_vocab_size for m in models}
+        if len(vocab) > 1:
+            raise ValueError(f"ensemble models have different target vocabulary sizes {vocab}")
+        self.members = nn.ModuleList(models)
+        self.notices = [n for m in models for n in getattr(m, "notices", [])]
+
+    def encode(self, src: Tensor, src_lengths: Tensor):
+        encoded = [m.encode(src, src_lengths) for m in self.members]
+        return EnsembleMemory(tuple(e[0] for e in encoded)), tuple(e[1] for e in encoded)
+
+    def step_log_probs(self, y: Tensor, state, memory: EnsembleMemory):
+        total = weights = None
+        states = []
+        for member, member_state, member_memory in zip(
+            self.members, state, memory.memories, strict=True
+        ):
+            logp, w, s = member.step_log_probs(y, member_state, member_memory)
+            total = logp if total is None else total + logp
+            weights = w if weights is None else weights + w
+            states.append(s)
+        count = len(self.members)
+        return total / count, weights / count, tuple(states)
