@@ -284,19 +284,35 @@ class DecodingModel(nn.Module):
         logits = decoder.output(features)
         return logits.float().log_softmax(-1), weights.float(), tuple(new_state)
 
+    @property
+    def groups_rows(self) -> bool:
+        """Whether the steps take a memory of one row per sentence for R = sentences x K rows
+        (the K rows of a sentence attend as K queries of its memory): the GNMT steps do."""
+        return self.gnmt
+
     def _attend(self, h: Tensor, memory: Memory) -> tuple[Tensor, Tensor]:
         """The attention of the GNMT step: query projection and the fused op -> (context
-        float32 [R, D], weights [R, S])."""
+        float32 [R, D], weights [R, S]). ``memory`` has R rows, or one per sentence for K
+        consecutive rows each (beam search): then the K rows are K queries of one call."""
+        query = self.query(h)
+        sentences = memory.keys.shape[0]
+        rows = query.shape[0]
+        if rows % sentences:
+            raise ValueError(
+                f"{rows} decoder rows for a memory of {sentences} sentences: need a multiple"
+            )
+        if rows != sentences:
+            query = query.view(sentences, rows // sentences, query.shape[-1])
         context, weights = attend(
             self.backend,
-            self.query(h),
+            query,
             memory.keys,
             memory.values,
             self.v,
             self.score_bias,
             lengths=memory.lengths,
         )
-        return context.float(), weights
+        return context.float().reshape(rows, -1), weights.reshape(rows, -1)
 
 
 class EnsembleMemory:
@@ -327,6 +343,8 @@ class Ensemble(nn.Module):
         if len(vocab) > 1:
             raise ValueError(f"ensemble models have different target vocabulary sizes {vocab}")
         self.members = nn.ModuleList(models)
+        # the searches keep one memory row per sentence only if every member takes that
+        self.groups_rows = all(getattr(m, "groups_rows", False) for m in models)
         self.notices = [n for m in models for n in getattr(m, "notices", [])]
 
     def encode(self, src: Tensor, src_lengths: Tensor):
