@@ -118,17 +118,20 @@ class PreparedLinear(nn.Module):
     (on CPU packed for oneDNN), or int8 (CPU: PyTorch's dynamic quantized Linear; elsewhere int8
     storage expanded at each call). Returns float32 for float32 and int8, bfloat16 for bf16."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, precision: str) -> None:
+    def __init__(
+        self, weight: Tensor, bias: Tensor | None, precision: str, *, portable: bool = False
+    ) -> None:
         super().__init__()
         device = weight.device
         self.precision = check_precision(precision)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed = precision != "int8" and _packs_on(device)
+        # portable: the plain products a GPU runs (tests take this path on CPU tensors)
+        self.packed = precision != "int8" and not portable and _packs_on(device)
         self.quantized = None
         if precision == "int8":
             q, scale = quantize_int8(weight)
             self.bias = None if bias is None else bias.detach().float().clone()
-            if device.type == "cpu":
+            if device.type == "cpu" and not portable:
                 self.quantized = _dynamic_int8_linear(q, scale, self.bias)
             else:
                 self.weight, self.scale = q, scale
@@ -179,13 +182,13 @@ class _Cell(nn.Module):
     """One recurrent layer of the decoder, one step: its two products prepared, the update
     through the fused cell ops (models._cell_update). The state stays float32."""
 
-    def __init__(self, rnn: nn.RNNBase, product: str) -> None:
+    def __init__(self, rnn: nn.RNNBase, product: str, portable: bool) -> None:
         super().__init__()
         self.cell_type = "gru" if isinstance(rnn, nn.GRU) else "lstm"
         bias_ih = rnn.bias_ih_l0 if rnn.bias else None
         bias_hh = rnn.bias_hh_l0 if rnn.bias else None
-        self.ih = PreparedLinear(rnn.weight_ih_l0, bias_ih, product)
-        self.hh = PreparedLinear(rnn.weight_hh_l0, bias_hh, product)
+        self.ih = PreparedLinear(rnn.weight_ih_l0, bias_ih, product, portable=portable)
+        self.hh = PreparedLinear(rnn.weight_hh_l0, bias_hh, product, portable=portable)
 
     def forward(self, x: Tensor, state):
         gates_in = self.ih(x).float()
@@ -198,11 +201,20 @@ class DecodingModel(nn.Module):
     src_lengths)`` (Memory, initial state) and ``step_log_probs(y, state, memory)`` (float32
     log-probabilities [R, V], float32 attention weights [R, S], state). ``notices``: what could
     not be done as asked (e.g. bf16 on a CPU without bf16 products), one line each.
+    ``portable``: the products as a GPU runs them (plain F.linear, int8 weights expanded at each
+    use), whatever the device: the tests run the GPU path's code on CPU tensors.
 
     The GNMT decoder (the default) steps through prepared products (see the module docstring);
     the Bahdanau decoder steps through its own code with its output layers prepared."""
 
-    def __init__(self, model: Seq2Seq, precision: str = "fp32", *, int8_layers=INT8_LAYERS) -> None:
+    def __init__(
+        self,
+        model: Seq2Seq,
+        precision: str = "fp32",
+        *,
+        int8_layers=INT8_LAYERS,
+        portable: bool = False,
+    ) -> None:
         super().__init__()
         check_precision(precision)
         unknown = set(int8_layers) - set(INT8_LAYERS)
@@ -210,12 +222,12 @@ class DecodingModel(nn.Module):
             raise ValueError(f"int8_layers must be among {INT8_LAYERS}, got {sorted(unknown)}")
         device = next(model.parameters()).device
         self.notices: list[str] = []
-        if precision == "bf16":
+        if precision == "bf16" and not portable:
             reason = bf16_unavailable_reason(device)
             if reason is not None:
                 self.notices.append(f"--precision bf16: {reason}; decoding in fp32")
                 precision = "fp32"
-        if precision == "int8" and device.type != "cpu":
+        if precision == "int8" and device.type != "cpu" and not portable:
             self.notices.append(
                 f"--precision int8 on {device.type}: weights stored int8, products in float32 "
                 "(PyTorch's int8 kernels are CPU-only)"
@@ -233,16 +245,22 @@ class DecodingModel(nn.Module):
             return "fp32" if precision == "int8" and layer not in int8_layers else precision
 
         # The output layers: prepared for either decoder (modules called as modules).
-        decoder.output = PreparedLinear(decoder.output.weight, decoder.output.bias, kind("output"))
+        decoder.output = PreparedLinear(
+            decoder.output.weight, decoder.output.bias, kind("output"), portable=portable
+        )
         if getattr(decoder, "attentional", None) is not None:
             decoder.attentional = PreparedLinear(
-                decoder.attentional.weight, None, kind("attentional")
+                decoder.attentional.weight, None, kind("attentional"), portable=portable
             )
         self.gnmt = isinstance(decoder, GNMTDecoder)
         if self.gnmt:
             attention = decoder.attention
-            self.query = PreparedLinear(attention.query_proj.weight, None, kind("query"))
-            self.cells = nn.ModuleList(_Cell(rnn, kind("recurrent")) for rnn in decoder.rnns)
+            self.query = PreparedLinear(
+                attention.query_proj.weight, None, kind("query"), portable=portable
+            )
+            self.cells = nn.ModuleList(
+                _Cell(rnn, kind("recurrent"), portable) for rnn in decoder.rnns
+            )
             with torch.no_grad():
                 v, bias = attention.score_vector()
                 self.v = v.detach().clone()
