@@ -123,7 +123,8 @@ def worker(argv: list[str], spawned: float, out_json: str) -> None:
     if inference is not None:
         patch(inference._Cell, "forward", "cell")
         patch(inference.DecodingModel, "_attend", "attention")
-    patch(decoding, "_step_log_probs", "step")
+    # the step and its top-k where the tree fuses them (then "output + softmax" holds the top-k)
+    patch(decoding, "_step_topk" if hasattr(decoding, "_step_topk") else "_step_log_probs", "step")
     started = time.perf_counter()
     code = cli.main(argv)
     total = time.perf_counter() - started

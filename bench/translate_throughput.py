@@ -1,13 +1,20 @@
 """Translation throughput of the whole ``seq2seq-fast translate`` command, start-up included.
 
     python -m bench.translate_throughput --checkpoint runs/translate/model.pt \\
-        --corpus PATH/fra-eng.zip [--sentences 1000] [--threads 1,2] [--beams 1,5] \\
-        [--backends fused,reference] [--rounds 2] [--check-exact] [--json out.json]
+        --corpus PATH/fra-eng.zip --test-split [--sentences 1000] [--precisions fp32,bf16,int8] \\
+        [--threads 1,2] [--beams 1,5] [--backends fused] [--baseline-tree PATH] [--rounds 2] \\
+        [--check-exact] [--json out.json]
 
-Each configuration (beam, threads, attention backend) runs the real command in a fresh process on
-the same input file (``--input FILE``, or ``--corpus``: ``--sentences`` source sentences of
-``--min-words`` to ``--max-words`` words drawn with a fixed seed from a tab-separated corpus or a
-.zip holding one), configurations interleaved round by round so that a co-runner hits them alike.
+Each configuration (precision, beam, threads, attention backend) runs the real command in a
+fresh process on the same input file (``--input FILE`` with ``--references FILE``, or
+``--corpus``: ``--sentences`` source sentences drawn with a fixed seed from a tab-separated
+corpus or a .zip holding one: with ``--test-split`` from the held-out test split that ``train``
+carves (its default fractions and seed) with their references, else of ``--min-words`` to
+``--max-words`` words from all of it), configurations interleaved round by round so that a
+co-runner hits them alike. With references, each configuration's output is scored (sacreBLEU).
+``--baseline-tree PATH`` runs the float32 configurations of another source tree too (e.g. a
+worktree of the baseline commit), in the same rounds: the ratios of sentences/s past start-up
+(the command's own translating time) say what changed.
 Reported per configuration: the median wall time (and the part after start-up and loading, from
 the command's closing line), the process's CPU time (user + system: on one thread, what the wall
 time would be on an idle machine; ``--threads N`` runs N one-thread workers, each decoding its
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import statistics
@@ -34,6 +42,7 @@ from pathlib import Path
 from bench.report import CoRunnerMeter, format_machine, load_average, machine_info
 
 CLOSING_LINE = re.compile(r"(\d+) sentences, (\d+) tokens in ([0-9.]+) s")
+BASELINE = "baseline"
 
 
 def sample_sentences(corpus: Path, count: int, min_words: int, max_words: int, seed: int = 0):
@@ -47,6 +56,33 @@ def sample_sentences(corpus: Path, count: int, min_words: int, max_words: int, s
             f"{corpus}: only {len(sources)} sentences of {min_words}-{max_words} words"
         )
     return random.Random(seed).sample(sources, count)
+
+
+def test_split_pairs(corpus: Path, count: int, seed: int = 0) -> list[tuple[str, str]]:
+    """``count`` pairs of the test split ``train --data corpus`` holds out (default fractions
+    and seed), drawn with a fixed seed (all of them when ``count`` is 0 or more than there are)."""
+    from seq2seq_fast.seq2seq.config import TrainConfig
+    from seq2seq_fast.seq2seq.data import read_parallel_corpus, split_by_source
+
+    defaults = TrainConfig.for_task("translate", data=str(corpus))
+    pairs, _ = read_parallel_corpus(corpus, normalization=defaults.normalization)
+    _, _, test = split_by_source(
+        pairs,
+        defaults.valid_fraction,
+        defaults.test_fraction,
+        defaults.seed,
+        defaults.max_held_out,
+    )
+    if 0 < count < len(test):
+        test = random.Random(seed).sample(test, count)
+    return test
+
+
+def bleu(output: Path, references: list[str]) -> float:
+    import sacrebleu
+
+    hypotheses = output.read_text(encoding="utf-8").split("\n")[: len(references)]
+    return float(sacrebleu.BLEU().corpus_score(hypotheses, [references]).score)
 
 
 def _children_cpu_seconds() -> float:
@@ -66,11 +102,11 @@ def run_command(args: argparse.Namespace, source: Path, output: Path, **options)
         "seq2seq_fast",
         "translate",
         "--checkpoint",
-        args.checkpoint,
+        *(str(Path(c).resolve()) for c in args.checkpoint),
         "--input",
-        str(source),
+        str(source.resolve()),
         "--output",
-        str(output),
+        str(output.resolve()),
         "--no-progress",
         "--device",
         args.device,
@@ -80,9 +116,15 @@ def run_command(args: argparse.Namespace, source: Path, output: Path, **options)
         command += ["--batch-size", str(batch_size)]
     for name in ("beam", "threads", "backend"):
         command += [f"--{name}", str(options[name])]
+    env = cwd = None
+    if options.get("precision", BASELINE) != BASELINE:
+        command += ["--precision", options["precision"]]
+    else:  # the baseline tree's code, float32 (it may have no --precision)
+        cwd = str(Path(args.baseline_tree).resolve())
+        env = dict(os.environ, PYTHONPATH=cwd)
     cpu_before = _children_cpu_seconds()
     started = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True)
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd)
     seconds = time.perf_counter() - started
     cpu_seconds = _children_cpu_seconds() - cpu_before
     if proc.returncode != 0:
@@ -96,12 +138,15 @@ def run_command(args: argparse.Namespace, source: Path, output: Path, **options)
         "translate_seconds": float(match.group(3)),
         "sentences": int(match.group(1)),
         "tokens": int(match.group(2)),
+        "words": len(output.read_text(encoding="utf-8").split()),
     }
 
 
 def configurations(args: argparse.Namespace) -> list[dict]:
+    precisions = list(args.precisions) + ([BASELINE] if args.baseline_tree else [])
     return [
-        {"beam": beam, "threads": threads, "backend": backend}
+        {"precision": precision, "beam": beam, "threads": threads, "backend": backend}
+        for precision in precisions
         for beam in args.beams
         for threads in args.threads
         for backend in args.backends
@@ -109,7 +154,11 @@ def configurations(args: argparse.Namespace) -> list[dict]:
 
 
 def key(config: dict) -> str:
-    return f"beam {config['beam']}, {config['threads']} thread(s), {config['backend']}"
+    mode = "greedy" if config["beam"] == 1 else f"beam {config['beam']}"
+    return (
+        f"{config.get('precision', 'fp32')}, {mode}, {config['threads']} thread(s), "
+        f"{config['backend']}"
+    )
 
 
 def measure(args: argparse.Namespace, source: Path, folder: Path) -> dict:
@@ -122,10 +171,15 @@ def measure(args: argparse.Namespace, source: Path, folder: Path) -> dict:
     for round_index in range(args.rounds):
         shift = round_index % len(configs)
         for config in configs[shift:] + configs[:shift]:
-            output = folder / f"out-{config['beam']}-{config['threads']}-{config['backend']}.txt"
-            times[key(config)].append(run_command(args, source, output, **config))
+            output = folder / ("out-" + key(config).replace(", ", "-").replace(" ", "") + ".txt")
+            run = run_command(args, source, output, **config)
+            if args.reference_lines:
+                run["bleu"] = bleu(output, args.reference_lines)
+            times[key(config)].append(run)
             print(f"  {key(config)}: {times[key(config)][-1]['seconds']:.2f} s", file=sys.stderr)
-        probe = dict(beam=1, threads=args.threads[-1], backend=args.backends[0])
+        probe = dict(
+            precision=args.precisions[0], beam=1, threads=args.threads[-1], backend=args.backends[0]
+        )
         startup.append(run_command(args, empty, folder / "empty.out", **probe)["seconds"])
     return {"runs": times, "startup_s": startup}
 
@@ -135,8 +189,11 @@ def check_exact(args: argparse.Namespace, source: Path, folder: Path) -> dict[st
     backend): its run and the number of lines that differ from the batched output."""
     out = {}
     for beam in args.beams:
-        config = dict(beam=beam, threads=args.threads[0], backend=args.backends[0])
-        batched = folder / f"out-{beam}-{config['threads']}-{config['backend']}.txt"
+        config = dict(
+            precision=args.precisions[0], beam=beam, threads=args.threads[0],
+            backend=args.backends[0],
+        )  # fmt: skip
+        batched = folder / ("out-" + key(config).replace(", ", "-").replace(" ", "") + ".txt")
         alone = folder / f"alone-{beam}.txt"
         run = run_command(args, source, alone, batch_size=1, **config)
         a, b = alone.read_text().split("\n"), batched.read_text().split("\n")
@@ -150,7 +207,7 @@ def ratios(runs: dict[str, list[dict]], args: argparse.Namespace) -> dict[str, f
     beam, backend); > 1 means the second is faster."""
     out = {}
     for c in configurations(args):
-        for field, slower in (("backend", "reference"), ("threads", 1)):
+        for field, slower in (("backend", "reference"), ("threads", 1), ("precision", BASELINE)):
             if c[field] == slower:
                 continue
             base = dict(c, **{field: slower})
@@ -163,35 +220,65 @@ def ratios(runs: dict[str, list[dict]], args: argparse.Namespace) -> dict[str, f
     return out
 
 
+def translating_ratios(runs: dict[str, list[dict]], args: argparse.Namespace) -> dict[str, float]:
+    """Median per-round ratios of the translating time (past start-up): baseline / this tree,
+    for each precision against the baseline's float32 at the same beam, threads and backend."""
+    out = {}
+    if not args.baseline_tree:
+        return out
+    for c in configurations(args):
+        if c["precision"] == BASELINE:
+            continue
+        base = key(dict(c, precision=BASELINE))
+        per_round = [
+            b["translate_seconds"] / f["translate_seconds"]
+            for b, f in zip(runs[base], runs[key(c)], strict=True)
+        ]
+        out[f"{key(c)} vs baseline"] = round(statistics.median(per_round), 2)
+    return out
+
+
 def table(result: dict) -> str:
     lines = [
         "| configuration | wall s (median) | of which translating | CPU s | sentences/s "
-        "| tokens/s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "(translating) | words/s (translating) | BLEU |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, runs in result["runs"].items():
         seconds = statistics.median(r["seconds"] for r in runs)
         translating = statistics.median(r["translate_seconds"] for r in runs)
         cpu = statistics.median(r["cpu_seconds"] for r in runs)
-        sentences, tokens = runs[0]["sentences"], runs[0]["tokens"]
+        sentences, words = runs[0]["sentences"], runs[0]["words"]
+        score = f"{runs[0]['bleu']:.2f}" if "bleu" in runs[0] else ""
         lines.append(
             f"| {name} | {seconds:.2f} | {translating:.2f} | {cpu:.2f} "
-            f"| {sentences / seconds:.0f} | {tokens / seconds:,.0f} |"
+            f"| {sentences / seconds:.0f} ({sentences / translating:.0f}) "
+            f"| {words / seconds:,.0f} ({words / translating:,.0f}) | {score} |"
         )
     return "\n".join(lines)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--checkpoint", required=True, nargs="+", help="several: an ensemble")
     p.add_argument("--input", help="sentences, one a line (instead of --corpus)")
+    p.add_argument("--references", help="with --input: their reference translations (BLEU)")
     p.add_argument("--corpus", help="parallel corpus (.tsv/.txt or .zip) to draw sentences from")
+    p.add_argument(
+        "--test-split",
+        action="store_true",
+        help="draw from the corpus's held-out test split, with references (--sentences 0: all)",
+    )
+    p.add_argument(
+        "--precisions", default="fp32,bf16,int8", type=lambda s: s.split(","), help="of translate"
+    )
+    p.add_argument("--baseline-tree", help="also run this source tree's float32 command")
     p.add_argument("--sentences", type=int, default=1000)
     p.add_argument("--min-words", type=int, default=11)
     p.add_argument("--max-words", type=int, default=15)
     p.add_argument("--threads", default="1,2", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--beams", default="1,5", type=lambda s: [int(x) for x in s.split(",")])
-    p.add_argument("--backends", default="fused,reference", type=lambda s: s.split(","))
+    p.add_argument("--backends", default="fused", type=lambda s: s.split(","))
     p.add_argument("--batch-size", type=int, help="default: the command's (320 // beam)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--rounds", type=int, default=1)
@@ -210,7 +297,14 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         source = Path(args.input) if args.input else folder / "source.txt"
-        if args.corpus:
+        args.reference_lines = None
+        if args.references:
+            args.reference_lines = Path(args.references).read_text(encoding="utf-8").splitlines()
+        if args.corpus and args.test_split:
+            pairs = test_split_pairs(Path(args.corpus), args.sentences)
+            source.write_text("".join(s + "\n" for s, _ in pairs), encoding="utf-8")
+            args.reference_lines = [t for _, t in pairs]
+        elif args.corpus:
             sentences = sample_sentences(
                 Path(args.corpus), args.sentences, args.min_words, args.max_words
             )
@@ -221,7 +315,7 @@ def main(argv=None) -> None:
             result["one_at_a_time"] = check_exact(args, source, folder)
     info["load_average_at_end"] = load_average()
     info["other_processes_busy_cores"] = meter.stop()
-    result["ratios"] = ratios(result["runs"], args)
+    result["ratios"] = ratios(result["runs"], args) | translating_ratios(result["runs"], args)
     result["input"] = {"sentences": len(words), "mean_words": statistics.mean(words)}
     print(format_machine(info))
     print(

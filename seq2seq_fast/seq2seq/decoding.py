@@ -133,6 +133,43 @@ def _topk_op():
     return torch.ops.seq2seq_fast._topk_rows
 
 
+def _step_topk(model, y: Tensor, state, memory, at_limit: Tensor, k: int):
+    """One decoder step's k best tokens per row: -> (log-probabilities float32 [R, k], tokens
+    int64 [R, k], attention weights float32 [R, S], new state), best first; <pad> never, and
+    only </s> (log-probability 0, the rest -inf) on rows ``at_limit``. As
+    :func:`_step_log_probs` and a top-k, but for a model with ``step_logits`` (a DecodingModel)
+    on CPU one pass of the extension's ``_log_softmax_topk`` over the logits: the [R, V]
+    log-probabilities are never written."""
+    step_logits = getattr(model, "step_logits", None)
+    op = _log_softmax_topk_op() if step_logits is not None else None
+    if op is not None:
+        logits, weights, state = step_logits(y, state, memory)
+        if logits.device.type == "cpu" and logits.dtype == torch.float32 and k < logits.shape[-1]:
+            values, tokens = op(logits, k, PAD_ID)
+            if bool(at_limit.any()):
+                values[at_limit] = -math.inf
+                values[at_limit, 0] = 0.0
+                tokens[at_limit, 0] = EOS_ID
+            return values, tokens, weights, state
+        logp = logits.log_softmax(-1)
+        logp[:, PAD_ID] = -math.inf
+        if bool(at_limit.any()):
+            logp[at_limit] = -math.inf
+            logp[at_limit, EOS_ID] = 0.0
+    else:
+        logp, weights, state = _step_log_probs(model, y, state, memory, at_limit)
+    values, tokens = _topk_rows(logp, k)
+    return values, tokens, weights, state
+
+
+@functools.cache
+def _log_softmax_topk_op():
+    _topk_op()  # loads the extension
+    if not hasattr(torch.ops.seq2seq_fast, "_log_softmax_topk"):
+        return None
+    return torch.ops.seq2seq_fast._log_softmax_topk
+
+
 class _Rows:
     """The rows still decoding: their batch indices, memory, state and length limits."""
 
@@ -169,13 +206,13 @@ def greedy_search(
         rows = _Rows(torch.arange(batch, device=device), memory, state, limits)
         y = torch.full((batch,), BOS_ID, dtype=torch.long, device=device)
         for t in range(steps):
-            logp, step_weights, rows.state = _step_log_probs(
-                model, y, rows.state, rows.memory, rows.limits <= t + 1
+            best, best_token, step_weights, rows.state = _step_topk(
+                model, y, rows.state, rows.memory, rows.limits <= t + 1, 1
             )
-            y = _topk_rows(logp, 1)[1][:, 0]
+            y = best_token[:, 0]
             tokens[rows.index, t] = y
             weights[rows.index, t] = step_weights
-            scores[rows.index] += logp.gather(1, y[:, None])[:, 0]
+            scores[rows.index] += best[:, 0]
             going = (y != EOS_ID).nonzero()[:, 0]
             if going.numel() == 0:
                 break
@@ -244,6 +281,8 @@ class _BeamSearch:
         self, model: Seq2Seq, src: Tensor, src_lengths: Tensor, limits: Tensor, beam, alpha, beta
     ):
         self.model, self.beam, self.alpha, self.beta = model, beam, alpha, beta
+        config = getattr(model, "config", None) or model.members[0].config  # an Ensemble's
+        self.model_vocabulary = config.tgt_vocab_size
         self.src_lengths = src_lengths.cpu()
         self.limits = limits.tolist()  # output steps per sentence
         self.device = device = src.device
@@ -270,14 +309,19 @@ class _BeamSearch:
         """Search until every sentence is done."""
         for t in range(max(self.limits)):
             sentences = self.rows.index[:: self.beam].tolist()
-            logp, weights, self.rows.state = _step_log_probs(
-                self.model, self.y, self.rows.state, self.rows.memory, self.rows.limits <= t + 1
-            )
             # A sentence's 2K best continuations are among its rows' 2K best tokens each: take
             # those first (float32, [rows, V]), then add the rows' scores to these few only,
             # instead of forming and searching all K x V float64 candidates (5% of a search).
-            per_row = min(2 * self.beam, logp.shape[-1])
-            row_logp, row_token = _topk_rows(logp, per_row)
+            vocabulary = self.model_vocabulary
+            per_row = min(2 * self.beam, vocabulary - 1)
+            row_logp, row_token, weights, self.rows.state = _step_topk(
+                self.model,
+                self.y,
+                self.rows.state,
+                self.rows.memory,
+                self.rows.limits <= t + 1,
+                per_row,
+            )
             candidates = (self.scores.reshape(-1, 1) + row_logp).reshape(len(sentences), -1)
             top_scores, top_ids = candidates.topk(min(2 * self.beam, candidates.shape[1]), dim=-1)
             origin = top_ids // per_row

@@ -281,9 +281,15 @@ class DecodingModel(nn.Module):
     def step_log_probs(self, y: Tensor, state, memory: Memory):
         """One decoding step: y [R] -> (log-probabilities float32 [R, V], attention weights
         float32 [R, S], new state)."""
+        logits, weights, state = self.step_logits(y, state, memory)
+        return logits.log_softmax(-1), weights, state
+
+    def step_logits(self, y: Tensor, state, memory: Memory):
+        """One decoding step: y [R] -> (logits float32 [R, V], attention weights float32
+        [R, S], new state)."""
         if not self.gnmt:
             logits, weights, state = self.base.decoder.step(y, state, memory)
-            return logits.float().log_softmax(-1), weights.float(), state
+            return logits.float(), weights.float(), state
         decoder = self.base.decoder
         x = decoder.embedding(y)
         layer_state = self.cells[0](x, state[0])
@@ -300,7 +306,7 @@ class DecodingModel(nn.Module):
         if attentional is not None:
             features = torch.tanh(attentional(features))
         logits = decoder.output(features)
-        return logits.float().log_softmax(-1), weights.float(), tuple(new_state)
+        return logits.float(), weights.float(), tuple(new_state)
 
     @property
     def groups_rows(self) -> bool:

@@ -52,3 +52,31 @@ def test_topk_rows_nan_and_errors():
         topk_rows(x.double(), 1)
     with pytest.raises(RuntimeError, match="rows, n"):
         topk_rows(x[0], 1)
+
+
+@pytest.mark.parametrize(("rows", "n", "k", "exclude"), [(320, 4000, 10, 0), (5, 300, 3, -1),
+                                                         (7, 4001, 1, 4000), (3, 20, 4, 19)])  # fmt: skip
+def test_log_softmax_topk_equals_log_softmax_then_topk(rows, n, k, exclude):
+    g = torch.Generator().manual_seed(n + k)
+    logits = torch.randn(rows, n, generator=g) * 4
+    logits[0, 3] = -torch.inf  # a masked entry
+    values, indices = torch.ops.seq2seq_fast._log_softmax_topk(logits, k, exclude)
+    logp = logits.log_softmax(-1)  # the excluded entry is in the normaliser, never chosen
+    if exclude >= 0:
+        logp[:, exclude] = -torch.inf
+    expected, expected_indices = logp.topk(k, dim=-1)
+    torch.testing.assert_close(values, expected, atol=1e-5, rtol=0)
+    assert torch.equal(indices, expected_indices)
+    assert not (indices == exclude).any()
+
+
+def test_log_softmax_topk_one_allowed_token_and_errors():
+    logits = torch.full((2, 300), -torch.inf)
+    logits[:, 7] = 3.0
+    values, indices = torch.ops.seq2seq_fast._log_softmax_topk(logits, 2, 0)
+    assert values[:, 0].tolist() == [0.0, 0.0] and indices[:, 0].tolist() == [7, 7]
+    assert values[:, 1].tolist() == [-torch.inf, -torch.inf]
+    with pytest.raises(RuntimeError, match="k must be in"):
+        torch.ops.seq2seq_fast._log_softmax_topk(logits, 300, 0)
+    with pytest.raises(RuntimeError, match="exclude"):
+        torch.ops.seq2seq_fast._log_softmax_topk(logits, 2, 300)
