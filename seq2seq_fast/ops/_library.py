@@ -39,6 +39,19 @@ if CPU_KERNEL_ERROR is None:  # the extension's own library-wide op (csrc/extens
     def _fast_tanh_fake(x, y, path):
         return torch.empty_like(x)
 
+    if hasattr(torch.ops.seq2seq_fast, "_topk_rows"):  # the searches' top-k (csrc/topk.cpp)
+
+        @torch.library.register_fake("seq2seq_fast::_topk_rows")
+        def _topk_rows_fake(x, k):
+            return x.new_empty(x.shape[0], k), x.new_empty(x.shape[0], k, dtype=torch.long)
+
+        @torch.library.register_fake("seq2seq_fast::_log_softmax_topk")
+        def _log_softmax_topk_fake(logits, k, exclude):
+            return (
+                logits.new_empty(logits.shape[0], k),
+                logits.new_empty(logits.shape[0], k, dtype=torch.long),
+            )
+
 
 def load_cuda_kernels() -> str | None:
     """Import the Triton kernels and register them as the ops' CUDA kernels (once).

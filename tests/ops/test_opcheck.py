@@ -90,7 +90,17 @@ def _location_samples() -> dict[str, tuple]:
     }
 
 
-SAMPLES = {**_attention_samples(), **_recurrent_samples(), **_location_samples()}
+def _search_samples() -> dict[str, tuple]:
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3))
+    return {"_topk_rows": (logits, 10), "_log_softmax_topk": (logits, 10, 0)}
+
+
+SAMPLES = {
+    **_attention_samples(),
+    **_recurrent_samples(),
+    **_location_samples(),
+    **_search_samples(),
+}
 
 
 def test_every_op_of_the_library_is_covered():
