@@ -7,7 +7,10 @@
                             mean of their log-probabilities (and of their attention weights)
     quantize_int8(weight)   symmetric int8 per output row, and the rows' scales (export)
 
-What each precision changes (the README's table says the same):
+What each precision changes (the README says the same). In every precision the GNMT decoder's
+first layer takes its input gates W_ih emb(y) + b_ih from a float32 table of every target word's,
+made at load (no product per step), and a sentence's beam rows attend as the K queries of its one
+memory (which is therefore neither copied per row nor reordered).
 
 fp32   the weights as trained. On CPU the decoder step's products (the recurrent cell's input and
        hidden products, the attention's query projection, the attentional layer, the vocabulary
@@ -23,7 +26,7 @@ bf16   every weight cast to bfloat16 once at load; the products in bfloat16 (one
 int8   dynamic int8 quantisation (``torch.ao.nn.quantized.dynamic.Linear``: fbgemm/oneDNN int8
        kernels, weights int8 per output row, activations quantised at each call) of the
        vocabulary projection, the attentional layer, the attention's query projection and the
-       decoder cell's input and hidden products; the encoder, the key projection and the
+       decoder cells' products (input products from the second layer on, hidden products); the encoder, the key projection and the
        attention op itself in float32. On CUDA (no int8 kernels in PyTorch for this) the weights
        are kept int8 and expanded to float32 at each use.
 
@@ -178,20 +181,46 @@ def _dynamic_int8_linear(q: Tensor, scale: Tensor, bias: Tensor | None) -> nn.Mo
     return module
 
 
+# The first decoder layer's input gates of every target word, W_ih emb(y) + b_ih, are kept as a
+# [V, gates] float32 table (one product at load, a row lookup per step) up to this many bytes.
+GATE_TABLE_BYTES = 64 << 20
+
+
 class _Cell(nn.Module):
     """One recurrent layer of the decoder, one step: its two products prepared, the update
-    through the fused cell ops (models._cell_update). The state stays float32."""
+    through the fused cell ops (models._cell_update). The state stays float32. Given the
+    ``embedding`` that feeds it (the first layer), its input gates come from a table of every
+    word's, and ``forward`` takes the word ids."""
 
-    def __init__(self, rnn: nn.RNNBase, product: str, portable: bool) -> None:
+    def __init__(
+        self, rnn: nn.RNNBase, product: str, portable: bool, embedding: nn.Embedding | None = None
+    ) -> None:
         super().__init__()
         self.cell_type = "gru" if isinstance(rnn, nn.GRU) else "lstm"
         bias_ih = rnn.bias_ih_l0 if rnn.bias else None
         bias_hh = rnn.bias_hh_l0 if rnn.bias else None
-        self.ih = PreparedLinear(rnn.weight_ih_l0, bias_ih, product, portable=portable)
+        self.table = self.ih = None
+        gates = rnn.weight_ih_l0.shape[0]
+        if embedding is not None and embedding.num_embeddings * gates * 4 <= GATE_TABLE_BYTES:
+            with torch.no_grad():
+                self.table = F.linear(
+                    embedding.weight.float(),
+                    rnn.weight_ih_l0.float(),
+                    None if bias_ih is None else bias_ih.float(),
+                )
+        else:
+            self.embedding = embedding
+            self.ih = PreparedLinear(rnn.weight_ih_l0, bias_ih, product, portable=portable)
         self.hh = PreparedLinear(rnn.weight_hh_l0, bias_hh, product, portable=portable)
 
     def forward(self, x: Tensor, state):
-        gates_in = self.ih(x).float()
+        """x: the layer's input [R, F], or for the first layer the word ids [R]."""
+        if self.table is not None:
+            gates_in = self.table.index_select(0, x)
+        else:
+            if getattr(self, "embedding", None) is not None:
+                x = self.embedding(x)
+            gates_in = self.ih(x).float()
         gates_hidden = self.hh(_top_hidden(state)).float()
         return _cell_update(self.cell_type, gates_in, gates_hidden, state)
 
@@ -259,7 +288,8 @@ class DecodingModel(nn.Module):
                 attention.query_proj.weight, None, kind("query"), portable=portable
             )
             self.cells = nn.ModuleList(
-                _Cell(rnn, kind("recurrent"), portable) for rnn in decoder.rnns
+                _Cell(rnn, kind("recurrent"), portable, decoder.embedding if i == 0 else None)
+                for i, rnn in enumerate(decoder.rnns)
             )
             with torch.no_grad():
                 v, bias = attention.score_vector()
@@ -291,8 +321,7 @@ class DecodingModel(nn.Module):
             logits, weights, state = self.base.decoder.step(y, state, memory)
             return logits.float(), weights.float(), state
         decoder = self.base.decoder
-        x = decoder.embedding(y)
-        layer_state = self.cells[0](x, state[0])
+        layer_state = self.cells[0](y, state[0])  # the embedding's gates: a table lookup
         h = _top_hidden(layer_state)
         context, weights = self._attend(h, memory)
         new_state = [layer_state]

@@ -78,8 +78,12 @@ def test_the_layers_each_precision_changes(precision):
         "output": prepared.base.decoder.output,
         "attentional": prepared.base.decoder.attentional,
         "query": prepared.query,
-        "recurrent": prepared.cells[0].ih,
+        "recurrent": prepared.cells[0].hh,
     }
+    # the first layer's input gates: a float32 table of every target word's, in every precision
+    table = prepared.cells[0].table
+    assert table.dtype == torch.float32 and table.shape == (model.config.tgt_vocab_size, 3 * 24)
+    assert prepared.cells[0].ih is None
     for name, layer in linears.items():
         assert isinstance(layer, PreparedLinear) and layer.precision == precision, name
         if precision == "int8":
@@ -296,3 +300,22 @@ def test_translator_load_precision_and_notices(tmp_path):
     assert result.warning is None and len(result.hypotheses) == 1
     with pytest.raises(ValueError, match="precision must be one of"):
         Translator.load(checkpoint, precision="half")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_gate_table_and_product_agree(monkeypatch, precision):
+    """The first layer's input gates from the table and (vocabularies too large for it) from
+    the prepared product give the same step."""
+    model, _ = _model("auto", decoder="gnmt", output_layer="attentional")
+    src, lengths, y = _step_inputs(model)
+    with_table = DecodingModel(model, precision)
+    monkeypatch.setattr(inference, "GATE_TABLE_BYTES", 0)
+    without = DecodingModel(model, precision)
+    assert with_table.cells[0].table is not None and without.cells[0].table is None
+    with torch.no_grad():
+        outputs = []
+        for prepared in (with_table, without):
+            memory, state = prepared.encode(src, lengths)
+            outputs.append(prepared.step_log_probs(y, state, memory))
+    bound = 1e-5 if precision == "fp32" else BOUND[precision]
+    torch.testing.assert_close(outputs[0][0], outputs[1][0], atol=bound, rtol=0)
