@@ -50,8 +50,9 @@ from seq2seq_fast.seq2seq.models import (
     Memory,
     Seq2Seq,
     _cell_update,
+    _gather_time,
     _top_hidden,
-    map_state,
+    reverse_within_lengths,
 )
 
 PRECISIONS = ("fp32", "bf16", "int8")
@@ -181,48 +182,119 @@ def _dynamic_int8_linear(q: Tensor, scale: Tensor, bias: Tensor | None) -> nn.Mo
     return module
 
 
-# The first decoder layer's input gates of every target word, W_ih emb(y) + b_ih, are kept as a
-# [V, gates] float32 table (one product at load, a row lookup per step) up to this many bytes.
+# A first recurrent layer's input gates of every word, W_ih emb(y) + b_ih, are kept as a
+# [V, gates] float32 table (one product at load, a row lookup per use) up to this many bytes.
 GATE_TABLE_BYTES = 64 << 20
 
 
 class _Cell(nn.Module):
-    """One recurrent layer of the decoder, one step: its two products prepared, the update
+    """One recurrent layer (one direction), one step: its two products prepared, the update
     through the fused cell ops (models._cell_update). The state stays float32. Given the
-    ``embedding`` that feeds it (the first layer), its input gates come from a table of every
-    word's, and ``forward`` takes the word ids."""
+    ``embedding`` that feeds it (a first layer), its input gates come from a table of every
+    word's, and ``gates_in`` takes the word ids."""
 
     def __init__(
-        self, rnn: nn.RNNBase, product: str, portable: bool, embedding: nn.Embedding | None = None
+        self,
+        rnn: nn.RNNBase,
+        product: str,
+        portable: bool,
+        embedding: nn.Embedding | None = None,
+        suffix: str = "_l0",
     ) -> None:
         super().__init__()
         self.cell_type = "gru" if isinstance(rnn, nn.GRU) else "lstm"
-        bias_ih = rnn.bias_ih_l0 if rnn.bias else None
-        bias_hh = rnn.bias_hh_l0 if rnn.bias else None
-        self.table = self.ih = None
-        gates = rnn.weight_ih_l0.shape[0]
+        weight_ih, weight_hh = (
+            getattr(rnn, "weight_ih" + suffix),
+            getattr(rnn, "weight_hh" + suffix),
+        )
+        bias_ih = getattr(rnn, "bias_ih" + suffix) if rnn.bias else None
+        bias_hh = getattr(rnn, "bias_hh" + suffix) if rnn.bias else None
+        self.table = self.ih = self.embedding = None
+        gates = weight_ih.shape[0]
         if embedding is not None and embedding.num_embeddings * gates * 4 <= GATE_TABLE_BYTES:
             with torch.no_grad():
                 self.table = F.linear(
                     embedding.weight.float(),
-                    rnn.weight_ih_l0.float(),
+                    weight_ih.float(),
                     None if bias_ih is None else bias_ih.float(),
                 )
         else:
             self.embedding = embedding
-            self.ih = PreparedLinear(rnn.weight_ih_l0, bias_ih, product, portable=portable)
-        self.hh = PreparedLinear(rnn.weight_hh_l0, bias_hh, product, portable=portable)
+            self.ih = PreparedLinear(weight_ih, bias_ih, product, portable=portable)
+        self.hh = PreparedLinear(weight_hh, bias_hh, product, portable=portable)
 
-    def forward(self, x: Tensor, state):
-        """x: the layer's input [R, F], or for the first layer the word ids [R]."""
+    def gates_in(self, x: Tensor) -> Tensor:
+        """x: the layer's input [..., F], or for a first layer the word ids [...] -> float32
+        input gates [..., G]."""
         if self.table is not None:
-            gates_in = self.table.index_select(0, x)
-        else:
-            if getattr(self, "embedding", None) is not None:
-                x = self.embedding(x)
-            gates_in = self.ih(x).float()
+            return F.embedding(x, self.table)
+        if self.embedding is not None:
+            x = self.embedding(x)
+        return self.ih(x).float()
+
+    def update(self, gates_in: Tensor, state):
         gates_hidden = self.hh(_top_hidden(state)).float()
         return _cell_update(self.cell_type, gates_in, gates_hidden, state)
+
+    def forward(self, x: Tensor, state):
+        return self.update(self.gates_in(x), state)
+
+
+class _EncoderRNN(nn.Module):
+    """The encoder's (bi)directional GRU/LSTM layers step by step on the padded batch through
+    prepared products (the first layer's input gates from per-word tables), as
+    ``Encoder.run_rnn(packed=False)`` computes them: the backward direction on rows reversed
+    within their lengths, outputs zero at padding. -> (outputs float32 [B, S, D], summary
+    float32 [B, D])."""
+
+    def __init__(self, encoder, product: str, portable: bool) -> None:
+        super().__init__()
+        rnn = encoder.rnn
+        self.layers, self.bidirectional = rnn.num_layers, encoder.bidirectional
+        self.hidden_size, self.lstm = rnn.hidden_size, isinstance(rnn, nn.LSTM)
+        directions = ("", "_reverse") if self.bidirectional else ("",)
+        self.cells = nn.ModuleList(
+            _Cell(
+                rnn, product, portable, encoder.embedding if layer == 0 else None, f"_l{layer}" + d
+            )
+            for layer in range(self.layers)
+            for d in directions
+        )
+
+    def forward(self, src: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        batch, width = src.shape
+        rows = torch.arange(batch, device=src.device)
+        last = (lengths - 1).clamp(min=0)
+        reverse = reverse_within_lengths(lengths, width) if self.bidirectional else None
+        zeros = torch.zeros(batch, self.hidden_size, device=src.device)
+        x, finals, per_layer = src, [], 2 if self.bidirectional else 1
+        for layer in range(self.layers):
+            outs = []
+            for direction in range(per_layer):
+                cell = self.cells[layer * per_layer + direction]
+                if direction == 0:
+                    inputs = x
+                elif layer == 0:
+                    inputs = x.gather(1, reverse)
+                else:
+                    inputs = _gather_time(x, reverse)
+                gates = cell.gates_in(inputs)  # [B, S, G]: every step's input product at once
+                state = (zeros, zeros) if self.lstm else zeros
+                steps = []
+                for t in range(width):
+                    state = cell.update(gates[:, t], state)
+                    steps.append(_top_hidden(state))
+                out = torch.stack(steps, 1)
+                if direction == 0:
+                    finals.append(out[rows, last])
+                else:
+                    out = _gather_time(out, reverse)
+                    finals.append(out[:, 0])
+                outs.append(out)
+            x = torch.cat(outs, -1) if per_layer == 2 else outs[0]
+        valid = torch.arange(width, device=src.device)[None, :] < lengths[:, None]
+        summary = torch.cat(finals[-2:], -1) if self.bidirectional else finals[-1]
+        return x * valid.unsqueeze(-1).to(x.dtype), summary
 
 
 class DecodingModel(nn.Module):
@@ -269,6 +341,12 @@ class DecodingModel(nn.Module):
             base = base.to(torch.bfloat16)
         self.base = base
         decoder = base.decoder
+        self.encoder_dtype = next(base.parameters()).dtype
+        # the encoder's products in the precision's float form (int8 decodes with a float32
+        # encoder): run once per batch, they are not where int8 pays
+        self.encoder_rnn = _EncoderRNN(
+            base.encoder, "fp32" if precision == "int8" else precision, portable
+        )
 
         def kind(layer: str) -> str:  # int8 for the layers asked, fp32 for the others
             return "fp32" if precision == "int8" and layer not in int8_layers else precision
@@ -302,11 +380,22 @@ class DecodingModel(nn.Module):
         return self.base.attention.backend
 
     def encode(self, src: Tensor, src_lengths: Tensor):
-        """-> (Memory, initial decoder state: float32 for the GNMT steps)."""
-        memory, state = self.base.encode(src, src_lengths)
-        if self.gnmt:
-            state = map_state(lambda s: s.float(), state)
-        return memory, state
+        """-> (Memory, initial decoder state: float32 for the GNMT steps), as Seq2Seq.encode
+        with the encoder's layers through prepared products (_EncoderRNN)."""
+        base, dtype = self.base, self.encoder_dtype
+        lengths = src_lengths.to(device=src.device, dtype=torch.int64)
+        outputs, summary = self.encoder_rnn(src, lengths)
+        outputs = outputs.to(dtype)
+        memory = Memory(outputs, base.attention.project_keys(outputs), lengths)
+        layers = base.config.decoder_layers
+        hidden = torch.tanh(base.bridge(summary.to(dtype))).chunk(layers, dim=-1)
+        if not self.gnmt:
+            hidden = [h.contiguous() for h in hidden]
+        else:
+            hidden = [h.float().contiguous() for h in hidden]
+        if base.config.cell == "gru":
+            return memory, tuple(hidden)
+        return memory, tuple((h, torch.zeros_like(h)) for h in hidden)
 
     def step_log_probs(self, y: Tensor, state, memory: Memory):
         """One decoding step: y [R] -> (log-probabilities float32 [R, V], attention weights

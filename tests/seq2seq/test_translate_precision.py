@@ -319,3 +319,27 @@ def test_gate_table_and_product_agree(monkeypatch, precision):
             outputs.append(prepared.step_log_probs(y, state, memory))
     bound = 1e-5 if precision == "fp32" else BOUND[precision]
     torch.testing.assert_close(outputs[0][0], outputs[1][0], atol=bound, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(cell="gru"),
+        dict(cell="lstm", encoder_layers=2),
+        dict(cell="gru", encoder_layers=2, bidirectional=False, decoder="bahdanau"),
+    ],
+)
+def test_prepared_encoder_is_the_models(overrides):
+    """The encoder's layers step by step through prepared products (and per-word tables) give
+    the model's memory and initial state (packed nn.GRU/LSTM), padding included."""
+    model, _ = _model("auto", **overrides)
+    src, lengths, _ = _step_inputs(model)
+    src[3, 3:] = 0  # padding past each row's length
+    src[4, 1:] = 0
+    with torch.no_grad():
+        memory, state = model.encode(src, lengths)
+        got_memory, got_state = DecodingModel(model).encode(src, lengths)
+    for name, a, b in zip(("values", "keys", "lengths"), got_memory, memory, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
+    flat = lambda s: torch.cat([t.reshape(-1) for t in torch.utils._pytree.tree_leaves(s)])  # noqa: E731
+    torch.testing.assert_close(flat(got_state), flat(state), atol=1e-5, rtol=0)
