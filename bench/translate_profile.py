@@ -122,6 +122,7 @@ def worker(argv: list[str], spawned: float, out_json: str) -> None:
         inference = None
     if inference is not None:
         patch(inference._Cell, "forward", "cell")
+        patch(inference.DecodingModel, "encode", "encoder")
         patch(inference.DecodingModel, "_attend", "attention")
     # the step and its top-k where the tree fuses them (then "output + softmax" holds the top-k)
     patch(decoding, "_step_topk" if hasattr(decoding, "_step_topk") else "_step_log_probs", "step")
