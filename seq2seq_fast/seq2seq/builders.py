@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from seq2seq_fast.seq2seq.config import TrainConfig, TrainError
-from seq2seq_fast.seq2seq.data import (
+from seq2seq_fast.seq2seq.data.corpus import (
     ReverseTask,
     TranslationData,
     epoch_batches,
@@ -141,8 +141,8 @@ def build_task(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None) -
     vocabs = None
     if payload is not None:  # on resume, the vocabularies the model was trained with
         vocabs = (vocab_from_state(payload["src_vocab"]), vocab_from_state(payload["tgt_vocab"]))
-    if config.uses_token_store:  # streamed into an on-disk token store (seq2seq/store.py)
-        from seq2seq_fast.seq2seq.store import open_store_corpus
+    if config.uses_token_store:  # streamed into an on-disk token store (seq2seq/data/store.py)
+        from seq2seq_fast.seq2seq.data.store import open_store_corpus
 
         corpus = open_store_corpus(
             config,

@@ -121,7 +121,7 @@ class TrainConfig:
     # Official splits, used as given (then ``data`` is the training split, not split again).
     valid_data: str | None = None
     test_data: str | None = None  # needs valid_data; none: no test BLEU
-    # Their own data (seq2seq/store.py, seq2seq/vocab.py): a two-file corpus (one sentence a
+    # Their own data (seq2seq/data/store.py, seq2seq/data/vocab.py): a two-file corpus (one sentence a
     # line), official splits as two files, tokenizers (an existing sentencepiece model per side,
     # or one shared; or vocabulary files for pre-tokenised text), tied embeddings, and the on-disk
     # token store (on for --src/--tgt, with any tokenizer option and for a --data file over
@@ -179,7 +179,7 @@ class TrainConfig:
                 "--task translate needs --data PATH (a .txt/.tsv file or a .zip) "
                 "or --src FILE --tgt FILE (one sentence a line)"
             )
-        from seq2seq_fast.seq2seq.store import check_data_options
+        from seq2seq_fast.seq2seq.data.store import check_data_options
 
         try:
             check_data_options(self)
@@ -227,7 +227,7 @@ class TrainConfig:
 
     @property
     def uses_token_store(self) -> bool:
-        from seq2seq_fast.seq2seq.store import uses_token_store
+        from seq2seq_fast.seq2seq.data.store import uses_token_store
 
         return uses_token_store(self)
 

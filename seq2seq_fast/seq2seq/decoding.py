@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seq2seq_fast.seq2seq.data import BOS_ID, EOS_ID, PAD_ID, make_batch
+from seq2seq_fast.seq2seq.data.corpus import BOS_ID, EOS_ID, PAD_ID, make_batch
 from seq2seq_fast.seq2seq.models import Memory, Seq2Seq, map_state
 
 

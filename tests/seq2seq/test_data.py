@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from seq2seq_fast.seq2seq.data import (
+from seq2seq_fast.seq2seq.data.corpus import (
     CorpusError,
     ReverseTask,
     SentencePieceVocab,

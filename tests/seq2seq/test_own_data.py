@@ -309,7 +309,7 @@ def test_ddp_ranks_share_one_store(tmp_path):
 
 
 def test_big_data_file_goes_through_the_store(tmp_path, monkeypatch):
-    from seq2seq_fast.seq2seq import store
+    from seq2seq_fast.seq2seq.data import store
 
     src, tgt = write_corpus(tmp_path, lines=50)
     tsv = tmp_path / "corpus.tsv"

@@ -1,4 +1,4 @@
-"""The on-disk token store, the user's tokenizers and vocabulary files (seq2seq/store.py, vocab.py).
+"""The on-disk token store, the user's tokenizers and vocabulary files (seq2seq/data/store.py, vocab.py).
 
 Every corpus is a small file written by the test; stores are built into the test's own folder.
 """
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from seq2seq_fast.seq2seq import data, store
-from seq2seq_fast.seq2seq.data import (
+from seq2seq_fast.seq2seq.data import corpus as data
+from seq2seq_fast.seq2seq.data import store
+from seq2seq_fast.seq2seq.data.corpus import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
@@ -24,8 +25,8 @@ from seq2seq_fast.seq2seq.data import (
     SentencePieceVocab,
     normalize_text,
 )
-from seq2seq_fast.seq2seq.store import CorpusFiles, Options, TokenizerSpec, load_store_corpus
-from seq2seq_fast.seq2seq.vocab import (
+from seq2seq_fast.seq2seq.data.store import CorpusFiles, Options, TokenizerSpec, load_store_corpus
+from seq2seq_fast.seq2seq.data.vocab import (
     WordVocab,
     check_vocab_fits,
     read_spm_model,

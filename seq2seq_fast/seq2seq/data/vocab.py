@@ -1,9 +1,9 @@
 """The user's own tokenizers: an existing sentencepiece model, or a vocabulary file for
 pre-tokenised text, and the checks that they fit a corpus or a checkpoint.
 
-Every vocabulary here puts <pad>=0, <unk>=1, <s>=2, </s>=3 (``seq2seq_fast.seq2seq.data``); a
+Every vocabulary here puts <pad>=0, <unk>=1, <s>=2, </s>=3 (``seq2seq_fast.seq2seq.data.corpus``); a
 sentencepiece model trained with other special ids is used as is, its ids mapped onto ours
-(:class:`~seq2seq_fast.seq2seq.data.SentencePieceVocab`).
+(:class:`~seq2seq_fast.seq2seq.data.corpus.SentencePieceVocab`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from seq2seq_fast.seq2seq.data import (
+from seq2seq_fast.seq2seq.data.corpus import (
     SPECIALS,
     UNK_ID,
     CorpusError,
@@ -145,7 +145,7 @@ def vocab_digest(vocab) -> str:
 def check_vocab_fits(vocab, saved_state: dict, *, side: str, source: str, checkpoint: str) -> None:
     """Raise CorpusError when ``vocab`` (from the file ``source``) is not the vocabulary the
     checkpoint's model was trained with: kind, size, or the first token that differs."""
-    from seq2seq_fast.seq2seq.data import vocab_from_state
+    from seq2seq_fast.seq2seq.data.corpus import vocab_from_state
 
     saved = vocab_from_state(saved_state)
     where = f"the {side} vocabulary {source} does not fit {checkpoint}"

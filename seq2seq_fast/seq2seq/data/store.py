@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from seq2seq_fast.seq2seq.data import (
+from seq2seq_fast.seq2seq.data.corpus import (
     MAX_HELD_OUT,
     CorpusError,
     CorpusReport,
@@ -183,7 +183,7 @@ _SPACES = re.compile(r"[^\S\n]+")  # runs of whitespace within a line (U+00A0, U
 
 
 def normalize_block(lines: list, form: str) -> tuple[list, dict[int, str]]:
-    """:func:`~seq2seq_fast.seq2seq.data.normalize_text` of many lines at once (one decode, one
+    """:func:`~seq2seq_fast.seq2seq.data.corpus.normalize_text` of many lines at once (one decode, one
     Unicode normalisation, one regex over the block: what costs per line in Python is the
     call) -> (texts, {index: why} of the lines that are not valid UTF-8; their text is None).
     None lines stay None."""
@@ -391,7 +391,7 @@ def clean_pairs(
 class TokenStore:
     """A built store: ``src_ids``, ``tgt_ids`` and ``offsets`` memory-mapped (np.memmap), the
     length index ``lengths`` (int32 [N, 2], 8 bytes a pair) in memory; what the batching of
-    :mod:`seq2seq_fast.seq2seq.data` reads is ``lengths``.
+    :mod:`seq2seq_fast.seq2seq.data.corpus` reads is ``lengths``.
 
     ``store[i]`` -> (source ids, target ids) as lists, read with ``os.pread``: a page fault on a
     memory map brings in its neighbours too (the kernel's fault-around, 64 KB), and those count as
@@ -797,7 +797,7 @@ class TokenizerSpec:
 
 
 def _given(spec: TokenizerSpec):
-    from seq2seq_fast.seq2seq.vocab import read_spm_model, read_vocab_file
+    from seq2seq_fast.seq2seq.data.vocab import read_spm_model, read_vocab_file
 
     cache: dict[tuple[str, str], object] = {}
 
@@ -834,7 +834,7 @@ def resolve_tokenizers(
     sentencepiece models are cached beside the stores (keyed like them: the corpus's identity and
     the options), so a second run neither re-reads the corpus nor trains again. ``count()``: the
     corpus's line count; ``plan()``: the held-out sets (the sample is of the training split)."""
-    from seq2seq_fast.seq2seq.vocab import vocab_digest
+    from seq2seq_fast.seq2seq.data.vocab import vocab_digest
 
     src, tgt = _given(spec)
     if spec.share:
@@ -987,7 +987,7 @@ def load_store_corpus(
                 progress=False,
                 log=lambda _: None,
             )
-    from seq2seq_fast.seq2seq.vocab import vocab_digest
+    from seq2seq_fast.seq2seq.data.vocab import vocab_digest
 
     key = _digest(
         {
@@ -1220,7 +1220,7 @@ def open_store_corpus(
 def check_tokenizers_fit(config, payload: dict, checkpoint: str) -> None:
     """Tokenizer files given together with a checkpoint (``--resume``; fine-tuning) must be the
     vocabularies its model was trained with: CorpusError naming the file and what differs."""
-    from seq2seq_fast.seq2seq.vocab import check_vocab_fits
+    from seq2seq_fast.seq2seq.data.vocab import check_vocab_fits
 
     if not any(getattr(config, n, None) for n in _TOKENIZER_OPTIONS):
         return

@@ -104,7 +104,7 @@ class SentencePieceVocab:
 
     @classmethod
     def train(cls, sentences: Iterable[str], vocab_size: int) -> SentencePieceVocab:
-        """Train on ``sentences`` (any iterable, read once; seq2seq/store.py passes a sample)."""
+        """Train on ``sentences`` (any iterable, read once; seq2seq/data/store.py passes a sample)."""
         import sentencepiece as spm
 
         model = io.BytesIO()
@@ -171,8 +171,8 @@ def vocab_from_state(state: dict) -> SymbolVocab | SentencePieceVocab:
         return SymbolVocab(state["symbols"])
     if kind == SentencePieceVocab.kind:
         return SentencePieceVocab(state["model"])
-    if kind == "words":  # pre-tokenised text with a vocabulary file (seq2seq/vocab.py)
-        from seq2seq_fast.seq2seq.vocab import WordVocab
+    if kind == "words":  # pre-tokenised text with a vocabulary file (seq2seq/data/vocab.py)
+        from seq2seq_fast.seq2seq.data.vocab import WordVocab
 
         return WordVocab(state["tokens"])
     raise ValueError(f"unknown vocabulary kind {kind!r}")
@@ -613,7 +613,7 @@ def padding_fractions(
     return src_pad, tgt_pad
 
 
-# --- batches from a length index (a token store: seq2seq/store.py) ---------------------------------
+# --- batches from a length index (a token store: seq2seq/data/store.py) ---------------------------------
 #
 # The batching above reads len(pairs[i]) for every pair: over a memory-mapped store of millions of
 # pairs that is millions of reads and Python lists. These read the store's int32 [N, 2] length
