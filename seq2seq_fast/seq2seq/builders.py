@@ -11,16 +11,15 @@ import torch
 from torch import nn
 
 from seq2seq_fast.seq2seq.config import TrainConfig, TrainError
-from seq2seq_fast.seq2seq.data.corpus import (
-    ReverseTask,
-    TranslationData,
+from seq2seq_fast.seq2seq.data.batching import (
     epoch_batches,
     max_lengths,
     padding_fractions,
-    shared_vocab,
     token_batches,
-    vocab_from_state,
 )
+from seq2seq_fast.seq2seq.data.corpus import TranslationData
+from seq2seq_fast.seq2seq.data.tasks import ReverseTask
+from seq2seq_fast.seq2seq.data.vocab import shared_vocab, vocab_from_state
 from seq2seq_fast.seq2seq.distributed import Dist
 from seq2seq_fast.seq2seq.distributed import log as _log
 from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig

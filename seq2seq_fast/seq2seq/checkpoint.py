@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from seq2seq_fast.seq2seq.data.corpus import vocab_from_state
+from seq2seq_fast.seq2seq.data.vocab import vocab_from_state
 from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig
 
 CHECKPOINT_FORMAT = "seq2seq-fast checkpoint"

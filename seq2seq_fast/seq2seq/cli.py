@@ -710,7 +710,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from seq2seq_fast.seq2seq.checkpoint import CheckpointError
     from seq2seq_fast.seq2seq.config import TrainError
-    from seq2seq_fast.seq2seq.data.corpus import CorpusError
+    from seq2seq_fast.seq2seq.data.errors import CorpusError
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -77,7 +77,8 @@ from seq2seq_fast.seq2seq.checkpoint import (
 )
 from seq2seq_fast.seq2seq.config import TrainConfig, TrainError
 from seq2seq_fast.seq2seq.configfile import CONFIG_FILE, write_config
-from seq2seq_fast.seq2seq.data.corpus import PAD_ID, Batch, make_batch
+from seq2seq_fast.seq2seq.data.batching import Batch, make_batch
+from seq2seq_fast.seq2seq.data.vocab import PAD_ID
 from seq2seq_fast.seq2seq.distributed import (
     Dist,
     log,

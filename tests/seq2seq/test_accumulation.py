@@ -14,7 +14,7 @@ import torch
 
 from seq2seq_fast.seq2seq.builders import Clock, build_model, build_optimizer, build_task
 from seq2seq_fast.seq2seq.config import TrainConfig, TrainError
-from seq2seq_fast.seq2seq.data.corpus import make_batch
+from seq2seq_fast.seq2seq.data.batching import make_batch
 from seq2seq_fast.seq2seq.distributed import Dist
 from seq2seq_fast.seq2seq.train import Job, merge_batches, train, train_step
 
@@ -116,7 +116,7 @@ DDP_SCRIPT = textwrap.dedent(
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from seq2seq_fast.seq2seq.builders import Clock, build_model, build_optimizer, build_task
     from seq2seq_fast.seq2seq.config import TrainConfig
-    from seq2seq_fast.seq2seq.data.corpus import make_batch
+    from seq2seq_fast.seq2seq.data.batching import make_batch
     from seq2seq_fast.seq2seq.distributed import setup_distributed
     from seq2seq_fast.seq2seq.train import Job, train_step
 

@@ -17,8 +17,9 @@ import pytest
 
 from seq2seq_fast.seq2seq.config import TrainConfig
 from seq2seq_fast.seq2seq.data import store
-from seq2seq_fast.seq2seq.data.corpus import CorpusError, SentencePieceVocab
+from seq2seq_fast.seq2seq.data.errors import CorpusError
 from seq2seq_fast.seq2seq.data.store import Options
+from seq2seq_fast.seq2seq.data.vocab import SentencePieceVocab
 from tests.seq2seq.test_store import WORDS, load, write_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BUILD = """
 import sys, time
 from seq2seq_fast.seq2seq.data import store
-from seq2seq_fast.seq2seq.data.corpus import SentencePieceVocab
+from seq2seq_fast.seq2seq.data.vocab import SentencePieceVocab
 src, tgt, cache, mode = sys.argv[1:5]
 if mode == "hang":  # stop for good in the middle of encoding (the test kills us)
     real = SentencePieceVocab.encode_batch

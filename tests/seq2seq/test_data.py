@@ -8,19 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from seq2seq_fast.seq2seq.data.batching import epoch_batches, make_batch
 from seq2seq_fast.seq2seq.data.corpus import (
-    CorpusError,
-    ReverseTask,
-    SentencePieceVocab,
-    SymbolVocab,
     TranslationData,
-    epoch_batches,
-    make_batch,
     normalize_text,
     read_parallel_corpus,
     split_by_source,
-    vocab_from_state,
 )
+from seq2seq_fast.seq2seq.data.errors import CorpusError
+from seq2seq_fast.seq2seq.data.tasks import ReverseTask
+from seq2seq_fast.seq2seq.data.vocab import SentencePieceVocab, SymbolVocab, vocab_from_state
 from seq2seq_fast.seq2seq.models import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 GOOD = "Go.\tVa !\nHi.\tSalut !\tCC-BY 2.0 (France) Attribution: tatoeba.org\n"

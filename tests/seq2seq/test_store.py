@@ -13,20 +13,19 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from seq2seq_fast.seq2seq.data import corpus as data
-from seq2seq_fast.seq2seq.data import store
-from seq2seq_fast.seq2seq.data.corpus import (
+from seq2seq_fast.seq2seq.data import batching, store
+from seq2seq_fast.seq2seq.data import corpus as corpus_module
+from seq2seq_fast.seq2seq.data import vocab as vocab_module
+from seq2seq_fast.seq2seq.data.corpus import normalize_text
+from seq2seq_fast.seq2seq.data.errors import CorpusError
+from seq2seq_fast.seq2seq.data.store import CorpusFiles, Options, TokenizerSpec, load_store_corpus
+from seq2seq_fast.seq2seq.data.vocab import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
     SPECIALS,
     UNK_ID,
-    CorpusError,
     SentencePieceVocab,
-    normalize_text,
-)
-from seq2seq_fast.seq2seq.data.store import CorpusFiles, Options, TokenizerSpec, load_store_corpus
-from seq2seq_fast.seq2seq.data.vocab import (
     WordVocab,
     check_vocab_fits,
     read_spm_model,
@@ -237,9 +236,9 @@ def test_held_out_sets_carved_from_one_file_are_capped(tmp_path):
 
 def test_in_memory_split_is_capped_too():
     pairs = [(f"s{i}", f"t{i}") for i in range(10_000)]
-    train, valid, test = data.split_by_source(pairs, 0.1, 0.1, seed=0, max_held_out=300)
+    train, valid, test = corpus_module.split_by_source(pairs, 0.1, 0.1, seed=0, max_held_out=300)
     assert len(valid) == 300 and len(test) == 300 and len(train) == 9_400
-    train, valid, test = data.split_by_source(pairs, 0.01, 0.02, seed=0)  # under the cap
+    train, valid, test = corpus_module.split_by_source(pairs, 0.01, 0.02, seed=0)  # under the cap
     assert (len(valid), len(test)) == (100, 200)
 
 
@@ -268,29 +267,29 @@ def test_store_batches_cover_every_pair_within_the_token_limit(tmp_path):
     pairs = [train[i] for i in range(len(train))]
     counts = set()
     for epoch in range(3):
-        batches = data.token_batches(train, 60, seed=1, epoch=epoch)
+        batches = batching.token_batches(train, 60, seed=1, epoch=epoch)
         counts.add(len(batches))
         index = np.concatenate(batches)
         assert sorted(index.tolist()) == list(range(len(train)))
         for batch in batches:
-            width = max(data.padded_width(pairs[i]) for i in batch)
+            width = max(batching.padded_width(pairs[i]) for i in batch)
             assert width * len(batch) <= 60 or len(batch) == 1
     assert len(counts) == 1  # the same number of batches every epoch (the schedule counts it)
-    assert data.padding_fractions(train, batches) == pytest.approx(
-        data.padding_fractions(pairs, [b.tolist() for b in batches])
+    assert batching.padding_fractions(train, batches) == pytest.approx(
+        batching.padding_fractions(pairs, [b.tolist() for b in batches])
     )
     # batch_size batches: the very batches of the in-memory path
-    in_memory = data.epoch_batches(pairs, 16, seed=2, epoch=1)
-    indexed = data.epoch_batches(train, 16, seed=2, epoch=1)
+    in_memory = batching.epoch_batches(pairs, 16, seed=2, epoch=1)
+    indexed = batching.epoch_batches(train, 16, seed=2, epoch=1)
     assert [list(b) for b in in_memory] == [b.tolist() for b in indexed]
-    assert data.max_lengths(train) == data.max_lengths(pairs)
+    assert batching.max_lengths(train) == batching.max_lengths(pairs)
 
 
 def test_each_rank_reads_its_own_share(tmp_path):
     src, tgt = write_corpus(tmp_path, lines=1000)
     corpus, _ = load(src, tgt, tmp_path / "cache")
     shares = [
-        data.token_batches(corpus.train, 50, seed=0, epoch=0, rank=r, world_size=3)
+        batching.token_batches(corpus.train, 50, seed=0, epoch=0, rank=r, world_size=3)
         for r in range(3)
     ]
     assert len({len(s) for s in shares}) == 1
@@ -373,7 +372,7 @@ def test_vocabulary_files(tmp_path):
     assert vocab.lines == [4, 5, 6]
     assert vocab.encode("the red zebra") == [6, 4, UNK_ID]
     assert vocab.decode([BOS_ID, 6, 4, EOS_ID, PAD_ID]) == "the red"
-    restored = data.vocab_from_state(vocab.to_state())
+    restored = vocab_module.vocab_from_state(vocab.to_state())
     assert isinstance(restored, WordVocab) and restored.itos == vocab.itos
     bad = {
         "red\nred\n": r"line 2: token 'red' is already on line 1",

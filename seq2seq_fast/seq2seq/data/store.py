@@ -54,12 +54,12 @@ import numpy as np
 
 from seq2seq_fast.seq2seq.data.corpus import (
     MAX_HELD_OUT,
-    CorpusError,
     CorpusReport,
-    SentencePieceVocab,
     TranslationData,
     read_parallel_corpus,
 )
+from seq2seq_fast.seq2seq.data.errors import CorpusError
+from seq2seq_fast.seq2seq.data.vocab import SentencePieceVocab
 
 STORE_FORMAT = "seq2seq-fast-token-store"
 STORE_VERSION = 2  # 2: held-out sets chosen by source groups
