@@ -77,7 +77,7 @@ def _read_corpus(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None)
     if payload is not None:  # on resume, the vocabularies the model was trained with
         vocabs = (vocab_from_state(payload["src_vocab"]), vocab_from_state(payload["tgt_vocab"]))
     if config.uses_token_store:  # streamed into an on-disk token store (seq2seq/data/store.py)
-        from seq2seq_fast.seq2seq.data.store import open_store_corpus
+        from seq2seq_fast.seq2seq.data.options import open_store_corpus
 
         corpus = open_store_corpus(
             config,

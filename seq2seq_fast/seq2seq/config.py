@@ -179,7 +179,7 @@ class TrainConfig:
                 "--task translate needs --data PATH (a .txt/.tsv file or a .zip) "
                 "or --src FILE --tgt FILE (one sentence a line)"
             )
-        from seq2seq_fast.seq2seq.data.store import check_data_options
+        from seq2seq_fast.seq2seq.data.options import check_data_options
 
         try:
             check_data_options(self)
@@ -227,7 +227,7 @@ class TrainConfig:
 
     @property
     def uses_token_store(self) -> bool:
-        from seq2seq_fast.seq2seq.data.store import uses_token_store
+        from seq2seq_fast.seq2seq.data.options import uses_token_store
 
         return uses_token_store(self)
 

@@ -474,7 +474,7 @@ def _resume_config(config: TrainConfig, resume: str | Path) -> tuple[TrainConfig
             f"{resume} is an exported inference model (weights and vocabularies, no optimiser "
             "state): it cannot be resumed; resume from the training checkpoint instead"
         )
-    from seq2seq_fast.seq2seq.data.store import check_tokenizers_fit
+    from seq2seq_fast.seq2seq.data.options import check_tokenizers_fit
 
     check_tokenizers_fit(config, payload, str(resume))  # tokenizer files given with --resume
     saved = TrainConfig.from_dict(dict(payload.get("train_config", {})))

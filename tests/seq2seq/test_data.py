@@ -9,13 +9,10 @@ import pytest
 import torch
 
 from seq2seq_fast.seq2seq.data.batching import epoch_batches, make_batch
-from seq2seq_fast.seq2seq.data.corpus import (
-    TranslationData,
-    normalize_text,
-    read_parallel_corpus,
-    split_by_source,
-)
+from seq2seq_fast.seq2seq.data.corpus import TranslationData, read_parallel_corpus
 from seq2seq_fast.seq2seq.data.errors import CorpusError
+from seq2seq_fast.seq2seq.data.normalize import normalize_text
+from seq2seq_fast.seq2seq.data.split import split_by_source
 from seq2seq_fast.seq2seq.data.tasks import ReverseTask, Task, TranslationTask
 from seq2seq_fast.seq2seq.data.vocab import SentencePieceVocab, SymbolVocab, vocab_from_state
 from seq2seq_fast.seq2seq.models import BOS_ID, EOS_ID, PAD_ID, UNK_ID

@@ -13,12 +13,15 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from seq2seq_fast.seq2seq.data import batching, store
+from seq2seq_fast.seq2seq.data import batching, normalize, store, stream, tokenizers
 from seq2seq_fast.seq2seq.data import corpus as corpus_module
 from seq2seq_fast.seq2seq.data import vocab as vocab_module
-from seq2seq_fast.seq2seq.data.corpus import normalize_text
 from seq2seq_fast.seq2seq.data.errors import CorpusError
-from seq2seq_fast.seq2seq.data.store import CorpusFiles, Options, TokenizerSpec, load_store_corpus
+from seq2seq_fast.seq2seq.data.files import CorpusFiles
+from seq2seq_fast.seq2seq.data.normalize import normalize_text
+from seq2seq_fast.seq2seq.data.store import load_store_corpus
+from seq2seq_fast.seq2seq.data.stream import Options
+from seq2seq_fast.seq2seq.data.tokenizers import TokenizerSpec
 from seq2seq_fast.seq2seq.data.vocab import (
     BOS_ID,
     EOS_ID,
@@ -107,7 +110,7 @@ def test_reused_store_is_not_encoded_or_trained_again(tmp_path, monkeypatch):
         (store, "build_store"),
         (SentencePieceVocab, "train"),
         (SentencePieceVocab, "encode_batch"),
-        (store, "sample_sentences"),
+        (tokenizers, "sample_sentences"),
     )
     second, logs = load(src, tgt, tmp_path / "cache")
     assert any("reused" in line for line in logs)
@@ -161,7 +164,7 @@ def test_incomplete_or_corrupt_store_is_rebuilt(tmp_path, damage):
 
 def test_interrupted_build_leaves_no_store_that_looks_complete(tmp_path, monkeypatch):
     src, tgt = write_corpus(tmp_path, lines=3000)
-    monkeypatch.setattr(store, "CHUNK_PAIRS", 256)
+    monkeypatch.setattr(stream, "CHUNK_PAIRS", 256)
     calls = []
     real = SentencePieceVocab.encode_batch
 
@@ -322,7 +325,7 @@ def test_existing_spm_model_with_other_ids_is_used_as_is(tmp_path, monkeypatch):
         tmp_path / "own.model", src.read_text().splitlines() + tgt.read_text().splitlines()
     )
     assert (sp.unk_id(), sp.bos_id(), sp.eos_id(), sp.pad_id()) == (0, 1, 2, -1)
-    forbid(monkeypatch, (SentencePieceVocab, "train"), (store, "sample_sentences"))
+    forbid(monkeypatch, (SentencePieceVocab, "train"), (tokenizers, "sample_sentences"))
     corpus, _ = load(
         src,
         tgt,
@@ -449,10 +452,10 @@ def test_block_normalisation_equals_normalize_text():
     alphabet = list("ab Z\t\r\x0b\x0c\x1c\x1f\x85\u00a0\u202f\u2028\u3000\ufb01é") + ["e\u0301"]
     lines = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12))) for _ in range(3000)]
     raw = [(line + "\n").encode() for line in lines]
-    texts, bad = store.normalize_block(raw, "NFKC")
+    texts, bad = normalize.normalize_block(raw, "NFKC")
     assert not bad and texts == [normalize_text(line) for line in lines]
     raw[7] = b"bad \xff\n"
-    texts, bad = store.normalize_block(raw + [None], "NFC")
+    texts, bad = normalize.normalize_block(raw + [None], "NFC")
     assert set(bad) == {7} and texts[7] is None and texts[-1] is None
     assert texts[8] == normalize_text(lines[8], "NFC")
 

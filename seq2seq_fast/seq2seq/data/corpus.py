@@ -6,24 +6,16 @@ token store instead (seq2seq/data/store.py)."""
 from __future__ import annotations
 
 import random
-import unicodedata
 import zipfile
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from seq2seq_fast.seq2seq.data.errors import CorpusError
+from seq2seq_fast.seq2seq.data.normalize import normalize_text
+from seq2seq_fast.seq2seq.data.split import MAX_HELD_OUT, split_by_source
 from seq2seq_fast.seq2seq.data.vocab import (
     SentencePieceVocab,
 )
-
-
-def normalize_text(text: str, form: str = "NFKC") -> str:
-    """Unicode normalisation, with U+202F/U+00A0 (French spacing before ! ?) and runs of
-    whitespace turned into single spaces."""
-    text = unicodedata.normalize(form, text)
-    text = text.replace("\u202f", " ").replace("\u00a0", " ")
-    return " ".join(text.split())
 
 
 @dataclass
@@ -126,40 +118,6 @@ def read_parallel_corpus(
     if not pairs:
         raise CorpusError(f"no usable sentence pairs in {report.summary()}")
     return pairs, report
-
-
-# Validation and test sets carved from one corpus file hold at most this many source sentences
-# each (NMT toolkits use a few thousand; 3% of a 2M-pair corpus was 60k test pairs).
-MAX_HELD_OUT = 3000
-
-
-def split_by_source(
-    pairs: Sequence[tuple[str, str]],
-    valid_fraction: float,
-    test_fraction: float,
-    seed: int,
-    max_held_out: int | None = MAX_HELD_OUT,
-) -> tuple[list[tuple[str, str]], list[tuple[str, str]], list[tuple[str, str]]]:
-    """Fixed-seed train/valid/test split that keeps every translation of one source sentence in the
-    same split (Tatoeba repeats sources), so held-out sources are never seen in training. The
-    valid and test sets take their fraction of the sources, at most ``max_held_out`` each."""
-    groups: dict[str, list[tuple[str, str]]] = {}
-    for pair in pairs:
-        groups.setdefault(pair[0], []).append(pair)
-    sources = list(groups)
-    random.Random(seed).shuffle(sources)
-    n_valid = max(1, round(len(sources) * valid_fraction)) if valid_fraction > 0 else 0
-    n_test = max(1, round(len(sources) * test_fraction)) if test_fraction > 0 else 0
-    if max_held_out is not None:
-        n_valid, n_test = min(n_valid, max_held_out), min(n_test, max_held_out)
-    if n_valid + n_test >= len(sources):
-        raise CorpusError(
-            f"too few distinct source sentences ({len(sources)}) for a train/valid/test split"
-        )
-    valid = [p for s in sources[:n_valid] for p in groups[s]]
-    test = [p for s in sources[n_valid : n_valid + n_test] for p in groups[s]]
-    train = [p for s in sources[n_valid + n_test :] for p in groups[s]]
-    return train, valid, test
 
 
 @dataclass

@@ -34,358 +34,41 @@ dropped, never trained on). A pass over the corpus's sources chooses them before
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import itertools
 import json
 import os
-import re
 import shutil
-import sys
-import tempfile
-import unicodedata
-import zlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from seq2seq_fast.seq2seq.data.corpus import (
-    MAX_HELD_OUT,
-    CorpusReport,
-    TranslationData,
-    read_parallel_corpus,
-)
+from seq2seq_fast.seq2seq.atomic import fsync_dir, write_synced
+from seq2seq_fast.seq2seq.data.corpus import CorpusReport, TranslationData, read_parallel_corpus
 from seq2seq_fast.seq2seq.data.errors import CorpusError
-from seq2seq_fast.seq2seq.data.vocab import SentencePieceVocab
+from seq2seq_fast.seq2seq.data.files import (
+    CorpusFiles,
+    check_files,
+    corpus_lines,
+    file_identity,
+    key_digest,
+)
+from seq2seq_fast.seq2seq.data.split import SplitRule
+from seq2seq_fast.seq2seq.data.staging import (
+    LOCK_NAME,
+    Log,
+    exclusive,
+    new_temp_folder,
+    remove_stale_temps,
+)
+from seq2seq_fast.seq2seq.data.stream import Options, clean_pairs, encoded_chunks, plan_split
+from seq2seq_fast.seq2seq.data.tokenizers import TokenizerSpec, resolve_tokenizers
+from seq2seq_fast.seq2seq.data.vocab import vocab_digest
 
 STORE_FORMAT = "seq2seq-fast-token-store"
 STORE_VERSION = 2  # 2: held-out sets chosen by source groups
-CHUNK_PAIRS = 8192  # pairs normalised and encoded per call
-HASH_SPAN = 1 << 20  # bytes of a corpus file's head and tail in its identity
-MALFORMED_LISTED = 100  # malformed lines listed with their numbers (the rest only counted)
-SPM_SAMPLE_SIZE = 100_000  # default pairs the sentencepiece models are trained on
-
-Log = Callable[[str], None]
-
-
-# --- the corpus files ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CorpusFiles:
-    """A parallel corpus on disk: two files (``tgt`` set) or one ``source<TAB>target`` file."""
-
-    src: str
-    tgt: str | None = None
-    swap: bool = False  # one file: column 2 is the source
-
-    @property
-    def name(self) -> str:
-        return f"{self.src} + {self.tgt}" if self.tgt else self.src
-
-    def paths(self) -> list[Path]:
-        return [Path(self.src)] + ([Path(self.tgt)] if self.tgt else [])
-
-
-def _check_file(path: Path, what: str) -> None:
-    if not path.exists():
-        raise CorpusError(f"{what} not found: {path}")
-    if path.is_dir():
-        raise CorpusError(f"{what} is a directory, not a file: {path}")
-
-
-def count_lines(path: Path, progress: bool = False) -> int:
-    """Lines of a text file (a last line without a newline counts), read in 16 MiB blocks."""
-    from tqdm import tqdm
-
-    lines, last = 0, b"\n"
-    size = path.stat().st_size
-    with (
-        path.open("rb") as handle,
-        tqdm(
-            total=size,
-            unit="B",
-            unit_scale=True,
-            leave=False,
-            desc=f"counting {path.name}",
-            disable=not progress,
-            file=sys.stderr,
-        ) as bar,
-    ):
-        while block := handle.read(1 << 24):
-            lines += block.count(b"\n")
-            last = block[-1:]
-            bar.update(len(block))
-    return lines + (last != b"\n")
-
-
-def check_files(files: CorpusFiles) -> None:
-    """CorpusError naming a corpus file that is missing, a folder, or a .zip."""
-    for path, side in zip(files.paths(), ("source", "target"), strict=False):
-        _check_file(path, f"{side} corpus file" if files.tgt else "corpus file")
-        if path.suffix.lower() == ".zip":
-            raise CorpusError(
-                f"{path}: a .zip corpus is read in memory: use --data without "
-                "the token store options, or unzip it"
-            )
-
-
-def corpus_lines(files: CorpusFiles, progress: bool = False) -> int:
-    """The corpus's line count; two files with different counts are an error naming both."""
-    check_files(files)
-    counts = [count_lines(path, progress) for path in files.paths()]
-    if len(counts) == 2 and counts[0] != counts[1]:
-        raise CorpusError(
-            f"the two corpus files have different line counts: {files.src} has {counts[0]} "
-            f"lines, {files.tgt} has {counts[1]} (line i of one must translate line i of the other)"
-        )
-    return counts[0]
-
-
-def file_identity(path: Path) -> dict:
-    """What a cached store is keyed by for one file: resolved path, size, mtime, and a hash of
-    its first and last MiB (a file rewritten with the same size and mtime is still seen)."""
-    stat = path.stat()
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        digest.update(handle.read(HASH_SPAN))
-        if stat.st_size > HASH_SPAN:
-            handle.seek(max(HASH_SPAN, stat.st_size - HASH_SPAN))
-            digest.update(handle.read(HASH_SPAN))
-    return {
-        "path": str(path.resolve()),
-        "size": stat.st_size,
-        "mtime_ns": stat.st_mtime_ns,
-        "head_tail_sha256": digest.hexdigest(),
-    }
-
-
-def raw_blocks(files: CorpusFiles, size: int) -> Iterator[tuple[list[bytes], list]]:
-    """The corpus's lines by blocks of ``size``: (source lines, target lines) as bytes; one file:
-    its columns, target None for a line without a tab."""
-    if files.tgt is not None:
-        with open(files.src, "rb") as src, open(files.tgt, "rb") as tgt:
-            while src_block := list(itertools.islice(src, size)):
-                yield src_block, list(itertools.islice(tgt, size))
-        return
-    with open(files.src, "rb") as handle:
-        while block := list(itertools.islice(handle, size)):
-            columns = [line.split(b"\t", 2) for line in block]
-            first = [c[0] if len(c) > 1 else line for c, line in zip(columns, block, strict=True)]
-            second = [c[1] if len(c) > 1 else None for c in columns]
-            yield (second, first) if files.swap else (first, second)
-
-
-_SPACES = re.compile(r"[^\S\n]+")  # runs of whitespace within a line (U+00A0, U+202F included)
-
-
-def normalize_block(lines: list, form: str) -> tuple[list, dict[int, str]]:
-    """:func:`~seq2seq_fast.seq2seq.data.corpus.normalize_text` of many lines at once (one decode, one
-    Unicode normalisation, one regex over the block: what costs per line in Python is the
-    call) -> (texts, {index: why} of the lines that are not valid UTF-8; their text is None).
-    None lines stay None."""
-    texts: list = []
-    bad: dict[int, str] = {}
-    present = [line if line is not None else b"" for line in lines]
-    blob = b"\n".join(line.rstrip(b"\n") for line in present)
-    try:
-        text = blob.decode("utf-8")
-    except UnicodeDecodeError:
-        decoded = []
-        for i, line in enumerate(present):
-            try:
-                decoded.append(line.rstrip(b"\n").decode("utf-8"))
-            except UnicodeDecodeError as exc:
-                bad[i] = f"not valid UTF-8 ({exc.reason} at byte {exc.start})"
-                decoded.append("")
-        text = "\n".join(decoded)
-    if not text.isascii():
-        text = unicodedata.normalize(form, text)
-    texts = [line.strip(" ") for line in _SPACES.sub(" ", text).split("\n")]
-    for i, line in enumerate(lines):
-        if line is None or i in bad:
-            texts[i] = None
-    return texts, bad
-
-
-# --- splitting -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SplitRule:
-    """Which pairs are held out: a seeded hash of the source sentence; hashes up to
-    ``valid_upto`` go to the validation set, then up to ``test_upto`` to the test set (-1: none),
-    so every pair of one source lands on one side."""
-
-    seed: int
-    valid_upto: int = -1
-    test_upto: int = -1
-
-    def source_hash(self, source: str) -> int:
-        return zlib.crc32(source.encode(), self.seed * 2654435761 % (1 << 32))
-
-    def side(self, source: str) -> int:
-        """0 train, 1 valid, 2 test (of the normalised source sentence)."""
-        if self.test_upto < 0 and self.valid_upto < 0:
-            return 0
-        h = self.source_hash(source)
-        if h <= self.valid_upto:
-            return 1
-        return 2 if h <= self.test_upto else 0
-
-
-def choose_held_out(
-    hashes: np.ndarray, options: Options, name: str = "the corpus"
-) -> tuple[int, int]:
-    """-> (valid_upto, test_upto) from the source hashes of the usable pairs: whole source groups
-    in hash order, each set up to its fraction of the pairs and ``max_held_out`` pairs, at least
-    one group each, at least one group left to train on. CorpusError when the corpus has too few
-    distinct sources for that."""
-    values, counts = np.unique(np.asarray(hashes, np.uint32), return_counts=True)
-    usable = int(counts.sum())
-    fractions = (options.valid_fraction, options.test_fraction)
-    sets = sum(f > 0 for f in fractions)
-    if len(values) < sets + 1:
-        wanted = " and a test" if sets == 2 else ""
-        raise CorpusError(
-            f"{name}: {len(values)} distinct source sentence(s) in {usable} usable pairs: too few "
-            f"to carve a validation{wanted} set and keep pairs to train on (pairs with one source "
-            "stay on one side); give an official split (--valid-data, or --valid-src/--valid-tgt)"
-            + (", or --test-fraction 0" if sets == 2 else "")
-        )
-    bounds, cursor = [-1, -1], 0
-    for k, fraction in enumerate(fractions):
-        if fraction > 0:
-            room = min(options.max_held_out, max(1, round(fraction * usable)))
-            last = len(values) - 1 - (k == 0 and fractions[1] > 0)  # groups left for the rest
-            first = cursor
-            while cursor < last and (cursor == first or counts[cursor] <= room):
-                room -= int(counts[cursor])
-                cursor += 1
-                if room <= 0:
-                    break
-        bounds[k] = int(values[cursor - 1]) if cursor else -1
-    if fractions[1] > 0 and bounds[1] == bounds[0]:
-        bounds[1] = -1
-    return bounds[0], max(bounds)
-
-
-def plan_split(
-    files: CorpusFiles, lines: int, options: Options, progress: bool = False
-) -> SplitRule:
-    """The held-out sets of a corpus (one pass over its normalised sources; see
-    :func:`choose_held_out`), or none when official splits are given."""
-    probe = SplitRule(options.seed)
-    if not options.carve or (options.valid_fraction <= 0 and options.test_fraction <= 0):
-        return probe
-    from array import array
-
-    hashes = array("I")
-    report = CorpusReport(files.name)
-    for _, src, _ in clean_pairs(files, lines, options, probe, report, progress, "splitting"):
-        hashes.append(probe.source_hash(src))
-    if not hashes:
-        raise CorpusError(f"no usable sentence pairs in {report.summary()}")
-    valid_upto, test_upto = choose_held_out(np.frombuffer(hashes, np.uint32), options, files.name)
-    return SplitRule(options.seed, valid_upto, test_upto)
-
-
-@dataclass
-class Options:
-    """What, besides the files and the tokenizers, changes a store's content."""
-
-    normalization: str = "NFKC"
-    max_words: int | None = None
-    max_pairs: int | None = None
-    seed: int = 0
-    valid_fraction: float = 0.02
-    test_fraction: float = 0.03
-    max_held_out: int = MAX_HELD_OUT
-    carve: bool = True  # carve valid/test from the file (False: official splits are given)
-
-
-def _kept_lines(lines: int, options: Options) -> np.ndarray | None:
-    """--max-pairs: a bool mask of the lines kept (a seeded random subset), else None."""
-    if options.max_pairs is None or options.max_pairs >= lines:
-        return None
-    keep = np.zeros(lines + 1, dtype=bool)  # indexed by line number, from 1
-    rng = np.random.default_rng(options.seed)
-    keep[1 + rng.choice(lines, size=options.max_pairs, replace=False)] = True
-    return keep
-
-
-def clean_pairs(
-    files: CorpusFiles,
-    lines: int,
-    options: Options,
-    rule: SplitRule,
-    report: CorpusReport,
-    progress: bool = False,
-    desc: str = "reading",
-    only: np.ndarray | None = None,
-) -> Iterator[tuple[int, str, str]]:
-    """(split side, source, target) of every usable pair, normalised, in file order; malformed
-    and over-long lines counted in ``report`` (the first ones listed with their numbers).
-    ``only``: a bool mask by line number; the other lines are skipped unread (a sample)."""
-    from tqdm import tqdm
-
-    keep = _kept_lines(lines, options)
-    if only is not None:
-        keep = only if keep is None else keep & only
-    form, max_words = options.normalization, options.max_words
-    number = 0
-
-    def malformed(line: int, why: str) -> None:
-        if len(report.malformed) < MALFORMED_LISTED:
-            report.malformed.append((line, why))
-        else:
-            report.more_malformed += 1
-
-    with tqdm(
-        total=lines,
-        unit=" lines",
-        unit_scale=True,
-        leave=False,
-        desc=desc,
-        disable=not progress,
-        file=sys.stderr,
-        mininterval=0.5,
-    ) as bar:
-        for src_block, tgt_block in raw_blocks(files, CHUNK_PAIRS):
-            first, count = number + 1, len(src_block)
-            number += count
-            report.lines += count
-            bar.update(count)
-            if keep is not None:
-                kept = np.flatnonzero(keep[first : first + count]).tolist()
-                src_block = [src_block[i] for i in kept]
-                tgt_block = [tgt_block[i] for i in kept]
-            else:
-                kept = range(count)
-            src_texts, src_bad = normalize_block(src_block, form)
-            tgt_texts, tgt_bad = normalize_block(tgt_block, form)
-            for k, (src, tgt) in enumerate(zip(src_texts, tgt_texts, strict=True)):
-                if not src or not tgt:
-                    if tgt_block[k] is None:  # one file, no tab
-                        why = (
-                            "empty line"
-                            if not src_block[k].strip()
-                            else "no tab-separated target column"
-                        )
-                    else:
-                        why = src_bad.get(k) or tgt_bad.get(k) or "empty source or target"
-                    malformed(first + kept[k], why)
-                    continue
-                if max_words is not None and max(src.count(" "), tgt.count(" ")) + 1 > max_words:
-                    report.too_long += 1
-                    continue
-                yield rule.side(src), src, tgt
-
-
-# --- the store -------------------------------------------------------------------------------------
 
 
 class TokenStore:
@@ -453,33 +136,6 @@ class TokenStore:
         return CorpusReport(**fields)
 
 
-def _fsync_write(path: Path, data: bytes) -> None:
-    with path.open("wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _save_npy(path: Path, array: np.ndarray) -> None:
-    with path.open("wb") as handle:
-        np.save(handle, array)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
 def verify_store(folder: Path, key: str) -> tuple[dict | None, str | None]:
     """-> (manifest, None) for a complete store of this key, else (None, why not)."""
     manifest_path = folder / "manifest.json"
@@ -514,86 +170,6 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-# --- temporary folders, locks -------------------------------------------------------------------
-
-LOCK_NAME = ".lock"  # in a temporary folder: its builder holds an exclusive flock on it
-
-
-def _lock(path: Path, blocking: bool = True) -> int | None:
-    """An exclusive flock on ``path`` (created if missing) -> its fd (close it to release); None
-    when not blocking and another process holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-@contextmanager
-def _exclusive(path: Path, what: str, log: Log):
-    """Hold the lock file ``path`` (one builder of ``what`` at a time across processes)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = _lock(path, blocking=False)
-    if fd is None:
-        log(f"waiting for another process building {what} (lock {path})")
-        fd = _lock(path)
-    try:
-        yield
-    finally:
-        os.close(fd)
-
-
-def _new_temp(folder: Path) -> tuple[Path, int]:
-    """A fresh ``.tmp-<store>-<pid>-<random>`` folder beside ``folder`` -> (it, the fd of its held
-    lock). It is made under another name and renamed once its lock is held, so a temporary folder
-    is never seen without a live lock while its builder runs."""
-    prefix = f".new-{folder.name}-{os.getpid()}-"
-    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=folder.parent))
-    try:
-        fd = _lock(staging / LOCK_NAME)
-        tmp = folder.parent / f".tmp-{folder.name}-{os.getpid()}-{staging.name[len(prefix) :]}"
-        os.rename(staging, tmp)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return tmp, fd
-
-
-def remove_stale_temps(folder: Path) -> list[Path]:
-    """Remove the temporary folders of builds of ``folder`` whose builder is gone (its lock can
-    be taken; robust to pid reuse); a live build's folder is left alone. -> those removed."""
-    removed = []
-    staged = folder.parent.glob(f".new-{folder.name}-*")  # killed before its rename
-    for tmp in itertools.chain(folder.parent.glob(f".tmp-{folder.name}-*"), staged):
-        if not tmp.is_dir():
-            continue
-        try:
-            fd = os.open(tmp / LOCK_NAME, os.O_RDWR)
-        except FileNotFoundError:
-            if tmp.name.startswith(".new-"):
-                continue  # its lock may be about to be made
-            fd = None  # no lock file: left by an earlier version, or being removed
-        except OSError:
-            continue
-        try:
-            if fd is not None:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # its builder is alive
-            shutil.rmtree(tmp, ignore_errors=True)
-            removed.append(tmp)
-        finally:
-            if fd is not None:
-                os.close(fd)
-    return removed
-
-
 def _install(tmp: Path, folder: Path, key: str, manifest: dict, log: Log) -> dict:
     """Rename the complete ``tmp`` to ``folder`` (atomic). When another build got there first
     with a complete store, ours is discarded and its manifest returned; an incomplete one found
@@ -620,32 +196,9 @@ def _install(tmp: Path, folder: Path, key: str, manifest: dict, log: Log) -> dic
             (folder / LOCK_NAME).unlink()
         except OSError:
             pass
-        _fsync_dir(folder.parent)
+        fsync_dir(folder.parent)
         return manifest
     raise OSError(errno.EEXIST, f"could not move the token store into place: {folder}")
-
-
-def _encoded_chunks(
-    vocabs, pairs: Iterator[tuple[int, str, str]], heldout: list[list], cap: int, dropped: list[int]
-):
-    """Train pairs encoded by chunks -> (source rows, target rows); held-out pairs collected
-    into ``heldout`` (valid, test), those over ``cap`` counted in ``dropped``."""
-    src_vocab, tgt_vocab = vocabs
-    src_chunk: list[str] = []
-    tgt_chunk: list[str] = []
-    for side, src, tgt in pairs:
-        if side == 0:
-            src_chunk.append(src)
-            tgt_chunk.append(tgt)
-            if len(src_chunk) == CHUNK_PAIRS:
-                yield src_vocab.encode_batch(src_chunk), tgt_vocab.encode_batch(tgt_chunk)
-                src_chunk, tgt_chunk = [], []
-        elif len(heldout[side - 1]) < cap:
-            heldout[side - 1].append((src, tgt))
-        else:
-            dropped[side - 1] += 1  # over the cap: left out, never trained on
-    if src_chunk:
-        yield src_vocab.encode_batch(src_chunk), tgt_vocab.encode_batch(tgt_chunk)
 
 
 def build_store(
@@ -669,7 +222,7 @@ def build_store(
     if rule is None:
         rule = plan_split(files, lines, options, progress)
     remove_stale_temps(folder)
-    tmp, lock = _new_temp(folder)
+    tmp, lock = new_temp_folder(folder)
     report = CorpusReport(files.name)
     dropped = [0, 0]
     heldout: list[list] = [[], []]
@@ -679,7 +232,7 @@ def build_store(
     try:
         with (tmp / "src.bin").open("wb") as src_out, (tmp / "tgt.bin").open("wb") as tgt_out:
             stream = clean_pairs(files, lines, options, rule, report, progress, "encoding")
-            chunks = _encoded_chunks(vocabs, stream, heldout, options.max_held_out, dropped)
+            chunks = encoded_chunks(vocabs, stream, heldout, options.max_held_out, dropped)
             for src_rows, tgt_rows in chunks:
                 src_len = np.fromiter(map(len, src_rows), np.int32, len(src_rows))
                 tgt_len = np.fromiter(map(len, tgt_rows), np.int32, len(tgt_rows))
@@ -709,9 +262,9 @@ def build_store(
             raise CorpusError(f"no usable sentence pairs in {report.summary()}")
         offsets = np.zeros((len(pair_lengths), 2), np.int64)
         np.cumsum(pair_lengths[:-1], axis=0, out=offsets[1:])
-        _save_npy(tmp / "offsets.npy", offsets)
-        _save_npy(tmp / "lengths.npy", pair_lengths)
-        _fsync_write(
+        write_synced(tmp / "offsets.npy", lambda handle: np.save(handle, offsets))
+        write_synced(tmp / "lengths.npy", lambda handle: np.save(handle, pair_lengths))
+        write_synced(
             tmp / "heldout.json",
             json.dumps(
                 {"valid": valid, "test": test, "dropped_over_cap": dropped, "encoded_empty": empty},
@@ -735,8 +288,8 @@ def build_store(
             "lengths_sha256": index_hash,
             "report": asdict(report),
         }
-        _fsync_write(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
-        _fsync_dir(tmp)
+        write_synced(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+        fsync_dir(tmp)
         manifest = _install(tmp, folder, key, manifest, log)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -751,154 +304,6 @@ def build_store(
             f"{dropped[1]} test pairs over the cap left out (never trained on)"
         )
     return TokenStore(folder, manifest)
-
-
-# --- tokenizers ------------------------------------------------------------------------------------
-
-
-def sample_sentences(
-    files: CorpusFiles,
-    lines: int,
-    options: Options,
-    rule: SplitRule,
-    size: int,
-    progress: bool = False,
-) -> tuple[list[str], list[str]]:
-    """A seeded random sample of about ``size`` training pairs (held-out ones left out), as
-    (sources, targets): what the sentencepiece models are trained on."""
-    rng = np.random.default_rng(options.seed + 17)
-    chosen = None
-    if lines > size:
-        chosen = np.zeros(lines + 1, dtype=bool)
-        chosen[1 + rng.choice(lines, size=size, replace=False)] = True
-    sources, targets = [], []
-    report = CorpusReport(files.name)
-    for side, src, tgt in clean_pairs(
-        files, lines, options, rule, report, progress, "sampling", only=chosen
-    ):
-        if side == 0:
-            sources.append(src)
-            targets.append(tgt)
-    return sources, targets
-
-
-@dataclass
-class TokenizerSpec:
-    """Where each side's tokenizer comes from: a sentencepiece model file, a vocabulary file, or
-    (neither) a sentencepiece model trained on a sample of the training split."""
-
-    src_spm: str | None = None
-    tgt_spm: str | None = None
-    src_vocab: str | None = None
-    tgt_vocab: str | None = None
-    share: bool = False
-    vocab_size: int = 4000
-    sample_size: int = SPM_SAMPLE_SIZE
-
-
-def _given(spec: TokenizerSpec):
-    from seq2seq_fast.seq2seq.data.vocab import read_spm_model, read_vocab_file
-
-    cache: dict[tuple[str, str], object] = {}
-
-    def load(kind: str, path: str | None):
-        if path is None:
-            return None
-        key = (kind, str(Path(path).resolve()))
-        if key not in cache:
-            cache[key] = read_spm_model(path) if kind == "spm" else read_vocab_file(path)
-        return cache[key]
-
-    for side in ("src", "tgt"):
-        if getattr(spec, f"{side}_spm") and getattr(spec, f"{side}_vocab"):
-            raise CorpusError(f"--{side}-spm and --{side}-vocab both given: one tokenizer a side")
-    return (
-        load("spm", spec.src_spm) or load("vocab", spec.src_vocab),
-        load("spm", spec.tgt_spm) or load("vocab", spec.tgt_vocab),
-    )
-
-
-def resolve_tokenizers(
-    spec: TokenizerSpec,
-    files: CorpusFiles,
-    count: Callable[[], int],
-    options: Options,
-    cache_dir: Path,
-    identity: dict,
-    *,
-    plan: Callable[[], SplitRule] | None = None,
-    progress: bool = False,
-    log: Log = print,
-):
-    """-> (source vocabulary, target vocabulary); the same object twice when shared. Trained
-    sentencepiece models are cached beside the stores (keyed like them: the corpus's identity and
-    the options), so a second run neither re-reads the corpus nor trains again. ``count()``: the
-    corpus's line count; ``plan()``: the held-out sets (the sample is of the training split)."""
-    from seq2seq_fast.seq2seq.data.vocab import vocab_digest
-
-    src, tgt = _given(spec)
-    if spec.share:
-        if src is not None and tgt is not None and vocab_digest(src) != vocab_digest(tgt):
-            raise CorpusError(
-                "--share-vocab needs one vocabulary for both sides: give --spm, or the same file "
-                f"to both sides (got {spec.src_spm or spec.src_vocab} and "
-                f"{spec.tgt_spm or spec.tgt_vocab})"
-            )
-        src = tgt = src or tgt
-    if src is not None and tgt is not None:
-        return src, tgt
-    wanted = ["shared"] if spec.share else [s for s, v in (("src", src), ("tgt", tgt)) if v is None]
-    key = _digest(
-        {
-            "identity": identity,
-            "options": asdict(options),
-            "size": spec.vocab_size,
-            "sample": spec.sample_size,
-            "wanted": wanted,
-            "split": 2,  # the held-out sets chosen by source groups
-        }
-    )
-    paths = {w: cache_dir / f"spm-{key}.{w}.model" for w in wanted}
-    trained = {}
-    if not all(p.exists() for p in paths.values()):
-        with _exclusive(cache_dir / f".lock-spm-{key}", "the sentencepiece models", log):
-            if not all(p.exists() for p in paths.values()):  # else trained meanwhile
-                trained = _train_spm(spec, files, count, options, paths, plan, progress, log)
-    if not trained:
-        for w, p in paths.items():
-            trained[w] = SentencePieceVocab(p.read_bytes())
-        log(f"sentencepiece model(s) from the cache: {', '.join(str(p) for p in paths.values())}")
-    if spec.share:
-        return trained["shared"], trained["shared"]
-    return src or trained["src"], tgt or trained["tgt"]
-
-
-def _train_spm(spec, files, count, options, paths, plan, progress, log) -> dict:
-    lines = count()
-    rule = plan() if plan is not None else plan_split(files, lines, options, progress)
-    sources, targets = sample_sentences(files, lines, options, rule, spec.sample_size, progress)
-    if not sources:
-        raise CorpusError(f"no usable training pair in {files.name} to train a tokenizer on")
-    texts = {"shared": sources + targets, "src": sources, "tgt": targets}
-    trained = {}
-    for w, path in paths.items():
-        log(
-            f"training a {spec.vocab_size}-piece sentencepiece model ({w}) on "
-            f"{len(texts[w])} sampled sentences"
-        )
-        vocab = SentencePieceVocab.train(texts[w], spec.vocab_size)
-        tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-        _fsync_write(tmp, vocab.model_proto)
-        os.replace(tmp, path)
-        trained[w] = vocab
-    return trained
-
-
-def _digest(value) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:20]
-
-
-# --- what the training job calls -------------------------------------------------------------------
 
 
 def _read_official(
@@ -987,9 +392,7 @@ def load_store_corpus(
                 progress=False,
                 log=lambda _: None,
             )
-    from seq2seq_fast.seq2seq.data.vocab import vocab_digest
-
-    key = _digest(
+    key = key_digest(
         {
             "identity": identity,
             "options": asdict(options),
@@ -1004,7 +407,7 @@ def load_store_corpus(
             log(f"token store: {folder} ({manifest['pairs']} pairs, reused)")
             store = TokenStore(folder, manifest)
         else:
-            with _exclusive(cache_dir / f".lock-{folder.name}", "this token store", log):
+            with exclusive(cache_dir / f".lock-{folder.name}", "this token store", log):
                 manifest, again = verify_store(folder, key)  # built meanwhile by another run?
                 if manifest is not None:
                     log(f"token store: {folder} ({manifest['pairs']} pairs, built by another run)")
@@ -1043,192 +446,3 @@ def load_store_corpus(
             "(or --valid-src/--valid-tgt)"
         )
     return TranslationData(vocabs[0], vocabs[1], store, held_valid, held_test, store.report())
-
-
-# --- the training configuration's side (TrainConfig, duck-typed: no import of train.py) -------------
-
-_TOKENIZER_OPTIONS = ("spm", "src_spm", "tgt_spm", "src_vocab_file", "tgt_vocab_file")
-_FLAG = {"src_vocab_file": "--src-vocab", "tgt_vocab_file": "--tgt-vocab"}
-
-
-def _flag(name: str) -> str:
-    return _FLAG.get(name, "--" + name.replace("_", "-"))
-
-
-# A --data file bigger than this (not a .zip) goes through the token store by itself: read in
-# memory it would take ~15x its size (1.6 KB a pair: 4 GB at 2M pairs, 262 MB).
-BIG_CORPUS_BYTES = 100 * 2**20
-
-
-def uses_token_store(config) -> bool:
-    """The token store is used for a two-file corpus, with any tokenizer option, and for a
-    --data file over BIG_CORPUS_BYTES; a smaller --data alone is read in memory as before;
-    ``token_store`` True/False forces either."""
-    if config.token_store is not None:
-        return bool(config.token_store)
-    if (
-        config.src
-        or config.share_vocab
-        or config.cache_dir
-        or any(getattr(config, n) for n in _TOKENIZER_OPTIONS)
-    ):
-        return True
-    data = Path(config.data) if config.data else None
-    try:
-        return bool(
-            data and data.suffix.lower() != ".zip" and data.stat().st_size > BIG_CORPUS_BYTES
-        )
-    except OSError:
-        return False  # the in-memory reader names the problem
-
-
-def check_data_options(config) -> None:
-    """ValueError naming the options when the data options do not go together."""
-    given = [
-        n
-        for n in (
-            "src",
-            "tgt",
-            "valid_src",
-            "valid_tgt",
-            "test_src",
-            "test_tgt",
-            *_TOKENIZER_OPTIONS,
-            "share_vocab",
-            "cache_dir",
-            "token_store",
-        )
-        if getattr(config, n) not in (None, False)
-    ]
-    if config.task != "translate" and given:
-        raise ValueError(f"{', '.join(_flag(n) for n in given)}: for --task translate")
-    for a, b in (("src", "tgt"), ("valid_src", "valid_tgt"), ("test_src", "test_tgt")):
-        if bool(getattr(config, a)) != bool(getattr(config, b)):
-            have, lack = (a, b) if getattr(config, a) else (b, a)
-            raise ValueError(
-                f"{_flag(have)} needs {_flag(lack)} (a two-file corpus: one file a side)"
-            )
-    if config.src and config.data:
-        raise ValueError("--data and --src/--tgt both given: one training corpus")
-    if config.valid_src and config.valid_data:
-        raise ValueError("--valid-data and --valid-src/--valid-tgt both given: one validation set")
-    if config.test_src and config.test_data:
-        raise ValueError("--test-data and --test-src/--test-tgt both given: one test set")
-    if config.test_src and not (config.valid_src or config.valid_data):
-        raise ValueError(
-            "--test-src/--test-tgt need a validation split too (--valid-src/"
-            "--valid-tgt or --valid-data)"
-        )
-    if config.spm and (config.src_spm or config.tgt_spm):
-        raise ValueError("--spm (one model for both sides) and --src-spm/--tgt-spm both given")
-    for side in ("src", "tgt"):
-        if (config.spm or getattr(config, f"{side}_spm")) and getattr(config, f"{side}_vocab_file"):
-            raise ValueError(
-                f"{_flag(side + '_vocab_file')} and a sentencepiece model both "
-                f"given for the {side} side: one tokenizer a side"
-            )
-    if config.token_store is False and (
-        config.src or any(getattr(config, n) for n in _TOKENIZER_OPTIONS)
-    ):
-        raise ValueError(
-            "--token-store off: two-file corpora and tokenizer files are read "
-            "through the token store"
-        )
-    if config.spm_sample_size < 0:
-        raise ValueError(f"spm_sample_size must be >= 0, got {config.spm_sample_size}")
-    if config.max_held_out < 1:
-        raise ValueError(f"max_held_out must be >= 1, got {config.max_held_out}")
-
-
-def tokenizer_spec(config) -> TokenizerSpec:
-    return TokenizerSpec(
-        src_spm=config.spm or config.src_spm,
-        tgt_spm=config.spm or config.tgt_spm,
-        src_vocab=config.src_vocab_file,
-        tgt_vocab=config.tgt_vocab_file,
-        share=bool(config.share_vocab or config.spm),
-        vocab_size=config.spm_vocab_size,
-        sample_size=config.spm_sample_size or 1 << 62,
-    )
-
-
-def default_cache_dir() -> Path:
-    """Where token stores and trained tokenizers are kept without --cache-dir: shared by every
-    run of this user, so a new --out on the same corpus reuses them. ``$SEQ2SEQ_FAST_CACHE_DIR``,
-    else ``$XDG_CACHE_HOME/seq2seq-fast``, else ``~/.cache/seq2seq-fast``."""
-    env = os.environ.get("SEQ2SEQ_FAST_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg and Path(xdg).is_absolute():  # a relative one is to be ignored (the XDG spec)
-        return Path(xdg) / "seq2seq-fast"
-    return Path.home() / ".cache" / "seq2seq-fast"
-
-
-def open_store_corpus(
-    config, *, vocabs=None, rank: int = 0, world_size: int = 1, log: Log = print
-) -> TranslationData:
-    """The training job's corpus through the token store (see :func:`load_store_corpus`)."""
-    swap = config.direction == "2-1"
-    if config.src:
-        files = CorpusFiles(config.tgt, config.src) if swap else CorpusFiles(config.src, config.tgt)
-    else:
-        files = CorpusFiles(config.data, swap=swap)
-
-    def pair(a: str | None, b: str | None) -> tuple[str | None, str | None]:
-        return (b, a) if swap and b is not None else (a, b)
-
-    valid = (
-        pair(config.valid_src, config.valid_tgt) if config.valid_src else (config.valid_data, None)
-    )
-    test = pair(config.test_src, config.test_tgt) if config.test_src else (config.test_data, None)
-    options = Options(
-        normalization=config.normalization,
-        max_words=config.max_words,
-        max_pairs=config.max_pairs,
-        seed=config.seed,
-        valid_fraction=config.valid_fraction,
-        test_fraction=config.test_fraction,
-        max_held_out=config.max_held_out,
-    )
-    barrier = None
-    if world_size > 1:
-        import torch.distributed as dist
-
-        barrier = dist.barrier
-    if config.cache_dir:
-        cache_dir = Path(config.cache_dir).expanduser()
-        log(f"corpus cache: {cache_dir} (--cache-dir)")
-    else:
-        cache_dir = default_cache_dir()
-        log(f"corpus cache: {cache_dir} (the per-user default; --cache-dir to change)")
-    return load_store_corpus(
-        files,
-        tokenizer_spec(config),
-        options,
-        cache_dir,
-        vocabs=vocabs,
-        valid=valid,
-        test=test,
-        rank=rank,
-        barrier=barrier,
-        progress=config.progress,
-        log=log,
-    )
-
-
-def check_tokenizers_fit(config, payload: dict, checkpoint: str) -> None:
-    """Tokenizer files given together with a checkpoint (``--resume``; fine-tuning) must be the
-    vocabularies its model was trained with: CorpusError naming the file and what differs."""
-    from seq2seq_fast.seq2seq.data.vocab import check_vocab_fits
-
-    if not any(getattr(config, n, None) for n in _TOKENIZER_OPTIONS):
-        return
-    spec = tokenizer_spec(config)
-    given = _given(spec)
-    sources = (spec.src_spm or spec.src_vocab, spec.tgt_spm or spec.tgt_vocab)
-    for side, vocab, source, key in zip(
-        ("source", "target"), given, sources, ("src_vocab", "tgt_vocab"), strict=True
-    ):
-        if vocab is not None:
-            check_vocab_fits(vocab, payload[key], side=side, source=source, checkpoint=checkpoint)
