@@ -234,13 +234,15 @@ def _add_train(sub) -> argparse.ArgumentParser:
         "--spm-sample-size",
         type=int,
         metavar="N",
-        help="train sentencepiece on a random sample of N pairs (default 100000; 0: all)",
+        help="train sentencepiece on a random sample of N pairs "
+        f"(default {TrainConfig.spm_sample_size}; 0: all)",
     )
     g.add_argument(
         "--max-held-out",
         type=int,
         metavar="N",
-        help="valid and test sets carved from one file: at most N pairs each (default 3000)",
+        help="valid and test sets carved from one file: at most N pairs each "
+        f"(default {TrainConfig.max_held_out})",
     )
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-size", type=int, help="valid pairs scored after each epoch")

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from seq2seq_fast.nn.attention import BACKENDS
+from seq2seq_fast.seq2seq.data.split import MAX_HELD_OUT
+from seq2seq_fast.seq2seq.data.tokenizers import SPM_SAMPLE_SIZE
 
 # The fields whose default depends on the task. A TrainConfig field left at None takes its
 # task's value from here, so that ``TrainConfig(task="translate", data=...)`` in Python and
@@ -141,10 +143,10 @@ class TrainConfig:
     # decoder input embedding = output projection; with a shared vocabulary the encoder's too
     tie_embeddings: bool = False
     token_store: bool | None = None  # None: as above; True/False force it on/off
-    # token stores and trained tokenizers (default: a per-user cache, store.default_cache_dir)
+    # token stores and trained tokenizers (default: a per-user cache, data/options.default_cache_dir)
     cache_dir: str | None = None
-    spm_sample_size: int = 100_000  # pairs the sentencepiece models are trained on (0: all)
-    max_held_out: int = 3000  # at most this many pairs each in valid and test carved from a file
+    spm_sample_size: int = SPM_SAMPLE_SIZE  # pairs the sentencepiece models are trained on (0: all)
+    max_held_out: int = MAX_HELD_OUT  # pairs each at most in valid and test carved from a file
     eval_size: int = 500  # valid pairs scored with BLEU after each epoch
     eval_beam: int = 1  # beam for the final test BLEU
     # Also evaluate every N steps (0: at epoch ends only). Each evaluation that beats the best so
