@@ -34,6 +34,7 @@ dropped, never trained on). A pass over the corpus's sources chooses them before
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import itertools
 import json
@@ -226,37 +227,11 @@ def build_store(
     report = CorpusReport(files.name)
     dropped = [0, 0]
     heldout: list[list] = [[], []]
-    lengths: list[np.ndarray] = []
-    totals = [0, 0]
-    empty = 0
     try:
-        with (tmp / "src.bin").open("wb") as src_out, (tmp / "tgt.bin").open("wb") as tgt_out:
-            stream = clean_pairs(files, lines, options, rule, report, progress, "encoding")
-            chunks = encoded_chunks(vocabs, stream, heldout, options.max_held_out, dropped)
-            for src_rows, tgt_rows in chunks:
-                src_len = np.fromiter(map(len, src_rows), np.int32, len(src_rows))
-                tgt_len = np.fromiter(map(len, tgt_rows), np.int32, len(tgt_rows))
-                ok = (src_len > 0) & (tgt_len > 0)  # a side that encodes to nothing
-                if not ok.all():
-                    empty += int((~ok).sum())
-                    src_rows = list(itertools.compress(src_rows, ok.tolist()))
-                    tgt_rows = list(itertools.compress(tgt_rows, ok.tolist()))
-                    src_len, tgt_len = src_len[ok], tgt_len[ok]
-                for rows, count, out, side in (
-                    (src_rows, src_len, src_out, 0),
-                    (tgt_rows, tgt_len, tgt_out, 1),
-                ):
-                    total = int(count.sum())
-                    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype, total)
-                    out.write(flat.tobytes())
-                    totals[side] += total
-                lengths.append(np.stack([src_len, tgt_len], axis=1))
-            for out in (src_out, tgt_out):
-                out.flush()
-                os.fsync(out.fileno())
-        pair_lengths = np.concatenate(lengths) if lengths else np.zeros((0, 2), np.int32)
-        del lengths[:]  # the chunks: as big as pair_lengths
-        valid, test = heldout[0], heldout[1]
+        stream = clean_pairs(files, lines, options, rule, report, progress, "encoding")
+        chunks = encoded_chunks(vocabs, stream, heldout, options.max_held_out, dropped)
+        pair_lengths, totals, empty = _write_tokens(tmp, chunks, dtype)
+        valid, test = heldout
         report.pairs = len(pair_lengths) + len(valid) + len(test)
         if len(pair_lengths) == 0:
             raise CorpusError(f"no usable sentence pairs in {report.summary()}")
@@ -264,15 +239,8 @@ def build_store(
         np.cumsum(pair_lengths[:-1], axis=0, out=offsets[1:])
         write_synced(tmp / "offsets.npy", lambda handle: np.save(handle, offsets))
         write_synced(tmp / "lengths.npy", lambda handle: np.save(handle, pair_lengths))
-        write_synced(
-            tmp / "heldout.json",
-            json.dumps(
-                {"valid": valid, "test": test, "dropped_over_cap": dropped, "encoded_empty": empty},
-                ensure_ascii=False,
-            ).encode(),
-        )
-        files_sizes = {p.name: p.stat().st_size for p in tmp.iterdir() if p.name != LOCK_NAME}
-        index_hash = _file_sha256(tmp / "lengths.npy")
+        held = {"valid": valid, "test": test, "dropped_over_cap": dropped, "encoded_empty": empty}
+        write_synced(tmp / "heldout.json", json.dumps(held, ensure_ascii=False).encode())
         manifest = {
             "format": STORE_FORMAT,
             "version": STORE_VERSION,
@@ -284,8 +252,8 @@ def build_store(
             "tgt_tokens": totals[1],
             "valid": len(valid),
             "test": len(test),
-            "files": files_sizes,
-            "lengths_sha256": index_hash,
+            "files": {p.name: p.stat().st_size for p in tmp.iterdir() if p.name != LOCK_NAME},
+            "lengths_sha256": _file_sha256(tmp / "lengths.npy"),
             "report": asdict(report),
         }
         write_synced(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
@@ -304,6 +272,96 @@ def build_store(
             f"{dropped[1]} test pairs over the cap left out (never trained on)"
         )
     return TokenStore(folder, manifest)
+
+
+def _write_tokens(tmp: Path, chunks, dtype: np.dtype) -> tuple[np.ndarray, list[int], int]:
+    """The encoded chunks' ids into ``tmp``/src.bin and tgt.bin, back to back, fsynced ->
+    (int32 [N, 2] pair lengths, [source, target] token totals, pairs left out because a side
+    encodes to nothing)."""
+    lengths: list[np.ndarray] = []
+    totals = [0, 0]
+    empty = 0
+    with (tmp / "src.bin").open("wb") as src_out, (tmp / "tgt.bin").open("wb") as tgt_out:
+        for src_rows, tgt_rows in chunks:
+            src_len = np.fromiter(map(len, src_rows), np.int32, len(src_rows))
+            tgt_len = np.fromiter(map(len, tgt_rows), np.int32, len(tgt_rows))
+            ok = (src_len > 0) & (tgt_len > 0)  # a side that encodes to nothing
+            if not ok.all():
+                empty += int((~ok).sum())
+                src_rows = list(itertools.compress(src_rows, ok.tolist()))
+                tgt_rows = list(itertools.compress(tgt_rows, ok.tolist()))
+                src_len, tgt_len = src_len[ok], tgt_len[ok]
+            for rows, count, out, side in (
+                (src_rows, src_len, src_out, 0),
+                (tgt_rows, tgt_len, tgt_out, 1),
+            ):
+                total = int(count.sum())
+                flat = np.fromiter(itertools.chain.from_iterable(rows), dtype, total)
+                out.write(flat.tobytes())
+                totals[side] += total
+            lengths.append(np.stack([src_len, tgt_len], axis=1))
+        for out in (src_out, tgt_out):
+            out.flush()
+            os.fsync(out.fileno())
+    pair_lengths = np.concatenate(lengths) if lengths else np.zeros((0, 2), np.int32)
+    return pair_lengths, totals, empty
+
+
+def _lazy_passes(
+    files: CorpusFiles, options: Options, progress: bool
+) -> tuple[Callable[[], int], Callable[[], SplitRule]]:
+    """-> (count, plan): the corpus's line count (the two files' counts compared) and its
+    held-out sets (one pass over the sources), each computed on first call only: a reused store
+    needs neither."""
+
+    @functools.cache
+    def count() -> int:
+        return corpus_lines(files, progress)
+
+    @functools.cache
+    def plan() -> SplitRule:
+        return plan_split(files, count(), options, progress)
+
+    return count, plan
+
+
+def _open_or_build(
+    folder: Path, key: str, files: CorpusFiles, build: Callable[[], TokenStore], log: Log
+) -> TokenStore:
+    """The store of ``key`` at ``folder``: reused when complete, else built (one builder at a
+    time across processes; a store built meanwhile by another run is opened)."""
+    manifest, why = verify_store(folder, key)
+    if manifest is not None:
+        log(f"token store: {folder} ({manifest['pairs']} pairs, reused)")
+        return TokenStore(folder, manifest)
+    with exclusive(folder.parent / f".lock-{folder.name}", "this token store", log):
+        manifest, again = verify_store(folder, key)  # built meanwhile by another run?
+        if manifest is not None:
+            log(f"token store: {folder} ({manifest['pairs']} pairs, built by another run)")
+            return TokenStore(folder, manifest)
+        if why or again:
+            log(f"token store {folder}: {again or why}; rebuilding it")
+        log(f"token store: encoding {files.name} into {folder}")
+        return build()
+
+
+def _held_out(
+    store: TokenStore, files: CorpusFiles, options: Options, valid: tuple, test: tuple
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """-> (validation, test) pairs: those carved into the store, or the official splits."""
+    if not options.carve:
+        return (
+            _read_official(valid[0], valid[1], options, files.swap, "validation"),
+            _read_official(test[0], test[1], options, files.swap, "test"),
+        )
+    held_valid, held_test = store.heldout()
+    if not held_valid:
+        raise CorpusError(
+            f"{files.name}: no validation pair carved from {store.report().pairs} usable pairs: "
+            "raise --valid-fraction or --max-held-out, or give --valid-data "
+            "(or --valid-src/--valid-tgt)"
+        )
+    return held_valid, held_test
 
 
 def _read_official(
@@ -351,23 +409,11 @@ def load_store_corpus(
         )
     check_files(files)
     identity = {"files": [file_identity(p) for p in files.paths()], "swap": files.swap}
-    counted: list[int] = []
+    count, plan = _lazy_passes(files, options, progress and rank == 0)
+    if vocabs is None:  # rank 0 trains or reads them, the other ranks then read them
 
-    def count() -> int:  # counted (and the two files' counts compared) only to build
-        if not counted:
-            counted.append(corpus_lines(files, progress and rank == 0))
-        return counted[0]
-
-    planned: list[SplitRule] = []
-
-    def plan() -> SplitRule:  # the held-out sets: one pass over the sources, only to build
-        if not planned:
-            planned.append(plan_split(files, count(), options, progress and rank == 0))
-        return planned[0]
-
-    if vocabs is None:
-        if rank == 0:
-            vocabs = resolve_tokenizers(
+        def resolve(quiet: bool):
+            return resolve_tokenizers(
                 spec,
                 files,
                 count,
@@ -375,23 +421,14 @@ def load_store_corpus(
                 cache_dir,
                 identity,
                 plan=plan,
-                progress=progress,
-                log=log,
+                progress=progress and not quiet,
+                log=(lambda _: None) if quiet else log,
             )
+
+        vocabs = resolve(False) if rank == 0 else None
         if barrier is not None:
             barrier()
-        if rank != 0:
-            vocabs = resolve_tokenizers(
-                spec,
-                files,
-                count,
-                options,
-                cache_dir,
-                identity,
-                plan=plan,
-                progress=False,
-                log=lambda _: None,
-            )
+        vocabs = vocabs or resolve(True)
     key = key_digest(
         {
             "identity": identity,
@@ -402,32 +439,23 @@ def load_store_corpus(
     folder = cache_dir / f"store-{key}"
     store = None
     if rank == 0:
-        manifest, why = verify_store(folder, key)
-        if manifest is not None:
-            log(f"token store: {folder} ({manifest['pairs']} pairs, reused)")
-            store = TokenStore(folder, manifest)
-        else:
-            with exclusive(cache_dir / f".lock-{folder.name}", "this token store", log):
-                manifest, again = verify_store(folder, key)  # built meanwhile by another run?
-                if manifest is not None:
-                    log(f"token store: {folder} ({manifest['pairs']} pairs, built by another run)")
-                    store = TokenStore(folder, manifest)
-                else:
-                    if why or again:
-                        log(f"token store {folder}: {again or why}; rebuilding it")
-                    log(f"token store: encoding {files.name} into {folder}")
-                    store = build_store(
-                        folder,
-                        key,
-                        identity,
-                        files,
-                        count(),
-                        options,
-                        vocabs,
-                        rule=plan(),
-                        progress=progress,
-                        log=log,
-                    )
+
+        def build() -> TokenStore:
+            rule = plan()
+            return build_store(
+                folder,
+                key,
+                identity,
+                files,
+                count(),
+                options,
+                vocabs,
+                rule=rule,
+                progress=progress,
+                log=log,
+            )
+
+        store = _open_or_build(folder, key, files, build, log)
     if barrier is not None:
         barrier()
     if store is None:
@@ -435,14 +463,5 @@ def load_store_corpus(
         if manifest is None:
             raise CorpusError(f"token store {folder} is not usable on rank {rank}: {why}")
         store = TokenStore(folder, manifest)
-    held_valid, held_test = store.heldout()
-    if not options.carve:
-        held_valid = _read_official(valid[0], valid[1], options, files.swap, "validation")
-        held_test = _read_official(test[0], test[1], options, files.swap, "test")
-    elif not held_valid:
-        raise CorpusError(
-            f"{files.name}: no validation pair carved from {store.report().pairs} usable pairs: "
-            "raise --valid-fraction or --max-held-out, or give --valid-data "
-            "(or --valid-src/--valid-tgt)"
-        )
+    held_valid, held_test = _held_out(store, files, options, valid, test)
     return TranslationData(vocabs[0], vocabs[1], store, held_valid, held_test, store.report())
