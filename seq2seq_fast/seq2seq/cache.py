@@ -1,7 +1,7 @@
 """``seq2seq-fast cache``: see and reclaim the per-user cache of token stores and tokenizers.
 
 Every translate job keeps its encoded corpus (a token store folder) and the sentencepiece models
-it trained in one cache folder (``--cache-dir``, else :func:`~seq2seq_fast.seq2seq.store.
+it trained in one cache folder (``--cache-dir``, else :func:`~seq2seq_fast.seq2seq.data.options.
 default_cache_dir`), shared by runs, so they grow with every new corpus or tokenizer option.
 This lists what is there (kind, size, last use) and removes it on request. An entry that a build
 holds locked right now is left alone; a run that already opened a store keeps reading its open

@@ -212,7 +212,7 @@ def _cache(args) -> int:
     from pathlib import Path
 
     from seq2seq_fast.seq2seq.cache import run_cache_command
-    from seq2seq_fast.seq2seq.store import default_cache_dir
+    from seq2seq_fast.seq2seq.data.options import default_cache_dir
 
     if args.older_than is not None and not (
         math.isfinite(args.older_than) and args.older_than >= 0
@@ -553,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from seq2seq_fast.seq2seq.checkpoint import CheckpointError
     from seq2seq_fast.seq2seq.config import TrainError
-    from seq2seq_fast.seq2seq.data import CorpusError
+    from seq2seq_fast.seq2seq.data.errors import CorpusError
 
     parser = build_parser()
     args = parser.parse_args(argv)

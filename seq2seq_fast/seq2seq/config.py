@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from seq2seq_fast.nn.attention import BACKENDS
+from seq2seq_fast.seq2seq.data.split import MAX_HELD_OUT
+from seq2seq_fast.seq2seq.data.tokenizers import SPM_SAMPLE_SIZE
 
 # The fields whose default depends on the task. A TrainConfig field left at None takes its
 # task's value from here, so that ``TrainConfig(task="translate", data=...)`` in Python and
@@ -301,15 +303,15 @@ class TrainConfig:
         resume=CHANGE,
     )
     spm_sample_size: int = opt(
-        100_000,
+        SPM_SAMPLE_SIZE,
         "data",
-        "train sentencepiece on a random sample of N pairs (default 100000; 0: all)",
+        f"train sentencepiece on a random sample of N pairs (default {SPM_SAMPLE_SIZE}; 0: all)",
         metavar="N",
     )
     max_held_out: int = opt(
-        3000,
+        MAX_HELD_OUT,
         "data",
-        "valid and test sets carved from one file: at most N pairs each (default 3000)",
+        f"valid and test sets carved from one file: at most N pairs each (default {MAX_HELD_OUT})",
         metavar="N",
     )
     # -- evaluation
@@ -369,7 +371,7 @@ class TrainConfig:
 
     @property
     def uses_token_store(self) -> bool:
-        from seq2seq_fast.seq2seq.store import uses_token_store
+        from seq2seq_fast.seq2seq.data.options import uses_token_store
 
         return uses_token_store(self)
 
@@ -480,7 +482,7 @@ def _check_data(config: TrainConfig) -> None:
             "--task translate needs --data PATH (a .txt/.tsv file or a .zip) "
             "or --src FILE --tgt FILE (one sentence a line)"
         )
-    from seq2seq_fast.seq2seq.store import check_data_options
+    from seq2seq_fast.seq2seq.data.options import check_data_options
 
     try:
         check_data_options(config)

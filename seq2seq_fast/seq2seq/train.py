@@ -77,7 +77,8 @@ from seq2seq_fast.seq2seq.checkpoint import (
 )
 from seq2seq_fast.seq2seq.config import TOKENIZER_FIELDS, TrainConfig, TrainError
 from seq2seq_fast.seq2seq.configfile import CONFIG_FILE, write_config
-from seq2seq_fast.seq2seq.data import PAD_ID, Batch, make_batch
+from seq2seq_fast.seq2seq.data.batching import Batch, make_batch
+from seq2seq_fast.seq2seq.data.vocab import PAD_ID
 from seq2seq_fast.seq2seq.distributed import (
     Dist,
     log,
@@ -526,7 +527,7 @@ def _resume_config(
     given.update(changes or {})
     saved = dict(payload.get("train_config", {}))
     resumed = TrainConfig.resumed(saved, given, str(resume))
-    from seq2seq_fast.seq2seq.store import check_tokenizers_fit
+    from seq2seq_fast.seq2seq.data.options import check_tokenizers_fit
 
     # tokenizer files given with --resume: the vocabularies the checkpoint was trained with?
     checked = {n: given[n] for n in TOKENIZER_FIELDS if given.get(n) is not None}
