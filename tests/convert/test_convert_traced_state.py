@@ -31,7 +31,8 @@ def test_no_mutable_module_globals_in_the_general_path():
 
     from seq2seq_fast.nn.convert.traced import runtime, watching
 
-    allowed_mutable = {"_CLASSES"}  # a memo of derived classes (see runtime.py), not state
+    # a memo of derived classes and the probes' lock (see runtime.py): not state
+    allowed_mutable = {"_CLASSES", "_PROBE_LOCK"}
     for module in (watching, runtime, traced_package):
         for name, value in vars(module).items():
             if name.startswith("__") or isinstance(
@@ -70,6 +71,7 @@ def test_two_models_convert_in_two_threads_each_with_its_own_report():
     for t in threads:
         t.join(timeout=600)
     assert not errors, errors
+    assert torch.get_default_dtype() == torch.float32  # the probes restored it
     path = case.converts_at(torch.float64)
     for model, report in zip(models, reports, strict=True):
         assert [r.path for r in report.replaced] == [path], str(report)

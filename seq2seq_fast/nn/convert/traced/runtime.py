@@ -24,6 +24,7 @@ trace cache, the report it belongs to), which copies and pickles drop: a copy tr
 from __future__ import annotations
 
 import logging
+import threading
 import types
 import warnings
 from dataclasses import dataclass
@@ -227,8 +228,18 @@ class _OriginalFailed(Exception):
     """The original module itself could not run on the probe's float64 copies."""
 
 
+# The probe sets torch's default dtype (tensors the forward makes itself, in the probe's dtype),
+# which is process-wide, not per thread: probes run one at a time (once per converted module).
+_PROBE_LOCK = threading.RLock()
+
+
 def _probe(module: nn.Module, recording, backend: str) -> tuple[str | None, str]:
     """(None or why not, what was found) for the traced version of ``module``."""
+    with _PROBE_LOCK:
+        return _probe_unlocked(module, recording, backend)
+
+
+def _probe_unlocked(module: nn.Module, recording, backend: str) -> tuple[str | None, str]:
     # the first call may have run under inference_mode or no_grad: the probe's copies and calls
     # must be ordinary tensors with gradients
     dtypes = {
