@@ -87,7 +87,8 @@ class Option:
     (``--compile``); ``negated``: a bool turned off by this flag (``--no-progress``); other bools
     take a BOOL value. ``choices``/``metavar``/``help`` are argparse's (``help=None`` hides the
     flag). ``resume``: CHANGE, CHECKED or FIXED (above). ``shape``: part of the model's shape,
-    taken from the checkpoint by ``--init-from``."""
+    taken from the checkpoint by ``--init-from``. ``inherited=False``: an option for one
+    process only (``--stop-after-steps``), which a resumed run does not take over."""
 
     section: str
     help: str | None = ""
@@ -98,6 +99,7 @@ class Option:
     negated: str | None = None
     resume: str = FIXED
     shape: bool = False
+    inherited: bool = True  # False: a resumed run starts from the default, not the checkpoint's
 
     def flag_for(self, name: str) -> str:
         return self.negated or self.flag or "--" + name.replace("_", "-")
@@ -339,7 +341,7 @@ class TrainConfig:
         resume=CHANGE,
     )
     # stop (checkpoint) early, schedule unchanged: simulates a kill
-    stop_after_steps: int | None = opt(None, "run", None, resume=CHANGE)
+    stop_after_steps: int | None = opt(None, "run", None, resume=CHANGE, inherited=False)
     progress: bool = opt(True, "run", "no progress bar", negated="--no-progress", resume=CHANGE)
     heatmap: bool = opt(
         True, "run", "no attention heatmap at the end", negated="--no-heatmap", resume=CHANGE
@@ -401,6 +403,9 @@ class TrainConfig:
         config = cls.from_dict(saved)
         given = _normalised(given)
         changed, refused = {}, []
+        for f in fields(cls):
+            if not option_of(f).inherited:
+                changed[f.name] = f.default
         for f in fields(cls):
             if f.name not in given:
                 continue
