@@ -47,7 +47,7 @@ BASELINE = "baseline"
 
 def sample_sentences(corpus: Path, count: int, min_words: int, max_words: int, seed: int = 0):
     """``count`` distinct first-column sentences of min..max words, drawn with a fixed seed."""
-    from seq2seq_fast.seq2seq.data import read_parallel_corpus
+    from seq2seq_fast.seq2seq.data.corpus import read_parallel_corpus
 
     pairs, _ = read_parallel_corpus(corpus)
     sources = sorted({s for s, _ in pairs if min_words <= len(s.split()) <= max_words})
@@ -62,7 +62,8 @@ def test_split_pairs(corpus: Path, count: int, seed: int = 0) -> list[tuple[str,
     """``count`` pairs of the test split ``train --data corpus`` holds out (default fractions
     and seed), drawn with a fixed seed (all of them when ``count`` is 0 or more than there are)."""
     from seq2seq_fast.seq2seq.config import TrainConfig
-    from seq2seq_fast.seq2seq.data import read_parallel_corpus, split_by_source
+    from seq2seq_fast.seq2seq.data.corpus import read_parallel_corpus
+    from seq2seq_fast.seq2seq.data.split import split_by_source
 
     defaults = TrainConfig.for_task("translate", data=str(corpus))
     pairs, _ = read_parallel_corpus(corpus, normalization=defaults.normalization)

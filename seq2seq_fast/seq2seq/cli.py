@@ -201,6 +201,44 @@ def _add_export(sub) -> None:
     )
 
 
+def _add_cache(sub) -> None:
+    p = sub.add_parser(
+        "cache",
+        help="list (and reclaim) the cached token stores and sentencepiece models",
+        description="List the token stores and trained sentencepiece models that translate runs "
+        "keep in the cache folder, with size and last use; --clear or --older-than removes them "
+        "(a later run builds what it needs again).",
+    )
+    p.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="the cache folder (default $SEQ2SEQ_FAST_CACHE_DIR, else "
+        "$XDG_CACHE_HOME/seq2seq-fast, else ~/.cache/seq2seq-fast)",
+    )
+    p.add_argument("--clear", action="store_true", help="remove every entry not being built")
+    p.add_argument(
+        "--older-than",
+        type=float,
+        metavar="DAYS",
+        help="remove the entries last used more than DAYS days ago",
+    )
+
+
+def _cache(args) -> int:
+    from pathlib import Path
+
+    from seq2seq_fast.seq2seq.cache import run_cache_command
+    from seq2seq_fast.seq2seq.data.options import default_cache_dir
+
+    if args.older_than is not None and not (
+        math.isfinite(args.older_than) and args.older_than >= 0
+    ):
+        raise ValueError(f"--older-than must be a number of days >= 0, got {args.older_than}")
+    root = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
+    sys.stdout.write(run_cache_command(root, clear=args.clear, older_than_days=args.older_than))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="seq2seq-fast", description="Attention seq2seq models on fused Bahdanau attention."
@@ -213,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--output", default="attention.png", help="image file (default %(default)s)"
     )
     _add_export(sub)
+    _add_cache(sub)
     return parser
 
 
@@ -539,7 +578,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from seq2seq_fast.seq2seq.checkpoint import CheckpointError
     from seq2seq_fast.seq2seq.config import TrainError
-    from seq2seq_fast.seq2seq.data import CorpusError
+    from seq2seq_fast.seq2seq.data.errors import CorpusError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -557,6 +596,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "translate": _translate,
         "plot-attention": _plot,
         "export": _export,
+        "cache": _cache,
     }
     threads = torch.get_num_threads()
     try:

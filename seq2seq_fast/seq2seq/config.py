@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from seq2seq_fast.nn.attention import BACKENDS
+from seq2seq_fast.seq2seq.data.split import MAX_HELD_OUT
+from seq2seq_fast.seq2seq.data.tokenizers import SPM_SAMPLE_SIZE
 
 # The fields whose default depends on the task. A TrainConfig field left at None takes its
 # task's value from here, so that ``TrainConfig(task="translate", data=...)`` in Python and
@@ -85,7 +87,8 @@ class Option:
     (``--compile``); ``negated``: a bool turned off by this flag (``--no-progress``); other bools
     take a BOOL value. ``choices``/``metavar``/``help`` are argparse's (``help=None`` hides the
     flag). ``resume``: CHANGE, CHECKED or FIXED (above). ``shape``: part of the model's shape,
-    taken from the checkpoint by ``--init-from``."""
+    taken from the checkpoint by ``--init-from``. ``inherited=False``: an option for one
+    process only (``--stop-after-steps``), which a resumed run does not take over."""
 
     section: str
     help: str | None = ""
@@ -96,6 +99,7 @@ class Option:
     negated: str | None = None
     resume: str = FIXED
     shape: bool = False
+    inherited: bool = True  # False: a resumed run starts from the default, not the checkpoint's
 
     def flag_for(self, name: str) -> str:
         return self.negated or self.flag or "--" + name.replace("_", "-")
@@ -301,15 +305,15 @@ class TrainConfig:
         resume=CHANGE,
     )
     spm_sample_size: int = opt(
-        100_000,
+        SPM_SAMPLE_SIZE,
         "data",
-        "train sentencepiece on a random sample of N pairs (default 100000; 0: all)",
+        f"train sentencepiece on a random sample of N pairs (default {SPM_SAMPLE_SIZE}; 0: all)",
         metavar="N",
     )
     max_held_out: int = opt(
-        3000,
+        MAX_HELD_OUT,
         "data",
-        "valid and test sets carved from one file: at most N pairs each (default 3000)",
+        f"valid and test sets carved from one file: at most N pairs each (default {MAX_HELD_OUT})",
         metavar="N",
     )
     # -- evaluation
@@ -337,7 +341,7 @@ class TrainConfig:
         resume=CHANGE,
     )
     # stop (checkpoint) early, schedule unchanged: simulates a kill
-    stop_after_steps: int | None = opt(None, "run", None, resume=CHANGE)
+    stop_after_steps: int | None = opt(None, "run", None, resume=CHANGE, inherited=False)
     progress: bool = opt(True, "run", "no progress bar", negated="--no-progress", resume=CHANGE)
     heatmap: bool = opt(
         True, "run", "no attention heatmap at the end", negated="--no-heatmap", resume=CHANGE
@@ -369,7 +373,7 @@ class TrainConfig:
 
     @property
     def uses_token_store(self) -> bool:
-        from seq2seq_fast.seq2seq.store import uses_token_store
+        from seq2seq_fast.seq2seq.data.options import uses_token_store
 
         return uses_token_store(self)
 
@@ -399,6 +403,9 @@ class TrainConfig:
         config = cls.from_dict(saved)
         given = _normalised(given)
         changed, refused = {}, []
+        for f in fields(cls):
+            if not option_of(f).inherited:
+                changed[f.name] = f.default
         for f in fields(cls):
             if f.name not in given:
                 continue
@@ -480,7 +487,7 @@ def _check_data(config: TrainConfig) -> None:
             "--task translate needs --data PATH (a .txt/.tsv file or a .zip) "
             "or --src FILE --tgt FILE (one sentence a line)"
         )
-    from seq2seq_fast.seq2seq.store import check_data_options
+    from seq2seq_fast.seq2seq.data.options import check_data_options
 
     try:
         check_data_options(config)

@@ -77,7 +77,8 @@ from seq2seq_fast.seq2seq.checkpoint import (
 )
 from seq2seq_fast.seq2seq.config import TOKENIZER_FIELDS, TrainConfig, TrainError
 from seq2seq_fast.seq2seq.configfile import CONFIG_FILE, write_config
-from seq2seq_fast.seq2seq.data import PAD_ID, Batch, make_batch
+from seq2seq_fast.seq2seq.data.batching import Batch, make_batch
+from seq2seq_fast.seq2seq.data.vocab import PAD_ID
 from seq2seq_fast.seq2seq.distributed import (
     Dist,
     log,
@@ -526,7 +527,7 @@ def _resume_config(
     given.update(changes or {})
     saved = dict(payload.get("train_config", {}))
     resumed = TrainConfig.resumed(saved, given, str(resume))
-    from seq2seq_fast.seq2seq.store import check_tokenizers_fit
+    from seq2seq_fast.seq2seq.data.options import check_tokenizers_fit
 
     # tokenizer files given with --resume: the vocabularies the checkpoint was trained with?
     checked = {n: given[n] for n in TOKENIZER_FIELDS if given.get(n) is not None}
@@ -593,7 +594,9 @@ def _train(
     if resume is None:
         claim_run_folder(config, overwrite, ctx)
     init = load_init(config.init_from) if config.init_from and payload is None else None
-    metrics_log = MetricsLog(
+    # the job first (data, model): a run that cannot start leaves no file in its folder
+    job = build_job(config, ctx, payload, started, init)
+    metrics_log = job.metrics_log = MetricsLog(
         config.out_dir,
         started=started,
         tensorboard_dir=config.tensorboard,
@@ -602,8 +605,6 @@ def _train(
     )
     if ctx.is_main:  # the resolved configuration, beside the checkpoint (which stores it too)
         write_config(asdict(config), config.out_dir / CONFIG_FILE)
-    job = build_job(config, ctx, payload, started, init)
-    job.metrics_log = metrics_log
     if ctx.is_main:
         params = sum(p.numel() for p in job.model.parameters())
         log(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seq2seq_fast.seq2seq.data import SymbolVocab, reverse_symbols
+from seq2seq_fast.seq2seq.data.tasks import reverse_symbols
+from seq2seq_fast.seq2seq.data.vocab import SymbolVocab
 from seq2seq_fast.seq2seq.decoding import DecodeOptions, beam_search, greedy_search
 from seq2seq_fast.seq2seq.inference import DecodingModel, Ensemble
 from seq2seq_fast.seq2seq.translate import Translator
