@@ -421,6 +421,9 @@ def translate_settings(args: argparse.Namespace) -> dict:
     }
     options = decode_options(args)
     values.update({k: getattr(options, k) for k in values if hasattr(options, k)})
+    checkpoints = values.get("checkpoint")
+    if isinstance(checkpoints, list) and len(checkpoints) == 1:  # one: a path, as before
+        values["checkpoint"] = checkpoints[0]
     return values
 
 

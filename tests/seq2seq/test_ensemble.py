@@ -100,3 +100,20 @@ def test_ensemble_vocabulary_mismatch_is_a_clear_error(tmp_path, capsys):
         Translator.load([first, other])
     with pytest.raises(ValueError, match="at least one model"):
         Ensemble([])
+
+
+def test_dump_config_of_an_ensemble_reads_back(tmp_path, capsys):
+    """--dump-config writes one checkpoint as a path and several as a list; both read back."""
+    import yaml
+
+    models, vocab = _members()
+    paths = [str(_checkpoint_of(m, vocab, tmp_path / f"m{i}.pt")) for i, m in enumerate(models)]
+    argv = ["translate", "--checkpoint", paths[0], "--checkpoint", paths[1], "--dump-config"]
+    code, out, _ = _run(capsys, *argv)
+    assert code == 0 and yaml.safe_load(out)["checkpoint"] == paths[:2]
+    config = tmp_path / "ensemble.yaml"
+    config.write_text(out)
+    code, out, err = _run(capsys, "translate", "--config", config, "a b c")
+    assert code == 0 and len(out.splitlines()) == 1, err
+    code, out, _ = _run(capsys, "translate", "--checkpoint", paths[2], "--dump-config")
+    assert yaml.safe_load(out)["checkpoint"] == paths[2]
