@@ -343,3 +343,14 @@ def test_prepared_encoder_is_the_models(overrides):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=name)
     flat = lambda s: torch.cat([t.reshape(-1) for t in torch.utils._pytree.tree_leaves(s)])  # noqa: E731
     torch.testing.assert_close(flat(got_state), flat(state), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_workers_share_a_prepared_model(tmp_path, precision):
+    """Batches decoded at once on worker threads (translate --threads N) through one prepared
+    model give what one thread gives."""
+    checkpoint = _tiny_checkpoint(tmp_path)
+    texts = [" ".join("abcdefghij"[(i * 7 + j) % 10] for j in range(1 + i % 9)) for i in range(40)]
+    one = Translator.load(checkpoint, precision=precision, beam=3, batch_size=4)
+    many = Translator.load(checkpoint, precision=precision, beam=3, batch_size=4, workers=3)
+    assert [r.texts for r in one.translate(texts)] == [r.texts for r in many.translate(texts)]
