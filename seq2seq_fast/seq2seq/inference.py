@@ -212,12 +212,9 @@ class _Cell(nn.Module):
         self.table = self.ih = self.embedding = None
         gates = weight_ih.shape[0]
         if embedding is not None and embedding.num_embeddings * gates * 4 <= GATE_TABLE_BYTES:
-            with torch.no_grad():
-                self.table = F.linear(
-                    embedding.weight.float(),
-                    weight_ih.float(),
-                    None if bias_ih is None else bias_ih.float(),
-                )
+            with torch.no_grad():  # float32, through oneDNN on CPU (the product MKL is slow at)
+                gates_of = PreparedLinear(weight_ih.float(), bias_ih, "fp32", portable=portable)
+                self.table = gates_of(embedding.weight.float())
         else:
             self.embedding = embedding
             self.ih = PreparedLinear(weight_ih, bias_ih, product, portable=portable)
