@@ -34,6 +34,13 @@ def guard_double_backward(grads: tuple) -> tuple:
     return tuple(next(wrapped) if isinstance(g, Tensor) else g for g in grads)
 
 
+def gradient_sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a gradient summed over many steps is kept in: float32 for bfloat16 (each step
+    adds into it exactly enough, rounded once at the end; the kernels accept it), else the
+    tensor's own. The one place this rule is written."""
+    return torch.float32 if dtype == torch.bfloat16 else dtype
+
+
 def _nothing() -> None:
     return None
 
@@ -104,11 +111,12 @@ class StepGradients:
         if task != self._task:  # a new backward pass: nothing of an earlier one counts
             self._begin(task)
 
-    def buffer(self, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-        """This backward pass's gradient sum, shaped as ``like`` (zeros at its first step)."""
+    def buffer(self, like: Tensor) -> Tensor:
+        """This backward pass's gradient sum, shaped as ``like`` in :func:`gradient_sum_dtype`
+        (zeros at its first step)."""
         self._this_pass()
         if self._buffer is None:
-            dtype = like.dtype if dtype is None else dtype
+            dtype = gradient_sum_dtype(like.dtype)
             self._buffer = torch.zeros(like.shape, dtype=dtype, device=like.device)
         return self._buffer
 

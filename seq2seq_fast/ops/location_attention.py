@@ -208,8 +208,7 @@ class _LocationStep(torch.autograd.Function):
             lengths,
             mask,
             weights,
-            # bfloat16: the steps' sum in float32 (exact over many steps), as StepwiseMemory's
-            memory.buffer(projected, torch.float32 if projected.dtype == torch.bfloat16 else None),
+            memory.buffer(projected),  # the steps' sum (ops._autograd.gradient_sum_dtype)
         )
         grad_query, grad_conv, grad_weight, grad_v, grad_bias = grads
         needs = ctx.needs_input_grad

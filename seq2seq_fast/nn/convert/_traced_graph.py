@@ -40,11 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx
 
-from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert._speech import masking
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepwiseMemory
+from seq2seq_fast.ops.additive_attention import additive_attention
 
 # a masked_fill value at or below this takes the position out of the softmax exactly (exp underflows
 # to zero in float32 and float64 below about -104 and -745)
@@ -998,8 +998,7 @@ class TracedWeights:
             weights = weights.unsqueeze(1)
         else:
             options = {} if options is None else options
-            _, weights = attend(
-                plan.backend,
+            _, weights = additive_attention(
                 query,
                 key,
                 values,
@@ -1008,6 +1007,7 @@ class TracedWeights:
                 **options,
                 stepwise=memory,
                 normalize=plan.normalize,
+                backend=plan.backend,
             )
             if graded:  # a float mask's gradient: the softmax's Jacobian, by a term worth zero
                 shift = sum(m - m.detach() for m in graded).unsqueeze(1)

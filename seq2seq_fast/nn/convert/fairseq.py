@@ -38,7 +38,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -58,6 +57,7 @@ from seq2seq_fast.nn.convert._speech import (
 )
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepMemory, step_memory
+from seq2seq_fast.ops.additive_attention import additive_attention
 
 
 class FusedFairseqLocationAttention(FusedStandIn):
@@ -181,14 +181,14 @@ class FusedFairseqMLPAttention(FusedStandIn):
             source_hids, (proj.weight, proj.bias), lambda: self._memory(source_hids)
         )
         valid = None if encoder_padding_mask is None else ~encoder_padding_mask.t()
-        context, weights = attend(
-            self.backend,
+        context, weights = additive_attention(
             self.decoder_proj(decoder_state),
             memory.keys,
             memory.values,
             self.to_scores.weight[0],
             stepwise=memory.stepwise,
             **masking(valid),
+            backend=self.backend,
         )
         return context, weights.t()
 
