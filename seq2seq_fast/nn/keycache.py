@@ -58,6 +58,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from seq2seq_fast.ops._autograd import traced_or_transformed
+from seq2seq_fast.ops._checks import autocast_dtype
 
 T = TypeVar("T")
 MAX_THREADS = 8
@@ -129,7 +130,7 @@ class ProjectionCache:
             keys.requires_grad,
             torch.is_grad_enabled(),
             torch.is_inference_mode_enabled(),
-            torch.is_autocast_enabled(keys.device.type),
+            autocast_dtype(keys.device),
             *(_param_state(p) for p in params),
         )
         thread = threading.get_ident()
