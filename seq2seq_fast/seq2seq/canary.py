@@ -401,8 +401,6 @@ def check_step(job: Any, batch: Batch, loss: float, rng) -> Rerun:
 
     Under DDP every rank re-runs its own batch on the bare module (no gradient all-reduce), and
     the verdicts are combined with one all_reduce (MAX), so every rank decides the same."""
-    import torch.distributed as dist
-
     from seq2seq_fast.seq2seq.distributed import max_over_ranks
 
     model, ctx, config = job.model, job.ctx, job.config
@@ -463,11 +461,23 @@ def check_step(job: Any, batch: Batch, loss: float, rng) -> Rerun:
         "preactivation": pre,
         "nonfinite_params": nonfinite,
     }
+    written = _dump_failure(job, batch, details, rng)
+    details["path"] = str(written) if written else None
+    raise FusedKernelError(failure_message(details), written, details)
+
+
+def _dump_failure(job: Any, batch: Batch, details: dict[str, Any], rng) -> Path | None:
+    """The batch (every rank's), the weights and the run's settings written by the main rank
+    beside the checkpoint (:func:`write_failure`) -> its path, None when it could not be written
+    (``details["write_error"]`` says why). Every rank waits until it is complete."""
+    import torch.distributed as dist
+
+    model, ctx, config = job.model, job.ctx, job.config
     batches = [batch_tensors(batch)]
     if ctx.enabled:
         batches = [None] * ctx.world_size
         dist.all_gather_object(batches, batch_tensors(batch))
-    path = config.out_dir / f"fused-failure-step{step}.pt"
+    path = config.out_dir / f"fused-failure-step{details['step']}.pt"
     written: Path | None = path
     if ctx.is_main:
         payload = {
@@ -488,5 +498,4 @@ def check_step(job: Any, batch: Batch, loss: float, rng) -> Rerun:
             written, details["write_error"] = None, f"{type(exc).__name__}: {exc}"
     if ctx.enabled:
         dist.barrier()  # the file is complete before any rank stops
-    details["path"] = str(written) if written else None
-    raise FusedKernelError(failure_message(details), written, details)
+    return written
