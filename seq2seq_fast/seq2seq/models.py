@@ -552,11 +552,6 @@ class Seq2Seq(nn.Module):
     def attention(self) -> BahdanauAttention:
         return self.decoder.attention
 
-    def set_backend(self, backend: str) -> None:
-        """Switch the attention backend ("auto", "fused", "reference") in place."""
-        self.attention.backend = backend
-        self.config.backend = backend
-
     def encode(self, src: Tensor, src_lengths: Tensor) -> tuple[Memory, State]:
         """-> (Memory with keys projected once for the whole batch, initial decoder state)."""
         src_lengths = src_lengths.to(device=src.device, dtype=torch.int64)
