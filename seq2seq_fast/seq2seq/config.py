@@ -14,35 +14,30 @@ from seq2seq_fast.seq2seq.data.tokenizers import SPM_SAMPLE_SIZE
 # The fields whose default depends on the task. A TrainConfig field left at None takes its
 # task's value from here, so that ``TrainConfig(task="translate", data=...)`` in Python and
 # ``seq2seq-fast train --task translate --data ...`` build the same job. The reversal main job
-# runs on torch's threads: on a quiet 2-core CPU 2 threads took 54 s, 1 took 79 s.
+# runs on torch's threads (faster than one; bench/RESULTS.md has the times). Why each default
+# is what it is, with the runs that chose it: bench/RESULTS.md, "Figures formerly in code
+# comments".
 TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "reverse": {
         "embed_size": 64,
         "hidden_size": 128,
         "dropout": 0.0,
-        # 4 (800 steps): 100% held-out in fp32 and bf16, seeds 0 and 1, 1 and 2 threads; 3 ended
-        # at 99.8-100% (one or two of the 1,000 longest sequences wrong; bench/RESULTS.md)
-        "epochs": 4,
+        "epochs": 4,  # the fewest that reach full held-out accuracy on every run tried
         "batch_size": 64,
         "lr": 3e-3,
         "warmup_steps": 100,
-        # 0.1: the reversal job ends at 100% held-out (0.02: 99.8%, seeds 0 and 1, 2 threads)
-        "min_lr_ratio": 0.1,
+        "min_lr_ratio": 0.1,  # ends at full held-out accuracy where 0.02 fell short
         "label_smoothing": 0.0,
-        "decoder": "bahdanau",  # on reversal it needs ~2x fewer steps than gnmt for 99%
+        "decoder": "bahdanau",  # on reversal it needs fewer steps than gnmt
         "output_layer": "concat",
     },
     "translate": {
         "embed_size": 256,
         "hidden_size": 256,
-        # 0.1, not 0.2: 8 minutes on 27.5k Tatoeba pairs (2 threads) gave test BLEU 33.1 against
-        # 31.1 (bench/RESULTS.md, "Side by side with OpenNMT-py"); more is for longer runs.
-        "dropout": 0.1,
+        "dropout": 0.1,  # not 0.2: better BLEU at equal short time; more is for longer runs
         "epochs": 10,
         "batch_size": 64,
-        # 3 epochs (1,293 steps) on 27.5k Tatoeba pairs, valid BLEU: lr 1e-3 12.7, 2e-3 22.2,
-        # 3e-3 27.7, 4e-3 28.5, 6e-3 diverged (bench/RESULTS.md): 3e-3 keeps a 2x margin.
-        "lr": 3e-3,
+        "lr": 3e-3,  # near the best of a sweep, a 2x margin below the rate that diverged
         "warmup_steps": 200,
         "min_lr_ratio": 0.02,
         "label_smoothing": 0.1,
