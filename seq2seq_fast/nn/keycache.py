@@ -55,10 +55,10 @@ from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
-from torch.utils import _pytree as pytree
 
 from seq2seq_fast.ops._autograd import traced_or_transformed
 from seq2seq_fast.ops._checks import autocast_dtype
+from seq2seq_fast.ops._torch_private import pytree, saved_tensors_hooks_active
 
 T = TypeVar("T")
 MAX_THREADS = 8
@@ -72,7 +72,7 @@ def cache_bypassed() -> bool:
         traced_or_transformed()
         or torch.jit.is_tracing()
         or torch.jit.is_scripting()
-        or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        or saved_tensors_hooks_active()
     )
 
 

@@ -7,11 +7,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from seq2seq_fast.ops._torch_private import (
+    current_graph_task_id,
+    delayed_error,
+    functorch_transforms_active,
+)
+
 
 def traced_or_transformed() -> bool:
     """Inside torch.compile's tracing or a torch.func transform: where only the setup_context-style
     Function works and Python-side autograd state (StepwiseMemory) must stay out."""
-    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+    return torch.compiler.is_compiling() or functorch_transforms_active()
 
 
 def guard_double_backward(grads: tuple) -> tuple:
@@ -24,7 +30,7 @@ def guard_double_backward(grads: tuple) -> tuple:
     tensors = [g for g in grads if isinstance(g, Tensor)]
     if not tensors:
         return grads
-    error = torch._C._functions.DelayedError(
+    error = delayed_error(
         b"seq2seq_fast: the fused attention's backward is not differentiable (a second-order "
         b"gradient through it); use backend='reference' for higher-order gradients",
         len(tensors),
@@ -107,7 +113,7 @@ class StepGradients:
         self._grad_contexts: list[Tensor] = []
 
     def _this_pass(self) -> None:
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         if task != self._task:  # a new backward pass: nothing of an earlier one counts
             self._begin(task)
 
@@ -129,7 +135,7 @@ class StepGradients:
     def collect(self) -> tuple[Tensor | None, Tensor | None]:
         """(buffer, values' gradient) gathered in this backward pass, each None where no step
         contributed, and a fresh start for the next pass."""
-        same_pass = self._task == torch._C._current_graph_task_id()
+        same_pass = self._task == current_graph_task_id()
         buffer, weights, grads = self._buffer, self._weights, self._grad_contexts
         self._begin(None)
         if not same_pass:

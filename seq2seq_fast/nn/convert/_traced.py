@@ -40,7 +40,6 @@ import weakref
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
 from seq2seq_fast.nn.convert._base import (
     ConversionReport,
@@ -59,6 +58,7 @@ from seq2seq_fast.nn.convert._traced_graph import (
     rewrite,
 )
 from seq2seq_fast.ops import fused_available
+from seq2seq_fast.ops._torch_private import dynamo_config, pytree
 
 logger = logging.getLogger(__name__)
 
@@ -445,7 +445,7 @@ def traced_class(cls: type, backend: str) -> type:
             out = compiled(self, *args, **kwargs)
             if TracedWeights.calls == ran:  # this call ran unfused
                 traces = len(rewriter.found)
-                if traces >= torch._dynamo.config.recompile_limit:
+                if traces >= dynamo_config().recompile_limit:
                     _put_back(self, cls, traces)
                 elif traces > before:
                     _warn_unmatched(self, rewriter.found[before:])

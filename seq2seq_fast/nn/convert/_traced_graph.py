@@ -44,6 +44,7 @@ from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert._speech import masking
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepwiseMemory
+from seq2seq_fast.ops._torch_private import nn_linear
 from seq2seq_fast.ops.additive_attention import additive_attention
 
 # a masked_fill value at or below this takes the position out of the softmax exactly (exp underflows
@@ -55,7 +56,7 @@ ROUNDED_SCORES = "the scores are rounded to a lower precision and cast back"
 _ADDS = {operator.add, operator.iadd, torch.add, "add", "add_", "__add__", "__radd__"}
 _TANH = {torch.tanh, F.tanh, "tanh"}
 _SOFTMAX = {F.softmax, torch.softmax, torch.nn.functional.softmax, "softmax"}
-_LINEAR = {torch._C._nn.linear, F.linear}
+_LINEAR = {nn_linear(), F.linear}
 _MATMUL = {torch.matmul, operator.matmul, "matmul", "__matmul__"}
 _MUL = {operator.mul, torch.mul, "mul", "__mul__", "__rmul__"}
 _DIV = {operator.truediv, torch.div, torch.true_divide, "div", "__truediv__"}
@@ -186,7 +187,7 @@ def _split_linear_bias(graph: fx.Graph, node: fx.Node) -> list[fx.Node] | None:
     if bias is None:
         return [node]
     with graph.inserting_before(node):
-        term = graph.call_function(torch._C._nn.linear, (source, weight))
+        term = graph.call_function(nn_linear(), (source, weight))
         term.meta["example_value"] = F.linear(_value(source), _value(weight))
     return [term, bias]
 
@@ -225,7 +226,7 @@ def _split_concat_linear(graph: fx.Graph, node: fx.Node) -> list[fx.Node] | None
             )
             columns.meta["example_value"] = _value(weight)[:, hint_start : hint_start + hint]
             peeled = _peel_repeat(part)
-            term = graph.call_function(torch._C._nn.linear, (peeled, columns))
+            term = graph.call_function(nn_linear(), (peeled, columns))
             term.meta["example_value"] = F.linear(_value(peeled), _value(columns))
             terms.append(term)
             start, hint_start = end, hint_start + hint
@@ -1128,7 +1129,7 @@ _PURE_METHODS = {
     "to",
 }
 _PURE_FUNCTIONS = {
-    torch._C._nn.linear,
+    nn_linear(),
     F.linear,
     torch.matmul,
     torch.bmm,
