@@ -15,7 +15,7 @@ Training: the steps share the one projection in the graph, so one backward after
 gives the gradients of the original (summed over the steps in another order). A backward that
 runs through the projection (between steps, with or without ``retain_graph``) drops the entry:
 the next step projects again, as the original does, so a later backward never meets a freed
-graph. With a :class:`~seq2seq_fast.nn.stepwise.StepwiseMemory` in the cached value (built by the
+graph. With a :class:`~seq2seq_fast.ops.stepwise.StepwiseMemory` in the cached value (built by the
 ``compute`` function, see ``FusedTutorialAttention``), the values' and keys' gradients of all the
 steps are gathered once per sequence.
 

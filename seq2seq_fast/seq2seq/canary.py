@@ -283,7 +283,7 @@ def attention_ops(device: torch.device, decoder: str) -> str:
     if device.type == "cuda":
         return "seq2seq_fast::additive_attention_fwd/_bwd (Triton CUDA kernels)"
     ops = "seq2seq_fast::additive_attention_fwd/_bwd"
-    if decoder == "bahdanau":  # the decoder's steps through StepwiseMemory (nn/stepwise.py)
+    if decoder == "bahdanau":  # the decoder's steps through StepwiseMemory (ops/stepwise.py)
         ops += " and _additive_attention_bwd_accumulate"
     return ops + " (C++ CPU kernel)"
 

@@ -37,7 +37,7 @@ class FusedTutorialAttention(FusedStandIn):
     ``Ua(keys)`` is computed once per keys tensor and reused by the following steps
     (:class:`~seq2seq_fast.nn.keycache.ProjectionCache`); when training on the CPU kernel, the
     steps' gradients for the keys and the projected keys are gathered once per sequence
-    (:class:`~seq2seq_fast.nn.stepwise.StepwiseMemory`). A query that is not [B, 1, Dq] (the
+    (:class:`~seq2seq_fast.ops.stepwise.StepwiseMemory`). A query that is not [B, 1, Dq] (the
     tutorial's only shape) runs the original's math in plain PyTorch.
     """
 
