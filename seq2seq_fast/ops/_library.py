@@ -116,12 +116,12 @@ def kernel_unavailable_reason(kernel: str, *tensors: Tensor) -> str | None:
     "recurrent" (GRU/LSTM ops). The last four: CPU tensors only, in the kernel's dtypes, the extension loaded, not inside
     torch.compile's tracing or a torch.func transform, and autocast as the table above says.
     """
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel in _forced:
+    if _forced and kernel in _forced:
         return f"the {kernel} kernel is switched off by force_reference()"
     if kernel == "attention":
         return fused_unavailable_reason(tensors[0].device, tensors[0].dtype)
+    if kernel not in _CPU_KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     dtypes, under_autocast = _CPU_KERNELS[kernel]
     if CPU_KERNEL_ERROR is not None:
         return f"the C++ extension seq2seq_fast._C did not load ({CPU_KERNEL_ERROR})"
@@ -181,7 +181,7 @@ def force_reference(kernels: Iterable[str] = KERNELS) -> Iterator[set[str]]:
 def forced_reference(kernel: str) -> bool:
     """Whether :func:`force_reference` switched ``kernel`` off (the dispatch then runs the
     reference without a warning)."""
-    return kernel in _forced
+    return bool(_forced) and kernel in _forced
 
 
 def note_served(op: str) -> None:

@@ -316,7 +316,7 @@ class FusedKernelUnavailable(RuntimeError, TypeError):
 def _use_reference(backend: str, query: Tensor) -> bool:
     """Whether this call runs the reference: asked once per call (the warning of "auto" once
     per device and dtype; :func:`~seq2seq_fast.ops._library.force_reference` silently)."""
-    if check_backend(backend) == "reference" or forced_reference("attention"):
+    if backend == "reference" or (check_backend(backend) and forced_reference("attention")):
         return True
     reason = kernel_unavailable_reason("attention", query)
     if reason is None:
