@@ -32,7 +32,7 @@ PRIVATE_APIS: tuple[tuple[str, str], ...] = (
     ("torch.utils._pytree.tree_flatten", "nn.convert (comparing nested outputs)"),
     ("torch._dynamo.config.patch", "seq2seq.models.compile_model (allow_rnn)"),
     ("torch._dynamo.config.allow_rnn", "seq2seq.models.compile_model"),
-    ("torch._dynamo.config.recompile_limit", "nn.convert (when a traced layout gives up)"),
+    ("torch._dynamo.config.recompile_limit", "nn.convert.traced (when a layout gives up)"),
 )
 
 
