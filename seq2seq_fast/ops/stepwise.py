@@ -39,6 +39,7 @@ from seq2seq_fast.ops._autograd import (
 )
 from seq2seq_fast.ops._checks import check_inputs, prefix_lengths
 from seq2seq_fast.ops._library import kernel_serves
+from seq2seq_fast.ops.additive_attention import additive_attention
 from seq2seq_fast.ops.location_attention import _LocationStep
 
 
@@ -210,8 +211,6 @@ class GatheredValues(StepGradients):
     ) -> tuple[Tensor, Tensor]:
         """One step: query [B, A], keys [B, T, A], v [A], mask bool [B, T] (True = valid) or None
         -> (context [B, Dv], weights [B, T]) over these values."""
-        from seq2seq_fast.ops.additive_attention import additive_attention
-
         step_kernel = query.dim() == 2 and kernel_serves("attention_step", query, keys, self.values)
         if backend != "reference" and step_kernel:
             checked = check_inputs(query, keys, self.values, v, None, None, mask)
