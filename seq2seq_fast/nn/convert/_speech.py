@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from seq2seq_fast.nn.convert._base import child_names, own_parameter_names
-from seq2seq_fast.ops._checks import masking, prefix_lengths  # noqa: F401 (the layouts' import)
+from seq2seq_fast.ops._checks import masking
 from seq2seq_fast.ops.additive_attention import additive_attention
 from seq2seq_fast.ops.stepwise import GatheredValues
 

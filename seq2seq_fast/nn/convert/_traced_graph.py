@@ -43,9 +43,9 @@ import torch.nn.functional as F
 from torch import Tensor, fx
 
 from seq2seq_fast.nn.convert._location import attend_location
-from seq2seq_fast.nn.convert._speech import masking
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepwiseMemory
+from seq2seq_fast.ops._checks import masking
 from seq2seq_fast.ops._torch_private import nn_linear
 from seq2seq_fast.ops.additive_attention import additive_attention
 

@@ -29,9 +29,10 @@ from seq2seq_fast.nn.convert._base import (
     own_parameter_names,
     register,
 )
-from seq2seq_fast.nn.convert._speech import adopt, masking
+from seq2seq_fast.nn.convert._speech import adopt
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepMemory, step_memory
+from seq2seq_fast.ops._checks import masking
 from seq2seq_fast.ops.additive_attention import additive_attention
 
 

@@ -41,8 +41,9 @@ from seq2seq_fast.nn.convert._base import (
     register,
 )
 from seq2seq_fast.nn.convert._location import attend_location
-from seq2seq_fast.nn.convert._speech import adopt, masking, same_padding_conv, scaled
+from seq2seq_fast.nn.convert._speech import adopt, same_padding_conv, scaled
 from seq2seq_fast.nn.stepwise import StepwiseMemory, step_memory
+from seq2seq_fast.ops._checks import masking
 from seq2seq_fast.ops.additive_attention import additive_attention
 
 

@@ -44,11 +44,11 @@ from seq2seq_fast.nn.convert._speech import (
     adopt,
     derived,
     is_finite_number,
-    masking,
     same_padding_conv,
     scaled,
 )
 from seq2seq_fast.nn.stepwise import StepwiseMemory
+from seq2seq_fast.ops._checks import masking
 from seq2seq_fast.ops.additive_attention import additive_attention
 
 
