@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend
+from seq2seq_fast.ops.additive_attention import additive_attention
 from seq2seq_fast.seq2seq.models import (
     GNMTDecoder,
     Memory,
@@ -442,14 +442,14 @@ class DecodingModel(nn.Module):
             )
         if rows != sentences:
             query = query.view(sentences, rows // sentences, query.shape[-1])
-        context, weights = attend(
-            self.backend,
+        context, weights = additive_attention(
             query,
             memory.keys,
             memory.values,
             self.v,
             self.score_bias,
             lengths=memory.lengths,
+            backend=self.backend,
         )
         return context.float().reshape(rows, -1), weights.reshape(rows, -1)
 

@@ -226,12 +226,13 @@ def test_translate_precision_option_errors(tmp_path, capsys):
 
 
 def _triton_attend(**_):
-    """``attend`` as the GPU path runs it: the Triton forward kernel (here interpreted)."""
+    """``additive_attention`` as the GPU path runs it: the Triton forward kernel (here
+    interpreted)."""
     tk = pytest.importorskip("seq2seq_fast._triton.additive_attention")
     if not (torch.cuda.is_available() or tk.is_interpreted()):
         pytest.skip("no CUDA and Triton not interpreted")
 
-    def attend(backend, query, keys, values, v, bias=None, *, lengths=None, **kwargs):
+    def attend(query, keys, values, v, bias=None, *, lengths=None, **kwargs):
         squeeze = query.dim() == 2
         q = query.unsqueeze(1) if squeeze else query
         context, weights, _ = tk.additive_attention_fwd(
@@ -260,7 +261,7 @@ def test_gpu_path_code_decodes_like_the_cpu_path(monkeypatch, precision):
     with torch.no_grad():
         memory, state = cpu.encode(src, lengths)
         expected = cpu.step_log_probs(y, state, memory)
-        monkeypatch.setattr(inference, "attend", attend)
+        monkeypatch.setattr(inference, "additive_attention", attend)
         memory, state = gpu.encode(src, lengths)
         got = gpu.step_log_probs(y, state, memory)
     bound = 1e-4 if precision == "fp32" else BOUND[precision]
