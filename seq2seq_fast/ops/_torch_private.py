@@ -33,6 +33,9 @@ PRIVATE_APIS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.config.patch", "seq2seq.models.compile_model (allow_rnn)"),
     ("torch._dynamo.config.allow_rnn", "seq2seq.models.compile_model"),
     ("torch._dynamo.config.recompile_limit", "nn.convert.traced (when a layout gives up)"),
+    ("torch._make_per_channel_quantized_tensor", "seq2seq.inference (int8 rows as a qint8 weight)"),
+    ("torch.ops.mkldnn._reorder_linear_weight", "seq2seq.inference (weights packed once)"),
+    ("torch.ops.mkldnn._linear_pointwise", "seq2seq.inference (products on packed weights)"),
 )
 
 
@@ -89,3 +92,30 @@ def mkldnn_bf16_supported() -> bool | None:
     the only test of it; callers treat None as "not known", so its loss is not an error."""
     query = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return None if query is None else bool(query())
+
+
+def per_channel_qint8(rows: torch.Tensor, scales: torch.Tensor, axis: int = 0) -> torch.Tensor:
+    """int8 ``rows`` with one scale per row as a qint8 tensor (zero points 0). Why private:
+    torch.ao's dynamic Linear takes its weight as a quantized tensor, and only this builds one
+    from int8 values already computed (``quantize_per_channel`` would round floats again)."""
+    zero_points = torch.zeros_like(scales, dtype=torch.long)
+    return torch._make_per_channel_quantized_tensor(rows, scales.double(), zero_points, axis)
+
+
+def mkldnn_linear_available() -> bool:
+    """Whether oneDNN's packed-weight linear ops exist in this torch (CPU builds with oneDNN)."""
+    return hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
+
+
+def mkldnn_pack_linear_weight(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
+    """``weight`` [out, in] laid out once for oneDNN's products. Why private: the packed layout is
+    what Inductor's CPU linear uses; torch's public F.linear repacks (or goes through MKL's sgemm,
+    slow on AMD CPUs) at every call of a decoding step."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+
+
+def mkldnn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` on a weight from :func:`mkldnn_pack_linear_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from seq2seq_fast.ops import _torch_private
 from seq2seq_fast.ops.additive_attention import additive_attention
 from seq2seq_fast.seq2seq.models import (
     GNMTDecoder,
@@ -103,7 +104,7 @@ def _packs_on(device: torch.device) -> bool:
     return (
         device.type == "cpu"
         and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and _torch_private.mkldnn_linear_available()
     )
 
 
@@ -145,7 +146,7 @@ class PreparedLinear(nn.Module):
         weight = weight.detach().to(self.dtype).contiguous()
         self.bias = None if bias is None else bias.detach().to(self.dtype).clone()
         if self.packed:
-            weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS)
+            weight = _torch_private.mkldnn_pack_linear_weight(weight, _PACK_ROWS)
         self.weight = weight
 
     def forward(self, x: Tensor) -> Tensor:
@@ -156,9 +157,7 @@ class PreparedLinear(nn.Module):
             return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
         x = x.to(self.dtype)
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(
-                x.contiguous(), self.weight, self.bias, "none", [], ""
-            )
+            return _torch_private.mkldnn_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -174,9 +173,7 @@ def _dynamic_int8_linear(q: Tensor, scale: Tensor, bias: Tensor | None) -> nn.Mo
 
     with warnings.catch_warnings():  # torch.ao.quantization's deprecation notices
         warnings.simplefilter("ignore")
-        qweight = torch._make_per_channel_quantized_tensor(
-            q, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0
-        )
+        qweight = _torch_private.per_channel_qint8(q, scale)
         module = nnqd.Linear(q.shape[1], q.shape[0], dtype=torch.qint8)
         module.set_weight_bias(qweight, bias)
     return module
