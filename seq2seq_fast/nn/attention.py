@@ -41,11 +41,12 @@ def attend(
     return_weights: bool = True,
     stepwise: StepwiseMemory | None = None,
     normalize: str = "softmax",
+    score_bias: Tensor | float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``additive_attention`` through ``backend`` ("auto", "fused" or "reference"); same contract.
     ``stepwise``: a :class:`~seq2seq_fast.nn.stepwise.StepwiseMemory` whose ``keys`` and ``values``
     are the ones passed (a decoder's steps; used only where the fused CPU kernel runs, with the
-    softmax). ``normalize``: "softmax" or "sigmoid", as in ``additive_attention``."""
+    softmax and no score bias). ``normalize``, ``score_bias``: as in ``additive_attention``."""
     checked = check_inputs(query, keys, values, v, bias, lengths, mask)
     use_reference = backend == "reference"
     if not use_reference:
@@ -55,11 +56,12 @@ def attend(
                 raise RuntimeError(f"backend='fused' but {reason}")
             warn_fallback_once(query.device, query.dtype, reason)
             use_reference = True
-    if stepwise is not None and not use_reference and normalize == "softmax":
+    plain_softmax = normalize == "softmax" and score_bias is None
+    if stepwise is not None and not use_reference and plain_softmax:
         result = stepwise.attend_checked(checked, return_weights)
         if result is not None:
             return result
-    return run_checked(checked, return_weights, use_reference, normalize)
+    return run_checked(checked, return_weights, use_reference, normalize, score_bias)
 
 
 class BahdanauAttention(nn.Module):

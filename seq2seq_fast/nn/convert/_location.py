@@ -95,15 +95,21 @@ def attend_location(
     values: Tensor,
     v: Tensor,
     mask: Tensor | None,
+    normalize: str = "softmax",
+    score_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """A location-aware step: ``attend(backend, query [B, A], projected + dense(conv(features)),
     values [B, T, Dv], v, mask)`` with ``location = (features [B, Cin, T], conv_weight,
     dense_weight [A, C])`` (see :func:`location_keys`); mask bool [B, T] (True = valid) or None.
-    When training on the fused CPU kernel, through ``owner``'s :class:`LocationMemory` for these
-    projected memory and values (kept in ``owner._location``); else through
-    :func:`~seq2seq_fast.nn.convert._speech.attend_gathered`. Returns (context [B, Dv],
+    When training on the fused CPU kernel with a plain softmax, through ``owner``'s
+    :class:`LocationMemory` for these projected memory and values (kept in ``owner._location``);
+    else through :func:`~seq2seq_fast.nn.convert._speech.attend_gathered` (``normalize`` and
+    ``score_bias`` as ``additive_attention`` takes them). Returns (context [B, Dv],
     weights [B, T])."""
     features, conv_weight, dense_weight = location
+    if normalize != "softmax" or score_bias is not None:  # (the location step: a softmax)
+        keys = location_keys(projected, features, conv_weight, dense_weight)
+        return attend_gathered(owner, backend, query, keys, values, v, mask, normalize, score_bias)
     memory = getattr(owner, "_location", None)
     if not (isinstance(memory, LocationMemory) and memory.serves(projected, values)):
         memory = LocationMemory.for_training(projected, values, backend)

@@ -289,12 +289,22 @@ class GatheredValues(StepGradients):
         return self._placeholder
 
     def attend(
-        self, backend: str, query: Tensor, keys: Tensor, v: Tensor, mask: Tensor | None
+        self,
+        backend: str,
+        query: Tensor,
+        keys: Tensor,
+        v: Tensor,
+        mask: Tensor | None,
+        normalize: str = "softmax",
+        score_bias: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """One step: query [B, A], keys [B, T, A], v [A], mask bool [B, T] (True = valid) or None
-        -> (context [B, Dv], weights [B, T]) over these values."""
+        -> (context [B, Dv], weights [B, T]) over these values. ``normalize`` and ``score_bias``
+        as ``additive_attention`` takes them (other than a plain softmax: the op forms the
+        weights, ``context`` the context)."""
         step_kernel = query.dim() == 2 and kernel_serves("attention_step", query, keys, self.values)
-        if backend != "reference" and step_kernel:
+        plain_softmax = normalize == "softmax" and score_bias is None
+        if backend != "reference" and step_kernel and plain_softmax:
             checked = check_inputs(query, keys, self.values, v, None, None, mask)
             lengths = prefix_lengths(checked.mask)
             mask = None if lengths is not None else checked.mask
@@ -304,7 +314,16 @@ class GatheredValues(StepGradients):
                 query3, checked.keys, checked.values, checked.v, bias, lengths, mask, self
             )
             return context.squeeze(1), weights.squeeze(1)
-        _, weights = attend(backend, query, keys, self.placeholder, v, mask=mask)
+        _, weights = attend(
+            backend,
+            query,
+            keys,
+            self.placeholder,
+            v,
+            mask=mask,
+            normalize=normalize,
+            score_bias=score_bias,
+        )
         return self.context(weights), weights
 
     def context(self, weights: Tensor) -> Tensor:
@@ -326,15 +345,27 @@ def attend_gathered(
     values: Tensor,
     v: Tensor,
     mask: Tensor | None,
+    normalize: str = "softmax",
+    score_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``attend(backend, query [B, A], keys [B, T, A], values [B, T, Dv], v, mask=mask)`` for a
-    decoder step whose keys change every step but whose values do not: when training, through
-    ``owner``'s :class:`GatheredValues` for these values (made on the first step that sees them,
-    kept in ``owner._gathered``). Returns (context [B, Dv], weights [B, T])."""
+    """``attend(backend, query [B, A], keys [B, T, A], values [B, T, Dv], v, mask=mask,
+    normalize=normalize, score_bias=score_bias)`` for a decoder step whose keys change every step
+    but whose values do not: when training, through ``owner``'s :class:`GatheredValues` for these
+    values (made on the first step that sees them, kept in ``owner._gathered``). Returns
+    (context [B, Dv], weights [B, T])."""
     gathered = getattr(owner, "_gathered", None)
     if gathered is None or gathered.source is not values or gathered.spent:
         gathered = GatheredValues.for_training(values)
         owner._gathered = gathered
     if gathered is None or query.dim() != 2:
-        return attend(backend, query, keys, values, v, **masking(mask))
-    return gathered.attend(backend, query, keys, v, mask)
+        return attend(
+            backend,
+            query,
+            keys,
+            values,
+            v,
+            **masking(mask),
+            normalize=normalize,
+            score_bias=score_bias,
+        )
+    return gathered.attend(backend, query, keys, v, mask, normalize, score_bias)

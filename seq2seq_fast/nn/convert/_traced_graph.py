@@ -9,9 +9,11 @@ methods, with example values carrying shapes) is searched for::
         einsum("...h,h->..."), bmm(v repeated over the batch, tanh^T), or bmm(v, tanh) with the
         hidden axis in the middle ([B, H, T]: a Conv1d over the memory)
     e -> shape-only ops (squeeze, unsqueeze, transpose, permute, view, reshape, contiguous), dtype
-         round trips, scale (e * c, e / c), masks (masked_fill / masked_fill_ / .data.masked_fill_
-         with a very negative value, where(mask, e, very negative), + a float mask), in any order
-    w = softmax(e, dim=memory axis)
+         round trips, scale (e * c, e / c), shifts (e + c, e - c: a number or a one-element
+         tensor, and the projection's own bias), masks (masked_fill / masked_fill_ /
+         .data.masked_fill_ with a very negative value, where(mask, e, very negative), + a float
+         mask), in any order (a shift under the sigmoid: before any mask)
+    w = softmax(e, dim=memory axis), or sigmoid(e) / sigmoid(e).sum(dim, keepdim=True)
 
 The terms are sorted by their shapes: those that vary along the softmax's axis are the keys, those
 that do not (but vary along some axis) the query, those that vary along none the bias inside the
@@ -53,6 +55,7 @@ MASK_FILL_MAX = -1e4
 ROUNDED_SCORES = "the scores are rounded to a lower precision and cast back"
 
 _ADDS = {operator.add, operator.iadd, torch.add, "add", "add_", "__add__", "__radd__"}
+_SUBS = {operator.sub, torch.sub, "sub", "__sub__"}
 _TANH = {torch.tanh, F.tanh, "tanh"}
 _SOFTMAX = {F.softmax, torch.softmax, torch.nn.functional.softmax, "softmax"}
 _LINEAR = {torch._C._nn.linear, F.linear}
@@ -458,7 +461,9 @@ class Match:
     memory_axis: int
     scores_origin: tuple  # the pre-activation's axis each axis of the projection's output is
     hidden_axis: int
-    steps: list[tuple] = field(default_factory=list)  # ("scale", op, node|number), ("fill", ...)
+    # ("scale", op, node|number), ("shift", sign, node|number), ("fill", ...), ("keep", ...),
+    # ("add", ...) in the chain's order
+    steps: list[tuple] = field(default_factory=list)
     shape_ops: list[fx.Node] = field(default_factory=list)
     split_nodes: list[fx.Node] = field(default_factory=list)
     helpers: list[fx.Node] = field(default_factory=list)  # new_full(scores, ...): dtype only
@@ -467,7 +472,7 @@ class Match:
     normalize_nodes: list[fx.Node] = field(default_factory=list)  # the sum, then the sigmoids
 
     def describe(self) -> str:
-        kinds = [s[0] + (f"({s[1]})" if s[0] == "scale" else "") for s in self.steps]
+        kinds = [s[0] + (f"({s[1]})" if s[0] in ("scale", "shift") else "") for s in self.steps]
         return (
             f"{len(self.query_terms)} query and {len(self.key_terms)} key term(s)"
             + (", a bias" if self.bias_terms else "")
@@ -532,6 +537,9 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
         terms = split
     scores_origin = origin
     steps, shape_ops = [], []
+    if _is(scores, _LINEAR) and _arg(scores, 2, "bias") is not None:
+        # the score layer's bias: a shift of every score (a softmax cancels it, a sigmoid not)
+        steps.append(("shift", "+", _arg(scores, 2, "bias")))
     node = scores
     helpers: list[fx.Node] = []  # scores.new_full(...) for a where: the scores' dtype only
     sizes: list[tuple[fx.Node, int]] = []  # .size() of the chain, after this many shape ops
@@ -620,11 +628,28 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
                 raise NoMatch(f"where(mask, scores, {_hint(value)!r}): not a very negative value")
             condition = user.args[0]
             steps.append(("keep", _peel_repeat(condition), value, origin, _shape(node)))
-        elif _is(user, _ADDS) and len(user.args) == 2:
+        elif (_is(user, _ADDS) or (_is(user, _SUBS) and user.args[0] is node)) and len(
+            user.args
+        ) == 2:
             other = user.args[1] if user.args[0] is node else user.args[0]
-            if not isinstance(other, fx.Node) or _shape(other) is None:
-                raise NoMatch("a number is added to the scores")
-            steps.append(("add", _peel_repeat(other), None, origin, _shape(node)))
+            sign = "-" if _is(user, _SUBS) else "+"
+            if isinstance(other, fx.Node) and isinstance(_value(other), Tensor):
+                other_shape, at = _shape(other), _shape(node)
+                if other_shape is None or at is None:
+                    raise NoMatch("something of unknown shape is added to the scores")
+                if all(map(_is_one, other_shape)) and len(other_shape) <= len(at):
+                    steps.append(("shift", sign, other))  # one element: every score moves
+                elif sign == "-":
+                    raise NoMatch("a tensor is subtracted from the scores")
+                else:
+                    steps.append(("add", _peel_repeat(other), None, origin, at))
+            else:
+                number = _number(other)
+                if number is None and isinstance(_value(other), (torch.SymFloat, torch.SymInt)):
+                    number = _number(_hint(other))  # a float attribute made an input
+                if number is None or not math.isfinite(number):
+                    raise NoMatch(f"the scores are shifted by {_hint(other)!r}, not a number")
+                steps.append(("shift", sign, other))
         elif (_is(user, _DIV) or _is(user, _MUL)) and len(user.args) == 2 and not user.kwargs:
             if user.args[0] is not node and _is(user, _DIV):
                 raise NoMatch("the scores divide something")
@@ -651,10 +676,12 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
     if normalised is not None:  # sigmoid(e) / sum sigmoid(e): the division stands for the softmax
         softmax, dim, normalize_nodes = normalised
         normalize = "sigmoid"
-        if _is(scores, _LINEAR) and _arg(scores, 2, "bias") is not None:
-            # a softmax ignores a constant added to the scores, the sigmoid does not, and the
-            # op has no score offset
-            raise NoMatch("sigmoid-normalised scores with a bias (the fused op adds none)")
+        kinds = [step[0] for step in steps]
+        if "shift" in kinds and any(k in ("fill", "keep", "add") for k in kinds):
+            first_mask = min(kinds.index(k) for k in ("fill", "keep", "add") if k in kinds)
+            if "shift" in kinds[first_mask:]:
+                # a sigmoid of (masked + b): the masked positions need not stay 0
+                raise NoMatch("sigmoid-normalised scores shifted after they are masked")
     else:
         softmax = user
         if softmax.args[0] is not node:
@@ -857,7 +884,8 @@ class Plan:
     memory_axis: int
     scores_origin: tuple
     hidden_axis: int
-    steps: tuple  # ("scale", "mul"|"div") | ("fill", value, origin) | ("add", None, origin)
+    # ("scale", "mul"|"div") | ("shift", "+"|"-") | ("fill"|"keep"|"add", None, origin)
+    steps: tuple
     backend: str
     normalize: str = "softmax"  # or "sigmoid" (sigmoid(e) / sum sigmoid(e))
 
@@ -908,7 +936,7 @@ class TracedWeights:
         self.fixed_cache = ProjectionCache()
         self.mask_cache = ProjectionCache()
 
-    def __call__(self, queries, keys, biases, vector, scales, masks, fills):
+    def __call__(self, queries, keys, biases, vector, scales, masks, fills, shifts=()):
         TracedWeights.calls += 1
         if TracedWeights.log is not None:
             TracedWeights.log.append(self)
@@ -968,14 +996,27 @@ class TracedWeights:
             bias = t if bias is None else bias + t
         v = vector.reshape(width)
         plain = False
-        v_eff = v
-        for step, factor in zip(
-            [step for step in plan.steps if step[0] == "scale"], scales, strict=True
-        ):
-            if isinstance(factor, Tensor):
-                factor = factor.reshape(())
-            plain |= not bool(factor > 0)
-            v_eff = v_eff * factor if step[1] == "mul" else v_eff / factor
+        v_eff, score_bias = v, None  # e' = v_eff . tanh(...) + score_bias: the scaled, shifted e
+        scale_iter, shift_iter = iter(scales), iter(shifts)
+        for step in plan.steps:
+            if step[0] == "scale":
+                factor = next(scale_iter)
+                if isinstance(factor, Tensor):
+                    factor = factor.reshape(())
+                plain |= not bool(factor > 0)
+                if step[1] == "mul":
+                    v_eff = v_eff * factor
+                    score_bias = None if score_bias is None else score_bias * factor
+                else:
+                    v_eff = v_eff / factor
+                    score_bias = None if score_bias is None else score_bias / factor
+            elif step[0] == "shift":
+                shift = next(shift_iter)
+                shift = shift.reshape(()) if isinstance(shift, Tensor) else float(shift)
+                shift = -shift if step[1] == "-" else shift
+                score_bias = shift if score_bias is None else score_bias + shift
+        if plan.normalize == "softmax":
+            score_bias = None  # a softmax cancels it
         invalid = options = None
         graded = [m for m in masks if isinstance(m, Tensor) and m.requires_grad]
         if masks:
@@ -987,7 +1028,7 @@ class TracedWeights:
             key = key + location.value()  # [B, T, A] already: the op's layout
             location = None
         if plain:
-            weights = self._plain(query, key, bias, v, scales, masks, fills, full)
+            weights = self._plain(query, key, bias, v, scales, masks, fills, full, shifts)
         elif location is not None:
             valid = None if invalid is None else ~invalid
             step_query = query[:, 0] if bias is None else query[:, 0] + bias
@@ -1008,6 +1049,7 @@ class TracedWeights:
                 **options,
                 stepwise=memory,
                 normalize=plan.normalize,
+                score_bias=score_bias,
             )
             if graded:  # a float mask's gradient: the softmax's Jacobian, by a term worth zero
                 shift = sum(m - m.detach() for m in graded).unsqueeze(1)
@@ -1034,7 +1076,9 @@ class TracedWeights:
             invalid, not_exact, graded_rows = None, False, []
             fills = iter(fill_values)
             for step, mask in zip(
-                [step for step in plan.steps if step[0] != "scale"], masks, strict=True
+                [step for step in plan.steps if step[0] in ("fill", "keep", "add")],
+                masks,
+                strict=True,
             ):
                 rows = _mask_to_rows(mask, step[2], plan, full)
                 if step[0] == "add":
@@ -1082,17 +1126,22 @@ class TracedWeights:
         entry = self.layout_cache.get(term, (tuple(full),), compute, watch=lambda e: e[3:])
         return entry[:3]
 
-    def _plain(self, query, key, bias, v, scales, masks, fills, full):
+    def _plain(self, query, key, bias, v, scales, masks, fills, full, shifts=()):
         """The original's math in the op's layout, step by step (a row without a valid frame, a
         float mask that is not a mask, a scale that is not positive)."""
         plan = self.plan
         scores = _plain_scores(query, key, bias, v)  # [B', T', S]
-        scale_index, mask_index, fill_index = 0, 0, 0
+        scale_index, mask_index, fill_index, shift_index = 0, 0, 0, 0
         for step in plan.steps:
             if step[0] == "scale":
                 factor = scales[scale_index]
                 scale_index += 1
                 scores = scores * factor if step[1] == "mul" else scores / factor
+            elif step[0] == "shift":
+                shift = shifts[shift_index]
+                shift_index += 1
+                shift = shift.reshape(()) if isinstance(shift, Tensor) else shift
+                scores = scores + shift if step[1] == "+" else scores - shift
             else:
                 mask = _mask_to_rows(masks[mask_index], step[2], plan, full).unsqueeze(1)
                 mask_index += 1
@@ -1320,11 +1369,14 @@ def _key_terms(graph: fx.Graph, match: Match, before: fx.Node) -> list[fx.Node]:
 def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
     """Replace ``match``'s sum ... softmax by one :class:`TracedWeights` call (the shape ops between
     the scores and the softmax applied again to its weights)."""
-    plan_steps, scales, masks, fills = [], [], [], []
+    plan_steps, scales, masks, fills, shifts = [], [], [], [], []
     for step in match.steps:
         if step[0] == "scale":
             plan_steps.append(("scale", step[1]))
             scales.append(step[2])
+        elif step[0] == "shift":
+            plan_steps.append(("shift", step[1]))
+            shifts.append(step[2])
         elif step[0] in ("fill", "keep"):
             plan_steps.append((step[0], None, step[3]))
             masks.append(step[1])
@@ -1349,7 +1401,16 @@ def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
         replacement.description = match.describe()
         node = graph.call_function(
             replacement,
-            (match.query_terms, key_terms, match.bias_terms, match.vector, scales, masks, fills),
+            (
+                match.query_terms,
+                key_terms,
+                match.bias_terms,
+                match.vector,
+                scales,
+                masks,
+                fills,
+                shifts,
+            ),
         )
         sizes = {}  # the chain's .size() / .dim(): asked of the weights at the same point
 
