@@ -762,9 +762,9 @@ def _coverage_batched_call(b, t, dtype):
 
 CASES += [
     Case("coverage_batched", _wrap(CoverageBatched), _coverage_batched_call, "att"),
-    # a known limit, not a look-alike: batch and frames flattened into one axis ([B*T, A]) are
-    # not told apart, so the query term cannot be found: left alone
-    Case("coverage_flattened", _wrap(CoverageAttention), _coverage_call, None),
+    # batch and frames flattened into one axis ([B*T, A]), split where the scores are viewed
+    # back to [B, T]
+    Case("coverage_flattened", _wrap(CoverageAttention), _coverage_call, "att"),
 ]
 
 

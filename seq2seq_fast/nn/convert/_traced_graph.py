@@ -855,9 +855,97 @@ def _check_not_written(tanh: fx.Node) -> None:
                     )
 
 
+# --- rows flattened into one axis ------------------------------------------------------------------
+
+# A summariser's coverage attention works on [B*T, A] rows: the decoder's term is made by
+# dec.unsqueeze(1).expand(B, T, A).contiguous().view(-1, A), the scores are viewed back to [B, T]
+# before the softmax. Batch and frames are one axis there, so the terms cannot be told apart; the
+# pass below splits that axis where the scores are split, so the matcher sees [B, T, A] terms.
+_FLAT_VIEWS = {"view", "reshape", torch.reshape}
+
+
+def _unflattened_term(graph: fx.Graph, term: fx.Node, frames, sizes: tuple) -> fx.Node:
+    """``term`` [B*T, A] as [B, T, A] (``sizes``, as traced): the tensor an expand over T was made
+    from, where it is x.unsqueeze(1).expand(B, T, A) (or repeat) viewed flat; else
+    term.unflatten(0, (-1, T))."""
+    node = term
+    if _is(node, _FLAT_VIEWS) and isinstance(node.args[0], fx.Node):
+        inner = node.args[0]
+        if _is(inner, {"contiguous"}) and len(inner.users) == 1:
+            inner = inner.args[0]
+        shape = _shape(inner)
+        if _is(inner, _REPEATS) and shape is not None and len(shape) == 3:
+            source = inner.args[0] if isinstance(inner.args[0], fx.Node) else None
+            source_shape = _shape(source) if source is not None else None
+            if (
+                source_shape is not None
+                and len(source_shape) == 3
+                and _is_one(source_shape[1])
+                and _same(source_shape[0], shape[0])
+                and _same(source_shape[2], shape[2])
+                # (the traced sizes: the split's are expressions in the flat size's symbols)
+                and _size_hint(shape[1]) == _size_hint(sizes[1])
+            ):
+                return source
+    new = graph.call_method("unflatten", (term, 0, (-1, frames)))
+    new.meta["example_value"] = _value(term).unflatten(0, sizes[:2])
+    return new
+
+
+def _unflatten_rows(graph: fx.Graph) -> None:
+    """tanh(sum of [N, A] terms) projected to scores [N, 1] or [N] that are then viewed to
+    [B, T] (N = B*T): the sum, tanh and projection formed again on [B, T, A] terms (see above),
+    the view's readers reading the new scores. Anything else is left as it is."""
+    for tanh in [n for n in graph.nodes if _is(n, _TANH)]:
+        shape = _shape(tanh)
+        inner = tanh.args[0] if tanh.args else None
+        if shape is None or len(shape) != 2 or not isinstance(inner, fx.Node):
+            continue
+        if len(tanh.users) != 1:
+            continue
+        projection = next(iter(tanh.users))
+        if not (_is(projection, _LINEAR) and _arg(projection, 0, "input") is tanh):
+            continue
+        if len(projection.users) != 1:
+            continue
+        split = next(iter(projection.users))
+        out = _shape(split)
+        if not _is(split, _FLAT_VIEWS) or split.args[0] is not projection or out is None:
+            continue
+        if len(out) != 2 or _is_one(out[1]) or split.kwargs:
+            continue
+        frames = split.args[-1] if len(split.args) == 3 else None
+        if isinstance(frames, (list, tuple)):
+            frames = frames[-1] if len(frames) == 2 else None
+        if frames is None:
+            continue
+        sizes = (out[0], out[1], shape[1])
+        with graph.inserting_before(split):
+            terms = [_unflattened_term(graph, t, frames, sizes) for t in _terms(inner)]
+            total = terms[0]
+            for t in terms[1:]:
+                total = graph.call_function(operator.add, (total, t))
+                total.meta["example_value"] = _value(total.args[0]) + _value(t)
+            new_tanh = graph.call_function(torch.tanh, (total,))
+            new_tanh.meta["example_value"] = torch.tanh(_value(total))
+            args = (new_tanh, *projection.args[1:])
+            new_scores = graph.call_function(projection.target, args, dict(projection.kwargs))
+            new_scores.meta["example_value"] = projection.target(
+                *[_value(a) if isinstance(a, fx.Node) else a for a in args]
+            )
+            new_split = graph.call_method("squeeze", (new_scores, -1))  # [B, T, 1] -> [B, T]
+            new_split.meta["example_value"] = _value(new_scores).squeeze(-1)
+        split.replace_all_uses_with(new_split)
+        graph.erase_node(split)
+        for node in (projection, tanh):  # the flat forms, dead now
+            if not node.users:
+                graph.erase_node(node)
+
+
 def find_matches(graph: fx.Graph) -> tuple[list[Match], list[str]]:
     """(matches, why each other tanh over a sum is not one)."""
     _functionalize_arithmetic(graph)
+    _unflatten_rows(graph)
     matches, misses = [], []
     for node in list(graph.nodes):
         if not _is(node, _TANH):
@@ -1159,6 +1247,7 @@ class TracedWeights:
 
 _PURE_METHODS = {
     "view",
+    "unflatten",
     "reshape",
     "permute",
     "transpose",
