@@ -70,3 +70,32 @@ def test_coverage_fed_back_each_step(flattened, dtype, monkeypatch):
         _assert_close(got[1], want[1], dtype, "gradients")
     assert [r.path for r in report.replaced] == ["att"], str(report)
     assert TracedWeights.calls >= calls + 7  # every step after the first by the fused op
+
+
+CONVERTING = [case for case in T.CASES if case.converts is not None]
+
+
+@pytest.mark.parametrize("case", CONVERTING, ids=[case.name for case in CONVERTING])
+def test_converted_layouts_run_the_fused_op_not_a_fallback(case, monkeypatch):
+    """Every converting layout of tests/convert/layouts_traced.py (score biases, temperatures,
+    heads, learned queries, coverage, small concat widths among them) has its weights computed by
+    the fused op on ordinary calls: the replacement's plain-ops fallback never runs."""
+    _no_plain(monkeypatch)
+    dtype = next(d for d in (torch.float64, torch.float32) if case.converts_at(d) is not None)
+    torch.manual_seed(0)
+    original = case.make().to(dtype)
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model)
+    for batch, frames in ((4, 7), (3, 5)):
+        torch.manual_seed(batch)
+        args = case.inputs(batch, frames, dtype)
+        calls = TracedWeights.calls
+        got, want = model(*args), original(*args)
+        assert TracedWeights.calls > calls
+        _assert_close(
+            [t for t in torch.utils._pytree.tree_leaves(got) if isinstance(t, torch.Tensor)],
+            [t for t in torch.utils._pytree.tree_leaves(want) if isinstance(t, torch.Tensor)],
+            dtype,
+            "outputs",
+        )
+    assert [r.path for r in report.replaced] == [case.converts], str(report)

@@ -325,8 +325,11 @@ def _projection(tanh: fx.Node, shape: tuple, rank: int):
     if _is(user, _MUL) and len(user.args) == 2 and tanh in user.args:
         vector = user.args[1] if user.args[0] is tanh else user.args[0]
         shape = _shape(vector)
-        if shape is None or not _same(shape[-1], width) or not all(map(_is_one, shape[:-1])):
+        if shape is None or not _same(shape[-1], width) or len(shape) > rank:
             raise NoMatch(f"the tanh is multiplied by a tensor of shape {shape}, not a vector")
+        if not all(map(_is_one, shape[:-1])) and not isinstance(vector, fx.Node):
+            raise NoMatch(f"the tanh is multiplied by a tensor of shape {shape}, not a vector")
+        # (a vector per head, [heads, H]: its axes must be batch axes, checked by the caller)
         total = _single_user(user, "the product with the vector")
         dim = _arg(total, 1, "dim")
         dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
@@ -470,6 +473,8 @@ class Match:
     sizes: list[tuple[fx.Node, int]] = field(default_factory=list)  # (size, after k shape ops)
     normalize: str = "softmax"  # or "sigmoid": `softmax` is then the division
     normalize_nodes: list[fx.Node] = field(default_factory=list)  # the sum, then the sigmoids
+    # batch axes along which the score vector varies (one vector per head), first in batch_axes
+    vector_axes: tuple[int, ...] = ()
 
     def describe(self) -> str:
         kinds = [s[0] + (f"({s[1]})" if s[0] in ("scale", "shift") else "") for s in self.steps]
@@ -478,6 +483,7 @@ class Match:
             + (", a bias" if self.bias_terms else "")
             + (f", then {', '.join(kinds)}" if kinds else "")
             + (", sigmoid-normalised" if self.normalize == "sigmoid" else "")
+            + (", a score vector per head" if self.vector_axes else "")
         )
 
 
@@ -726,6 +732,19 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
         raise NoMatch("no term of the sum varies along the softmax's axis, or none along another")
     batch_axes = sorted(set().union(*(varies[t] for t in keys)) - {memory_axis})
     query_axes = [a for a in range(rank - 1) if a != memory_axis and a not in batch_axes]
+    vector_shape = _shape(vector)
+    vector_axes = []
+    if not all(map(_is_one, vector_shape[:-1])):  # one vector per head: along batch axes only
+        padded_vector = (1,) * (rank - len(vector_shape)) + tuple(vector_shape)
+        vector_axes = [a for a in range(rank - 1) if not _is_one(padded_vector[a])]
+        if hidden != rank - 1 or any(
+            a not in batch_axes or not _same(padded_vector[a], shape[a]) for a in vector_axes
+        ):
+            raise NoMatch(
+                f"the score vector of shape {list(vector_shape)} varies along other axes than "
+                "the batch's"
+            )
+        batch_axes = vector_axes + [a for a in batch_axes if a not in vector_axes]
     for step in steps:
         if step[0] in ("fill", "add", "keep"):
             _check_mask(step, query_axes)
@@ -749,6 +768,7 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
         sizes,
         normalize,
         normalize_nodes,
+        tuple(vector_axes),
     )
 
 
@@ -976,6 +996,7 @@ class Plan:
     steps: tuple
     backend: str
     normalize: str = "softmax"  # or "sigmoid" (sigmoid(e) / sum sigmoid(e))
+    vector_axes: tuple[int, ...] = ()  # one score vector per index of these (leading) batch axes
 
 
 def _pad(t: Tensor, rank: int) -> Tensor:
@@ -1003,9 +1024,14 @@ def _fill_value(value) -> float:
 
 
 def _plain_scores(query, keys, bias, v):
+    """[B', T', S] scores; v [H], or [G, H]: one per group of B' / G consecutive rows."""
     pre = query.unsqueeze(2) + keys.unsqueeze(1)
     if bias is not None:
         pre = pre + bias
+    if v.dim() == 2:
+        groups = v.shape[0]
+        tanh = torch.tanh(pre).reshape(groups, -1, *pre.shape[1:])
+        return (tanh * v[:, None, None, None, :]).sum(-1).reshape(pre.shape[:-1])
     return torch.tanh(pre) @ v
 
 
@@ -1062,7 +1088,8 @@ class TracedWeights:
         memory = values = None
         if location is not None:  # the fixed part of the keys, kept while the memory is
             key, values = self._fixed(values_of_terms[0], raw[0], canonical, full)
-        elif len(raw) == 1:  # one key term: its layout and memory kept with it (a decoder's steps)
+        elif len(raw) == 1 and not plan.vector_axes:
+            # one key term: its layout and memory kept with it (a decoder's steps)
             key, values, memory = self._memory(values_of_terms[0], raw[0], canonical, full)
         else:
             key = canonical(raw[0])
@@ -1082,7 +1109,8 @@ class TracedWeights:
         for t in biases:
             t = t.reshape(width)
             bias = t if bias is None else bias + t
-        v = vector.reshape(width)
+        groups = math.prod(full[a] for a in plan.vector_axes)
+        v = vector.reshape(groups, width) if plan.vector_axes else vector.reshape(width)
         plain = False
         v_eff, score_bias = v, None  # e' = v_eff . tanh(...) + score_bias: the scaled, shifted e
         scale_iter, shift_iter = iter(scales), iter(shifts)
@@ -1125,6 +1153,25 @@ class TracedWeights:
                 self, plan.backend, step_query, key, parts, values, v_eff, valid
             )
             weights = weights.unsqueeze(1)
+        elif plan.vector_axes:  # a score vector per head: the op once per head, over its rows
+            options = {} if options is None else options
+            rows_per = batch // groups
+            parts = []
+            for g in range(groups):
+                part = slice(g * rows_per, (g + 1) * rows_per)
+                _, w = attend(
+                    plan.backend,
+                    query[part],
+                    key[part],
+                    values[part],
+                    v_eff[g],
+                    bias,
+                    **{name: t if t is None else t[part] for name, t in options.items()},
+                    normalize=plan.normalize,
+                    score_bias=score_bias,
+                )
+                parts.append(w)
+            weights = torch.cat(parts)
         else:
             options = {} if options is None else options
             _, weights = attend(
@@ -1139,11 +1186,11 @@ class TracedWeights:
                 normalize=plan.normalize,
                 score_bias=score_bias,
             )
-            if graded:  # a float mask's gradient: the softmax's Jacobian, by a term worth zero
-                shift = sum(m - m.detach() for m in graded).unsqueeze(1)
-                fixed = weights.detach()
-                moved = fixed * shift
-                weights = weights + moved - fixed * moved.sum(-1, keepdim=True)
+        if graded and not plain:  # a float mask's gradient: the softmax's Jacobian, by a term
+            shift = sum(m - m.detach() for m in graded).unsqueeze(1)  # worth zero
+            fixed = weights.detach()
+            moved = fixed * shift
+            weights = weights + moved - fixed * moved.sum(-1, keepdim=True)
         weights = weights.reshape(
             [full[a] for a in plan.batch_axes + plan.query_axes] + [frames]
         ).permute([rows.index(a) for a in range(rank - 1)])
@@ -1484,6 +1531,7 @@ def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
         tuple(plan_steps),
         backend,
         match.normalize,
+        match.vector_axes,
     )
     with graph.inserting_before(match.softmax):
         replacement = TracedWeights(plan)
