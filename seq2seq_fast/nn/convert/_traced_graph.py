@@ -734,7 +734,8 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
     query_axes = [a for a in range(rank - 1) if a != memory_axis and a not in batch_axes]
     vector_shape = _shape(vector)
     vector_axes = []
-    if not all(map(_is_one, vector_shape[:-1])):  # one vector per head: along batch axes only
+    per_head = _is(scores, _SUM) and not all(map(_is_one, vector_shape[:-1]))  # (. * v).sum(-1)
+    if per_head:  # one vector per head: along batch axes only
         padded_vector = (1,) * (rank - len(vector_shape)) + tuple(vector_shape)
         vector_axes = [a for a in range(rank - 1) if not _is_one(padded_vector[a])]
         if hidden != rank - 1 or any(
