@@ -27,7 +27,7 @@ import torch
 
 from seq2seq_fast.seq2seq.builders import Clock, build_model, build_optimizer, build_task
 from seq2seq_fast.seq2seq.config import TrainConfig
-from seq2seq_fast.seq2seq.data import make_batch, padding_fractions
+from seq2seq_fast.seq2seq.data.batching import make_batch, padding_fractions
 from seq2seq_fast.seq2seq.distributed import Dist
 from seq2seq_fast.seq2seq.train import Job, train_step
 

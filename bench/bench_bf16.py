@@ -37,7 +37,7 @@ from bench.harness import make_call, make_case, peak_extra_bytes
 from bench.shapes import CPU_SHAPES, TINY_SHAPES, TRAIN_SIZES, TrainSize
 from bench.timing import time_interleaved
 from seq2seq_fast.ops.linear_cross_entropy import linear_cross_entropy
-from seq2seq_fast.seq2seq.data import PAD_ID
+from seq2seq_fast.seq2seq.data.vocab import PAD_ID
 from seq2seq_fast.seq2seq.models import Memory, Seq2Seq, Seq2SeqConfig
 from seq2seq_fast.seq2seq.precision import conversion_profile
 

@@ -23,7 +23,7 @@ import statistics
 import torch
 
 from bench import shapes, timing
-from seq2seq_fast.seq2seq.data import make_batch
+from seq2seq_fast.seq2seq.data.batching import make_batch
 from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig, sequence_loss
 
 VARIANTS = (("concat", False), ("concat", True), ("attentional", True))

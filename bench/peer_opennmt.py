@@ -96,7 +96,7 @@ def setup_venv(venv: Path) -> Path:
 
 def prepare_data(args) -> dict:
     """Split and subword-encode the corpus with seq2seq-fast's loader; write piece files."""
-    from seq2seq_fast.seq2seq.data import TranslationData
+    from seq2seq_fast.seq2seq.data.corpus import TranslationData
 
     corpus = TranslationData.load(
         args.data,
@@ -259,7 +259,7 @@ def ours_speed(files: dict, hidden: int, embed: int, args, precision: str) -> tu
     """-> (target tokens/s of seq2seq-fast's training step over ``args.steps`` steps, params)."""
     import torch
 
-    from seq2seq_fast.seq2seq.data import epoch_batches, make_batch
+    from seq2seq_fast.seq2seq.data.batching import epoch_batches, make_batch
     from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig
 
     torch.manual_seed(0)

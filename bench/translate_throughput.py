@@ -38,7 +38,7 @@ CLOSING_LINE = re.compile(r"(\d+) sentences, (\d+) tokens in ([0-9.]+) s")
 
 def sample_sentences(corpus: Path, count: int, min_words: int, max_words: int, seed: int = 0):
     """``count`` distinct first-column sentences of min..max words, drawn with a fixed seed."""
-    from seq2seq_fast.seq2seq.data import read_parallel_corpus
+    from seq2seq_fast.seq2seq.data.corpus import read_parallel_corpus
 
     pairs, _ = read_parallel_corpus(corpus)
     sources = sorted({s for s, _ in pairs if min_words <= len(s.split()) <= max_words})

@@ -4,23 +4,18 @@ the optimiser and its learning-rate schedule, and the autocast dtype."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from seq2seq_fast.seq2seq.config import TrainConfig, TrainError
-from seq2seq_fast.seq2seq.data import (
-    ReverseTask,
-    TranslationData,
-    epoch_batches,
-    max_lengths,
+from seq2seq_fast.seq2seq.data.batching import (
     padding_fractions,
-    shared_vocab,
-    token_batches,
-    vocab_from_state,
 )
+from seq2seq_fast.seq2seq.data.corpus import TranslationData
+from seq2seq_fast.seq2seq.data.tasks import ReverseTask, Task, TranslationTask
+from seq2seq_fast.seq2seq.data.vocab import shared_vocab, vocab_from_state
 from seq2seq_fast.seq2seq.distributed import Dist
 from seq2seq_fast.seq2seq.distributed import log as _log
 from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig
@@ -42,107 +37,47 @@ def _lr_lambda(warmup: int, total: int, min_ratio: float, time_progress=None):
     return factor
 
 
-@dataclass
-class Task:
-    """What the training loop needs from a task: vocabularies, batches, held-out data."""
-
-    kind: str
-    src_vocab: Any
-    tgt_vocab: Any
-    steps_per_epoch: int
-    pad_src: int  # padded widths under torch.compile
-    pad_tgt: int
-    info: dict[str, Any]  # stored in the checkpoint
-    reverse: ReverseTask | None = None
-    heldout: list | None = None  # reverse: held-out id pairs
-    generator: torch.Generator | None = None  # reverse: draws the training batches
-    corpus: TranslationData | None = None  # translate: the encoded splits
-    last_plan: tuple | None = None  # (its key, the plan) of epoch_plan's last call
-
-    def epoch_plan(self, config: TrainConfig, epoch: int, ctx: Dist) -> list[list[int]] | None:
-        """translate: this rank's batches (index lists) of one epoch; reverse: None. The last
-        plan is kept: build_task counts epoch 0's batches, the first epoch then uses them (over
-        millions of pairs a plan takes seconds)."""
-        if self.corpus is None:
-            return None
-        key = (epoch, ctx.rank, ctx.world_size, config.seed, config.batch_tokens, config.batch_size)
-        if self.last_plan is not None and self.last_plan[0] == key:
-            return self.last_plan[1]
-        if config.batch_tokens is not None:
-            plan = token_batches(
-                self.corpus.train,
-                config.batch_tokens,
-                seed=config.seed,
-                epoch=epoch,
-                rank=ctx.rank,
-                world_size=ctx.world_size,
-            )
-        else:
-            plan = epoch_batches(
-                self.corpus.train,
-                config.batch_size,
-                seed=config.seed,
-                epoch=epoch,
-                rank=ctx.rank,
-                world_size=ctx.world_size,
-            )
-        self.last_plan = (key, plan)
-        return plan
-
-    def pairs(self, batch_size: int, plan: list[list[int]] | None, position: int) -> list:
-        """The id pairs of the batch at ``position`` of the epoch (reverse: drawn fresh)."""
-        if self.reverse is not None:
-            return self.reverse.sample(self.generator, batch_size)
-        return [self.corpus.train[i] for i in plan[position]]
-
-    def step_pairs(self, config: TrainConfig, plan: list[list[int]] | None, step: int) -> list:
-        """The id pairs of each of the ``accum_steps`` batches of the epoch's step ``step``
-        (translate: the plan's batches step * N ... step * N + N - 1, fewer at the epoch's end;
-        reverse: drawn fresh)."""
-        n = config.accum_steps
-        if self.reverse is not None:
-            return [self.pairs(config.batch_size, plan, step) for _ in range(n)]
-        return [
-            self.pairs(config.batch_size, plan, i)
-            for i in range(step * n, min(len(plan), step * n + n))
-        ]
-
-    def example(self) -> str:
-        """The held-out sentence drawn in the final heatmap."""
-        if self.reverse is not None:
-            return self.src_vocab.decode(self.heldout[0][0])
-        return (self.corpus.test or self.corpus.valid)[0][0]
-
-
 def build_task(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None) -> Task:
     """The reversal task, or the translation corpus with its vocabularies (a checkpoint's on
     resume, else trained on the training split)."""
     if config.task == "reverse":
-        reverse = ReverseTask(
-            config.vocab_size, config.min_len, config.max_len, config.seed, config.heldout_size
-        )
-        return Task(
-            "reverse",
-            reverse.vocab,
-            reverse.vocab,
-            config.steps_per_epoch,
+        return ReverseTask(
+            config.vocab_size,
+            config.min_len,
             config.max_len,
-            config.max_len + 1,
-            {
-                "kind": "reverse",
-                "vocab_size": config.vocab_size,
-                "min_len": config.min_len,
-                "max_len": config.max_len,
-            },
-            reverse=reverse,
-            heldout=reverse.heldout(),
-            generator=torch.Generator().manual_seed(config.seed * 7919 + 17 + ctx.rank),
+            config.seed,
+            config.heldout_size,
+            steps_per_epoch=config.steps_per_epoch,
+            rank=ctx.rank,
         )
+    corpus = _read_corpus(config, ctx, payload)
+    task = TranslationTask(
+        corpus,
+        {
+            "kind": "translate",
+            "data": str(config.data),
+            "direction": config.direction,
+            "valid_data": config.valid_data,
+            "test_data": config.test_data,
+            "src": config.src,
+            "tgt": config.tgt,
+            "shared_vocab": shared_vocab(corpus),
+        },
+    )
+    plan = task.epoch_plan(config, 0, ctx)
+    task.steps_per_epoch = -(-len(plan) // config.accum_steps)  # optimiser steps
+    _log_plan(config, ctx, corpus, plan)
+    return task
+
+
+def _read_corpus(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None):
+    """The encoded splits, read into memory or from a token store, with a log of what was kept.
+    On resume (``payload``) with the vocabularies the model was trained with."""
     vocabs = None
     if payload is not None:  # on resume, the vocabularies the model was trained with
         vocabs = (vocab_from_state(payload["src_vocab"]), vocab_from_state(payload["tgt_vocab"]))
-    if config.uses_token_store:  # streamed into an on-disk token store (seq2seq/store.py)
-        from seq2seq_fast.seq2seq.store import open_store_corpus
+    if config.uses_token_store:  # streamed into an on-disk token store (seq2seq/data/store.py)
+        from seq2seq_fast.seq2seq.data.options import open_store_corpus
 
         corpus = open_store_corpus(
             config,
@@ -181,28 +116,10 @@ def build_task(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None) -
         f"{len(corpus.src_vocab)} source, {len(corpus.tgt_vocab)} target",
         ctx,
     )
-    longest_src, longest_tgt = max_lengths(corpus.train)
-    task = Task(
-        "translate",
-        corpus.src_vocab,
-        corpus.tgt_vocab,
-        0,
-        longest_src,
-        longest_tgt + 1,
-        {
-            "kind": "translate",
-            "data": str(config.data),
-            "direction": config.direction,
-            "valid_data": config.valid_data,
-            "test_data": config.test_data,
-            "src": config.src,
-            "tgt": config.tgt,
-            "shared_vocab": shared_vocab(corpus),
-        },
-        corpus=corpus,
-    )
-    plan = task.epoch_plan(config, 0, ctx)
-    task.steps_per_epoch = -(-len(plan) // config.accum_steps)  # optimiser steps
+    return corpus
+
+
+def _log_plan(config: TrainConfig, ctx: Dist, corpus, plan: list) -> None:
     src_pad, tgt_pad = padding_fractions(corpus.train, plan)
     how = (
         f"of at most {config.batch_tokens} padded tokens"
@@ -215,7 +132,6 @@ def build_task(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None) -
         f"{src_pad:.1%} of source and {tgt_pad:.1%} of target positions",
         ctx,
     )
-    return task
 
 
 def build_model(config: TrainConfig, task: Task, ctx: Dist) -> tuple[Seq2Seq, str]:

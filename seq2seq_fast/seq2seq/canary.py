@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from seq2seq_fast.seq2seq.data import Batch
+    from seq2seq_fast.seq2seq.data.batching import Batch
 
 FAILURE_FORMAT = "seq2seq-fast-fused-failure"
 FAILURE_VERSION = 1
@@ -388,7 +388,7 @@ def write_failure(path: Path, payload: dict[str, Any]) -> None:
 def replay(path: str | Path, *, device: str = "cpu") -> dict[str, Any]:
     """Re-run a fused-failure file's batch on its weights: -> {"fused": Rerun, "reference":
     Rerun, "preactivation": {...}}, the fused run with the recorded backend and dropout masks."""
-    from seq2seq_fast.seq2seq.data import Batch
+    from seq2seq_fast.seq2seq.data.batching import Batch
     from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig
 
     payload = torch.load(path, map_location="cpu", weights_only=True)

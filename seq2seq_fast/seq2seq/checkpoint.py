@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from seq2seq_fast.seq2seq.data import vocab_from_state
+from seq2seq_fast.seq2seq.atomic import atomic_write
+from seq2seq_fast.seq2seq.data.vocab import vocab_from_state
 from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig
 
 CHECKPOINT_FORMAT = "seq2seq-fast checkpoint"
@@ -35,32 +36,8 @@ def save_checkpoint(payload: dict[str, Any], path: Path) -> None:
     The folder is fsynced after the rename (so the new name survives a power loss), and temporary
     files that killed processes left next to ``path`` are removed.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as handle:
-            torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_folder(path.parent)
+    atomic_write(path, lambda handle: torch.save(payload, handle))
     _remove_stale_temporaries(path)
-
-
-def _fsync_folder(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # e.g. a platform without directory file descriptors
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _remove_stale_temporaries(path: Path) -> None:

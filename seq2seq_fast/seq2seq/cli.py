@@ -21,8 +21,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, fields
 
-from seq2seq_fast.nn.attention import BACKENDS
-from seq2seq_fast.seq2seq.config import TASK_DEFAULTS, TrainConfig
+from seq2seq_fast.seq2seq.config import TrainConfig, add_train_arguments, given_options
 from seq2seq_fast.seq2seq.decoding import DecodeOptions
 
 # translate on CPU: batches decoded at once (Translator workers), at most this many.
@@ -49,14 +48,6 @@ def _positive_factor(text: str) -> float:
     return value
 
 
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-
-
 def _add_config_options(p) -> None:
     p.add_argument(
         "--config",
@@ -77,200 +68,18 @@ def _add_train(sub) -> argparse.ArgumentParser:
         description="Train an attention seq2seq model. Without options: the reversal main job.",
     )
     _add_config_options(p)
-    add = p.add_argument
-    add("--task", choices=list(TASK_DEFAULTS))
-    add("--data", help="translate: parallel corpus, source<TAB>target lines (.txt/.tsv or .zip)")
-    add("--out", help="output folder for model.pt and attention.png (default runs/<task>)")
-    add("--resume", metavar="CHECKPOINT", help="continue this checkpoint exactly")
-    add(
-        "--init-from",
+    p.add_argument(
+        "--resume",
         metavar="CHECKPOINT",
-        help="fine-tune: start from this checkpoint's weights and vocabularies, with a fresh "
-        "optimiser and schedule (its model shape must match)",
+        help="continue this checkpoint exactly; options that may change mid-run (epochs, time "
+        "budget, threads, backend, evaluation, patience, logging) apply, others must match",
     )
-    add("--seed", type=int)
-    add(
-        "--backend",
-        choices=[*BACKENDS, "compile"],
-        help="attention backend (compile: the same as --compile, kept as an alias)",
-    )
-    add(
-        "--compile",
+    p.add_argument(
+        "--overwrite",
         action="store_true",
-        default=None,
-        help="torch.compile the whole model, RNN layers and attention in one graph",
+        help="start a new run in an --out folder that holds another run, replacing its files",
     )
-    g = p.add_argument_group("model")
-    g.add_argument("--decoder", choices=["gnmt", "bahdanau"])
-    g.add_argument("--cell", choices=["gru", "lstm"])
-    g.add_argument("--embed-size", type=int)
-    g.add_argument("--hidden-size", type=int)
-    g.add_argument("--attention-size", type=int)
-    g.add_argument("--encoder-layers", type=int)
-    g.add_argument("--decoder-layers", type=int)
-    g.add_argument("--bidirectional", type=_bool, metavar="BOOL")
-    g.add_argument("--dropout", type=float)
-    g.add_argument(
-        "--output-layer",
-        choices=["concat", "attentional"],
-        help="softmax input: [s; c] itself, or tanh(W [s; c]) of hidden width",
-    )
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int)
-    g.add_argument("--steps-per-epoch", type=int, help="reverse task: batches per epoch")
-    g.add_argument("--batch-size", type=int, help="pairs per batch")
-    g.add_argument(
-        "--batch-tokens",
-        type=int,
-        metavar="N",
-        help="translate: instead, batches of length-similar pairs of at most N padded "
-        "tokens (pairs x max(source, target+1) widths)",
-    )
-    g.add_argument(
-        "--accum-steps",
-        type=int,
-        metavar="N",
-        help="sum the gradients of N batches per optimiser step (a batch N times "
-        "larger, in one batch's memory)",
-    )
-    g.add_argument("--lr", type=float)
-    g.add_argument("--weight-decay", type=float)
-    g.add_argument("--warmup-steps", type=int)
-    g.add_argument("--min-lr-ratio", type=float)
-    g.add_argument("--clip-norm", type=float)
-    g.add_argument("--label-smoothing", type=float)
-    g.add_argument(
-        "--precision",
-        choices=["fp32", "bf16"],
-        help="bf16: autocast with fp32 master weights (fp32 where the CPU lacks AVX512-BF16/AMX)",
-    )
-    g.add_argument("--time-budget-min", type=float, help="stop training after this many minutes")
-    g = p.add_argument_group("reverse task")
-    g.add_argument("--vocab-size", type=int, help="number of symbols (default 32)")
-    g.add_argument("--min-len", type=int, help="shortest sequence (default 8)")
-    g.add_argument("--max-len", type=int, help="longest sequence (default 24)")
-    g.add_argument("--heldout-size", type=int, help="held-out sequences (default 1000)")
-    g = p.add_argument_group("translate task")
-    g.add_argument(
-        "--direction",
-        choices=["1-2", "2-1"],
-        help="1-2: column 1 -> column 2 (default); 2-1: the other way",
-    )
-    g.add_argument("--max-words", type=int, help="drop pairs with a longer side (default: all)")
-    g.add_argument("--max-pairs", type=int, help="use a fixed-seed random subset of the pairs")
-    g.add_argument("--spm-vocab-size", type=int, help="sentencepiece vocabulary per side")
-    g.add_argument("--normalization", choices=["NFKC", "NFC"])
-    g.add_argument("--valid-fraction", type=float)
-    g.add_argument("--test-fraction", type=float)
-    g.add_argument(
-        "--valid-data",
-        metavar="PATH",
-        help="official validation split: used as given, and --data is then the "
-        "training split (not split again)",
-    )
-    g.add_argument(
-        "--test-data",
-        metavar="PATH",
-        help="official test split (with --valid-data): the final test BLEU",
-    )
-    g = p.add_argument_group(
-        "own data and tokenizers",
-        "A two-file corpus (one sentence a line, line i of one translating line i of the other) "
-        "and any tokenizer option are read through an on-disk token store: encoded once, "
-        "memory-mapped, reused by the next run with the same files and tokenizers.",
-    )
-    g.add_argument("--src", metavar="FILE", help="training source sentences, one a line")
-    g.add_argument("--tgt", metavar="FILE", help="training target sentences, line by line")
-    g.add_argument("--valid-src", metavar="FILE", help="official validation split, source side")
-    g.add_argument("--valid-tgt", metavar="FILE", help="official validation split, target side")
-    g.add_argument("--test-src", metavar="FILE", help="official test split, source side")
-    g.add_argument("--test-tgt", metavar="FILE", help="official test split, target side")
-    g.add_argument(
-        "--spm",
-        metavar="MODEL",
-        help="an existing sentencepiece model for both sides (a shared vocabulary)",
-    )
-    g.add_argument("--src-spm", metavar="MODEL", help="an existing sentencepiece model, source")
-    g.add_argument("--tgt-spm", metavar="MODEL", help="an existing sentencepiece model, target")
-    g.add_argument(
-        "--src-vocab",
-        dest="src_vocab_file",
-        metavar="FILE",
-        help="pre-tokenised source text: its vocabulary, one token a line (or token<TAB>count)",
-    )
-    g.add_argument(
-        "--tgt-vocab",
-        dest="tgt_vocab_file",
-        metavar="FILE",
-        help="pre-tokenised target text: its vocabulary file",
-    )
-    g.add_argument(
-        "--share-vocab",
-        action="store_true",
-        default=None,
-        help="one vocabulary for both sides (trained on both when not given)",
-    )
-    g.add_argument(
-        "--tie-embeddings",
-        action="store_true",
-        default=None,
-        help="the decoder's output projection is its input embedding; with a shared "
-        "vocabulary the encoder's embedding too",
-    )
-    g.add_argument(
-        "--token-store",
-        type=_bool,
-        metavar="BOOL",
-        help="the on-disk token store on or off (default: on for --src/--tgt, with a "
-        "tokenizer option, and for a --data file over 100 MB)",
-    )
-    g.add_argument(
-        "--cache-dir",
-        metavar="DIR",
-        help="where token stores and trained tokenizers are kept (default $SEQ2SEQ_FAST_CACHE_DIR, "
-        "else $XDG_CACHE_HOME/seq2seq-fast, else ~/.cache/seq2seq-fast: shared by runs)",
-    )
-    g.add_argument(
-        "--spm-sample-size",
-        type=int,
-        metavar="N",
-        help="train sentencepiece on a random sample of N pairs (default 100000; 0: all)",
-    )
-    g.add_argument(
-        "--max-held-out",
-        type=int,
-        metavar="N",
-        help="valid and test sets carved from one file: at most N pairs each (default 3000)",
-    )
-    g = p.add_argument_group("evaluation")
-    g.add_argument("--eval-size", type=int, help="valid pairs scored after each epoch")
-    g.add_argument("--eval-beam", type=int, help="beam size for the final test BLEU")
-    g.add_argument(
-        "--eval-every",
-        type=int,
-        help="also evaluate every N steps; a new best score writes best.pt",
-    )
-    g.add_argument(
-        "--patience", type=int, help="stop after N evaluations without a new best (default: never)"
-    )
-    g = p.add_argument_group("bookkeeping")
-    g.add_argument("--save-every", type=int, help="also checkpoint every N steps")
-    g.add_argument(
-        "--keep-checkpoints",
-        type=int,
-        metavar="N",
-        help="keep the weights of the last N epochs as model.epochE.pt, to average with export",
-    )
-    g.add_argument("--stop-after-steps", type=int, help=argparse.SUPPRESS)
-    g.add_argument("--no-progress", dest="progress", action="store_false", default=None)
-    g.add_argument("--no-heatmap", dest="heatmap", action="store_false", default=None)
-    g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    g.add_argument(
-        "--tensorboard",
-        metavar="DIR",
-        help="also write the metrics as TensorBoard events to DIR (needs the "
-        "tensorboard package; metrics.jsonl is always written)",
-    )
+    add_train_arguments(p)  # one flag per TrainConfig field (config.py)
     return p
 
 
@@ -376,6 +185,44 @@ def _add_export(sub) -> None:
     )
 
 
+def _add_cache(sub) -> None:
+    p = sub.add_parser(
+        "cache",
+        help="list (and reclaim) the cached token stores and sentencepiece models",
+        description="List the token stores and trained sentencepiece models that translate runs "
+        "keep in the cache folder, with size and last use; --clear or --older-than removes them "
+        "(a later run builds what it needs again).",
+    )
+    p.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="the cache folder (default $SEQ2SEQ_FAST_CACHE_DIR, else "
+        "$XDG_CACHE_HOME/seq2seq-fast, else ~/.cache/seq2seq-fast)",
+    )
+    p.add_argument("--clear", action="store_true", help="remove every entry not being built")
+    p.add_argument(
+        "--older-than",
+        type=float,
+        metavar="DAYS",
+        help="remove the entries last used more than DAYS days ago",
+    )
+
+
+def _cache(args) -> int:
+    from pathlib import Path
+
+    from seq2seq_fast.seq2seq.cache import run_cache_command
+    from seq2seq_fast.seq2seq.data.options import default_cache_dir
+
+    if args.older_than is not None and not (
+        math.isfinite(args.older_than) and args.older_than >= 0
+    ):
+        raise ValueError(f"--older-than must be a number of days >= 0, got {args.older_than}")
+    root = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
+    sys.stdout.write(run_cache_command(root, clear=args.clear, older_than_days=args.older_than))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="seq2seq-fast", description="Attention seq2seq models on fused Bahdanau attention."
@@ -388,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--output", default="attention.png", help="image file (default %(default)s)"
     )
     _add_export(sub)
+    _add_cache(sub)
     return parser
 
 
@@ -419,9 +267,7 @@ def apply_config_file(
 
     if getattr(args, "config", None) is None:
         return
-    if args.command == "train":
-        if args.resume:
-            raise ValueError("--config is for new runs; --resume takes the checkpoint's options")
+    if args.command == "train":  # with --resume its options are given again: resumed() rules
         allowed = {f.name for f in fields(TrainConfig)}
     else:
         sub = args.commands[args.command]
@@ -435,12 +281,9 @@ def apply_config_file(
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
     """The job ``seq2seq-fast train`` runs: the options given, every other field its task's
-    default (:class:`TrainConfig` resolves those, as it does in Python)."""
-    values = {
-        f.name: getattr(args, f.name)
-        for f in fields(TrainConfig)
-        if getattr(args, f.name, None) is not None
-    }
+    default (:class:`TrainConfig` resolves those, as it does in Python); with ``--init-from``,
+    the model shape is the checkpoint's."""
+    values = given_options(args)
     if values.get("backend") == "compile":  # the old spelling of --compile
         values["backend"], values["compile"] = "auto", True
     corpus = [f"--{name}" for name in ("data", "src", "tgt") if values.get(name) is not None]
@@ -451,36 +294,36 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
             f"{' and '.join(corpus)} given with --task reverse, whose data is built in: "
             "use --task translate (or leave --task out) to train on a corpus"
         )
+    if values.get("init_from"):
+        from seq2seq_fast.seq2seq.config import init_shape
+        from seq2seq_fast.seq2seq.finetune import load_init
+
+        payload = load_init(values["init_from"])
+        values.update(init_shape(payload, values, values["init_from"]))
     return TrainConfig(**values)
 
 
 def _train(args) -> int:
     from seq2seq_fast.seq2seq.train import train
 
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues a run and --overwrite replaces one: give one")
     if args.dump_config:
         from seq2seq_fast.seq2seq.configfile import dump_config
 
-        if args.resume:  # what the run continues with: the checkpoint's options
+        if args.resume:  # what the run continues with: the checkpoint's options, changes applied
             from seq2seq_fast.seq2seq.checkpoint import load_checkpoint
 
-            values = dict(load_checkpoint(args.resume).get("train_config") or {})
+            saved = dict(load_checkpoint(args.resume).get("train_config") or {})
+            values = asdict(TrainConfig.resumed(saved, given_options(args), args.resume))
         else:
             values = asdict(train_config(args))
         sys.stdout.write(dump_config(values))
         return 0
     if args.resume:
-        # Only output and run-length options apply on resume; the rest comes from the checkpoint.
-        config = TrainConfig(task="reverse")
-        config.out = args.out
-        config.stop_after_steps = args.stop_after_steps
-        config.threads = args.threads
-        for name in ("spm", "src_spm", "tgt_spm", "src_vocab_file", "tgt_vocab_file"):
-            setattr(config, name, getattr(args, name))  # checked against the checkpoint's
-        if args.progress is not None:
-            config.progress = args.progress
-        train(config, resume=args.resume)
+        train(resume=args.resume, changes=given_options(args))
     else:
-        train(train_config(args))
+        train(train_config(args), overwrite=args.overwrite)
     return 0
 
 
@@ -710,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from seq2seq_fast.seq2seq.checkpoint import CheckpointError
     from seq2seq_fast.seq2seq.config import TrainError
-    from seq2seq_fast.seq2seq.data import CorpusError
+    from seq2seq_fast.seq2seq.data.errors import CorpusError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -728,6 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "translate": _translate,
         "plot-attention": _plot,
         "export": _export,
+        "cache": _cache,
     }
     threads = torch.get_num_threads()
     try:

@@ -11,10 +11,11 @@ as ``config.yaml`` (the same is stored in the checkpoint as ``train_config``): g
 from __future__ import annotations
 
 import difflib
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from seq2seq_fast.seq2seq.atomic import atomic_write
 
 CONFIG_FILE = "config.yaml"
 
@@ -144,16 +145,4 @@ def dump_config(values: dict[str, Any]) -> str:
 
 def write_config(values: dict[str, Any], path: str | Path) -> Path:
     """``values`` as YAML at ``path``, atomically (a temporary file, fsync, os.replace)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(dump_config(values))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    return atomic_write(path, dump_config(values).encode("utf-8"))

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seq2seq_fast.seq2seq.data import BOS_ID, EOS_ID, PAD_ID, make_batch
+from seq2seq_fast.seq2seq.data.batching import make_batch
+from seq2seq_fast.seq2seq.data.vocab import BOS_ID, EOS_ID, PAD_ID
 from seq2seq_fast.seq2seq.models import Memory, Seq2Seq, map_state
 
 

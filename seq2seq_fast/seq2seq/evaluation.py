@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from seq2seq_fast.seq2seq.data.tasks import ReverseTask
 from seq2seq_fast.seq2seq.decoding import DecodeOptions, decode
 from seq2seq_fast.seq2seq.models import Seq2Seq
 
@@ -55,8 +56,8 @@ def evaluate(job: Any, final: bool = False, model: Seq2Seq | None = None) -> dic
     ``final`` the test BLEU (beam ``eval_beam``). Of ``model``, default the job's (last) model."""
     config, task, device = job.config, job.task, job.ctx.device
     model = job.model if model is None else model
-    if task.reverse is not None:
-        return reverse_accuracy(model, task.heldout, device)
+    if isinstance(task, ReverseTask):
+        return reverse_accuracy(model, task.heldout_pairs, device)
     if final:
         if not task.corpus.test:  # official splits without a test file
             return {}

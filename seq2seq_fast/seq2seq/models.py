@@ -35,7 +35,7 @@ from seq2seq_fast.nn.attention import BahdanauAttention
 from seq2seq_fast.nn.stepwise import StepwiseMemory
 from seq2seq_fast.ops import recurrent as fused_gru
 from seq2seq_fast.ops.linear_cross_entropy import linear_cross_entropy
-from seq2seq_fast.seq2seq.data import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (re-exported)
+from seq2seq_fast.seq2seq.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (re-exported)
 from seq2seq_fast.seq2seq.precision import cast_once
 
 CELLS = ("gru", "lstm")

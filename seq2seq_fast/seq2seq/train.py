@@ -75,9 +75,10 @@ from seq2seq_fast.seq2seq.checkpoint import (
     snapshots,
     write_snapshot,
 )
-from seq2seq_fast.seq2seq.config import TrainConfig, TrainError
+from seq2seq_fast.seq2seq.config import TOKENIZER_FIELDS, TrainConfig, TrainError
 from seq2seq_fast.seq2seq.configfile import CONFIG_FILE, write_config
-from seq2seq_fast.seq2seq.data import PAD_ID, Batch, make_batch
+from seq2seq_fast.seq2seq.data.batching import Batch, make_batch
+from seq2seq_fast.seq2seq.data.vocab import PAD_ID
 from seq2seq_fast.seq2seq.distributed import (
     Dist,
     log,
@@ -86,7 +87,7 @@ from seq2seq_fast.seq2seq.distributed import (
 )
 from seq2seq_fast.seq2seq.evaluation import bleu_signature, describe, evaluate, score_of
 from seq2seq_fast.seq2seq.finetune import init_from, load_init
-from seq2seq_fast.seq2seq.metrics import MetricsLog
+from seq2seq_fast.seq2seq.metrics import METRICS_FILE, MetricsLog
 from seq2seq_fast.seq2seq.models import Seq2Seq, compile_model, sequence_loss
 
 
@@ -455,37 +456,88 @@ def _evaluate_now(job: Job) -> bool:
     return track_best(job)
 
 
-def train(config: TrainConfig, *, resume: str | Path | None = None) -> TrainResult:
-    """Run one training job (see module docstring). ``resume`` continues a checkpoint exactly."""
+def train(
+    config: TrainConfig | None = None,
+    *,
+    resume: str | Path | None = None,
+    changes: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> TrainResult:
+    """Run one training job (see module docstring).
+
+    A new job refuses an output folder that holds another run's files (model.pt, best.pt,
+    metrics.jsonl, config.yaml, epoch snapshots) unless ``overwrite``, which removes them first.
+    ``resume`` continues a checkpoint exactly, with the checkpoint's options: ``changes`` (field
+    -> value, e.g. ``{"epochs": 8}``) are the options given again, applied where they may change
+    mid-run and refused by name where they differ from the checkpoint's
+    (:meth:`TrainConfig.resumed`). ``config`` given with ``resume`` contributes its out,
+    stop_after_steps, progress and threads (the pre-0.3 call; ``changes`` override them)."""
     threads = torch.get_num_threads()
     try:
-        return _train(config, resume)
+        return _train(config if config is not None else TrainConfig(), resume, changes, overwrite)
     finally:
         torch.set_num_threads(threads)
 
 
-def _resume_config(config: TrainConfig, resume: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
-    """-> (the checkpoint's config, with the output folder and run-length options of ``config``;
-    the checkpoint)."""
+# The files a run writes into its folder: a new run there would overwrite or mix with them.
+RUN_FILES = ("model.pt", "best.pt", METRICS_FILE, CONFIG_FILE, "attention.png")
+
+
+def run_files(folder: Path) -> list[Path]:
+    """The files of a run in ``folder`` (none when the folder is new or holds other things)."""
+    found = [folder / name for name in RUN_FILES if (folder / name).exists()]
+    return found + snapshots(folder)
+
+
+def claim_run_folder(config: TrainConfig, overwrite: bool, ctx: Dist) -> None:
+    """Before a new run writes anything: refuse a folder that holds another run (TrainError
+    naming its files and the way out), or with ``overwrite`` remove those files (rank 0)."""
+    found = run_files(config.out_dir)
+    if found and not overwrite:
+        names = ", ".join(p.name for p in found[:6]) + (" ..." if len(found) > 6 else "")
+        raise TrainError(
+            f"--out {config.out_dir} holds another run ({names}): pass --overwrite to replace "
+            f"it, --resume {config.out_dir / 'model.pt'} to continue it, or another --out"
+        )
+    if ctx.enabled:  # every rank has looked before rank 0 removes or writes anything
+        dist.barrier()
+    if found and ctx.is_main:
+        for path in found:
+            path.unlink(missing_ok=True)
+        log(f"--overwrite: removed the earlier run's {', '.join(p.name for p in found)}", ctx)
+
+
+def _resume_config(
+    config: TrainConfig, resume: str | Path, changes: dict[str, Any] | None, ctx: Dist
+) -> tuple[TrainConfig, dict[str, Any]]:
+    """-> (the config the resumed run continues with, the checkpoint)."""
     payload = load_checkpoint(resume)
     if is_inference_only(payload):
         raise TrainError(
             f"{resume} is an exported inference model (weights and vocabularies, no optimiser "
             "state): it cannot be resumed; resume from the training checkpoint instead"
         )
-    from seq2seq_fast.seq2seq.store import check_tokenizers_fit
+    given = {
+        name: getattr(config, name)
+        for name in ("out", "stop_after_steps", "threads")
+        if getattr(config, name) is not None
+    }
+    if not config.progress:
+        given["progress"] = False
+    given.update(changes or {})
+    saved = dict(payload.get("train_config", {}))
+    resumed = TrainConfig.resumed(saved, given, str(resume))
+    from seq2seq_fast.seq2seq.data.options import check_tokenizers_fit
 
-    check_tokenizers_fit(config, payload, str(resume))  # tokenizer files given with --resume
-    saved = TrainConfig.from_dict(dict(payload.get("train_config", {})))
-    # Everything comes from the checkpoint, except where the files go and how long to run.
-    saved.out = config.out if config.out is not None else str(Path(resume).parent)
-    saved.stop_after_steps = config.stop_after_steps
-    saved.progress = config.progress
-    # The thread count changes the products' summation order: keep the saved one (exact resume)
-    # unless one is given.
-    if config.threads is not None:
-        saved.threads = config.threads
-    return saved, payload
+    # tokenizer files given with --resume: the vocabularies the checkpoint was trained with?
+    checked = {n: given[n] for n in TOKENIZER_FIELDS if given.get(n) is not None}
+    check_tokenizers_fit(replace(resumed, **checked), payload, str(resume))
+    if "out" not in given:
+        resumed = replace(resumed, out=str(Path(resume).parent))
+    for name, value in sorted(given.items()):
+        if name in saved and saved[name] != value and name not in TOKENIZER_FIELDS:
+            log(f"resume: {name} {saved[name]!r} -> {value!r}", ctx)
+    return resumed, payload
 
 
 def build_job(
@@ -523,15 +575,24 @@ def build_job(
     return job
 
 
-def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
+def _train(
+    config: TrainConfig,
+    resume: str | Path | None,
+    changes: dict[str, Any] | None,
+    overwrite: bool,
+) -> TrainResult:
     started = time.perf_counter()
     ctx = setup_distributed()
     payload = None
     if resume is not None:
-        config, payload = _resume_config(config, resume)
+        config, payload = _resume_config(config, resume, changes, ctx)
+    elif changes:
+        raise TrainError("changes are the options given again with resume=; without it, set them")
     config = replace(config, out=str(config.out_dir))  # resolved: config.yaml names the folder
     if config.threads is not None:
         torch.set_num_threads(config.threads)
+    if resume is None:
+        claim_run_folder(config, overwrite, ctx)
     init = load_init(config.init_from) if config.init_from and payload is None else None
     metrics_log = MetricsLog(
         config.out_dir,
@@ -544,16 +605,6 @@ def _train(config: TrainConfig, resume: str | Path | None) -> TrainResult:
         write_config(asdict(config), config.out_dir / CONFIG_FILE)
     job = build_job(config, ctx, payload, started, init)
     job.metrics_log = metrics_log
-    if resume is None and config.keep_checkpoints and ctx.is_main:
-        stale = snapshots(job.checkpoint_path.parent)  # not this run's: they would mix in
-        for path in stale:
-            path.unlink(missing_ok=True)
-        if stale:
-            log(
-                f"removed {len(stale)} epoch snapshot(s) of an earlier run: "
-                f"{', '.join(p.name for p in stale)}",
-                ctx,
-            )
     if ctx.is_main:
         params = sum(p.numel() for p in job.model.parameters())
         log(

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from seq2seq_fast.seq2seq.data import make_batch, normalize_text
+from seq2seq_fast.seq2seq.data.batching import make_batch
+from seq2seq_fast.seq2seq.data.normalize import normalize_text
 from seq2seq_fast.seq2seq.decoding import DecodeOptions, Hypothesis, search
 from seq2seq_fast.seq2seq.models import Seq2Seq
 

@@ -1,4 +1,4 @@
-"""Additive attentions no named layout knows, for the converter's general path (``_traced.py``).
+"""Additive attentions no named layout knows, for the converter's general path (``nn/convert/traced/``).
 
 Each is written for the tests from the math of a kind of public attention code (the project it
 follows is named in a word; names, argument orders and return conventions are our own), and each

@@ -1,4 +1,4 @@
-"""The converter's general path (``seq2seq_fast/nn/convert/_traced.py``) on attentions no named
+"""The converter's general path (``seq2seq_fast/nn/convert/traced/``) on attentions no named
 layout knows (tests/convert/layouts_traced.py): each additive one is converted at its first call
 and then matches the original exactly (float64 and float32, outputs and the gradients of every
 parameter and input, on calls of other sizes than the first), with its state_dict keys

@@ -358,7 +358,7 @@ def check_not_pwned(call):
 
 def corpus(data: bytes | None, name="corpus.tsv", **kwargs):
     def call(folder):
-        from seq2seq_fast.seq2seq.data import read_parallel_corpus
+        from seq2seq_fast.seq2seq.data.corpus import read_parallel_corpus
 
         path = folder / name
         if data is not None:

@@ -14,7 +14,7 @@ import torch
 
 from seq2seq_fast.seq2seq.builders import Clock, build_model, build_optimizer, build_task
 from seq2seq_fast.seq2seq.config import TrainConfig, TrainError
-from seq2seq_fast.seq2seq.data import make_batch
+from seq2seq_fast.seq2seq.data.batching import make_batch
 from seq2seq_fast.seq2seq.distributed import Dist
 from seq2seq_fast.seq2seq.train import Job, merge_batches, train, train_step
 
@@ -62,7 +62,7 @@ def test_accumulated_batches_step_as_one_big_batch(backend, accum):
     )
     g = torch.Generator().manual_seed(1)
     # batches of different sizes and widths: the token weighting and the padding both matter
-    parts = [small.task.reverse.sample(g, n) for n in (5, 8, 3)[:accum]]
+    parts = [small.task.sample(g, n) for n in (5, 8, 3)[:accum]]
     batches = [make_batch(pairs) for pairs in parts]
     assert len({b.src.shape[1] for b in batches}) > 1 or accum == 2
     loss_small = train_step(small, batches)
@@ -78,7 +78,7 @@ def test_one_batch_is_the_plain_step():
     accumulation is the code as it was)."""
     config = TrainConfig(**TINY, backend="reference")
     a, b = _job(config), _job(config)
-    batch = make_batch(a.task.reverse.sample(torch.Generator().manual_seed(2), 6))
+    batch = make_batch(a.task.sample(torch.Generator().manual_seed(2), 6))
     assert train_step(a, [batch]) == train_step(b, batch)
     assert all(
         torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True)
@@ -88,7 +88,7 @@ def test_one_batch_is_the_plain_step():
 def test_merge_batches_keeps_every_row():
     g = torch.Generator().manual_seed(3)
     task = _job(TrainConfig(**TINY, backend="reference")).task
-    parts = [task.reverse.sample(g, n) for n in (2, 5)]
+    parts = [task.sample(g, n) for n in (2, 5)]
     merged = merge_batches([make_batch(p) for p in parts])
     whole = make_batch(parts[0] + parts[1])
     for name in ("src", "src_lengths", "tgt_in", "tgt_out"):
@@ -116,7 +116,7 @@ DDP_SCRIPT = textwrap.dedent(
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from seq2seq_fast.seq2seq.builders import Clock, build_model, build_optimizer, build_task
     from seq2seq_fast.seq2seq.config import TrainConfig
-    from seq2seq_fast.seq2seq.data import make_batch
+    from seq2seq_fast.seq2seq.data.batching import make_batch
     from seq2seq_fast.seq2seq.distributed import setup_distributed
     from seq2seq_fast.seq2seq.train import Job, train_step
 
@@ -140,7 +140,7 @@ DDP_SCRIPT = textwrap.dedent(
     small, small_calls = job()
     big, big_calls = job()
     g = torch.Generator().manual_seed(10 + ctx.rank)  # each rank its own batches
-    parts = [small.task.reverse.sample(g, n) for n in (4 + ctx.rank, 7)]
+    parts = [small.task.sample(g, n) for n in (4 + ctx.rank, 7)]
     loss_small = train_step(small, [make_batch(p) for p in parts])
     loss_big = train_step(big, make_batch(parts[0] + parts[1]))
     assert abs(loss_small - loss_big) <= 1e-6 * abs(loss_big), (loss_small, loss_big)

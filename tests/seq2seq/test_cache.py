@@ -15,18 +15,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from seq2seq_fast.seq2seq import store
 from seq2seq_fast.seq2seq.config import TrainConfig
-from seq2seq_fast.seq2seq.data import CorpusError, SentencePieceVocab
-from seq2seq_fast.seq2seq.store import Options
+from seq2seq_fast.seq2seq.data import files, options, split, staging, store
+from seq2seq_fast.seq2seq.data.errors import CorpusError
+from seq2seq_fast.seq2seq.data.stream import Options
+from seq2seq_fast.seq2seq.data.vocab import SentencePieceVocab
 from tests.seq2seq.test_store import WORDS, load, write_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 
 BUILD = """
 import sys, time
-from seq2seq_fast.seq2seq import store
-from seq2seq_fast.seq2seq.data import SentencePieceVocab
+from seq2seq_fast.seq2seq.data import files, store, stream, tokenizers
+from seq2seq_fast.seq2seq.data.vocab import SentencePieceVocab
 src, tgt, cache, mode = sys.argv[1:5]
 if mode == "hang":  # stop for good in the middle of encoding (the test kills us)
     real = SentencePieceVocab.encode_batch
@@ -38,11 +39,11 @@ if mode == "hang":  # stop for good in the middle of encoding (the test kills us
             time.sleep(600)
         return real(self, texts)
     SentencePieceVocab.encode_batch = slow
-    store.CHUNK_PAIRS = 64
+    stream.CHUNK_PAIRS = 64
 corpus = store.load_store_corpus(
-    store.CorpusFiles(src, tgt),
-    store.TokenizerSpec(vocab_size=60),
-    store.Options(valid_fraction=0.05, test_fraction=0.05),
+    files.CorpusFiles(src, tgt),
+    tokenizers.TokenizerSpec(vocab_size=60),
+    stream.Options(valid_fraction=0.05, test_fraction=0.05),
     cache,
     progress=False,
 )
@@ -115,7 +116,7 @@ def test_loser_of_the_rename_race_uses_the_winners_store(tmp_path):
         folder,
         key,
         corpus.train.manifest["identity"],
-        store.CorpusFiles(str(src), str(tgt)),
+        files.CorpusFiles(str(src), str(tgt)),
         300,
         Options(valid_fraction=0.05, test_fraction=0.05),
         (corpus.src_vocab, corpus.tgt_vocab),
@@ -134,7 +135,7 @@ def _temp(cache: Path, name: str, lock: bool = True) -> Path:
     folder.mkdir(parents=True)
     (folder / "src.bin").write_bytes(b"\0" * 16)
     if lock:
-        (folder / store.LOCK_NAME).touch()
+        (folder / staging.LOCK_NAME).touch()
     return folder
 
 
@@ -145,18 +146,18 @@ def test_stale_temp_folder_is_removed_a_live_one_is_not(tmp_path):
     live = _temp(cache, f"{os.getpid()}-live")
     staged = cache / ".new-store-abc-999997-x"  # killed between making it and renaming it
     staged.mkdir()
-    (staged / store.LOCK_NAME).touch()
-    holder = _python(HOLD, str(live / store.LOCK_NAME))
+    (staged / staging.LOCK_NAME).touch()
+    holder = _python(HOLD, str(live / staging.LOCK_NAME))
     try:
         assert holder.stdout.readline().strip() == "LOCKED"
-        removed = store.remove_stale_temps(cache / "store-abc")
+        removed = staging.remove_stale_temps(cache / "store-abc")
         assert sorted(removed) == sorted([stale, legacy, staged])
         assert live.is_dir() and not stale.exists() and not legacy.exists()
     finally:
         holder.kill()
         holder.wait(timeout=30)
     # its holder gone, the folder is stale (whatever process now has its pid)
-    assert store.remove_stale_temps(cache / "store-abc") == [live]
+    assert staging.remove_stale_temps(cache / "store-abc") == [live]
     assert not live.exists()
 
 
@@ -191,29 +192,19 @@ def test_killed_build_leaves_no_store_and_the_next_build_succeeds(tmp_path):
 def test_os_error_mid_build_leaves_no_complete_looking_store(tmp_path, monkeypatch, failing):
     src, tgt = write_corpus(tmp_path, lines=500)
     cache = tmp_path / "cache"
-    real_npy, real_write = store._save_npy, store._fsync_write
+    real_write = store.write_synced
 
-    def full_npy(path, array):
-        if path.name == "lengths.npy":
-            path.write_bytes(b"\x93NUMPY")  # a part written, then the disk is full
+    def full_disk(path, content):
+        if path.name == f"{failing}.{'npy' if failing == 'lengths' else 'json'}":
+            path.write_bytes(b"\x93NUMPY" if failing == "lengths" else b'{"format"')  # a part
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_npy(path, array)
+        return real_write(path, content)
 
-    def full_write(path, data):
-        if path.name == "manifest.json":
-            path.write_bytes(data[: len(data) // 2])
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(path, data)
-
-    if failing == "lengths":
-        monkeypatch.setattr(store, "_save_npy", full_npy)
-    else:
-        monkeypatch.setattr(store, "_fsync_write", full_write)
+    monkeypatch.setattr(store, "write_synced", full_disk)
     with pytest.raises(OSError, match="No space left"):
         load(src, tgt, cache)
     assert not _store_folders(cache) and not list(cache.glob(".tmp-*"))
-    monkeypatch.setattr(store, "_save_npy", real_npy)
-    monkeypatch.setattr(store, "_fsync_write", real_write)
+    monkeypatch.setattr(store, "write_synced", real_write)
     corpus, logs = load(src, tgt, cache)
     assert any("token store: encoding" in line for line in logs)
     assert len(corpus.train) + len(corpus.valid) + len(corpus.test) == 500
@@ -227,14 +218,14 @@ def test_os_error_mid_build_leaves_no_complete_looking_store(tmp_path, monkeypat
 def test_default_cache_dir_order(monkeypatch, tmp_path):
     monkeypatch.setenv("SEQ2SEQ_FAST_CACHE_DIR", str(tmp_path / "mine"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert store.default_cache_dir() == tmp_path / "mine"
+    assert options.default_cache_dir() == tmp_path / "mine"
     monkeypatch.delenv("SEQ2SEQ_FAST_CACHE_DIR")
-    assert store.default_cache_dir() == tmp_path / "xdg" / "seq2seq-fast"
+    assert options.default_cache_dir() == tmp_path / "xdg" / "seq2seq-fast"
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert store.default_cache_dir() == tmp_path / "home" / ".cache" / "seq2seq-fast"
+    assert options.default_cache_dir() == tmp_path / "home" / ".cache" / "seq2seq-fast"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert store.default_cache_dir() == tmp_path / "home" / ".cache" / "seq2seq-fast"
+    assert options.default_cache_dir() == tmp_path / "home" / ".cache" / "seq2seq-fast"
 
 
 def test_second_run_with_another_out_reuses_store_and_tokenizers(tmp_path, monkeypatch):
@@ -247,7 +238,7 @@ def test_second_run_with_another_out_reuses_store_and_tokenizers(tmp_path, monke
             task="translate", src=str(src), tgt=str(tgt), out=out, spm_vocab_size=60, progress=False
         )
         logs: list[str] = []
-        return store.open_store_corpus(config, log=logs.append), logs
+        return options.open_store_corpus(config, log=logs.append), logs
 
     first, logs = open_with(str(tmp_path / "run1"))
     assert f"corpus cache: {cache} (the per-user default; --cache-dir to change)" in logs
@@ -275,7 +266,7 @@ def test_second_run_with_another_out_reuses_store_and_tokenizers(tmp_path, monke
         progress=False,
     )
     logs = []
-    store.open_store_corpus(config, log=logs.append)
+    options.open_store_corpus(config, log=logs.append)
     assert f"corpus cache: {cache} (--cache-dir)" in logs
 
 
@@ -312,13 +303,13 @@ def test_split_with_repeated_sources_and_a_small_cap_is_source_disjoint(tmp_path
 
 
 def test_choose_held_out_at_scale_carves_whole_groups_under_the_cap():
-    rule = store.SplitRule(0)
+    rule = split.SplitRule(0)
     sources = [f"source sentence {i}" for i in range(29_000)]
     per_source = np.array([rule.source_hash(s) for s in sources], np.uint32)
     hashes = np.repeat(per_source, 20)  # 580k pairs, each source 20 times
     for cap in (10, 50, 3000):
         options = Options(valid_fraction=0.02, test_fraction=0.03, max_held_out=cap)
-        valid_upto, test_upto = store.choose_held_out(hashes, options)
+        valid_upto, test_upto = split.choose_held_out(hashes, options)
         sides = np.where(per_source <= valid_upto, 1, np.where(per_source <= test_upto, 2, 0))
         held = [int((sides == k).sum()) * 20 for k in (1, 2)]
         assert all(0 < n <= max(cap, 20) for n in held), (cap, held)

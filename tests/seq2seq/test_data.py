@@ -8,19 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from seq2seq_fast.seq2seq.data import (
-    CorpusError,
-    ReverseTask,
-    SentencePieceVocab,
-    SymbolVocab,
-    TranslationData,
-    epoch_batches,
-    make_batch,
-    normalize_text,
-    read_parallel_corpus,
-    split_by_source,
-    vocab_from_state,
-)
+from seq2seq_fast.seq2seq.data.batching import epoch_batches, make_batch
+from seq2seq_fast.seq2seq.data.corpus import TranslationData, read_parallel_corpus
+from seq2seq_fast.seq2seq.data.errors import CorpusError
+from seq2seq_fast.seq2seq.data.normalize import normalize_text
+from seq2seq_fast.seq2seq.data.split import split_by_source
+from seq2seq_fast.seq2seq.data.tasks import ReverseTask, Task, TranslationTask
+from seq2seq_fast.seq2seq.data.vocab import SentencePieceVocab, SymbolVocab, vocab_from_state
 from seq2seq_fast.seq2seq.models import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 GOOD = "Go.\tVa !\nHi.\tSalut !\tCC-BY 2.0 (France) Attribution: tatoeba.org\n"
@@ -163,6 +157,37 @@ def test_reverse_task_is_seeded_and_reversed():
     a = task.sample(torch.Generator().manual_seed(5), 8)
     b = task.sample(torch.Generator().manual_seed(5), 8)
     assert a == b
+
+
+def test_both_tasks_give_the_loop_the_same_interface():
+    """ReverseTask and TranslationTask are both Tasks: epoch_plan, step_pairs (accum_steps
+    batches of id pairs) and example, with the vocabularies, widths and checkpoint info."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(seed=0, batch_size=4, batch_tokens=None, accum_steps=2)
+    ctx = SimpleNamespace(rank=0, world_size=1)
+    reverse = ReverseTask(vocab_size=10, min_len=3, max_len=6, seed=1, heldout_size=5)
+    src = [f"w{i % 7} w{i % 5} w{i % 3}" for i in range(40)]
+    corpus = TranslationData(
+        *(SymbolVocab([f"w{i}" for i in range(7)]),) * 2,
+        [(list(range(4, 4 + 1 + i % 3)), [4 + i % 7]) for i in range(40)],
+        list(zip(src, src, strict=True))[:3],
+        [],
+        None,
+    )
+    translate = TranslationTask(corpus, {"kind": "translate"})
+    for task, planned in ((reverse, False), (translate, True)):
+        assert isinstance(task, Task) and task.info["kind"] == task.kind
+        plan = task.epoch_plan(config, 0, ctx)
+        assert (plan is not None) == planned
+        steps = task.step_pairs(config, plan, 0)
+        assert len(steps) == 2 and all(len(pairs) == 4 for pairs in steps)
+        for pairs in steps:
+            batch = make_batch(pairs, src_pad_to=task.pad_src, tgt_pad_to=task.pad_tgt)
+            assert batch.src.shape[1] == task.pad_src and batch.tgt_in.shape[1] == task.pad_tgt
+        assert task.example() and task.src_vocab is not None and task.tgt_vocab is not None
+    assert translate.example() == src[0] and reverse.generator is not None
+    assert translate.generator is None
 
 
 def test_make_batch_layout():

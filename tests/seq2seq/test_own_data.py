@@ -309,7 +309,7 @@ def test_ddp_ranks_share_one_store(tmp_path):
 
 
 def test_big_data_file_goes_through_the_store(tmp_path, monkeypatch):
-    from seq2seq_fast.seq2seq import store
+    from seq2seq_fast.seq2seq.data import options
 
     src, tgt = write_corpus(tmp_path, lines=50)
     tsv = tmp_path / "corpus.tsv"
@@ -321,7 +321,7 @@ def test_big_data_file_goes_through_the_store(tmp_path, monkeypatch):
     )
     config = TrainConfig(**TINY_CONFIG, data=str(tsv))
     assert not config.uses_token_store
-    monkeypatch.setattr(store, "BIG_CORPUS_BYTES", tsv.stat().st_size - 1)
+    monkeypatch.setattr(options, "BIG_CORPUS_BYTES", tsv.stat().st_size - 1)
     assert config.uses_token_store
     assert not TrainConfig(**TINY_CONFIG, data=str(tsv), token_store=False).uses_token_store
     assert TrainConfig(**TINY_CONFIG, src=str(src), tgt=str(tgt)).uses_token_store

@@ -72,7 +72,10 @@ def test_a_resumed_run_appends_and_a_new_one_starts_afresh(tmp_path):
     train(config, resume=tmp_path / "model.pt")
     resumed = read_metrics(tmp_path)
     assert resumed[: len(first)] == first and resumed[-1]["kind"] == "final"
-    train(TrainConfig(**asdict(config) | {"epochs": 1}))
+    with pytest.raises(TrainError, match="holds another run"):
+        train(TrainConfig(**asdict(config) | {"epochs": 1}))
+    assert read_metrics(tmp_path) == resumed  # refused before anything was written
+    train(TrainConfig(**asdict(config) | {"epochs": 1}), overwrite=True)
     fresh = read_metrics(tmp_path)
     assert fresh[0]["step"] == 10 and max(r["step"] for r in fresh) == 12
 
@@ -244,7 +247,8 @@ def test_init_from_a_different_shape_says_what_differs(run, tmp_path, capsys):
             "--no-progress",
         ]
     )
-    assert code == 2 and "hidden_size: 48 (checkpoint: 32)" in capsys.readouterr().err
+    # the command line takes the shape from the checkpoint: a shape flag that differs is refused
+    assert code == 2 and "--hidden-size 48 (checkpoint: 32)" in capsys.readouterr().err
 
 
 def test_init_from_a_missing_file_is_a_clean_error(tmp_path, capsys):

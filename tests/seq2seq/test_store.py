@@ -1,4 +1,4 @@
-"""The on-disk token store, the user's tokenizers and vocabulary files (seq2seq/store.py, vocab.py).
+"""The on-disk token store, the user's tokenizers and vocabulary files (seq2seq/data/store.py, vocab.py).
 
 Every corpus is a small file written by the test; stores are built into the test's own folder.
 """
@@ -13,19 +13,22 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from seq2seq_fast.seq2seq import data, store
-from seq2seq_fast.seq2seq.data import (
+from seq2seq_fast.seq2seq.data import batching, normalize, store, stream, tokenizers
+from seq2seq_fast.seq2seq.data import corpus as corpus_module
+from seq2seq_fast.seq2seq.data import vocab as vocab_module
+from seq2seq_fast.seq2seq.data.errors import CorpusError
+from seq2seq_fast.seq2seq.data.files import CorpusFiles
+from seq2seq_fast.seq2seq.data.normalize import normalize_text
+from seq2seq_fast.seq2seq.data.store import load_store_corpus
+from seq2seq_fast.seq2seq.data.stream import Options
+from seq2seq_fast.seq2seq.data.tokenizers import TokenizerSpec
+from seq2seq_fast.seq2seq.data.vocab import (
     BOS_ID,
     EOS_ID,
     PAD_ID,
     SPECIALS,
     UNK_ID,
-    CorpusError,
     SentencePieceVocab,
-    normalize_text,
-)
-from seq2seq_fast.seq2seq.store import CorpusFiles, Options, TokenizerSpec, load_store_corpus
-from seq2seq_fast.seq2seq.vocab import (
     WordVocab,
     check_vocab_fits,
     read_spm_model,
@@ -107,7 +110,7 @@ def test_reused_store_is_not_encoded_or_trained_again(tmp_path, monkeypatch):
         (store, "build_store"),
         (SentencePieceVocab, "train"),
         (SentencePieceVocab, "encode_batch"),
-        (store, "sample_sentences"),
+        (tokenizers, "sample_sentences"),
     )
     second, logs = load(src, tgt, tmp_path / "cache")
     assert any("reused" in line for line in logs)
@@ -161,7 +164,7 @@ def test_incomplete_or_corrupt_store_is_rebuilt(tmp_path, damage):
 
 def test_interrupted_build_leaves_no_store_that_looks_complete(tmp_path, monkeypatch):
     src, tgt = write_corpus(tmp_path, lines=3000)
-    monkeypatch.setattr(store, "CHUNK_PAIRS", 256)
+    monkeypatch.setattr(stream, "CHUNK_PAIRS", 256)
     calls = []
     real = SentencePieceVocab.encode_batch
 
@@ -236,9 +239,9 @@ def test_held_out_sets_carved_from_one_file_are_capped(tmp_path):
 
 def test_in_memory_split_is_capped_too():
     pairs = [(f"s{i}", f"t{i}") for i in range(10_000)]
-    train, valid, test = data.split_by_source(pairs, 0.1, 0.1, seed=0, max_held_out=300)
+    train, valid, test = corpus_module.split_by_source(pairs, 0.1, 0.1, seed=0, max_held_out=300)
     assert len(valid) == 300 and len(test) == 300 and len(train) == 9_400
-    train, valid, test = data.split_by_source(pairs, 0.01, 0.02, seed=0)  # under the cap
+    train, valid, test = corpus_module.split_by_source(pairs, 0.01, 0.02, seed=0)  # under the cap
     assert (len(valid), len(test)) == (100, 200)
 
 
@@ -267,29 +270,29 @@ def test_store_batches_cover_every_pair_within_the_token_limit(tmp_path):
     pairs = [train[i] for i in range(len(train))]
     counts = set()
     for epoch in range(3):
-        batches = data.token_batches(train, 60, seed=1, epoch=epoch)
+        batches = batching.token_batches(train, 60, seed=1, epoch=epoch)
         counts.add(len(batches))
         index = np.concatenate(batches)
         assert sorted(index.tolist()) == list(range(len(train)))
         for batch in batches:
-            width = max(data.padded_width(pairs[i]) for i in batch)
+            width = max(batching.padded_width(pairs[i]) for i in batch)
             assert width * len(batch) <= 60 or len(batch) == 1
     assert len(counts) == 1  # the same number of batches every epoch (the schedule counts it)
-    assert data.padding_fractions(train, batches) == pytest.approx(
-        data.padding_fractions(pairs, [b.tolist() for b in batches])
+    assert batching.padding_fractions(train, batches) == pytest.approx(
+        batching.padding_fractions(pairs, [b.tolist() for b in batches])
     )
     # batch_size batches: the very batches of the in-memory path
-    in_memory = data.epoch_batches(pairs, 16, seed=2, epoch=1)
-    indexed = data.epoch_batches(train, 16, seed=2, epoch=1)
+    in_memory = batching.epoch_batches(pairs, 16, seed=2, epoch=1)
+    indexed = batching.epoch_batches(train, 16, seed=2, epoch=1)
     assert [list(b) for b in in_memory] == [b.tolist() for b in indexed]
-    assert data.max_lengths(train) == data.max_lengths(pairs)
+    assert batching.max_lengths(train) == batching.max_lengths(pairs)
 
 
 def test_each_rank_reads_its_own_share(tmp_path):
     src, tgt = write_corpus(tmp_path, lines=1000)
     corpus, _ = load(src, tgt, tmp_path / "cache")
     shares = [
-        data.token_batches(corpus.train, 50, seed=0, epoch=0, rank=r, world_size=3)
+        batching.token_batches(corpus.train, 50, seed=0, epoch=0, rank=r, world_size=3)
         for r in range(3)
     ]
     assert len({len(s) for s in shares}) == 1
@@ -322,7 +325,7 @@ def test_existing_spm_model_with_other_ids_is_used_as_is(tmp_path, monkeypatch):
         tmp_path / "own.model", src.read_text().splitlines() + tgt.read_text().splitlines()
     )
     assert (sp.unk_id(), sp.bos_id(), sp.eos_id(), sp.pad_id()) == (0, 1, 2, -1)
-    forbid(monkeypatch, (SentencePieceVocab, "train"), (store, "sample_sentences"))
+    forbid(monkeypatch, (SentencePieceVocab, "train"), (tokenizers, "sample_sentences"))
     corpus, _ = load(
         src,
         tgt,
@@ -372,7 +375,7 @@ def test_vocabulary_files(tmp_path):
     assert vocab.lines == [4, 5, 6]
     assert vocab.encode("the red zebra") == [6, 4, UNK_ID]
     assert vocab.decode([BOS_ID, 6, 4, EOS_ID, PAD_ID]) == "the red"
-    restored = data.vocab_from_state(vocab.to_state())
+    restored = vocab_module.vocab_from_state(vocab.to_state())
     assert isinstance(restored, WordVocab) and restored.itos == vocab.itos
     bad = {
         "red\nred\n": r"line 2: token 'red' is already on line 1",
@@ -449,10 +452,10 @@ def test_block_normalisation_equals_normalize_text():
     alphabet = list("ab Z\t\r\x0b\x0c\x1c\x1f\x85\u00a0\u202f\u2028\u3000\ufb01é") + ["e\u0301"]
     lines = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12))) for _ in range(3000)]
     raw = [(line + "\n").encode() for line in lines]
-    texts, bad = store.normalize_block(raw, "NFKC")
+    texts, bad = normalize.normalize_block(raw, "NFKC")
     assert not bad and texts == [normalize_text(line) for line in lines]
     raw[7] = b"bad \xff\n"
-    texts, bad = store.normalize_block(raw + [None], "NFC")
+    texts, bad = normalize.normalize_block(raw + [None], "NFC")
     assert set(bad) == {7} and texts[7] is None and texts[-1] is None
     assert texts[8] == normalize_text(lines[8], "NFC")
 

@@ -13,7 +13,7 @@ from seq2seq_fast.seq2seq.builders import build_task
 from seq2seq_fast.seq2seq.checkpoint import load_checkpoint
 from seq2seq_fast.seq2seq.cli import build_parser
 from seq2seq_fast.seq2seq.config import TrainConfig, TrainError
-from seq2seq_fast.seq2seq.data import (
+from seq2seq_fast.seq2seq.data.batching import (
     epoch_batches,
     padded_width,
     padding_fractions,

@@ -18,7 +18,9 @@ from seq2seq_fast.seq2seq.checkpoint import (
     save_checkpoint,
 )
 from seq2seq_fast.seq2seq.cli import main
-from seq2seq_fast.seq2seq.data import BOS_ID, EOS_ID, SymbolVocab, make_batch, reverse_symbols
+from seq2seq_fast.seq2seq.data.batching import make_batch
+from seq2seq_fast.seq2seq.data.tasks import reverse_symbols
+from seq2seq_fast.seq2seq.data.vocab import BOS_ID, EOS_ID, SymbolVocab
 from seq2seq_fast.seq2seq.decoding import DecodeOptions, beam_search, greedy_search
 from seq2seq_fast.seq2seq.models import Seq2Seq, Seq2SeqConfig
 from seq2seq_fast.seq2seq.translate import Translator, split_lines

@@ -34,7 +34,7 @@ from seq2seq_fast.nn.convert._base import (
     register,
     registered_layouts,
 )
-from seq2seq_fast.nn.convert._traced import watch_model
+from seq2seq_fast.nn.convert.traced import watch_model
 
 __all__ = [
     "ConversionReport",
@@ -127,7 +127,7 @@ def fuse_attention_report(
             (float64 copies on the CPU; ``model`` is not touched) and refuse on any difference in
             outputs or gradients. ``check=False`` trusts the structural match alone.
         traced: also watch the other modules with parameters until their first call, and convert
-            those that compute additive attention whatever their names (``_traced.py``: a trace
+            those that compute additive attention whatever their names (``traced/``: a trace
             of the call, the pattern found in its graph, a float64 probe of outputs and
             gradients on that call's input decides, whatever ``check`` says). They are added to
             the report as they are called; ``report.watching`` lists those not called yet.

@@ -115,7 +115,7 @@ class ConversionReport:
 
     replaced: list[Replaced] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
-    # modules the general path (``_traced.py``) watches until their first call; it adds them to
+    # modules the general path (``traced/``) watches until their first call; it adds them to
     # ``replaced`` or ``skipped`` then
     watching: list[str] = field(default_factory=list)
 

@@ -34,8 +34,10 @@ that is not positive) the replacement computes the original's math in plain ops.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -1036,13 +1038,33 @@ def _plain_scores(query, keys, bias, v):
     return torch.tanh(pre) @ v
 
 
+# The replacements each thread's calls ran, for whoever asks (recorded_runs): the converted
+# module's forward (did this call run fused?) and the probe (what did it run?). Per thread: two
+# threads calling converted modules never see each other's runs.
+_RUNS = threading.local()
+
+
+@contextlib.contextmanager
+def recorded_runs():
+    """A list that collects the :class:`TracedWeights` this thread runs inside the block (nested
+    blocks each collect theirs)."""
+    logs = _RUNS.__dict__.setdefault("logs", [])
+    log: list = []
+    logs.append(log)
+    try:
+        yield log
+    finally:
+        logs.remove(log)
+
+
 class TracedWeights:
     """The callable that replaces a match's sum ... softmax in the graph (see :func:`rewrite`):
     the weights in the projection's output layout (``Plan.scores_origin``)."""
 
     __name__ = "traced_weights"
-    calls = 0  # how many times a converted module ran the replacement (for tests)
-    log: list | None = None  # the probe lists the replacements its call ran
+    # how many times any converted module ran a replacement: a statistic for tests, never read
+    # to decide anything (recorded_runs does that, per thread)
+    calls = 0
     description = ""
 
     def __init__(self, plan: Plan) -> None:
@@ -1053,8 +1075,8 @@ class TracedWeights:
 
     def __call__(self, queries, keys, biases, vector, scales, masks, fills, shifts=()):
         TracedWeights.calls += 1
-        if TracedWeights.log is not None:
-            TracedWeights.log.append(self)
+        for log in getattr(_RUNS, "logs", ()):
+            log.append(self)
         plan = self.plan
         rank = plan.rank
         hidden = plan.hidden_axis

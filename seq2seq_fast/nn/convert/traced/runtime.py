@@ -1,0 +1,355 @@
+"""The runtime: a chosen module traced, rewritten, probed, and converted in place.
+
+2. When the outermost watched call has returned, the chosen module's ``forward`` is traced by
+   TorchDynamo (``torch.compile`` with a backend of ours, :class:`_Rewriter`, dynamic shapes):
+   real code with keyword arguments, branches on ``None`` and on shapes, helper methods and child
+   modules all trace. In the graph, :mod:`~seq2seq_fast.nn.convert._traced_graph` finds the sum,
+   tanh, projection, scale, masks and softmax and replaces that subgraph by the fused op; the rest
+   of the graph stays.
+3. The probe decides: float64 CPU copies of the module, the original and the traced one, run on
+   the first call's arguments; every output and the gradients of every parameter and input must
+   agree. (A module that cannot run in float64 because it casts to float32 itself, while its own
+   call ran in float32, is probed in float32 with float32's tolerances; the report says so.)
+   Only then is the module converted, in place: its class becomes a subclass of its own whose
+   ``forward`` is the traced one (same object, same parameters, same state_dict keys). In place,
+   because the user's code may hold the module under several names (a parent attribute, a list,
+   a closure): swapping the object in one parent would leave the others on the original.
+
+The work is done once per module (a trace, a float64 probe); later calls run the compiled graph
+(TorchDynamo's guards, then eager autograd through the graph; a new shape or grad mode may trace
+once more). Each converted module keeps its own :class:`_TracedState` in its ``__dict__`` (its
+trace cache, the report it belongs to), which copies and pickles drop: a copy traces anew.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import types
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from seq2seq_fast.nn.convert._base import (
+    ConversionReport,
+    FusedStandIn,
+    Replaced,
+    Skipped,
+    _cpu_copy,
+    _first_difference,
+    _gradients,
+    class_name,
+)
+from seq2seq_fast.nn.convert._traced_graph import (
+    ROUNDED_SCORES,
+    find_matches,
+    recorded_runs,
+    rewrite,
+)
+from seq2seq_fast.nn.convert.traced.watching import LAYOUT, strip_watches
+from seq2seq_fast.ops import fused_available
+
+logger = logging.getLogger(__name__)
+
+
+class _Rewriter:
+    """TorchDynamo backend: the graph with every additive attention replaced (or unchanged).
+    ``found`` records, per compiled graph, the matches' descriptions and the other tanh's misses."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.found: list[tuple[list[str], list[str]]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        try:
+            matches, misses = find_matches(gm.graph)
+            described = []
+            for match in matches:
+                described.append(match.describe())
+                rewrite(gm.graph, match, self.backend)
+            gm.graph.eliminate_dead_code()
+            gm.graph.lint()
+            gm.recompile()
+            self.found.append((described, misses))
+        except Exception as exc:  # noqa: BLE001 - an unexpected graph: leave it as it is
+            self.found.append(([], [f"the graph could not be rewritten ({exc})"]))
+        return gm.forward
+
+
+@dataclass
+class _TracedState:
+    """What one converted module needs at its calls (kept in its ``__dict__``): its own trace
+    cache (TorchDynamo keeps one per code object, so the forward gets a code object of its own:
+    one instance's traces never use up another's recompile limit), the report and path it was
+    converted under, and whether a warning was given."""
+
+    rewriter: _Rewriter
+    compiled: object
+    report: ConversionReport | None = None
+    path: str = "?"
+    warned: bool = False
+
+    def __deepcopy__(self, memo):
+        return None  # a copy traces anew
+
+    def __reduce__(self):
+        return (_none, ())
+
+
+def _none() -> None:
+    return None
+
+
+def _traced_state(module: nn.Module, cls: type, backend: str) -> _TracedState:
+    state = module.__dict__.get("_fuse_attention_traced")
+    if state is None:
+        fn = cls.forward
+        own = types.FunctionType(
+            fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+        )
+        own.__kwdefaults__ = fn.__kwdefaults__
+        rewriter = _Rewriter(backend)
+        state = _TracedState(rewriter, torch.compile(own, backend=rewriter))
+        module.__dict__["_fuse_attention_traced"] = state
+    return state
+
+
+def _put_back(module: nn.Module, original: type, traces: int) -> None:
+    """A converted module whose calls keep tracing anew (an argument whose structure changes with
+    every call: a list of past weights that grows by one each decoder step) pays a trace per call
+    until TorchDynamo's recompile limit, and then runs its own code behind the guards: unfused.
+    Such a module goes back to its own class, with a warning and a line in the report."""
+    state = module.__dict__.pop("_fuse_attention_traced", None)
+    module.__class__ = original
+    name = class_name(module)
+    reason = (
+        f"converted, then put back: TorchDynamo stopped tracing its forward after {traces} traces "
+        "(its recompile limit) and ran it unfused; an argument changes structure from call to "
+        "call (a list that grows each step, say)"
+    )
+    report, path = (state.report, state.path) if state is not None else (None, "?")
+    warnings.warn(f"fuse_attention: {path} ({name}) {reason}; it runs its own code", stacklevel=3)
+    if report is not None:
+        report.replaced[:] = [r for r in report.replaced if r.path != path]
+        report.skipped.append(Skipped(path, (LAYOUT,), name, reason))
+
+
+def _warn_unmatched(module: nn.Module, state: _TracedState, found: list) -> None:
+    """A new trace of a converted module's forward (other sizes, another grad mode) without the
+    pattern: those calls run its own code. Said once per module."""
+    if state.warned:
+        return
+    state.warned = True
+    misses = "; ".join(dict.fromkeys(m for _, missed in found for m in missed)) or "no tanh"
+    warnings.warn(
+        f"fuse_attention: {state.path} ({class_name(module)}): a new trace of its forward did not "
+        f"match ({misses}); calls that take that trace run its own code, unfused",
+        stacklevel=3,
+    )
+
+
+# The traced subclass of each (class, backend): a memo, not state. One class per original class
+# keeps isinstance and pickling stable (a pickle names the original class and _rebuild finds
+# the same subclass again); what differs between instances lives in each one's _TracedState.
+_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def traced_class(cls: type, backend: str) -> type:
+    """The subclass of ``cls`` whose forward is ``cls.forward`` traced and rewritten."""
+    key = (cls, backend)
+    if key not in _CLASSES:
+
+        def forward(self, *args, **kwargs):
+            state = _traced_state(self, cls, backend)
+            if torch.compiler.is_compiling():  # inside the user's own torch.compile
+                return state.compiled(self, *args, **kwargs)
+            before = len(state.rewriter.found)
+            with recorded_runs() as ran:
+                out = state.compiled(self, *args, **kwargs)
+            if not ran:  # this call ran unfused
+                traces = len(state.rewriter.found)
+                if traces >= torch._dynamo.config.recompile_limit:
+                    _put_back(self, cls, traces)
+                elif traces > before:
+                    _warn_unmatched(self, state, state.rewriter.found[before:])
+            return out
+
+        def __reduce_ex__(self, protocol):
+            # pickles and deep copies name the original class (importable) and rebuild this one
+            state = super(new, self).__reduce_ex__(protocol)[2]
+            return (_rebuild, (cls, backend), state)
+
+        namespace = {
+            "forward": forward,
+            "layout": LAYOUT,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+        }
+        namespace["__reduce_ex__"] = __reduce_ex__
+        new = type(cls.__name__, (cls, FusedStandIn), namespace)
+        _CLASSES[key] = new
+    return _CLASSES[key]
+
+
+def _rebuild(cls: type, backend: str) -> nn.Module:
+    """An empty instance of the traced subclass of ``cls`` (pickle then sets its state)."""
+    return object.__new__(traced_class(cls, backend))
+
+
+def _leaves_for_grad(args, kwargs, dtype: torch.dtype = torch.float64):
+    args, kwargs = pytree.tree_map(
+        lambda t: (
+            t.detach().to("cpu", dtype).requires_grad_()
+            if isinstance(t, Tensor) and t.is_floating_point()
+            else (t.cpu() if isinstance(t, Tensor) else t)
+        ),
+        (args, kwargs),
+    )
+    inputs = [
+        t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor) and t.requires_grad
+    ]
+    return args, kwargs, inputs
+
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))  # _parameters, _buffers, _modules, hooks
+
+
+# The probe's tolerances in float32, for a module that cannot run in float64 (one that casts to
+# float32 itself): rounding of the fused op against plain ops is ~1e-6 relative there, and a
+# look-alike (relu, no tanh, a temperature inside it, other padding) differs by far more.
+FLOAT32_PROBE_RTOL, FLOAT32_PROBE_ATOL = 1e-4, 1e-5
+
+
+class _OriginalFailed(Exception):
+    """The original module itself could not run on the probe's float64 copies."""
+
+
+# The probe sets torch's default dtype (tensors the forward makes itself, in the probe's dtype),
+# which is process-wide, not per thread: probes run one at a time (once per converted module).
+_PROBE_LOCK = threading.RLock()
+
+
+def _probe(module: nn.Module, recording, backend: str) -> tuple[str | None, str]:
+    """(None or why not, what was found) for the traced version of ``module``."""
+    with _PROBE_LOCK:
+        return _probe_unlocked(module, recording, backend)
+
+
+def _probe_unlocked(module: nn.Module, recording, backend: str) -> tuple[str | None, str]:
+    # the first call may have run under inference_mode or no_grad: the probe's copies and calls
+    # must be ordinary tensors with gradients
+    dtypes = {
+        t.dtype
+        for t in pytree.tree_leaves((recording.args, recording.kwargs))
+        if isinstance(t, Tensor) and t.is_floating_point()
+    }
+    with torch.inference_mode(False), torch.enable_grad():
+        try:
+            reason, found = _probe_copies(module, recording, backend, torch.float64)
+        except _OriginalFailed as failed:
+            # a module that casts to float32 itself (ESPnet's `.float()` masks) cannot run in
+            # float64: where its own call ran in float32, the probe runs in float32
+            cause = failed.__cause__
+            if dtypes != {torch.float32}:
+                raise cause from None
+            reason, found = _probe_copies(module, recording, backend, torch.float32)
+            why = f"{type(cause).__name__}: {str(cause).splitlines()[0][:120]}"
+            return reason, f"{found}; probed in float32, as it does not run in float64 ({why})"
+        if reason is not None and ROUNDED_SCORES in reason and dtypes == {torch.float32}:
+            # scores cast to float32 and back: a rounding in float64, nothing in float32, the
+            # dtype the module's own call ran in
+            reason, found = _probe_copies(module, recording, backend, torch.float32)
+            return reason, f"{found}; probed in float32, as its scores go through float32"
+        return reason, found
+
+
+def _probe_copies(module: nn.Module, recording, backend: str, dtype: torch.dtype):
+    def cast_state(value):
+        if isinstance(value, Tensor) and value.is_floating_point():
+            return value.detach().to("cpu", dtype)
+        return value
+
+    original = _cpu_copy(module, dtype)
+    candidate = _cpu_copy(module, dtype)
+    for copy_ in (original, candidate):
+        strip_watches(copy_)
+        copy_.train(module.training)
+        for sub in copy_.modules():  # state kept from earlier calls (a cached projection)
+            for key, value in list(vars(sub).items()):
+                if isinstance(value, Tensor) or (
+                    isinstance(value, (list, tuple, dict)) and key not in _MODULE_INTERNALS
+                ):
+                    setattr(sub, key, pytree.tree_map(cast_state, value))
+    probe_backend = backend
+    if backend != "reference" and not fused_available("cpu", dtype):
+        probe_backend = "reference"
+    cls = traced_class(type(module), probe_backend)
+    candidate.__class__ = cls
+    results = []
+    default_dtype = torch.get_default_dtype()
+    with torch.enable_grad(), torch.inference_mode(False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # tensors the forward makes itself (zeros for a state, a mask) in the probe's dtype too
+        torch.set_default_dtype(dtype)
+        ran: list = []
+        try:
+            for mod in (original, candidate):
+                args, kwargs, inputs = _leaves_for_grad(recording.args, recording.kwargs, dtype)
+                try:
+                    with torch.random.fork_rng(devices=[]), recorded_runs() as runs:
+                        torch.manual_seed(1)
+                        out = mod(*args, **kwargs)
+                    if mod is candidate:
+                        ran = runs
+                    results.append((out, _gradients(mod, out, inputs, 2)))
+                except Exception as exc:
+                    if mod is original and dtype == torch.float64:
+                        raise _OriginalFailed from exc
+                    raise
+        finally:
+            torch.set_default_dtype(default_dtype)
+    # what the candidate's call ran, and what its traces found
+    matched = list(dict.fromkeys(replacement.description for replacement in ran))
+    state = candidate.__dict__.get("_fuse_attention_traced")
+    found = state.rewriter.found if state is not None else []
+    misses = [m for _, missed in found for m in missed]
+    if not matched:
+        why = "; ".join(dict.fromkeys(misses)) or (
+            "no tanh in the graphs TorchDynamo captured (its forward breaks the graph before it, "
+            "or the frame was not traced)"
+        )
+        return f"not the fused op's form: {why}", ""
+    tolerances = {}
+    if dtype == torch.float32:
+        tolerances = {"rtol": FLOAT32_PROBE_RTOL, "atol": FLOAT32_PROBE_ATOL}
+    difference = _first_difference(
+        results[0][0], results[1][0], "output", **tolerances
+    ) or _first_difference(results[0][1], results[1][1], "gradient", **tolerances)
+    if difference is not None:
+        return f"differs from the fused op on its first call's input: {difference}", ""
+    return None, "; ".join(matched)
+
+
+def convert(recording, watch) -> None:
+    """Probe the traced version of ``recording.module`` on its first call's input; convert it in
+    place when it agrees, and say either in ``watch.report``."""
+    module, report = recording.module, watch.report
+    try:
+        reason, found = _probe(module, recording, watch.backend)
+    except Exception as exc:  # noqa: BLE001 - any failure refuses the conversion
+        reason, found = f"the trace or the probe could not run ({type(exc).__name__}: {exc})", ""
+    name = class_name(module)
+    if reason is None:
+        original = type(module)
+        module.__class__ = traced_class(original, watch.backend)
+        state = _traced_state(module, original, watch.backend)
+        state.report, state.path = report, recording.path
+        report.replaced.append(Replaced(recording.path, f"{LAYOUT} ({found})", name))
+        logger.debug("fuse_attention: traced %s (%s): %s", recording.path, name, found)
+    else:
+        report.skipped.append(Skipped(recording.path, (LAYOUT,), name, reason))
+        logger.debug("fuse_attention: left %s (%s): %s", recording.path, name, reason)

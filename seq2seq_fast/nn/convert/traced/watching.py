@@ -1,0 +1,337 @@
+"""Watching: which modules compute additive attention, noted during their first call.
+
+Every module with parameters that no named layout took (built-in ``torch.nn`` layers aside) gets a
+pair of hooks (:func:`watch_model`). Its first call runs as it is, under a
+:class:`~torch.overrides.TorchFunctionMode` (:class:`_Watcher`) that notes every ``tanh`` of a sum
+(or of a linear map of a concatenation) and every softmax that depends on one. A module whose
+call computes such a tanh is reported; the innermost module whose call also holds the softmax
+over it is the one converted (so an energy computed in one module and normalised in its caller is
+converted at the caller). When the outermost watched call has returned, the modules chosen are
+handed to :func:`~seq2seq_fast.nn.convert.traced.runtime.convert` (trace, rewrite, probe, swap).
+
+State: what one outermost watched call notes (the mode, the open recordings, the event ids, the
+events taken) lives in a :class:`_CallWatch` of the calling thread, made when that call starts
+and dropped when it ends; what a module needs lives in its own ``__dict__`` (a :class:`_Watch`,
+which copies and pickles drop). Nothing is shared between threads or between converted models.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from seq2seq_fast.nn.convert._base import ConversionReport, FusedStandIn, Skipped, class_name
+
+LAYOUT = "traced"
+_ADD_NAMES = {"add", "__add__", "__radd__", "add_", "__iadd__"}
+_CAT_NAMES = {"cat", "concat", "concatenate"}
+# (sigmoid: the "smoothing" sigmoid(e) / sum sigmoid(e); the graph match checks the division)
+_SOFTMAX_NAMES = {"softmax", "_softmax", "log_softmax", "sigmoid"}
+# ops through which energies stay energies on their way to a softmax (a projection, shape ops,
+# scale, masks, a dtype change); anything else ends them
+_CARRIES = {
+    "linear",
+    "matmul",
+    "__matmul__",
+    "bmm",
+    "einsum",
+    "mul",
+    "__mul__",
+    "__rmul__",
+    "sum",
+    "squeeze",
+    "unsqueeze",
+    "view",
+    "reshape",
+    "permute",
+    "transpose",
+    "contiguous",
+    "flatten",
+    "masked_fill",
+    "masked_fill_",
+    "where",
+    "add",
+    "__add__",
+    "__radd__",
+    "add_",
+    "sub",
+    "__sub__",
+    "div",
+    "__truediv__",
+    "div_",
+    "float",
+    "double",
+    "to",
+    "type_as",
+    "__getitem__",
+    "tanh",
+    "dropout",
+    "new_full",
+}
+# The calling thread's _CallWatch while one of its watched first calls runs (else none).
+_THREAD = threading.local()
+
+
+class _CallWatch:
+    """What one outermost watched call notes, on its thread: the mode that watches the call, the
+    open recordings (nested watched modules), the modules being called (global module hooks,
+    only while the call runs), the tanh events (numbered per call), those taken by a module, those
+    over one Linear's output, and the conversions to make once the call has returned."""
+
+    def __init__(self) -> None:
+        self.stack: list[_Recording] = []
+        self.pending: list[tuple[_Recording, _Watch]] = []
+        self.calls: list[nn.Module] = []
+        self.events = itertools.count()
+        self.claimed: set[int] = set()
+        # tanh events over one Linear's output (attention pooling's energies, if a softmax
+        # follows; a plain tanh layer's, if none does: those go unreported)
+        self.affine: set[int] = set()
+        self.mode = _Watcher(self)
+        self.global_hooks = ()
+
+    def start(self) -> None:
+        self.mode.__enter__()
+        self.calls = [r.module for r in self.stack]
+        self.global_hooks = (
+            torch.nn.modules.module.register_module_forward_pre_hook(self._enter_call),
+            torch.nn.modules.module.register_module_forward_hook(
+                self._leave_call, always_call=True
+            ),
+        )
+
+    def stop(self) -> None:
+        self.mode.__exit__(None, None, None)
+        for handle in self.global_hooks:
+            handle.remove()
+        self.global_hooks, self.calls = (), []
+
+    def _enter_call(self, module, args) -> None:
+        if _current() is self:  # the hooks are process-wide: other threads' calls are not ours
+            self.calls.append(module)
+
+    def _leave_call(self, module, args, output) -> None:
+        if _current() is self and self.calls and self.calls[-1] is module:
+            self.calls.pop()
+
+    def inside_decided_module(self) -> bool:
+        """Is a module that has taken its attention already among the calls open now?"""
+        return any(_watch_of(module, "decided") for module in self.calls)
+
+
+def _current() -> _CallWatch | None:
+    return getattr(_THREAD, "watch", None)
+
+
+def _watch_of(module: nn.Module, flag: str | None = None):
+    watch = module.__dict__.get("_fuse_attention_watch")
+    return watch if flag is None else bool(watch is not None and getattr(watch, flag))
+
+
+class _Recording:
+    def __init__(self, module: nn.Module, path: str, args, kwargs) -> None:
+        self.module, self.path, self.args, self.kwargs = module, path, args, kwargs
+        self.events: set[int] = set()
+        self.softmaxed: set[int] = set()
+
+
+class _Watcher(TorchFunctionMode):
+    """Notes tanh-of-a-sum events and the softmaxes over them for the open recordings."""
+
+    def __init__(self, call: _CallWatch) -> None:
+        super().__init__()
+        self.call = call
+        self.marks: dict[int, tuple[Tensor, frozenset, str | None]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        events: frozenset = frozenset()
+        for t in inputs:
+            mark = self.marks.get(id(t))
+            if mark is not None and mark[0] is t:
+                events |= mark[1]
+        kind = None
+        first = self.marks.get(id(inputs[0])) if inputs else None
+        first_kind = first[2] if first is not None and first[0] is inputs[0] else None
+        call = self.call
+        if name in ("tanh", "tanh_") and first_kind in ("sum", "affine"):
+            event = next(call.events)
+            events = frozenset({event})  # an energy of its own (not of what made its inputs)
+            if first_kind == "affine":
+                call.affine.add(event)
+            if call.inside_decided_module():
+                call.claimed.add(event)  # inside a module that has taken its attention already
+            for recording in call.stack:
+                recording.events.add(event)
+        elif name in _SOFTMAX_NAMES and events:
+            for recording in call.stack:
+                recording.softmaxed |= events
+            events = frozenset()
+        else:
+            if name not in _CARRIES:
+                events = frozenset()  # e.g. an RNN over a tanh's output: no longer its energies
+            if name in _ADD_NAMES and len(inputs) >= 2:
+                kind = "sum"
+            elif name in _CAT_NAMES and len(inputs) >= 2:
+                kind = "joined"
+            elif name == "linear":
+                kind = "sum" if first_kind == "joined" else "affine"
+            elif first_kind == "sum" and isinstance(out, Tensor) and out.shape == inputs[0].shape:
+                kind = "sum"  # e.g. a sum scaled or dropped out before the tanh: still reported
+        if isinstance(out, Tensor) and (events or kind):
+            self.marks[id(out)] = (out, events, kind)
+        return out
+
+
+def _floating_copy(value):
+    if isinstance(value, Tensor):
+        with torch.inference_mode(False):
+            return value.detach().clone()
+    return value
+
+
+def _pre_hook(module: nn.Module, args, kwargs):
+    watch = _watch_of(module)
+    if watch is None or watch.done:
+        return None
+    watch.done = True
+    module._forward_pre_hooks.pop(watch.hook_ids[0], None)
+    call = _current()
+    if call is None:  # the outermost watched call of this thread
+        call = _THREAD.watch = _CallWatch()
+        fresh = True
+    else:
+        fresh = False
+    args, kwargs = pytree.tree_map(_floating_copy, (args, kwargs))
+    watch.recording = _Recording(module, watch.path, args, kwargs)
+    call.stack.append(watch.recording)
+    if fresh:
+        call.start()
+    return None
+
+
+def _post_hook(module: nn.Module, args, kwargs, output):
+    watch = _watch_of(module)
+    recording = getattr(watch, "recording", None)
+    call = _current()
+    if recording is None or call is None:
+        return None
+    watch.recording = None
+    _unhook(module)
+    if recording in call.stack:
+        call.stack.remove(recording)
+    if recording.path in watch.report.watching:
+        watch.report.watching.remove(recording.path)
+    _decide(call, recording, watch)
+    if not call.stack:
+        call.stop()
+        _THREAD.watch = None
+        for recording, watch in call.pending:
+            watch.convert(recording, watch)
+    return None
+
+
+def _decide(call: _CallWatch, recording: _Recording, watch: _Watch) -> None:
+    """After a watched module's first call: report it or queue its conversion."""
+    if not recording.events:
+        return
+    mine = recording.events - call.claimed
+    if not mine:
+        return
+    if not recording.softmaxed & mine:
+        if mine <= call.affine:  # a tanh layer, no attention: nothing to report
+            return
+        watch.report.skipped.append(
+            Skipped(
+                recording.path,
+                (LAYOUT,),
+                class_name(recording.module),
+                "computes a tanh over a sum but no softmax over it in its own call "
+                "(converted with its caller if the caller holds the softmax)",
+            )
+        )
+        return
+    call.claimed.update(mine)
+    watch.decided = True
+    call.pending.append((recording, watch))
+
+
+class _Watch:
+    """What a watched module needs at its first call (kept in the module's __dict__)."""
+
+    def __init__(self, path: str, report: ConversionReport, backend: str, ids, convert) -> None:
+        self.path, self.report, self.backend = path, report, backend
+        self.convert = convert  # (recording, watch) -> None: trace, probe, swap (runtime.py)
+        self.hook_ids = ids
+        self.done = False  # its first call has begun
+        self.decided = False  # it took its attention: tanh events in its later calls are its
+        self.recording: _Recording | None = None
+
+    def __deepcopy__(self, memo):
+        return None  # a copy of the module is not watched
+
+    def __reduce__(self):
+        return (_none, ())
+
+
+def _none() -> None:
+    return None
+
+
+def _unhook(module: nn.Module) -> None:
+    watch = _watch_of(module)
+    if watch is None:
+        return
+    pre, post = watch.hook_ids
+    module._forward_pre_hooks.pop(pre, None)
+    module._forward_hooks.pop(post, None)
+    module._forward_hooks_with_kwargs.pop(post, None)
+    module._forward_hooks_always_called.pop(post, None)
+
+
+def strip_watches(module: nn.Module) -> None:
+    """Remove the watch hooks from a copy (whose watch attribute deepcopy dropped)."""
+    for sub in module.modules():
+        for hooks in (sub._forward_pre_hooks, sub._forward_hooks):
+            for key, hook in list(hooks.items()):
+                if hook in (_pre_hook, _post_hook):
+                    del hooks[key]
+
+
+def _watchable(module: nn.Module) -> bool:
+    if isinstance(module, FusedStandIn) or type(module).__module__.startswith("torch."):
+        return False
+    if "_fuse_attention_watch" in module.__dict__:
+        return False
+    return next(module.parameters(), None) is not None
+
+
+def watch_model(model: nn.Module, report: ConversionReport, backend: str, convert) -> None:
+    """Watch every module of ``model`` that the general path may convert (see the module
+    docstring); skips the subtrees of stand-ins. The probe always runs (no ``check=False`` here:
+    a trace is no structure to trust alone)."""
+    seen = set()
+
+    def visit(module: nn.Module, path: str) -> None:
+        if id(module) in seen or isinstance(module, FusedStandIn):
+            return
+        seen.add(id(module))
+        if _watchable(module):
+            pre = module.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+            post = module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
+            module.__dict__["_fuse_attention_watch"] = _Watch(
+                path or "(model)", report, backend, (pre.id, post.id), convert
+            )
+            report.watching.append(path or "(model)")
+        for name, child in module.named_children():
+            visit(child, f"{path}.{name}" if path else name)
+
+    visit(model, "")
