@@ -382,14 +382,6 @@ void softmax_rows(const KernelTable<T>& kt, T* rows, int64_t nq, int64_t Tk, int
 }
 
 
-// softmax or sigmoid (the header's Normalize), from the op's schema argument.
-Normalize parse_normalize(const char* op, c10::string_view name) {
-  if (name == "softmax") return Normalize::kSoftmax;
-  if (name == "sigmoid") return Normalize::kSigmoid;
-  TORCH_CHECK(false, op, ": normalize must be 'softmax' or 'sigmoid', got '", std::string(name),
-              "'");
-}
-
 // In place, rows s < nk of nq rows (stride Tk): e -> log sigmoid(e); with one_minus (backward)
 // also 1 - sigmoid(e) = exp(log sigmoid(-e)) into one_minus (same layout). NaN stays NaN.
 template <typename T>
@@ -539,6 +531,24 @@ struct ForwardPass {
 
 }  // namespace
 
+// softmax or sigmoid (the header's Normalize), from the op's schema argument.
+Normalize parse_normalize(const char* op, c10::string_view name) {
+  if (name == "softmax") return Normalize::kSoftmax;
+  if (name == "sigmoid") return Normalize::kSigmoid;
+  TORCH_CHECK(false, op, ": normalize must be 'softmax' or 'sigmoid', got '", std::string(name),
+              "'");
+}
+
+// The ops' optional score bias: one element of a floating dtype on the CPU ([] or [1]).
+ScoreShift score_shift(const char* op, const std::optional<Tensor>& score_bias) {
+  if (!score_bias.has_value()) return {};
+  const Tensor& b = *score_bias;
+  TORCH_CHECK(b.numel() == 1 && b.dim() <= 1 && b.is_floating_point() && b.device().is_cpu(), op,
+              ": score_bias must be a one-element floating CPU tensor ([] or [1]), got ",
+              b.sizes(), " ", b.scalar_type(), " on ", b.device());
+  return {b.item<double>(), true};
+}
+
 template <typename T, typename M>
 std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Tensor& keys_in,
                                                 const Tensor& values_in, const Tensor& v_in,
@@ -579,16 +589,6 @@ std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Te
 }
 
 namespace {
-
-// The ops' optional score bias: one element of a floating dtype on the CPU ([] or [1]).
-ScoreShift score_shift(const char* op, const std::optional<Tensor>& score_bias) {
-  if (!score_bias.has_value()) return {};
-  const Tensor& b = *score_bias;
-  TORCH_CHECK(b.numel() == 1 && b.dim() <= 1 && b.is_floating_point() && b.device().is_cpu(), op,
-              ": score_bias must be a one-element floating CPU tensor ([] or [1]), got ",
-              b.sizes(), " ", b.scalar_type(), " on ", b.device());
-  return {b.item<double>(), true};
-}
 
 std::tuple<Tensor, Tensor, Tensor> additive_attention_fwd(
     const Tensor& query, const Tensor& keys, const Tensor& values, const Tensor& v,

@@ -76,6 +76,11 @@ struct ScoreShift {
   bool given = false;
 };
 
+// The ops' schema arguments: normalize ("softmax" or "sigmoid") and the optional score bias (one
+// element of a floating dtype on the CPU); errors name `op`.
+Normalize parse_normalize(const char* op, c10::string_view name);
+ScoreShift score_shift(const char* op, const std::optional<at::Tensor>& score_bias);
+
 // (context, weights or an empty tensor, lse) of the attention; loc given: a location-aware step,
 // `keys_in` then the projected memory.
 template <typename T, typename M>

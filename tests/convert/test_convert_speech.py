@@ -439,6 +439,32 @@ def test_coqui_through_the_general_path(name, dtype, monkeypatch):
         assert grads_b["attn.v.linear_layer.bias"].abs().sum() > 1e-6
 
 
+@requires_cpu_kernel
+def test_coqui_sigmoid_trains_through_the_location_step(monkeypatch):
+    """Coqui's default (location-sensitive, sigmoid, score bias) trains through the location-aware
+    step op (keys formed inside the kernels), its score bias's gradient from the op."""
+    from seq2seq_fast.nn.convert._location import LocationMemory
+
+    seen = []
+    attend = LocationMemory.attend
+
+    def spy(self, *args, **kwargs):
+        seen.append(args[5:] if len(args) > 5 else tuple(kwargs.values()))
+        return attend(self, *args, **kwargs)
+
+    monkeypatch.setattr(LocationMemory, "attend", spy)
+    case = CASES["coqui_sigmoid_location"]
+    plain, fused = _pair(case, torch.float64)
+    outs_a, grads_a = _run(case, plain, torch.float64, seed=3)
+    outs_b, grads_b = _run(case, fused, torch.float64, seed=3)
+    assert len(seen) >= 6 and all(s[0] == "sigmoid" and s[1] is not None for s in seen)
+    for a, b in zip(outs_a, outs_b, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-9)
+    for key, grad in grads_a.items():
+        torch.testing.assert_close(grads_b[key], grad, atol=1e-10, rtol=1e-9, msg=key)
+    assert grads_b["attn.v.linear_layer.bias"].abs().sum() > 1e-6
+
+
 class AttCovLoc(L.AttLoc):
     """ESPnet's coverage + location attention: AttLoc's parts, but the location convolution reads
     the sum of the list of all previous steps' weights."""

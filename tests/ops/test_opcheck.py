@@ -97,6 +97,15 @@ def _location_samples() -> dict[str, tuple]:
             weights,
             torch.randn_like(projected),
         ),
+        "_location_attention_bwd.score_bias": (
+            torch.randn_like(context),
+            torch.randn_like(weights),
+            *inputs,
+            weights,
+            torch.randn_like(projected),
+            "sigmoid",
+            torch.tensor(0.3),
+        ),
     }
 
 

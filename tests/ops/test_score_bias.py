@@ -381,3 +381,100 @@ def test_triton_large_shifted_scores(b):
         additive_attention_ref, tuple(t.double() for t in inputs), sb.double(), lengths, None
     )
     assert_close_all(got, as_dtype(want, torch.float32), rtol=1e-3, atol=2e-4 * abs(b) / 30)
+
+
+# --- the location-aware step ops (Coqui's location-sensitive attention under the sigmoid) ----------
+
+
+def _location_case(dtype, kind, seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    B, T, A, C, Dv = 4, 9, 12, 5, 3
+
+    def randn(*shape, s=1.0):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * s).to(dtype)
+
+    tensors = dict(
+        query=randn(B, 1, A),
+        projected=randn(B, T, A),
+        conv=randn(B * T, C, s=0.5),
+        weight=randn(A, C, s=0.5),
+        values=randn(B, T, Dv),
+        v=randn(A, s=0.7),
+        bias=randn(A, s=0.3),
+    )
+    lengths, mask = key_masks(kind, B, T)
+    return tensors, lengths, mask
+
+
+@requires_cpu_kernel
+@pytest.mark.parametrize("isa", ["default", "portable"])
+@pytest.mark.parametrize("normalize", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("kind", MASKS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_location_step_with_a_score_bias(dtype, kind, normalize, isa, monkeypatch):
+    """The location-aware step's ops with normalize and a score bias against the reference on
+    materialised keys P + conv W^T: outputs and every gradient, the score bias's included."""
+    if isa != "default":
+        monkeypatch.setenv("SEQ2SEQ_FAST_ISA", isa)
+    t, lengths, mask = _location_case(dtype, kind)
+    sb = score_bias_of(-0.8, dtype)
+    names = ("query", "projected", "conv", "weight", "values", "v", "bias")
+    leaves = {n: t[n].double().requires_grad_() for n in names}
+    sb_ref = sb.double().requires_grad_()
+    B, T, A = t["projected"].shape
+    keys = leaves["projected"] + (leaves["conv"] @ leaves["weight"].t()).view(B, T, A)
+    context, weights = additive_attention_ref(
+        leaves["query"], keys, leaves["values"], leaves["v"], leaves["bias"],
+        lengths=lengths, mask=mask, normalize=normalize, score_bias=sb_ref,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(8)
+    gc = torch.randn(context.shape, generator=gen, dtype=torch.float64)
+    gw = torch.randn(weights.shape, generator=gen, dtype=torch.float64)
+    want = torch.autograd.grad((context, weights), [*leaves.values(), sb_ref], (gc, gw))
+
+    inputs = (*(t[n] for n in names), lengths, mask)
+    got_context, got_weights = OPS._location_attention_fwd(*inputs, normalize, sb)
+    acc = torch.zeros_like(t["projected"])
+    dq, dconv, dweight, dv, dbias, dsb = OPS._location_attention_bwd.score_bias(
+        gc.to(dtype), gw.to(dtype), *inputs, got_weights, acc, normalize, sb
+    )
+    dvalues = torch.bmm(got_weights.transpose(1, 2), gc.to(dtype))
+    tol = dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=2e-4, atol=3e-5)
+    pairs = [
+        ("context", got_context, context),
+        ("weights", got_weights, weights),
+        ("query", dq, want[0]),
+        ("projected", acc, want[1]),
+        ("conv", dconv, want[2]),
+        ("weight", dweight, want[3]),
+        ("values", dvalues, want[4]),
+        ("v", dv, want[5]),
+        ("bias", dbias, want[6]),
+        ("score_bias", dsb, want[7]),
+    ]
+    for name, g, w in pairs:
+        torch.testing.assert_close(g.double(), w, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    # the default overload, normalize given: the same five gradients
+    acc2 = torch.zeros_like(t["projected"])
+    if normalize == "sigmoid":
+        plain = OPS._location_attention_fwd(*inputs, normalize)
+        five = OPS._location_attention_bwd(
+            gc.to(dtype), gw.to(dtype), *inputs, plain[1], acc2, normalize
+        )
+        assert len(five) == 5
+        assert (plain[1] - got_weights).abs().max() > 1e-4  # the bias moves the weights
+
+
+@requires_cpu_kernel
+def test_location_step_opcheck_with_a_score_bias():
+    t, lengths, _ = _location_case(torch.float32, "lengths")
+    names = ("query", "projected", "conv", "weight", "values", "v", "bias")
+    inputs = (*(t[n] for n in names), lengths, None)
+    sb = score_bias_of(0.4, torch.float32)
+    torch.library.opcheck(OPS._location_attention_fwd.default, (*inputs, "sigmoid", sb))
+    context, weights = OPS._location_attention_fwd(*inputs, "sigmoid", sb)
+    args = (torch.randn_like(context), torch.randn_like(weights), *inputs, weights)
+    torch.library.opcheck(
+        OPS._location_attention_bwd.score_bias,
+        (*args, torch.zeros_like(t["projected"]), "sigmoid", sb),
+    )

@@ -23,6 +23,7 @@ from seq2seq_fast.nn.convert._speech import attend_gathered, prefix_lengths
 from seq2seq_fast.ops._autograd import StepGradients
 from seq2seq_fast.ops._checks import check_inputs
 from seq2seq_fast.ops._library import kernel_serves
+from seq2seq_fast.ops.additive_attention import check_normalize, check_score_bias
 from seq2seq_fast.ops.location_attention import _LocationStep, location_columns, location_keys
 
 
@@ -55,10 +56,18 @@ class LocationMemory(StepGradients):
         return not self.spent and self.sources[0] is projected and self.sources[1] is values
 
     def attend(
-        self, query: Tensor, conv: Tensor, weight: Tensor, v: Tensor, mask: Tensor | None
+        self,
+        query: Tensor,
+        conv: Tensor,
+        weight: Tensor,
+        v: Tensor,
+        mask: Tensor | None,
+        normalize: str = "softmax",
+        score_bias: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """query [B, A], conv [B*T, C], weight [A, C], v [A], mask bool [B, T] (True = valid) or
-        None -> (context [B, Dv], weights [B, T])."""
+        None -> (context [B, Dv], weights [B, T]); ``normalize`` and ``score_bias`` as
+        ``additive_attention`` takes them."""
         checked = check_inputs(query, self.projected, self.values, v, mask=mask)
         query3, v, mask = checked.query, checked.v, checked.mask
         batch, frames, width = self.projected.shape
@@ -72,8 +81,20 @@ class LocationMemory(StepGradients):
         # (under autocast: the casts check_inputs made of query and v, differentiable)
         conv, weight = conv.to(query3.dtype), weight.to(query3.dtype)
         bias = query3.new_zeros(width)
+        score_bias = check_score_bias(score_bias, query3)
         context, weights = _LocationStep.apply(
-            query3, self.projected, conv, weight, self.values, v, bias, lengths, mask, self
+            query3,
+            self.projected,
+            conv,
+            weight,
+            self.values,
+            v,
+            bias,
+            lengths,
+            mask,
+            self,
+            check_normalize(normalize),
+            score_bias,
         )
         return context.squeeze(1), weights.squeeze(1)
 
@@ -101,20 +122,18 @@ def attend_location(
     """A location-aware step: ``attend(backend, query [B, A], projected + dense(conv(features)),
     values [B, T, Dv], v, mask)`` with ``location = (features [B, Cin, T], conv_weight,
     dense_weight [A, C])`` (see :func:`location_keys`); mask bool [B, T] (True = valid) or None.
-    When training on the fused CPU kernel with a plain softmax, through ``owner``'s
-    :class:`LocationMemory` for these projected memory and values (kept in ``owner._location``);
-    else through :func:`~seq2seq_fast.nn.convert._speech.attend_gathered` (``normalize`` and
-    ``score_bias`` as ``additive_attention`` takes them). Returns (context [B, Dv],
+    When training on the fused CPU kernel, through ``owner``'s :class:`LocationMemory` for these
+    projected memory and values (kept in ``owner._location``); else through
+    :func:`~seq2seq_fast.nn.convert._speech.attend_gathered` (``normalize`` and ``score_bias`` as
+    ``additive_attention`` takes them). Returns (context [B, Dv],
     weights [B, T])."""
     features, conv_weight, dense_weight = location
-    if normalize != "softmax" or score_bias is not None:  # (the location step: a softmax)
-        keys = location_keys(projected, features, conv_weight, dense_weight)
-        return attend_gathered(owner, backend, query, keys, values, v, mask, normalize, score_bias)
     memory = getattr(owner, "_location", None)
     if not (isinstance(memory, LocationMemory) and memory.serves(projected, values)):
         memory = LocationMemory.for_training(projected, values, backend)
         owner._location = memory
     if memory is None or query.dim() != 2:
         keys = location_keys(projected, features, conv_weight, dense_weight)
-        return attend_gathered(owner, backend, query, keys, values, v, mask)
-    return memory.attend(query, location_columns(features, conv_weight), dense_weight, v, mask)
+        return attend_gathered(owner, backend, query, keys, values, v, mask, normalize, score_bias)
+    conv = location_columns(features, conv_weight)
+    return memory.attend(query, conv, dense_weight, v, mask, normalize, score_bias)

@@ -1083,11 +1083,7 @@ class TracedWeights:
         queries = [_pad(t, rank).movedim(hidden, -1) for t in queries]
         location = next((t for t in keys if isinstance(t, _LocationTerm)), None)
         if location is not None and not (
-            rank == 3
-            and hidden == 2
-            and plan.memory_axis == 1
-            and plan.batch_axes == (0,)
-            and plan.normalize == "softmax"
+            rank == 3 and hidden == 2 and plan.memory_axis == 1 and plan.batch_axes == (0,)
         ):
             keys = [t if t is not location else _Plain(t.value()) for t in keys]
             location = None
@@ -1173,7 +1169,16 @@ class TracedWeights:
             step_query = query[:, 0] if bias is None else query[:, 0] + bias
             parts = (location.features, location.conv_weight, location.dense_weight)
             _, weights = attend_location(
-                self, plan.backend, step_query, key, parts, values, v_eff, valid
+                self,
+                plan.backend,
+                step_query,
+                key,
+                parts,
+                values,
+                v_eff,
+                valid,
+                plan.normalize,
+                score_bias,
             )
             weights = weights.unsqueeze(1)
         elif plan.vector_axes:  # a score vector per head: the op once per head, over its rows
