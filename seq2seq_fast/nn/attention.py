@@ -1,9 +1,11 @@
-"""The additive-attention module built on the fused op, and ``attend``, the call that every module
-and converter stand-in makes (the converter itself is :mod:`seq2seq_fast.nn.convert`).
+"""The additive-attention module built on the fused op (the converter's stand-ins are in
+:mod:`seq2seq_fast.nn.convert`).
 
-The modules only hold parameters and call the functional; the backend is picked per call:
-``"auto"`` uses the fused kernel where one serves the tensors' device and dtype and otherwise the
-reference (warning once), ``"fused"`` raises instead, ``"reference"`` always uses the reference.
+The modules only hold parameters and call the functional
+:func:`~seq2seq_fast.ops.additive_attention.additive_attention` with their backend, which picks
+the kernel per call: ``"auto"`` uses the fused kernel where one serves the tensors' device and
+dtype and otherwise the reference (warning once), ``"fused"`` raises instead, ``"reference"``
+always uses the reference.
 """
 
 from __future__ import annotations
@@ -13,55 +15,11 @@ import math
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.stepwise import StepwiseMemory
-from seq2seq_fast.ops._checks import check_inputs
-from seq2seq_fast.ops._library import kernel_unavailable_reason, warn_fallback_once
-from seq2seq_fast.ops.additive_attention import run_checked
+from seq2seq_fast.ops._checks import autocast_dtype
+from seq2seq_fast.ops.additive_attention import BACKENDS, additive_attention, check_backend
+from seq2seq_fast.ops.stepwise import StepwiseMemory
 
-BACKENDS = ("auto", "fused", "reference")
-
-
-def check_backend(backend: str) -> str:
-    """``backend`` itself if it is one of :data:`BACKENDS`, else ValueError."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return backend
-
-
-def attend(
-    backend: str,
-    query: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    v: Tensor,
-    bias: Tensor | None = None,
-    *,
-    lengths: Tensor | None = None,
-    mask: Tensor | None = None,
-    return_weights: bool = True,
-    stepwise: StepwiseMemory | None = None,
-    normalize: str = "softmax",
-    score_bias: Tensor | float | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """``additive_attention`` through ``backend`` ("auto", "fused" or "reference"); same contract.
-    ``stepwise``: a :class:`~seq2seq_fast.nn.stepwise.StepwiseMemory` whose ``keys`` and ``values``
-    are the ones passed (a decoder's steps; used only where the fused CPU kernel runs, with the
-    softmax and no score bias). ``normalize``, ``score_bias``: as in ``additive_attention``."""
-    checked = check_inputs(query, keys, values, v, bias, lengths, mask)
-    use_reference = backend == "reference"
-    if not use_reference:
-        reason = kernel_unavailable_reason("attention", query)
-        if reason is not None:
-            if backend == "fused":
-                raise RuntimeError(f"backend='fused' but {reason}")
-            warn_fallback_once(query.device, query.dtype, reason)
-            use_reference = True
-    plain_softmax = normalize == "softmax" and score_bias is None
-    if stepwise is not None and not use_reference and plain_softmax:
-        result = stepwise.attend_checked(checked, return_weights)
-        if result is not None:
-            return result
-    return run_checked(checked, return_weights, use_reference, normalize, score_bias)
+__all__ = ["BACKENDS", "BahdanauAttention", "check_backend"]
 
 
 class BahdanauAttention(nn.Module):
@@ -138,7 +96,7 @@ class BahdanauAttention(nn.Module):
             )
         if not value.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
-        if value.dtype != param.dtype and not torch.is_autocast_enabled(value.device.type):
+        if value.dtype != param.dtype and autocast_dtype(value.device) is None:
             raise TypeError(
                 f"{name} has dtype {value.dtype} but the module's parameters are {param.dtype} "
                 f"(convert the module, e.g. .to({value.dtype}), or the input)"
@@ -206,8 +164,7 @@ class BahdanauAttention(nn.Module):
         computed once, and, when training, ``stepwise=StepwiseMemory.for_training(...)`` built
         once per sequence (its ``keys`` and ``values`` passed here)."""
         v_eff, bias = self.score_vector() if score_vector is None else score_vector
-        context, weights = attend(
-            self.backend,
+        context, weights = additive_attention(
             projected_query,
             projected_keys,
             values,
@@ -215,6 +172,7 @@ class BahdanauAttention(nn.Module):
             bias,
             lengths=lengths,
             mask=mask,
+            backend=self.backend,
             stepwise=stepwise,
         )
         return context, weights

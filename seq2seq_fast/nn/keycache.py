@@ -15,7 +15,7 @@ Training: the steps share the one projection in the graph, so one backward after
 gives the gradients of the original (summed over the steps in another order). A backward that
 runs through the projection (between steps, with or without ``retain_graph``) drops the entry:
 the next step projects again, as the original does, so a later backward never meets a freed
-graph. With a :class:`~seq2seq_fast.nn.stepwise.StepwiseMemory` in the cached value (built by the
+graph. With a :class:`~seq2seq_fast.ops.stepwise.StepwiseMemory` in the cached value (built by the
 ``compute`` function, see ``FusedTutorialAttention``), the values' and keys' gradients of all the
 steps are gathered once per sequence.
 
@@ -55,9 +55,10 @@ from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
-from torch.utils import _pytree as pytree
 
 from seq2seq_fast.ops._autograd import traced_or_transformed
+from seq2seq_fast.ops._checks import autocast_dtype
+from seq2seq_fast.ops._torch_private import pytree, saved_tensors_hooks_active
 
 T = TypeVar("T")
 MAX_THREADS = 8
@@ -71,7 +72,7 @@ def cache_bypassed() -> bool:
         traced_or_transformed()
         or torch.jit.is_tracing()
         or torch.jit.is_scripting()
-        or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        or saved_tensors_hooks_active()
     )
 
 
@@ -129,7 +130,7 @@ class ProjectionCache:
             keys.requires_grad,
             torch.is_grad_enabled(),
             torch.is_inference_mode_enabled(),
-            torch.is_autocast_enabled(keys.device.type),
+            autocast_dtype(keys.device),
             *(_param_state(p) for p in params),
         )
         thread = threading.get_ident()

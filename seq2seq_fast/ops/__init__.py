@@ -6,11 +6,16 @@ reference that defines the truth.
     location_attention     the location-aware attention step and the location convolution
     recurrent              GRU layer / GRU cell / LSTM cell ops
     linear_cross_entropy   the output layer and its loss, by row chunks
+    stepwise               the decoder step memories (StepwiseMemory, GatheredValues,
+                           LocationMemory): a step's memory gradients gathered once per sequence
     reference              ``additive_attention_ref``, plain PyTorch, the spec
-    _library               loading ``_C`` and ``_triton``; whether a fused kernel serves a device
-                           and dtype (``fused_unavailable_reason``)
-    _autograd              helpers the Functions share (tracing test, double-backward guard)
-    _checks                the attention's input checks
+    _library               loading ``_C`` and ``_triton``; whether a fused kernel serves a call
+                           (``kernel_unavailable_reason``, the one decision) and
+                           ``force_reference()``, which switches the fused kernels off for a block
+    _autograd              helpers the Functions share (tracing test, double-backward guard,
+                           the gradient-sum dtype, StepGradients)
+    _checks                the attention's input checks, the autocast dtype, masks as lengths
+    _private               every private torch API the package uses, each with why
 
 Environment variables (all of them; none is needed in normal use):
 
@@ -37,8 +42,9 @@ from seq2seq_fast.ops import (
     location_attention,
     recurrent,
     reference,
+    stepwise,
 )
-from seq2seq_fast.ops._library import fused_available, fused_unavailable_reason
+from seq2seq_fast.ops._library import force_reference, fused_available, fused_unavailable_reason
 from seq2seq_fast.ops.additive_attention import AdditiveAttentionFunction
 from seq2seq_fast.ops.reference import additive_attention_ref
 
@@ -49,10 +55,12 @@ __all__ = [
     "AdditiveAttentionFunction",
     "additive_attention",
     "additive_attention_ref",
+    "force_reference",
     "fused_available",
     "fused_unavailable_reason",
     "linear_cross_entropy",
     "location_attention",
     "recurrent",
     "reference",
+    "stepwise",
 ]

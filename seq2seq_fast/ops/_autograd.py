@@ -7,11 +7,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from seq2seq_fast.ops._torch_private import (
+    current_graph_task_id,
+    delayed_error,
+    functorch_transforms_active,
+)
+
 
 def traced_or_transformed() -> bool:
     """Inside torch.compile's tracing or a torch.func transform: where only the setup_context-style
     Function works and Python-side autograd state (StepwiseMemory) must stay out."""
-    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+    return torch.compiler.is_compiling() or functorch_transforms_active()
 
 
 def guard_double_backward(grads: tuple) -> tuple:
@@ -24,7 +30,7 @@ def guard_double_backward(grads: tuple) -> tuple:
     tensors = [g for g in grads if isinstance(g, Tensor)]
     if not tensors:
         return grads
-    error = torch._C._functions.DelayedError(
+    error = delayed_error(
         b"seq2seq_fast: the fused attention's backward is not differentiable (a second-order "
         b"gradient through it); use backend='reference' for higher-order gradients",
         len(tensors),
@@ -32,6 +38,13 @@ def guard_double_backward(grads: tuple) -> tuple:
     wrapped = error(*[t.detach().requires_grad_(True) for t in tensors])
     wrapped = iter(wrapped if isinstance(wrapped, tuple) else (wrapped,))
     return tuple(next(wrapped) if isinstance(g, Tensor) else g for g in grads)
+
+
+def gradient_sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a gradient summed over many steps is kept in: float32 for bfloat16 (each step
+    adds into it exactly enough, rounded once at the end; the kernels accept it), else the
+    tensor's own. The one place this rule is written."""
+    return torch.float32 if dtype == torch.bfloat16 else dtype
 
 
 def _nothing() -> None:
@@ -100,15 +113,16 @@ class StepGradients:
         self._grad_contexts: list[Tensor] = []
 
     def _this_pass(self) -> None:
-        task = torch._C._current_graph_task_id()
+        task = current_graph_task_id()
         if task != self._task:  # a new backward pass: nothing of an earlier one counts
             self._begin(task)
 
-    def buffer(self, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-        """This backward pass's gradient sum, shaped as ``like`` (zeros at its first step)."""
+    def buffer(self, like: Tensor) -> Tensor:
+        """This backward pass's gradient sum, shaped as ``like`` in :func:`gradient_sum_dtype`
+        (zeros at its first step)."""
         self._this_pass()
         if self._buffer is None:
-            dtype = like.dtype if dtype is None else dtype
+            dtype = gradient_sum_dtype(like.dtype)
             self._buffer = torch.zeros(like.shape, dtype=dtype, device=like.device)
         return self._buffer
 
@@ -121,7 +135,7 @@ class StepGradients:
     def collect(self) -> tuple[Tensor | None, Tensor | None]:
         """(buffer, values' gradient) gathered in this backward pass, each None where no step
         contributed, and a fresh start for the next pass."""
-        same_pass = self._task == torch._C._current_graph_task_id()
+        same_pass = self._task == current_graph_task_id()
         buffer, weights, grads = self._buffer, self._weights, self._grad_contexts
         self._begin(None)
         if not same_pass:

@@ -10,6 +10,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from seq2seq_fast.ops._autograd import traced_or_transformed
+
 
 def _shape(t: Tensor) -> list[int]:
     return list(t.shape)
@@ -87,11 +89,35 @@ def _as_mask(mask: object, batch: int, num_keys: int, device: torch.device) -> T
     return mask.contiguous()
 
 
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """The autocast dtype while autocast is on for this device (CPU or CUDA), else None."""
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The autocast dtype while autocast is on for this device (CPU or CUDA), else None: what
+    the layers above ops ask instead of testing autocast themselves."""
     if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return None
+
+
+def prefix_lengths(valid: Tensor | None) -> Tensor | None:
+    """int64 [B]: each row's number of valid keys when they are a prefix of the row (a padding
+    mask, True = valid), else None. The fused op then scores only those keys."""
+    if valid is None or valid.dim() != 2 or valid.dtype != torch.bool:
+        return None
+    lengths = valid.sum(1)
+    prefix = torch.arange(valid.shape[1], device=valid.device) < lengths.unsqueeze(1)
+    return lengths if torch.equal(prefix, valid) else None
+
+
+def masking(valid: Tensor | None) -> dict[str, Tensor | None]:
+    """The attention's keyword for a bool [B, T] mask (True = valid): on the CPU ``lengths`` for
+    a padding mask (the fused op then skips the padded keys instead of scoring and dropping them;
+    the one difference: a non-finite value in the padding does not reach the context), else
+    ``mask``. Elsewhere the mask as given (reading it would wait for the device), and never while
+    tracing."""
+    if valid is not None and valid.device.type == "cpu" and not traced_or_transformed():
+        lengths = prefix_lengths(valid)
+        if lengths is not None:
+            return {"lengths": lengths}
+    return {"mask": valid}
 
 
 class AttentionInputs(NamedTuple):
@@ -120,7 +146,7 @@ def check_inputs(query, keys, values, v, bias=None, lengths=None, mask=None) -> 
         tensors["bias"] = bias
     for name, value in tensors.items():
         _require_float_tensor(name, value)
-    autocast = _autocast_dtype(query.device)
+    autocast = autocast_dtype(query.device)
     if autocast is not None:
         tensors = {name: value.to(autocast) for name, value in tensors.items()}
         query, keys, values, v = (tensors[n] for n in ("query", "keys", "values", "v"))

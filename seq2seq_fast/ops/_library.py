@@ -13,7 +13,9 @@ torch. The dispatcher accepts ``_C``'s CPU kernels before those schemas are defi
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -120,6 +122,8 @@ def kernel_unavailable_reason(kernel: str, *tensors: Tensor) -> str | None:
     "recurrent" (GRU/LSTM ops). The last four: CPU tensors only, in the kernel's dtypes, the extension loaded, not inside
     torch.compile's tracing or a torch.func transform, and autocast as the table above says.
     """
+    if _forced and kernel in _forced:
+        return f"the {kernel} kernel is switched off by force_reference()"
     if kernel == "attention":
         return fused_unavailable_reason(tensors[0].device, tensors[0].dtype)
     if kernel not in _CPU_KERNELS:
@@ -147,6 +151,51 @@ def kernel_unavailable_reason(kernel: str, *tensors: Tensor) -> str | None:
     return None
 
 
+# --- switching the fused kernels off for a while ----------------------------------------------------
+
+# The kernels switched off by force_reference (process-wide: read at every call, a plain module
+# global so that torch.compile guards on it instead of breaking the graph), and the recorder of
+# the kernels that served a call meanwhile.
+_forced: frozenset[str] = frozenset()
+_served: set[str] | None = None
+
+
+@contextlib.contextmanager
+def force_reference(kernels: Iterable[str] = KERNELS) -> Iterator[set[str]]:
+    """Inside the block, the fused ``kernels`` (default: every one of :data:`KERNELS`) serve
+    nothing: :func:`kernel_unavailable_reason` says so, the attention dispatch runs the reference
+    (with any backend, silently), and the recurrent entry points return None (the models then run
+    PyTorch's own ops). Yields the set of op names of the fused kernels that still served a call
+    inside the block. Restored on exit, whatever happens; blocks nest. Process-wide: meant for a
+    check of one step (the training canary), not for other threads' calls meanwhile."""
+    global _forced, _served
+    kernels = frozenset([kernels] if isinstance(kernels, str) else kernels)
+    if not kernels <= set(KERNELS):
+        raise ValueError(f"kernels must be among {KERNELS}, got {sorted(kernels - set(KERNELS))}")
+    saved = (_forced, _served)
+    served: set[str] = set()
+    _forced = saved[0] | kernels
+    _served = served
+    try:
+        yield served
+    finally:
+        _forced, _served = saved
+        if _served is not None:
+            _served |= served
+
+
+def forced_reference(kernel: str) -> bool:
+    """Whether :func:`force_reference` switched ``kernel`` off (the dispatch then runs the
+    reference without a warning)."""
+    return bool(_forced) and kernel in _forced
+
+
+def note_served(op: str) -> None:
+    """A fused kernel served a call: recorded for :func:`force_reference`'s caller, if any."""
+    if _served is not None:
+        _served.add(op)
+
+
 def kernel_serves(kernel: str, *tensors: Tensor) -> bool:
     """:func:`kernel_unavailable_reason` is None."""
     return kernel_unavailable_reason(kernel, *tensors) is None
@@ -155,10 +204,13 @@ def kernel_serves(kernel: str, *tensors: Tensor) -> bool:
 _warned: set[tuple[str, torch.dtype]] = set()
 
 
-def warn_fallback_once(device: torch.device, dtype: torch.dtype, reason: str) -> None:
+def warn_fallback_once(
+    device: torch.device, dtype: torch.dtype, reason: str, stacklevel: int = 3
+) -> None:
     key = (torch.device(device).type, dtype)
     if key not in _warned:
         _warned.add(key)
         warnings.warn(
-            f"seq2seq_fast: falling back to the reference attention: {reason}", stacklevel=3
+            f"seq2seq_fast: falling back to the reference attention: {reason}",
+            stacklevel=stacklevel,
         )

@@ -34,17 +34,28 @@ Op-level contract (inputs already checked and normalised by ``additive_attention
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from seq2seq_fast.ops._autograd import guard_double_backward, traced_or_transformed
 from seq2seq_fast.ops._checks import AttentionInputs, check_inputs
-from seq2seq_fast.ops._library import CPU_KERNEL_ERROR, LIBRARY, fused_unavailable_reason
+from seq2seq_fast.ops._library import (
+    CPU_KERNEL_ERROR,
+    LIBRARY,
+    forced_reference,
+    kernel_unavailable_reason,
+    warn_fallback_once,
+)
+
+if TYPE_CHECKING:
+    from seq2seq_fast.ops.stepwise import StepwiseMemory
 
 FWD_NAME = f"{LIBRARY}::additive_attention_fwd"
 SOFTMAX = "softmax"
 NORMALIZATIONS = ("softmax", "sigmoid")
+BACKENDS = ("auto", "fused", "reference")
 BWD_NAME = f"{LIBRARY}::additive_attention_bwd"
 
 _BWD_ARGS = (
@@ -234,7 +245,7 @@ class AdditiveAttentionFunction(torch.autograd.Function):
 
 class _EagerAttentionFunction(torch.autograd.Function):
     """:class:`AdditiveAttentionFunction` in the older style (forward takes ctx): its apply skips
-    the signature binding that the setup_context style pays on every call (~50 us, measured)."""
+    the signature binding that the setup_context style pays on every call (bench/RESULTS.md)."""
 
     @staticmethod
     def forward(ctx, *inputs):
@@ -280,6 +291,8 @@ def additive_attention(
     mask: Tensor | None = None,
     return_weights: bool = True,
     normalize: str = "softmax",
+    backend: str = "fused",
+    stepwise: StepwiseMemory | None = None,
     score_bias: Tensor | float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Fused additive attention: scores, mask, softmax and context in one pass, no [B,Tq,Tk,H] tensor.
@@ -300,6 +313,13 @@ def additive_attention(
         normalize: "softmax" (default), or "sigmoid": weights = sigmoid(e) / sum of sigmoid(e)
             over the valid keys (the "smoothing" of Tacotron-style and LAS-style location-aware
             attention), masked positions exactly 0, a row with no valid key all 0.
+        backend: "fused" (default: a fused kernel, else :class:`FusedKernelUnavailable`),
+            "auto" (the fused kernel where one serves the inputs' device and dtype, else the
+            reference, with one warning per device and dtype) or "reference" (plain PyTorch,
+            :func:`~seq2seq_fast.ops.reference.additive_attention_ref`).
+        stepwise: a :class:`~seq2seq_fast.ops.stepwise.StepwiseMemory` whose ``keys`` and
+            ``values`` are the ones passed (a decoder's steps, training): used where the fused
+            CPU kernel runs the softmax with gradients wanted, ignored elsewhere.
         score_bias: None, a finite number or a one-element floating tensor ([] or [1]) b added to
             every score before the normalisation: sigmoid(e + b) / sum sigmoid(e + b) (a score
             layer with a bias, as Coqui TTS's; a softmax cancels b). A tensor that requires grad
@@ -310,13 +330,40 @@ def additive_attention(
         in the input dtype. Rows with no valid key give zero context and weights, never NaN.
 
     Gradients flow to query, keys, values, v and bias. Served on CPU (float32, float64, bfloat16:
-    float32 inside) by the C++ kernel and on CUDA (float32, float16, bfloat16) by Triton; other
-    inputs raise TypeError. Under torch.autocast the inputs are cast to the autocast dtype.
+    float32 inside) by the C++ kernel and on CUDA (float32, float16, bfloat16) by Triton. Under
+    torch.autocast the inputs are cast to the autocast dtype. This is the one dispatch: every
+    module and converter stand-in calls it; the inputs are checked once and the kernel library
+    asked once per call.
     """
     checked = check_inputs(query, keys, values, v, bias, lengths, mask)
-    return run_checked(
-        checked, return_weights, use_reference=False, normalize=normalize, score_bias=score_bias
-    )
+    check_normalize(normalize)
+    if not isinstance(return_weights, bool):
+        raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
+    query3, keys, values = checked.query, checked.keys, checked.values
+    score_bias = check_score_bias(score_bias, query3)
+    degenerate = min(query3.shape) == 0 or min(keys.shape) == 0 or values.shape[2] == 0
+    if degenerate or _use_reference(backend, query3):
+        # Degenerate sizes (B, Tq, Tk, H or Dv = 0) leave a kernel nothing to do; the reference is exact.
+        return _reference(checked, return_weights, normalize, score_bias)
+    v, lengths, mask = checked.v, checked.lengths, checked.mask
+    bias = query3.new_zeros(query3.shape[-1]) if checked.bias is None else checked.bias
+    leaves = (query3, keys, values, v, bias) + (() if score_bias is None else (score_bias,))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+    plain_softmax = normalize == SOFTMAX and score_bias is None
+    if grad and stepwise is not None and plain_softmax and stepwise.owns(keys, values):
+        context, weights = stepwise.attend(query3, v, bias, lengths, mask)
+    elif grad:
+        context, weights, _ = AdditiveAttentionFunction.eager_apply(
+            query3, keys, values, v, bias, lengths, mask, return_weights, normalize, score_bias
+        )
+    else:  # no autograd needed: skip Function.apply's per-call signature binding
+        context, weights, _ = torch.ops.seq2seq_fast.additive_attention_fwd(
+            query3, keys, values, v, bias, lengths, mask, return_weights, normalize, score_bias
+        )
+    if checked.single_step:
+        context = context.squeeze(1)
+        weights = weights.squeeze(1) if return_weights else weights
+    return context, (weights if return_weights else None)
 
 
 def check_normalize(normalize: object) -> str:
@@ -354,62 +401,49 @@ def check_score_bias(score_bias: object, query: Tensor) -> Tensor | None:
     return score_bias
 
 
-def run_checked(
-    checked: AttentionInputs,
-    return_weights: bool,
-    use_reference: bool,
-    normalize: str = "softmax",
-    score_bias: Tensor | float | None = None,
+def check_backend(backend: object) -> str:
+    """``backend`` itself if it is one of :data:`BACKENDS`, else ValueError."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+class FusedKernelUnavailable(RuntimeError, TypeError):
+    """backend="fused" where no fused kernel serves the inputs (a RuntimeError, and a TypeError
+    as the functional raised before it took a backend)."""
+
+
+def _use_reference(backend: str, query: Tensor) -> bool:
+    """Whether this call runs the reference: asked once per call (the warning of "auto" once
+    per device and dtype; :func:`~seq2seq_fast.ops._library.force_reference` silently)."""
+    if backend == "reference" or (check_backend(backend) and forced_reference("attention")):
+        return True
+    reason = kernel_unavailable_reason("attention", query)
+    if reason is None:
+        return False
+    if backend == "fused":
+        raise FusedKernelUnavailable(
+            f"additive_attention: backend='fused' but {reason}; use backend='reference' or 'auto'"
+        )
+    warn_fallback_once(query.device, query.dtype, reason, stacklevel=4)
+    return True
+
+
+def _reference(
+    checked: AttentionInputs, return_weights: bool, normalize: str, score_bias: Tensor | None = None
 ):
-    """Run inputs that ``check_inputs`` returned through the fused op or the reference."""
-    check_normalize(normalize)
-    score_bias = check_score_bias(score_bias, checked.query)
-    query3, keys, values, v, bias, lengths, mask, single_step = (
-        checked.query,
+    from seq2seq_fast.ops.reference import additive_attention_ref
+
+    query = checked.query.squeeze(1) if checked.single_step else checked.query
+    return additive_attention_ref(
+        query,
         checked.keys,
         checked.values,
         checked.v,
         checked.bias,
-        checked.lengths,
-        checked.mask,
-        checked.single_step,
+        lengths=checked.lengths,
+        mask=checked.mask,
+        return_weights=return_weights,
+        normalize=normalize,
+        score_bias=score_bias,
     )
-    if not isinstance(return_weights, bool):
-        raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
-    degenerate = min(query3.shape) == 0 or min(keys.shape) == 0 or values.shape[2] == 0
-    if use_reference or degenerate:
-        # Degenerate sizes (B, Tq, Tk, H or Dv = 0) leave a kernel nothing to do; the reference is exact.
-        from seq2seq_fast.ops.reference import additive_attention_ref
-
-        query = query3.squeeze(1) if single_step else query3
-        return additive_attention_ref(
-            query,
-            keys,
-            values,
-            v,
-            bias,
-            lengths=lengths,
-            mask=mask,
-            return_weights=return_weights,
-            normalize=normalize,
-            score_bias=score_bias,
-        )
-    reason = fused_unavailable_reason(query3.device, query3.dtype)
-    if reason is not None:
-        raise TypeError(f"additive_attention: {reason}; use the reference (backend='reference')")
-    if bias is None:
-        bias = query3.new_zeros(query3.shape[-1])
-    leaves = (query3, keys, values, v, bias) + (() if score_bias is None else (score_bias,))
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
-    if grad:
-        context, weights, _ = AdditiveAttentionFunction.eager_apply(
-            query3, keys, values, v, bias, lengths, mask, return_weights, normalize, score_bias
-        )
-    else:  # no autograd needed: skip Function.apply's per-call signature binding (~40 us)
-        context, weights, _ = torch.ops.seq2seq_fast.additive_attention_fwd(
-            query3, keys, values, v, bias, lengths, mask, return_weights, normalize, score_bias
-        )
-    if single_step:
-        context = context.squeeze(1)
-        weights = weights.squeeze(1) if return_weights else weights
-    return context, (weights if return_weights else None)

@@ -30,9 +30,9 @@ from torch import Tensor
 __all__ = ["LinearCrossEntropyFunction", "default_chunk_rows", "linear_cross_entropy"]
 
 # Logit elements per chunk: 8 Mi (32 MiB fp32; ~1000 rows at an 8k vocabulary). Each chunk adds a
-# rank-C update to dW (reads and writes all of dW) and a dozen op launches, so small chunks lose:
-# at 1344 rows, V 8000, D 256, 2 threads (bench/bench_linear_cross_entropy.py) chunks of 64, 262,
-# 512 and 2048 rows ran at 0.33x, 0.78x, 1.17x and 1.52x the unfused layer's speed.
+# rank-C update to dW (reads and writes all of dW) and a dozen op launches, so small chunks lose
+# to the unfused layer and large ones beat it (bench/bench_linear_cross_entropy.py; the figures:
+# bench/RESULTS.md, "Figures formerly in code comments").
 _CHUNK_ELEMENTS = 1 << 23
 
 

@@ -85,9 +85,9 @@ if CPU_KERNEL_ERROR is None:  # shapes for torch.compile / FakeTensor tracing of
 
 
 # Without the extension's kernel (not built; bfloat16 features; an even kernel width), window
-# products pay off for narrow windows (1-2 channels x 15-31 taps: 1.2-1.7x faster than conv1d
-# forward and backward at B=32, T=100, 1 thread); wide ones (ESPnet's default 201 taps) stay with
-# conv1d. The kernel (csrc/location_conv.cpp) is 1.4-3.6x faster than either at those sizes.
+# products pay off for narrow windows (1-2 channels x 15-31 taps) and lose to conv1d for wide
+# ones (ESPnet's default 201 taps); the kernel (csrc/location_conv.cpp) beats either at those
+# sizes (bench/RESULTS.md, "Figures formerly in code comments").
 MAX_WINDOW = 64
 
 
@@ -226,8 +226,7 @@ class _LocationStep(torch.autograd.Function):
             lengths,
             mask,
             weights,
-            # bfloat16: the steps' sum in float32 (exact over many steps), as StepwiseMemory's
-            memory.buffer(projected, torch.float32 if projected.dtype == torch.bfloat16 else None),
+            memory.buffer(projected),  # the steps' sum (ops._autograd.gradient_sum_dtype)
             ctx.normalize,
         )
         if score_bias is None:

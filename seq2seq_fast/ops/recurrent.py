@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from seq2seq_fast.ops._autograd import guard_double_backward
-from seq2seq_fast.ops._library import CPU_KERNEL_ERROR, kernel_serves
+from seq2seq_fast.ops._library import CPU_KERNEL_ERROR, kernel_serves, note_served
 
 
 def _saved_dtype(x: Tensor) -> torch.dtype:
@@ -170,13 +170,17 @@ def gru_layer_or_none(
     caller then runs PyTorch's GRU (nn.GRU / torch.gru) with the same weights."""
     if not applies(x):
         return None
+    note_served("seq2seq_fast::_gru_recurrence_fwd/_bwd")
     return gru_layer(x, h0, weight_ih, weight_hh, bias_ih, bias_hh)
 
 
 def gru_cell_or_none(gates_in: Tensor, gates_hidden: Tensor, h: Tensor) -> Tensor | None:
     """:func:`gru_cell` where the fused op serves the state h [B, H] (:func:`cell_applies`), else
     None: the caller then forms the update from plain ops."""
-    return gru_cell(gates_in, gates_hidden, h) if cell_applies(h) else None
+    if not cell_applies(h):
+        return None
+    note_served("seq2seq_fast::_gru_cell_fwd/_bwd")
+    return gru_cell(gates_in, gates_hidden, h)
 
 
 def lstm_cell_or_none(
@@ -184,7 +188,10 @@ def lstm_cell_or_none(
 ) -> tuple[Tensor, Tensor] | None:
     """:func:`lstm_cell` where the fused op serves the cell state c [B, H] (:func:`cell_applies`),
     else None: the caller then forms the update from plain ops."""
-    return lstm_cell(gates_in, gates_hidden, c) if cell_applies(c) else None
+    if not cell_applies(c):
+        return None
+    note_served("seq2seq_fast::_lstm_cell_fwd/_bwd")
+    return lstm_cell(gates_in, gates_hidden, c)
 
 
 def lstm_cell(gates_in: Tensor, gates_hidden: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:

@@ -39,13 +39,10 @@ if TYPE_CHECKING:
 FAILURE_FORMAT = "seq2seq-fast-fused-failure"
 FAILURE_VERSION = 1
 
-# The recurrent ops' entry points that the models call (seq2seq_fast/ops/recurrent.py): each
-# returns None where the fused op does not serve, and the model then runs PyTorch's own ops.
-_RECURRENT_ENTRY_POINTS = {
-    "gru_layer_or_none": "seq2seq_fast::_gru_recurrence_fwd/_bwd",
-    "gru_cell_or_none": "seq2seq_fast::_gru_cell_fwd/_bwd",
-    "lstm_cell_or_none": "seq2seq_fast::_lstm_cell_fwd/_bwd",
-}
+# The fused kernels of the attention (the op, the gathering step, the location-aware step and
+# its convolution) and of the recurrent ops, as ops._library.force_reference names them.
+_ATTENTION_KERNELS = ("attention", "attention_step", "location", "location_conv")
+_RECURRENT_KERNELS = ("recurrent",)
 
 
 class FusedKernelError(RuntimeError):
@@ -66,42 +63,20 @@ class FusedKernelError(RuntimeError):
 def plain_pytorch(
     model: nn.Module, *, attention: bool = True, recurrent: bool = True
 ) -> Iterator[set[str]]:
-    """Inside the block the model runs plain PyTorch: ``attention`` sets every
-    BahdanauAttention's backend to "reference", ``recurrent`` makes the fused GRU/LSTM ops step
-    aside (the models then call PyTorch's own). Restored on exit, whatever happens. Yields the set
-    of fused recurrent ops that served a call inside the block (with ``recurrent=False``)."""
-    from seq2seq_fast.nn.attention import BahdanauAttention
-    from seq2seq_fast.ops import recurrent as recurrent_ops
+    """Inside the block the model runs plain PyTorch: ``attention`` makes every attention call
+    run the reference, ``recurrent`` makes the fused GRU/LSTM ops step aside (the models then call
+    PyTorch's own), both through :func:`seq2seq_fast.ops._library.force_reference` (``model``
+    is the one the block runs; the switch is the op library's). Restored on exit, whatever
+    happens. Yields the set of fused recurrent ops that served a call inside the block (with
+    ``recurrent=False``)."""
+    from seq2seq_fast.ops._library import force_reference
 
-    served: set[str] = set()
-    saved_backends = []
-    originals = {name: getattr(recurrent_ops, name) for name in _RECURRENT_ENTRY_POINTS}
-
-    def stand_in(name: str, original):
-        def call(*args, **kwargs):
-            if recurrent:
-                return None
-            result = original(*args, **kwargs)
-            if result is not None:
-                served.add(_RECURRENT_ENTRY_POINTS[name])
-            return result
-
-        return call
-
-    try:
-        if attention:
-            for module in model.modules():
-                if isinstance(module, BahdanauAttention):
-                    saved_backends.append((module, module.backend))
-                    module.backend = "reference"
-        for name, original in originals.items():
-            setattr(recurrent_ops, name, stand_in(name, original))
+    kernels = (
+        *(_ATTENTION_KERNELS if attention else ()),
+        *(_RECURRENT_KERNELS if recurrent else ()),
+    )
+    with force_reference(kernels) as served:
         yield served
-    finally:
-        for name, original in originals.items():
-            setattr(recurrent_ops, name, original)
-        for module, backend in saved_backends:
-            module.backend = backend
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -308,7 +283,7 @@ def attention_ops(device: torch.device, decoder: str) -> str:
     if device.type == "cuda":
         return "seq2seq_fast::additive_attention_fwd/_bwd (Triton CUDA kernels)"
     ops = "seq2seq_fast::additive_attention_fwd/_bwd"
-    if decoder == "bahdanau":  # the decoder's steps through StepwiseMemory (nn/stepwise.py)
+    if decoder == "bahdanau":  # the decoder's steps through StepwiseMemory (ops/stepwise.py)
         ops += " and _additive_attention_bwd_accumulate"
     return ops + " (C++ CPU kernel)"
 
@@ -426,8 +401,6 @@ def check_step(job: Any, batch: Batch, loss: float, rng) -> Rerun:
 
     Under DDP every rank re-runs its own batch on the bare module (no gradient all-reduce), and
     the verdicts are combined with one all_reduce (MAX), so every rank decides the same."""
-    import torch.distributed as dist
-
     from seq2seq_fast.seq2seq.distributed import max_over_ranks
 
     model, ctx, config = job.model, job.ctx, job.config
@@ -488,11 +461,23 @@ def check_step(job: Any, batch: Batch, loss: float, rng) -> Rerun:
         "preactivation": pre,
         "nonfinite_params": nonfinite,
     }
+    written = _dump_failure(job, batch, details, rng)
+    details["path"] = str(written) if written else None
+    raise FusedKernelError(failure_message(details), written, details)
+
+
+def _dump_failure(job: Any, batch: Batch, details: dict[str, Any], rng) -> Path | None:
+    """The batch (every rank's), the weights and the run's settings written by the main rank
+    beside the checkpoint (:func:`write_failure`) -> its path, None when it could not be written
+    (``details["write_error"]`` says why). Every rank waits until it is complete."""
+    import torch.distributed as dist
+
+    model, ctx, config = job.model, job.ctx, job.config
     batches = [batch_tensors(batch)]
     if ctx.enabled:
         batches = [None] * ctx.world_size
         dist.all_gather_object(batches, batch_tensors(batch))
-    path = config.out_dir / f"fused-failure-step{step}.pt"
+    path = config.out_dir / f"fused-failure-step{details['step']}.pt"
     written: Path | None = path
     if ctx.is_main:
         payload = {
@@ -513,5 +498,4 @@ def check_step(job: Any, batch: Batch, loss: float, rng) -> Rerun:
             written, details["write_error"] = None, f"{type(exc).__name__}: {exc}"
     if ctx.enabled:
         dist.barrier()  # the file is complete before any rank stops
-    details["path"] = str(written) if written else None
-    raise FusedKernelError(failure_message(details), written, details)
+    return written

@@ -341,10 +341,9 @@ def _translator(args, **kwargs):
     workers = 1
     if args.device == "cpu" and threads > 1 and args.command == "translate":
         # Batches at once, each on threads // workers intra-op threads: decoding's per-step
-        # products are too small for intra-op threads (1,000 sentences, 2 cores: 2 workers of 1
-        # thread gave 1.2x the sentences/s of 2 intra-op threads, outputs identical;
-        # bench/RESULTS.md). At most MAX_DECODE_WORKERS, so that the searches' Python work (the
-        # GIL) does not serialise many of them: measured on 2 cores only.
+        # products are too small for intra-op threads (workers of 1 thread beat intra-op threads,
+        # outputs identical; bench/RESULTS.md). At most MAX_DECODE_WORKERS, so that the
+        # searches' Python work (the GIL) does not serialise many of them: measured on 2 cores.
         workers = min(threads, MAX_DECODE_WORKERS)
         torch.set_num_threads(threads // workers)
     elif args.threads is not None:

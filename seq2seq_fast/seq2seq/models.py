@@ -34,6 +34,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from seq2seq_fast.nn.attention import BahdanauAttention
 from seq2seq_fast.nn.stepwise import StepwiseMemory
 from seq2seq_fast.ops import recurrent as fused_gru
+from seq2seq_fast.ops._torch_private import dynamo_allow_rnn
 from seq2seq_fast.ops.linear_cross_entropy import linear_cross_entropy
 from seq2seq_fast.seq2seq.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (re-exported)
 from seq2seq_fast.seq2seq.precision import cast_once
@@ -552,11 +553,6 @@ class Seq2Seq(nn.Module):
     def attention(self) -> BahdanauAttention:
         return self.decoder.attention
 
-    def set_backend(self, backend: str) -> None:
-        """Switch the attention backend ("auto", "fused", "reference") in place."""
-        self.attention.backend = backend
-        self.config.backend = backend
-
     def encode(self, src: Tensor, src_lengths: Tensor) -> tuple[Memory, State]:
         """-> (Memory with keys projected once for the whole batch, initial decoder state)."""
         src_lengths = src_lengths.to(device=src.device, dtype=torch.int64)
@@ -602,7 +598,7 @@ def compile_model(model: nn.Module, **options) -> Callable[..., Any]:
     compiled = torch.compile(model, **options)
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        with torch._dynamo.config.patch(allow_rnn=True):
+        with dynamo_allow_rnn():
             return compiled(*args, **kwargs)
 
     return run

@@ -594,7 +594,9 @@ def _train(
     if resume is None:
         claim_run_folder(config, overwrite, ctx)
     init = load_init(config.init_from) if config.init_from and payload is None else None
-    metrics_log = MetricsLog(
+    # the job first (data, model): a run that cannot start leaves no file in its folder
+    job = build_job(config, ctx, payload, started, init)
+    metrics_log = job.metrics_log = MetricsLog(
         config.out_dir,
         started=started,
         tensorboard_dir=config.tensorboard,
@@ -603,8 +605,6 @@ def _train(
     )
     if ctx.is_main:  # the resolved configuration, beside the checkpoint (which stores it too)
         write_config(asdict(config), config.out_dir / CONFIG_FILE)
-    job = build_job(config, ctx, payload, started, init)
-    job.metrics_log = metrics_log
     if ctx.is_main:
         params = sum(p.numel() for p in job.model.parameters())
         log(

@@ -7,7 +7,6 @@ import torch
 
 import seq2seq_fast
 from seq2seq_fast import additive_attention
-from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.stepwise import StepwiseMemory
 from tests.ops.test_ops import key_masks, make_inputs
 
@@ -42,11 +41,11 @@ def _decode(leaves, lengths, mask, steps, *, stepwise, queries_per_call=1, weigh
     gen = torch.Generator().manual_seed(3)
     for t in range(steps):
         q = query.unsqueeze(1).expand(-1, queries_per_call, -1) * (1 + 0.1 * t)
-        context, weights = attend(
-            "fused", q, k, val, v, bias, lengths=lengths, mask=mask, stepwise=memory
+        context, weights = additive_attention(
+            q, k, val, v, bias, lengths=lengths, mask=mask, stepwise=memory, backend="fused"
         )
         if stepwise:
-            assert type(context.grad_fn).__name__ == "_StepAttentionBackward"
+            assert type(context.grad_fn).__name__ == "StepAttentionBackward"
         target = torch.randn(context.shape, generator=gen, dtype=context.dtype)
         loss = loss + (context * target).sum()
         if weights_loss:
@@ -189,8 +188,8 @@ def test_plain_calls_on_the_original_tensors_are_unaffected():
     leaves = _leaves(2, 5, 16, 4, torch.float64)
     query0, keys, values, v, bias, _ = leaves
     memory = StepwiseMemory(keys, values)
-    context, _ = attend("fused", query0, keys, values, v, bias, stepwise=memory)
-    assert type(context.grad_fn).__name__ != "_StepAttentionBackward"
+    context, _ = additive_attention(query0, keys, values, v, bias, stepwise=memory, backend="fused")
+    assert type(context.grad_fn).__name__ != "StepAttentionBackward"
     expected, _ = additive_attention(query0, keys, values, v, bias)
     torch.testing.assert_close(context, expected)
 
@@ -226,7 +225,7 @@ def test_bahdanau_decoder_trains_through_the_memory_with_the_fused_backend():
         loss = sequence_loss(model(src, torch.tensor([5, 2, 4]), tgt)[0], tgt)
         names = _graph_node_names(loss)
         fused = backend == "fused"
-        assert ("_StepAttentionBackward" in names) == fused
+        assert ("StepAttentionBackward" in names) == fused
         assert ("_GatheredNodeBackward" in names) == fused
         # the plain op's Functions (eager, and the setup_context style) are not in the graph
         assert not names & {"_EagerAttentionFunctionBackward", "AdditiveAttentionFunctionBackward"}

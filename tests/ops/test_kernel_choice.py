@@ -128,6 +128,37 @@ def test_packed_or_padded_rnn(monkeypatch):
 
 # Names that test the kernels' availability themselves; above ops, only ops may use them.
 _AVAILABILITY_NAMES = {"CPU_KERNEL_ERROR", "CUDA_KERNEL_ERROR", "_CPU_DTYPES", "_CUDA_DTYPES"}
+# Autocast state: above ops, ask ops (ops._checks.autocast_dtype) instead.
+_AUTOCAST_CALLS = {"is_autocast_enabled", "get_autocast_dtype", "autocast"}
+# Low-precision dtypes whose tests choose a kernel path or an accumulator (ops decides those);
+# float32/float64 tests elsewhere choose tolerances or keep a mask's type, not a kernel.
+_PRECISION_DTYPES = {"bfloat16", "float16", "half"}
+
+
+def _is_device_type(node: ast.AST) -> bool:
+    """``<x>.device.type``."""
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "type"
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "device"
+    )
+
+
+def _is_dtype_test(node: ast.AST) -> bool:
+    """``<x>.dtype == torch.bfloat16`` (or !=, either side, float16/half too)."""
+    if not isinstance(node, ast.Compare) or not all(
+        isinstance(op, ast.Eq | ast.NotEq) for op in node.ops
+    ):
+        return False
+    sides = [node.left, *node.comparators]
+    dtype_side = any(
+        (isinstance(n, ast.Attribute) and n.attr == "dtype")
+        or (isinstance(n, ast.Name) and n.id == "dtype")
+        for n in sides
+    )
+    precision = any(isinstance(n, ast.Attribute) and n.attr in _PRECISION_DTYPES for n in sides)
+    return dtype_side and precision
 
 
 def _choice_offences(path: Path, root: Path = PACKAGE) -> list[str]:
@@ -141,13 +172,23 @@ def _choice_offences(path: Path, root: Path = PACKAGE) -> list[str]:
             name = node.attr
         elif isinstance(node, ast.alias):
             name = node.name
-        if name in _AVAILABILITY_NAMES or name == "is_cuda":
+        if _is_device_type(node):
+            name = "device.type"
+        elif _is_dtype_test(node):
+            name = "dtype test"
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            name = node.func.attr if node.func.attr in _AUTOCAST_CALLS else None
+            name = f"torch.{name}" if name else None
+        elif name not in _AVAILABILITY_NAMES and name != "is_cuda":
+            name = None
+        if name is not None:
             found.append(f"{path.relative_to(root)}:{getattr(node, 'lineno', '?')} {name}")
     return found
 
 
 def test_no_kernel_choice_above_ops():
-    """nn/ and the models choose no kernel by device or availability: they ask ops."""
+    """nn/ and the models choose no kernel by device, availability, precision or autocast:
+    they ask ops."""
     files = sorted((PACKAGE / "nn").rglob("*.py")) + [PACKAGE / "seq2seq" / "models.py"]
     offences = [line for path in files for line in _choice_offences(path)]
     assert not offences, offences
@@ -158,5 +199,90 @@ def test_the_offence_finder_sees_what_it_must(tmp_path):
     probe.write_text(
         "from seq2seq_fast.ops._library import CPU_KERNEL_ERROR\n"
         "def f(x):\n    return x.is_cuda or _library._CPU_DTYPES\n"
+        "def g(x, dtype):\n"
+        "    if x.device.type == 'cpu' and x.dtype == torch.bfloat16:\n"
+        "        return torch.float32 if dtype == torch.bfloat16 else dtype\n"
+        "    with torch.autocast('cpu'):\n"
+        "        return torch.is_autocast_enabled('cpu') or torch.get_autocast_dtype('cpu')\n"
+        "def fine(x, y):\n"
+        "    return x.dtype == y.dtype or x.dtype == torch.float64 or x.device == y.device\n"
     )
-    assert len(_choice_offences(probe, root=tmp_path)) == 3
+    found = _choice_offences(probe, root=tmp_path)
+    assert len(found) == 9, found
+    assert not [line for line in found if ":10 " in line]  # the last function is fine
+
+
+# --- force_reference and the one dispatch ----------------------------------------------------------
+
+
+def test_force_reference_switches_kernels_off_for_a_block_and_back():
+    from seq2seq_fast.ops import force_reference
+
+    with force_reference(("recurrent",)) as served:
+        reason = kernel_unavailable_reason("recurrent", _t())
+        assert reason is not None and "force_reference" in reason
+        assert _library.forced_reference("recurrent") and not _library.forced_reference("attention")
+        with force_reference() as inner:  # nested: everything off, then back to the outer's
+            assert all(_library.forced_reference(k) for k in _library.KERNELS)
+            _library.note_served("op-a")
+        assert not _library.forced_reference("attention")
+        assert inner == {"op-a"} and served == {"op-a"}  # the outer sees the inner's too
+    assert not any(_library.forced_reference(k) for k in _library.KERNELS)
+    with pytest.raises(ValueError, match="kernels must be among"):
+        with force_reference(("flash",)):
+            pass
+
+
+@requires_cpp
+def test_force_reference_runs_the_reference_silently_whatever_the_backend(monkeypatch):
+    import warnings
+
+    from seq2seq_fast.ops import additive_attention as dispatch
+    from seq2seq_fast.ops import force_reference
+
+    q, k, val, v = torch.randn(2, 4), torch.randn(2, 5, 4), torch.randn(2, 5, 3), torch.randn(4)
+    ran = []
+    real = dispatch._reference
+    monkeypatch.setattr(dispatch, "_reference", lambda *a: ran.append(1) or real(*a))
+    with force_reference(("attention",)), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        forced, _ = dispatch.additive_attention(q, k, val, v, backend="fused")
+    assert ran == [1]
+    fused, _ = dispatch.additive_attention(q, k, val, v, backend="fused")
+    assert ran == [1]  # outside the block: the fused kernel again
+    torch.testing.assert_close(forced, fused)
+
+
+@requires_cpp
+def test_one_attention_call_checks_once_and_asks_once(monkeypatch):
+    """A BahdanauAttention step through a StepwiseMemory (the decoder's training path): its
+    inputs checked once, the kernel library asked once, by ops.additive_attention."""
+    from seq2seq_fast.nn.attention import BahdanauAttention
+    from seq2seq_fast.ops import additive_attention as dispatch
+    from seq2seq_fast.ops.stepwise import StepwiseMemory
+
+    module = BahdanauAttention(6, 5, 8)
+    keys = torch.randn(2, 7, 5, requires_grad=True)
+    projected = module.project_keys(keys)
+    memory = StepwiseMemory.for_training(projected, keys, "auto")
+    assert memory is not None
+    counts = {"check": 0, "ask": 0}
+    real_check, real_ask = dispatch.check_inputs, dispatch.kernel_unavailable_reason
+
+    def check(*args, **kwargs):
+        counts["check"] += 1
+        return real_check(*args, **kwargs)
+
+    def ask(*args):
+        counts["ask"] += 1
+        return real_ask(*args)
+
+    monkeypatch.setattr(dispatch, "check_inputs", check)
+    monkeypatch.setattr(dispatch, "kernel_unavailable_reason", ask)
+    query = module.query_proj(torch.randn(2, 6))
+    context, _ = module.attend_projected(query, memory.keys, memory.values, stepwise=memory)
+    assert counts == {"check": 1, "ask": 1}
+    step = context.grad_fn.next_functions[0][0]  # under the squeeze of the [B, 1, Dv] context
+    assert type(step).__name__ == "StepAttentionBackward"  # the memory's step ran
+    context.sum().backward()
+    assert keys.grad is not None and module.v.grad is not None

@@ -28,6 +28,10 @@ def _imported_modules(path: Path, package_dir: Path = PACKAGE) -> list[str]:
     """Absolute module names imported by ``path`` (relative imports resolved as if
     ``package_dir`` were the ``seq2seq_fast`` folder)."""
     tree = ast.parse(path.read_text(), filename=str(path))
+    return _imports_in(tree, path, package_dir)
+
+
+def _imports_in(tree: ast.AST, path: Path, package_dir: Path = PACKAGE) -> list[str]:
     package_parts = ["seq2seq_fast", *path.relative_to(package_dir).parent.parts]
     names = []
     for node in ast.walk(tree):
@@ -93,3 +97,40 @@ def test_no_benchmark_code_in_package():
                 offences.append(f"{path.relative_to(PACKAGE)} imports {module}")
     assert not (PACKAGE / "bench.py").exists()
     assert not offences, "\n".join(offences)
+
+
+def _runtime_imports(path: Path) -> list[str]:
+    """The modules ``path`` imports at run time: every import statement except those under
+    ``if TYPE_CHECKING:`` (annotations only)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            node.body = [ast.Pass()]
+    return _imports_in(tree, path)
+
+
+@pytest.mark.parametrize("folder", ["ops", "seq2seq/data"])
+def test_no_import_circle_within_a_package(folder):
+    """No two modules of ops/ or seq2seq/data/ import each other, directly or around a circle,
+    not even inside a function (the data <-> vocab circle of issue 35)."""
+    files = sorted((PACKAGE / folder).glob("*.py"))
+    prefix = "seq2seq_fast." + folder.replace("/", ".") + "."
+    names = {prefix + p.stem for p in files if p.stem != "__init__"}
+    edges = {
+        prefix + p.stem: {m for m in _runtime_imports(p) if m in names and m != prefix + p.stem}
+        for p in files
+        if p.stem != "__init__"
+    }
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            pytest.fail(f"import circle: {' -> '.join([*path[path.index(module) :], module])}")
+        if module in done:
+            return
+        for target in sorted(edges.get(module, ())):
+            visit(target, [*path, module])
+        done.add(module)
+
+    for module in sorted(edges):
+        visit(module, [])

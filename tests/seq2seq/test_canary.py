@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import seq2seq_fast.nn.attention as attention_module
-from seq2seq_fast.ops._library import CPU_KERNEL_ERROR
+from seq2seq_fast.ops._library import CPU_KERNEL_ERROR, forced_reference
 from seq2seq_fast.seq2seq import canary
 from seq2seq_fast.seq2seq import train as train_module
 from seq2seq_fast.seq2seq.canary import FusedKernelError
@@ -54,11 +54,12 @@ def poison(monkeypatch, steps: set[int], *, reference_too: bool = False) -> dict
     """NaN in the attention's context during the given (1-based) training steps, on the fused
     backends only (or on every backend). -> the state dict the fault reads ("step")."""
     state = {"step": 0}
-    real_attend, real_step = attention_module.attend, train_module.train_step
+    real_attend, real_step = attention_module.additive_attention, train_module.train_step
 
-    def attend(backend, *args, **kwargs):
-        context, weights = real_attend(backend, *args, **kwargs)
-        if state["step"] in steps and (reference_too or backend != "reference"):
+    def attend(*args, backend="fused", **kwargs):
+        context, weights = real_attend(*args, backend=backend, **kwargs)
+        fused = backend != "reference" and not forced_reference("attention")
+        if state["step"] in steps and (reference_too or fused):
             context = context + float("nan")
         return context, weights
 
@@ -66,7 +67,7 @@ def poison(monkeypatch, steps: set[int], *, reference_too: bool = False) -> dict
         state["step"] = job.step + 1
         return real_step(job, batch)
 
-    monkeypatch.setattr(attention_module, "attend", attend)
+    monkeypatch.setattr(attention_module, "additive_attention", attend)
     monkeypatch.setattr(train_module, "train_step", train_step)
     return state
 
@@ -206,16 +207,20 @@ def test_the_canary_leaves_the_training_random_stream_alone(tmp_path, monkeypatc
 
 
 def test_plain_pytorch_switches_back_even_on_error():
+    """The switch is ops' force_reference: nothing of the model or of ops' functions is
+    replaced, and everything is served again after the block, whatever happened in it."""
     from seq2seq_fast.ops import recurrent
 
     model = Seq2Seq(Seq2SeqConfig(src_vocab_size=6, tgt_vocab_size=6, embed_size=8, hidden_size=8))
     layer = recurrent.gru_layer_or_none
+    x = torch.zeros(1, 2, 3)
     with pytest.raises(KeyError), canary.plain_pytorch(model):
-        assert model.attention.backend == "reference"
-        assert recurrent.gru_layer_or_none(torch.zeros(1, 2, 3), None, None, None) is None
+        assert forced_reference("attention") and model.attention.backend == "auto"
+        assert recurrent.gru_layer_or_none(x, None, None, None) is None
         raise KeyError
-    assert model.attention.backend == "auto" and model.config.backend == "auto"
+    assert not forced_reference("attention") and model.config.backend == "auto"
     assert recurrent.gru_layer_or_none is layer
+    assert recurrent.applies(x) == (CPU_KERNEL_ERROR is None)
 
 
 def test_the_preactivation_recorder_is_exact():
@@ -239,17 +244,19 @@ def test_the_preactivation_recorder_is_exact():
 DDP_SCRIPT = """
 import os, sys
 import seq2seq_fast.nn.attention as att
+from seq2seq_fast.ops._library import forced_reference
 from seq2seq_fast.seq2seq import train as tm
 from seq2seq_fast.seq2seq.canary import FusedKernelError
 from seq2seq_fast.seq2seq.config import TrainConfig
 
-real_attend, real_step, state = att.attend, tm.train_step, {"step": 0}
+real_attend, real_step, state = att.additive_attention, tm.train_step, {"step": 0}
 bad_rank = os.environ["RANK"] == "1"  # the fault on one rank only
 
-def attend(backend, *args, **kwargs):
-    context, weights = real_attend(backend, *args, **kwargs)
+def attend(*args, backend="fused", **kwargs):
+    context, weights = real_attend(*args, backend=backend, **kwargs)
+    fused = backend != "reference" and not forced_reference("attention")
     # step 2: the model "diverges" on rank 1 (both paths); step 4: a fused fault on rank 1
-    if bad_rank and (state["step"] == 2 or (state["step"] == 4 and backend != "reference")):
+    if bad_rank and (state["step"] == 2 or (state["step"] == 4 and fused)):
         context = context + float("nan")
     return context, weights
 
@@ -257,7 +264,7 @@ def train_step(job, batch):
     state["step"] = job.step + 1
     return real_step(job, batch)
 
-att.attend, tm.train_step = attend, train_step
+att.additive_attention, tm.train_step = attend, train_step
 config = TrainConfig(out=sys.argv[1], epochs=1, steps_per_epoch=5, batch_size=16,
     hidden_size=16, embed_size=8, vocab_size=6, min_len=2, max_len=4, heldout_size=20,
     backend="auto", progress=False, heatmap=False, threads=1)

@@ -130,3 +130,14 @@ def test_init_from_takes_the_shape_from_the_checkpoint(run, tmp_path, capsys):
     assert main([*argv, "--cell", "lstm", "--embed-size", "16"]) == 2
     err = capsys.readouterr().err
     assert "--cell lstm (checkpoint: gru)" in err and "--embed-size" not in err
+
+
+def test_a_run_that_cannot_start_leaves_no_run_behind(tmp_path, capsys):
+    src = tmp_path / "src.txt"
+    src.write_text("a b\nc d\n")
+    out = tmp_path / "run"
+    argv = ["train", *TINY, "--out", str(out), "--src", str(src), "--tgt", str(tmp_path / "no")]
+    assert main(argv) == 2
+    assert "not found" in capsys.readouterr().err
+    assert not out.exists() or not any(out.iterdir())
+    assert main(["train", *TINY, "--epochs", "1", "--out", str(out)]) == 0  # not refused

@@ -144,14 +144,19 @@ def test_final_test_bleu_and_heatmap_are_of_the_best_checkpoint(tmp_path, monkey
 
 
 def test_a_stale_best_checkpoint_is_not_used(tmp_path, capsys):
-    """A best.pt left by an earlier run in the folder: a run that never evaluates (stopped after 5
-    steps) reports the last model."""
+    """A best.pt left by an earlier run in the folder: refused without --overwrite; with it, the
+    earlier run's files go, and a run that never evaluates (stopped after 5 steps) reports the
+    last model."""
     train(TrainConfig(**TINY, out=str(tmp_path)))
     assert (tmp_path / "best.pt").exists()
     capsys.readouterr()
-    result = train(TrainConfig(**TINY, out=str(tmp_path), stop_after_steps=5))
+    with pytest.raises(TrainError, match=r"holds another run \(model.pt, best.pt"):
+        train(TrainConfig(**TINY, out=str(tmp_path), stop_after_steps=5))
+    result = train(TrainConfig(**TINY, out=str(tmp_path), stop_after_steps=5), overwrite=True)
     assert (result.final_checkpoint.name, result.final_step) == ("model.pt", 5)
-    assert "(model.pt, step 5)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "(model.pt, step 5)" in printed and "removed the earlier run's" in printed
+    assert not (tmp_path / "best.pt").exists()
 
 
 def test_a_time_budget_spent_between_evaluations_scores_the_last_model(tmp_path, monkeypatch):
@@ -217,10 +222,10 @@ def test_keep_checkpoints_keeps_the_last_epochs_weights(tmp_path, capsys):
     config = TrainConfig(
         **TINY | {"epochs": 3, "steps_per_epoch": 5}, out=str(tmp_path), keep_checkpoints=2
     )
-    result = train(config)
-    assert (
-        "removed 1 epoch snapshot(s) of an earlier run: model.epoch9.pt" in capsys.readouterr().out
-    )
+    with pytest.raises(TrainError, match="holds another run \\(model.epoch9.pt\\)"):
+        train(config)
+    result = train(config, overwrite=True)
+    assert "--overwrite: removed the earlier run's model.epoch9.pt" in capsys.readouterr().out
     kept = sorted(p.name for p in tmp_path.glob("model.epoch*.pt"))
     assert kept == ["model.epoch2.pt", "model.epoch3.pt"]
     last = load_checkpoint(tmp_path / "model.epoch3.pt")

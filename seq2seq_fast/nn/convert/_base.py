@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from torch.utils import _pytree as pytree
 
 from seq2seq_fast.nn.attention import check_backend
 from seq2seq_fast.ops._library import fused_available
+from seq2seq_fast.ops._torch_private import pytree
 
 
 class FusedStandIn(nn.Module):

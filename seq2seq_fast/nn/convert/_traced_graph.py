@@ -44,11 +44,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx
 
-from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._location import attend_location
-from seq2seq_fast.nn.convert._speech import masking
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepwiseMemory
+from seq2seq_fast.ops._checks import masking
+from seq2seq_fast.ops._torch_private import nn_linear
+from seq2seq_fast.ops.additive_attention import additive_attention
 
 # a masked_fill value at or below this takes the position out of the softmax exactly (exp underflows
 # to zero in float32 and float64 below about -104 and -745)
@@ -60,7 +61,7 @@ _ADDS = {operator.add, operator.iadd, torch.add, "add", "add_", "__add__", "__ra
 _SUBS = {operator.sub, torch.sub, "sub", "__sub__"}
 _TANH = {torch.tanh, F.tanh, "tanh"}
 _SOFTMAX = {F.softmax, torch.softmax, torch.nn.functional.softmax, "softmax"}
-_LINEAR = {torch._C._nn.linear, F.linear}
+_LINEAR = {nn_linear(), F.linear}
 _MATMUL = {torch.matmul, operator.matmul, "matmul", "__matmul__"}
 _MUL = {operator.mul, torch.mul, "mul", "__mul__", "__rmul__"}
 _DIV = {operator.truediv, torch.div, torch.true_divide, "div", "__truediv__"}
@@ -191,7 +192,7 @@ def _split_linear_bias(graph: fx.Graph, node: fx.Node) -> list[fx.Node] | None:
     if bias is None:
         return [node]
     with graph.inserting_before(node):
-        term = graph.call_function(torch._C._nn.linear, (source, weight))
+        term = graph.call_function(nn_linear(), (source, weight))
         term.meta["example_value"] = F.linear(_value(source), _value(weight))
     return [term, bias]
 
@@ -230,7 +231,7 @@ def _split_concat_linear(graph: fx.Graph, node: fx.Node) -> list[fx.Node] | None
             )
             columns.meta["example_value"] = _value(weight)[:, hint_start : hint_start + hint]
             peeled = _peel_repeat(part)
-            term = graph.call_function(torch._C._nn.linear, (peeled, columns))
+            term = graph.call_function(nn_linear(), (peeled, columns))
             term.meta["example_value"] = F.linear(_value(peeled), _value(columns))
             terms.append(term)
             start, hint_start = end, hint_start + hint
@@ -1187,8 +1188,7 @@ class TracedWeights:
             parts = []
             for g in range(groups):
                 part = slice(g * rows_per, (g + 1) * rows_per)
-                _, w = attend(
-                    plan.backend,
+                _, w = additive_attention(
                     query[part],
                     key[part],
                     values[part],
@@ -1196,14 +1196,14 @@ class TracedWeights:
                     bias,
                     **{name: t if t is None else t[part] for name, t in options.items()},
                     normalize=plan.normalize,
+                    backend=plan.backend,
                     score_bias=score_bias,
                 )
                 parts.append(w)
             weights = torch.cat(parts)
         else:
             options = {} if options is None else options
-            _, weights = attend(
-                plan.backend,
+            _, weights = additive_attention(
                 query,
                 key,
                 values,
@@ -1212,6 +1212,7 @@ class TracedWeights:
                 **options,
                 stepwise=memory,
                 normalize=plan.normalize,
+                backend=plan.backend,
                 score_bias=score_bias,
             )
         if graded and not plain:  # a float mask's gradient: the softmax's Jacobian, by a term
@@ -1231,7 +1232,7 @@ class TracedWeights:
     def _masks(self, masks: list, fill_values: tuple, full, graded: list) -> tuple:
         """(invalid bool [B', S], whether the op cannot give the original's result (a row with
         no valid frame, a float mask that is not 0 / very negative, a fill that is not very
-        negative), ``attend``'s mask keyword, the float masks [B', S] that want gradients). Found
+        negative), ``additive_attention``'s mask keyword, the float masks [B', S] that want gradients). Found
         once per mask tensor while it stays the same (a decoder passes one for every step)."""
         plan = self.plan
 
@@ -1341,7 +1342,7 @@ _PURE_METHODS = {
     "to",
 }
 _PURE_FUNCTIONS = {
-    torch._C._nn.linear,
+    nn_linear(),
     F.linear,
     torch.matmul,
     torch.bmm,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -30,9 +29,11 @@ from seq2seq_fast.nn.convert._base import (
     own_parameter_names,
     register,
 )
-from seq2seq_fast.nn.convert._speech import adopt, masking
+from seq2seq_fast.nn.convert._speech import adopt
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepMemory, step_memory
+from seq2seq_fast.ops._checks import masking
+from seq2seq_fast.ops.additive_attention import additive_attention
 
 
 class FusedAllenNLPAdditiveAttention(FusedStandIn):
@@ -66,14 +67,14 @@ class FusedAllenNLPAdditiveAttention(FusedStandIn):
         if matrix_mask is not None and matrix_mask.dtype != torch.bool:
             return self._plain(vector, matrix, matrix_mask)
         memory = self.key_cache.get(matrix, (self._u_matrix,), lambda: self._memory(matrix))
-        _, weights = attend(
-            self.backend,
+        _, weights = additive_attention(
             vector.matmul(self._w_matrix),
             memory.keys,
             memory.values,
             self._v_vector[:, 0],
             stepwise=memory.stepwise,
             **masking(matrix_mask),
+            backend=self.backend,
         )
         return weights
 

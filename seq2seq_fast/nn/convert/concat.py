@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -41,6 +40,7 @@ from seq2seq_fast.nn.convert._base import (
 )
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepMemory, step_memory
+from seq2seq_fast.ops.additive_attention import additive_attention
 
 
 class FusedConcatAttention(FusedStandIn):
@@ -96,14 +96,14 @@ class FusedConcatAttention(FusedStandIn):
         )
         query = F.linear(hidden, linear.weight[:, :width])
         valid = None if mask is None else mask != 0
-        _, weights = attend(
-            self.backend,
+        _, weights = additive_attention(
             query,
             memory.keys,
             memory.values,
             self._score_vector(),
             mask=valid,
             stepwise=memory.stepwise,
+            backend=self.backend,
         )
         if valid is not None:  # no valid key: the original's scores are all -1e10, uniform weights
             empty = ~valid.any(dim=1, keepdim=True)

@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -42,6 +41,7 @@ from seq2seq_fast.nn.convert._base import (
 from seq2seq_fast.nn.convert._speech import adopt
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepMemory, step_memory
+from seq2seq_fast.ops.additive_attention import additive_attention
 
 
 class FusedD2LAdditiveAttention(FusedStandIn):
@@ -81,14 +81,14 @@ class FusedD2LAdditiveAttention(FusedStandIn):
         memory = self.key_cache.get(
             keys, (w_k.weight, w_k.bias, values), lambda: self._memory(keys, values, not dropping)
         )
-        context, weights = attend(
-            self.backend,
+        context, weights = additive_attention(
             self.W_q(queries),
             memory.keys,
             memory.values,
             self.w_v.weight[0],
             lengths=valid_lens,
             stepwise=None if dropping else memory.stepwise,
+            backend=self.backend,
         )
         if valid_lens is not None and bool((valid_lens == 0).any()):
             empty = (valid_lens == 0).view(-1, 1, 1)  # d2l: uniform weights over every key

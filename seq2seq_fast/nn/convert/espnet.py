@@ -31,7 +31,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -42,8 +41,10 @@ from seq2seq_fast.nn.convert._base import (
     register,
 )
 from seq2seq_fast.nn.convert._location import attend_location
-from seq2seq_fast.nn.convert._speech import adopt, masking, same_padding_conv, scaled
+from seq2seq_fast.nn.convert._speech import adopt, same_padding_conv, scaled
 from seq2seq_fast.nn.stepwise import StepwiseMemory, step_memory
+from seq2seq_fast.ops._checks import masking
+from seq2seq_fast.ops.additive_attention import additive_attention
 
 
 def _padding_mask(enc_hs_len, device: torch.device) -> Tensor:
@@ -104,8 +105,14 @@ class FusedEspnetAttAdd(FusedStandIn):
     def _attend(self, query, keys, valid, scaling) -> tuple[Tensor, Tensor]:
         v_eff = scaled(self.gvec.weight[0], scaling)
         stepwise = getattr(self, "_stepwise", None)
-        return attend(
-            self.backend, query, keys, self.enc_h, v_eff, stepwise=stepwise, **masking(valid)
+        return additive_attention(
+            query,
+            keys,
+            self.enc_h,
+            v_eff,
+            stepwise=stepwise,
+            **masking(valid),
+            backend=self.backend,
         )
 
     def forward(

@@ -38,7 +38,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -51,13 +50,14 @@ from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert._speech import (
     adopt,
     is_finite_number,
-    masking,
     same_padding_conv,
     scaled,
     valid_from_padding,
 )
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepMemory, step_memory
+from seq2seq_fast.ops._checks import masking
+from seq2seq_fast.ops.additive_attention import additive_attention
 
 
 class FusedFairseqLocationAttention(FusedStandIn):
@@ -181,14 +181,14 @@ class FusedFairseqMLPAttention(FusedStandIn):
             source_hids, (proj.weight, proj.bias), lambda: self._memory(source_hids)
         )
         valid = None if encoder_padding_mask is None else ~encoder_padding_mask.t()
-        context, weights = attend(
-            self.backend,
+        context, weights = additive_attention(
             self.decoder_proj(decoder_state),
             memory.keys,
             memory.values,
             self.to_scores.weight[0],
             stepwise=memory.stepwise,
             **masking(valid),
+            backend=self.backend,
         )
         return context, weights.t()
 

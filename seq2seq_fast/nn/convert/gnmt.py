@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -32,6 +31,7 @@ from seq2seq_fast.nn.convert._base import (
 )
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepMemory, step_memory
+from seq2seq_fast.ops.additive_attention import additive_attention
 
 
 class FusedGNMTAttention(FusedStandIn):
@@ -102,8 +102,7 @@ class FusedGNMTAttention(FusedStandIn):
         else:
             v_eff, bias = self.linear_att, None
         values = keys if memory.values is None else memory.values
-        context, weights = attend(
-            self.backend,
+        context, weights = additive_attention(
             self.linear_q(query),
             memory.keys,
             values,
@@ -111,6 +110,7 @@ class FusedGNMTAttention(FusedStandIn):
             bias,
             mask=self._valid,
             stepwise=memory.stepwise,
+            backend=self.backend,
         )
         if self._empty_rows is not None:
             context, weights = _uniform_rows(self._empty_rows, context, weights, keys)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -36,6 +35,7 @@ from seq2seq_fast.nn.convert._base import (
 )
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepMemory, step_memory
+from seq2seq_fast.ops.additive_attention import additive_attention
 
 
 class FusedJoeyBahdanauAttention(FusedStandIn):
@@ -84,14 +84,14 @@ class FusedJoeyBahdanauAttention(FusedStandIn):
             watch=lambda m: (m.projection,),
         )
         values_in = values if memory.values is None else memory.values
-        context, alphas = attend(
-            self.backend,
+        context, alphas = additive_attention(
             self.proj_query,
             memory.keys,
             values_in,
             self.energy_layer.weight[0],
             mask=(mask > 0).squeeze(1),
             stepwise=memory.stepwise,
+            backend=self.backend,
         )
         return context, alphas
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -36,6 +35,7 @@ from seq2seq_fast.nn.convert._base import (
 )
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepMemory, step_memory
+from seq2seq_fast.ops.additive_attention import additive_attention
 
 
 class FusedGlobalAttention(FusedStandIn):
@@ -84,14 +84,14 @@ class FusedGlobalAttention(FusedStandIn):
             watch=lambda m: (m.projection,),
         )
         values = memory_bank if memory.values is None else memory.values
-        context, align = attend(
-            self.backend,
+        context, align = additive_attention(
             self.linear_query(source3),
             memory.keys,
             values,
             self.v.weight[0],
             lengths=lengths,
             stepwise=memory.stepwise,
+            backend=self.backend,
         )
         attn_h = self.linear_out(torch.cat([context, source3], dim=2))
         if one_step:

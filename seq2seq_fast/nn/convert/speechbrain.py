@@ -31,7 +31,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -45,11 +44,12 @@ from seq2seq_fast.nn.convert._speech import (
     adopt,
     derived,
     is_finite_number,
-    masking,
     same_padding_conv,
     scaled,
 )
 from seq2seq_fast.nn.stepwise import StepwiseMemory
+from seq2seq_fast.ops._checks import masking
+from seq2seq_fast.ops.additive_attention import additive_attention
 
 
 def _length_mask(enc_len: Tensor, max_len: int) -> Tensor:
@@ -106,14 +106,14 @@ class FusedContentBasedAttention(FusedStandIn):
         if self._stepwise is not None and self._stepwise[1] is enc_states:
             memory = self._stepwise[0]  # the step attends to the memory's aliases
             enc_states = memory.values
-        context, weights = attend(
-            self.backend,
+        context, weights = additive_attention(
             query,
             keys,
             enc_states,
             v_eff,
             stepwise=memory,
             **masking(self.mask != 0),
+            backend=self.backend,
         )
         return self.mlp_out(context), weights
 

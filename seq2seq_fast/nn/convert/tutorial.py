@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.attention import attend
 from seq2seq_fast.nn.convert._base import (
     FusedStandIn,
     Layout,
@@ -28,6 +27,7 @@ from seq2seq_fast.nn.convert._base import (
 )
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepMemory, step_memory
+from seq2seq_fast.ops.additive_attention import additive_attention
 
 
 class FusedTutorialAttention(FusedStandIn):
@@ -37,7 +37,7 @@ class FusedTutorialAttention(FusedStandIn):
     ``Ua(keys)`` is computed once per keys tensor and reused by the following steps
     (:class:`~seq2seq_fast.nn.keycache.ProjectionCache`); when training on the CPU kernel, the
     steps' gradients for the keys and the projected keys are gathered once per sequence
-    (:class:`~seq2seq_fast.nn.stepwise.StepwiseMemory`). A query that is not [B, 1, Dq] (the
+    (:class:`~seq2seq_fast.ops.stepwise.StepwiseMemory`). A query that is not [B, 1, Dq] (the
     tutorial's only shape) runs the original's math in plain PyTorch.
     """
 
@@ -69,13 +69,13 @@ class FusedTutorialAttention(FusedStandIn):
             keys, (ua.weight, ua.bias), lambda: self._memory(keys), watch=lambda m: (m.projection,)
         )
         values = keys if memory.values is None else memory.values
-        context, weights = attend(
-            self.backend,
+        context, weights = additive_attention(
             self.Wa(query),
             memory.keys,
             values,
             self.Va.weight[0],
             stepwise=memory.stepwise,
+            backend=self.backend,
         )
         return context, weights
 

@@ -4,8 +4,7 @@ a fixed number of pairs (``epoch_batches``) or of at most a number of padded tok
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +44,7 @@ def make_batch(
     tgt_width = max(len(t) for _, t in pairs) + 1
     src_width = max(src_width, src_pad_to or 0)
     tgt_width = max(tgt_width, tgt_pad_to or 0)
-    # Padded rows as Python lists, then one tensor each: a copy per row took 5 ms a batch.
+    # Padded rows as Python lists, then one tensor each: a copy per row was much slower.
     src_rows, in_rows, out_rows = [], [], []
     for s, t in pairs:
         s, t = _id_list(s), _id_list(t)
@@ -87,9 +86,7 @@ def epoch_batches(
         part = sorted(order[start : start + chunk], key=lambda i: len(pairs[i][0]))
         batches += [part[i : i + batch_size] for i in range(0, len(part), batch_size)]
     shuffle = torch.randperm(len(batches), generator=generator).tolist()
-    batches = [batches[i] for i in shuffle]
-    per_rank = len(batches) // world_size if world_size > 1 else len(batches)
-    return batches[rank::world_size][:per_rank]
+    return _rank_share([batches[i] for i in shuffle], rank, world_size)
 
 
 def max_lengths(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[int, int]:
@@ -145,9 +142,7 @@ def token_batches(
     if current:
         batches.append(current)
     shuffle = torch.randperm(len(batches), generator=generator).tolist()
-    batches = [batches[i] for i in shuffle]
-    per_rank = len(batches) // world_size if world_size > 1 else len(batches)
-    return batches[rank::world_size][:per_rank]
+    return _rank_share([batches[i] for i in shuffle], rank, world_size)
 
 
 def padding_fractions(
@@ -261,12 +256,3 @@ def _token_batches_indexed(
     batches = [order[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
     shuffle = torch.randperm(len(batches), generator=generator).tolist()
     return _rank_share([batches[i] for i in shuffle], rank, world_size)
-
-
-def chunks(items: Sequence, size: int) -> Iterator[Sequence]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
-
-
-def ceil_div(a: int, b: int) -> int:
-    return math.ceil(a / b)

@@ -26,7 +26,7 @@ def _flag(name: str) -> str:
 
 
 # A --data file bigger than this (not a .zip) goes through the token store by itself: read in
-# memory it would take ~15x its size (1.6 KB a pair: 4 GB at 2M pairs, 262 MB).
+# memory it would take many times its size (bench/RESULTS.md, "Figures formerly in code comments").
 BIG_CORPUS_BYTES = 100 * 2**20
 
 

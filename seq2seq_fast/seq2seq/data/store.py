@@ -80,7 +80,7 @@ class TokenStore:
     ``store[i]`` -> (source ids, target ids) as lists, read with ``os.pread``: a page fault on a
     memory map brings in its neighbours too (the kernel's fault-around, 64 KB), and those count as
     the process's resident memory, so batches of random pairs read through the maps grew the RSS
-    by ~150 KB a pair (600 MB per 4,000 pairs at 10M pairs); a read brings in what it asks for."""
+    by far more than the pairs (bench/RESULTS.md); a read brings in what it asks for."""
 
     def __init__(self, folder: Path, manifest: dict) -> None:
         self.folder, self.manifest = folder, manifest

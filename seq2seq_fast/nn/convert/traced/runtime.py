@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.utils import _pytree as pytree
 
 from seq2seq_fast.nn.convert._base import (
     ConversionReport,
@@ -51,6 +50,7 @@ from seq2seq_fast.nn.convert._traced_graph import (
 )
 from seq2seq_fast.nn.convert.traced.watching import LAYOUT, strip_watches
 from seq2seq_fast.ops import fused_available
+from seq2seq_fast.ops._torch_private import dynamo_config, pytree
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def traced_class(cls: type, backend: str) -> type:
                 out = state.compiled(self, *args, **kwargs)
             if not ran:  # this call ran unfused
                 traces = len(state.rewriter.found)
-                if traces >= torch._dynamo.config.recompile_limit:
+                if traces >= dynamo_config().recompile_limit:
                     _put_back(self, cls, traces)
                 elif traces > before:
                     _warn_unmatched(self, state, state.rewriter.found[before:])

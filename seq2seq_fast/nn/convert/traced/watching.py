@@ -23,9 +23,9 @@ import threading
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
 from seq2seq_fast.nn.convert._base import ConversionReport, FusedStandIn, Skipped, class_name
+from seq2seq_fast.ops._torch_private import pytree
 
 LAYOUT = "traced"
 _ADD_NAMES = {"add", "__add__", "__radd__", "add_", "__iadd__"}

@@ -1,0 +1,91 @@
+"""Every private torch API the package uses, in one place, each with the reason it is needed.
+
+A private name (``torch._C._*``, ``torch._dynamo``, ``torch.utils._pytree``, a leading-underscore
+op) may change or go in any torch release. Everything above this module reaches them only through
+the names here, and ``tests/ops/test_torch_private.py`` checks each of them against the installed
+torch, failing with the name, what uses it and what to change when an upgrade removed one. Add a
+new use here, with its reason, and to :data:`PRIVATE_APIS`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+# Why: nested args/kwargs/outputs (tuples, lists, dicts, NamedTuples, dataclasses registered with
+# torch) flattened to their tensors exactly as torch.compile and torch.export see them; the
+# converter's probe and the projection cache need the same leaves. No public module offers it.
+from torch.utils import _pytree as pytree  # noqa: F401 (re-exported)
+
+# (dotted name, what uses it): what the test checks exists in the installed torch.
+PRIVATE_APIS: tuple[tuple[str, str], ...] = (
+    ("torch._C._are_functorch_transforms_active", "ops._autograd.traced_or_transformed"),
+    ("torch._C._current_graph_task_id", "ops._autograd.StepGradients (per backward pass)"),
+    ("torch._C._functions.DelayedError", "ops._autograd.guard_double_backward"),
+    ("torch._C._autograd._top_saved_tensors_default_hooks", "nn.keycache.cache_bypassed"),
+    ("torch._C._nn.linear", "nn.convert (F.linear as FX graphs record it)"),
+    ("torch.utils._pytree.tree_leaves", "nn.keycache, nn.convert (nested inputs' tensors)"),
+    ("torch.utils._pytree.tree_map", "nn.convert (copies of nested inputs)"),
+    ("torch.utils._pytree.tree_flatten", "nn.convert (comparing nested outputs)"),
+    ("torch._dynamo.config.patch", "seq2seq.models.compile_model (allow_rnn)"),
+    ("torch._dynamo.config.allow_rnn", "seq2seq.models.compile_model"),
+    ("torch._dynamo.config.recompile_limit", "nn.convert.traced (when a layout gives up)"),
+)
+
+
+def functorch_transforms_active() -> bool:
+    """Inside a torch.func transform (grad, vmap, ...). Why private: torch has no public test,
+    and the Functions with Python-side state must stay out of transforms."""
+    return torch._C._are_functorch_transforms_active()
+
+
+def current_graph_task_id() -> int:
+    """The id of the running backward pass (-1 outside one). Why private: the step memories keep
+    each backward pass's gathered gradients apart by it; there is no public equivalent."""
+    return torch._C._current_graph_task_id()
+
+
+def delayed_error(message: bytes, count: int) -> Callable[..., Any]:
+    """An autograd node that raises ``message`` when differentiated (what torch itself uses for
+    once-differentiable Functions). Why private: the public ``once_differentiable`` decorator
+    cannot wrap the gradients of a Function whose backward returns them from a kernel call."""
+    return torch._C._functions.DelayedError(message, count)
+
+
+def saved_tensors_hooks_active() -> bool:
+    """Whether saved-tensor hooks are installed (activation checkpointing, offloading). Why
+    private: no public query exists, and a cache must not return tensors those hooks expect to
+    be recomputed."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def nn_linear() -> Callable[..., Any]:
+    """``torch._C._nn.linear``: what ``F.linear`` calls appear as in an FX graph traced by
+    TorchDynamo. Why private: the converter matches and builds such graph nodes."""
+    return torch._C._nn.linear
+
+
+def dynamo_config() -> Any:
+    """``torch._dynamo.config``, imported on first use (importing torch._dynamo takes time).
+    Why private: ``allow_rnn`` and ``recompile_limit`` have no public switch."""
+    import torch._dynamo
+
+    return torch._dynamo.config
+
+
+@contextlib.contextmanager
+def dynamo_allow_rnn() -> Iterator[None]:
+    """TorchDynamo traces nn.GRU/nn.LSTM into the graph inside the block (``allow_rnn``)."""
+    with dynamo_config().patch(allow_rnn=True):
+        yield
+
+
+def mkldnn_bf16_supported() -> bool | None:
+    """Whether oneDNN runs bf16 products natively on this CPU (AVX512-BF16 or AMX); None where
+    this torch has no such query. Why private: ``torch.ops.mkldnn._is_mkldnn_bf16_supported`` is
+    the only test of it; callers treat None as "not known", so its loss is not an error."""
+    query = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return None if query is None else bool(query())
