@@ -196,6 +196,24 @@ def _families() -> dict[str, _Family]:
             _coqui_start,
             _coqui_step,
         ),
+        # Coqui's Tacotron default: sigmoid normalisation, the score layer's bias kept
+        "coqui OriginalAttention (sigmoid)": _Family(
+            lambda s: L.CoquiOriginalAttention(
+                w(s),
+                w(s),
+                w(s),
+                True,
+                s.conv_channels,
+                2 * s.conv_half_width + 1,
+                False,
+                "sigmoid",
+                False,
+                False,
+                False,
+            ),
+            _coqui_start,
+            _coqui_step,
+        ),
         "allennlp AdditiveAttention": _Family(
             lambda s: L.AllenNLPAdditiveAttention(w(s), w(s)), _allennlp_start, _allennlp_step
         ),

@@ -382,14 +382,6 @@ void softmax_rows(const KernelTable<T>& kt, T* rows, int64_t nq, int64_t Tk, int
 }
 
 
-// softmax or sigmoid (the header's Normalize), from the op's schema argument.
-Normalize parse_normalize(const char* op, c10::string_view name) {
-  if (name == "softmax") return Normalize::kSoftmax;
-  if (name == "sigmoid") return Normalize::kSigmoid;
-  TORCH_CHECK(false, op, ": normalize must be 'softmax' or 'sigmoid', got '", std::string(name),
-              "'");
-}
-
 // In place, rows s < nk of nq rows (stride Tk): e -> log sigmoid(e); with one_minus (backward)
 // also 1 - sigmoid(e) = exp(log sigmoid(-e)) into one_minus (same layout). NaN stays NaN.
 template <typename T>
@@ -403,6 +395,22 @@ void log_sigmoid_rows(T* rows, int64_t nq, int64_t Tk, int64_t nk, T* one_minus)
       if (one_minus) one_minus[t * Tk + s] = std::exp((e > T(0) ? -e : T(0)) - tail);
     }
   }
+}
+
+// The scores of rows s < nk of nq rows (stride Tk), in place, into what softmax_rows normalises:
+// e + b where a score bias is given, then, for the sigmoid normalisation, log sigmoid of that
+// (one_minus: also 1 - sigmoid(e + b), for the backward).
+template <typename T>
+void prepare_scores(T* rows, int64_t nq, int64_t Tk, int64_t nk, Normalize normalize,
+                    ScoreShift shift, T* one_minus) {
+  if (shift.given) {
+    const T b = T(shift.value);
+    for (int64_t t = 0; t < nq; ++t) {
+      T* row = rows + t * Tk;
+      for (int64_t s = 0; s < nk; ++s) row[s] += b;
+    }
+  }
+  if (normalize == Normalize::kSigmoid) log_sigmoid_rows<T>(rows, nq, Tk, nk, one_minus);
 }
 
 // ---- location term ---------------------------------------------------------------------------
@@ -463,6 +471,7 @@ struct ForwardPass {
   float* lp;
   const LocationTerm<T>* loc = nullptr;  // a location-aware step: keys formed per item
   Normalize normalize = Normalize::kSoftmax;
+  ScoreShift shift = {};
 
   struct Scratch {
     T *qbuf, *kbuf;
@@ -497,7 +506,7 @@ struct ForwardPass {
       const ItemKeys<T, M> keys = item_keys<T, M>(kt, loc, qp + (b * n.Tq + t0) * n.H, nq, kp, n,
                                                   b, nk, bp, Hp, scratch.qbuf, scratch.kbuf);
       item_scores(kt, keys, sv, scratch.qbuf, nq, nk, Hp, rows, n.Tk);
-      if (normalize == Normalize::kSigmoid) log_sigmoid_rows<T>(rows, nq, n.Tk, nk, nullptr);
+      prepare_scores<T>(rows, nq, n.Tk, nk, normalize, shift, nullptr);
     }
     softmax_rows<T>(kt, rows, nq, n.Tk, nk, kv.row_mask(b), lp + b * n.Tq + t0);
     // With lengths, only the valid prefix of the values is read (as the Triton kernel does): a
@@ -522,12 +531,31 @@ struct ForwardPass {
 
 }  // namespace
 
+// softmax or sigmoid (the header's Normalize), from the op's schema argument.
+Normalize parse_normalize(const char* op, c10::string_view name) {
+  if (name == "softmax") return Normalize::kSoftmax;
+  if (name == "sigmoid") return Normalize::kSigmoid;
+  TORCH_CHECK(false, op, ": normalize must be 'softmax' or 'sigmoid', got '", std::string(name),
+              "'");
+}
+
+// The ops' optional score bias: one element of a floating dtype on the CPU ([] or [1]).
+ScoreShift score_shift(const char* op, const std::optional<Tensor>& score_bias) {
+  if (!score_bias.has_value()) return {};
+  const Tensor& b = *score_bias;
+  TORCH_CHECK(b.numel() == 1 && b.dim() <= 1 && b.is_floating_point() && b.device().is_cpu(), op,
+              ": score_bias must be a one-element floating CPU tensor ([] or [1]), got ",
+              b.sizes(), " ", b.scalar_type(), " on ", b.device());
+  return {b.item<double>(), true};
+}
+
 template <typename T, typename M>
 std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Tensor& keys_in,
                                                 const Tensor& values_in, const Tensor& v_in,
                                                 const Tensor& bias_in, const KeyValidity& kv,
                                                 const Sizes& n, bool return_weights,
-                                                const LocationTerm<T>* loc, Normalize normalize) {
+                                                const LocationTerm<T>* loc, Normalize normalize,
+                                                ScoreShift shift) {
   const Tensor query = query_in.contiguous(), keys = keys_in.contiguous();
   const Tensor values = values_in.contiguous();
   const Tensor v = v_in.contiguous(), bias = bias_in.contiguous();
@@ -551,7 +579,8 @@ std::tuple<Tensor, Tensor, Tensor> forward_impl(const Tensor& query_in, const Te
                                out_ptr<M>(context),
                                lse.data_ptr<float>(),
                                loc,
-                               normalize};
+                               normalize,
+                               shift};
   using Scratch = typename ForwardPass<T, M>::Scratch;
   for_each_item(
       pass.plan, [&] { return pass.make_scratch(); },
@@ -564,11 +593,13 @@ namespace {
 std::tuple<Tensor, Tensor, Tensor> additive_attention_fwd(
     const Tensor& query, const Tensor& keys, const Tensor& values, const Tensor& v,
     const Tensor& bias, const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
-    bool return_weights, c10::string_view normalize_name) {
+    bool return_weights, c10::string_view normalize_name,
+    const std::optional<Tensor>& score_bias) {
   const char* op = "seq2seq_fast::additive_attention_fwd";
   const NoAutocast no_autocast;
   const Sizes n = check_inputs(op, query, keys, values, v, bias, lengths, mask);
   const Normalize normalize = parse_normalize(op, normalize_name);
+  const ScoreShift shift = score_shift(op, score_bias);
   const KeyValidity kv = key_validity(op, lengths, mask, n.Tk);
   if (n.B == 0 || n.Tq == 0) {  // no rows: nothing to compute (and no work to plan)
     const auto opts = query.options();
@@ -578,14 +609,14 @@ std::tuple<Tensor, Tensor, Tensor> additive_attention_fwd(
   }
   if (is_bf16(query)) {  // bfloat16 rows, float32 arithmetic
     return forward_impl<float, Bf16>(query, keys, values, v, bias, kv, n, return_weights, nullptr,
-                                     normalize);
+                                     normalize, shift);
   }
   if (query.scalar_type() == at::kDouble) {
     return forward_impl<double, double>(query, keys, values, v, bias, kv, n, return_weights,
-                                        nullptr, normalize);
+                                        nullptr, normalize, shift);
   }
   return forward_impl<float, float>(query, keys, values, v, bias, kv, n, return_weights, nullptr,
-                                    normalize);
+                                    normalize, shift);
 }
 
 // ---- backward --------------------------------------------------------------------------------
@@ -617,6 +648,8 @@ struct BackwardPass {
   T *dvp, *dbp;               // per item: dv partial [Hp], dbias partial [H]
   const LocationTerm<T>* loc = nullptr;  // a location-aware step (needs acc, one item per row)
   Normalize normalize = Normalize::kSoftmax;  // sigmoid: p recomputed (have_p false)
+  ScoreShift shift = {};
+  double* shift_parts = nullptr;  // per item: the sum of its score gradients (score bias given)
 
   struct Scratch {
     T *qbuf, *kbuf, *de, *gq, *gk, *dps;
@@ -772,6 +805,7 @@ struct BackwardPass {
     if constexpr (kInPlace) p_rows = p_out;
     M* dq_rows = dqp + (b * n.Tq + t0) * n.H;
     if (!split) zero_unreached_rows(b, nk);
+    if (shift_parts != nullptr) shift_parts[item] = 0.0;
     if (nk == 0) {
       if (!have_p && p_out != nullptr) std::fill(p_out, p_out + nq * n.Tk, M{});
       std::fill(dq_rows, dq_rows + nq * n.H, M{});
@@ -786,8 +820,8 @@ struct BackwardPass {
       item_scores(kt, keys, sv, s.qbuf, nq, nk, Hp, p_rows, n.Tk);
       if (normalize == Normalize::kSigmoid) {
         one_minus = thread_scratch<T>(Slot::kSigmoidRows, nq * n.Tk);
-        log_sigmoid_rows<T>(p_rows, nq, n.Tk, nk, one_minus);
       }
+      prepare_scores<T>(p_rows, nq, n.Tk, nk, normalize, shift, one_minus);
       softmax_rows<T>(kt, p_rows, nq, n.Tk, nk, valid, nullptr);
       if constexpr (!kInPlace) {
         if (p_out != nullptr) store_rows(kt, p_rows, nq * n.Tk, p_out);
@@ -797,6 +831,7 @@ struct BackwardPass {
     }
     weight_grads(b, t0, nq, nk, s.dps, s);
     const double sum_de = score_grads(p_rows, s.dps, nq, nk, valid, s.de, one_minus);
+    if (shift_parts != nullptr) shift_parts[item] = sum_de;
     // Product path: sech^2 = 4u and tanh = 1 - 2r; rational: sech^2 = u, tanh = y.
     const T* scale = prod ? sv.grad_product.data() : sv.rational.data();
     DK* dk_rows = dkp + (split ? (b * plan.blocks_per_row + blk) : b) * n.Tk * n.H;
@@ -857,7 +892,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
     const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query_in,
     const Tensor& keys_in, const Tensor& values_in, const Tensor& v_in, const Tensor& bias_in,
     const KeyValidity& kv, const Sizes& n, const Tensor& saved_weights, const Tensor& dkeys_acc,
-    bool want_dvalues, const LocationTerm<T>* loc, Normalize normalize) {
+    bool want_dvalues, const LocationTerm<T>* loc, Normalize normalize, ScoreShift shift,
+    double* grad_shift) {
   constexpr bool kInPlace = std::is_same_v<T, M>;
   const Tensor query = query_in.contiguous(), keys = keys_in.contiguous();
   const Tensor values = values_in.contiguous(), dctx = grad_context.contiguous();
@@ -888,6 +924,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   std::unique_ptr<T[]> dv_parts(new T[size_t(plan.items) * size_t(Hp)]);
   std::unique_ptr<T[]> db_parts(new T[size_t(plan.items) * size_t(n.H)]);
   Tensor dvalues = dvalues_in_items ? empty_output({n.B, n.Tk, n.Dv}, opts) : Tensor();
+  std::vector<double> shift_parts(grad_shift != nullptr ? size_t(plan.items) : size_t(0));
   const std::vector<T> bias_c = compute_vector<T, M>(bias);
   const BackwardPass<T, M, DK> pass{runtime_kernels<T>(),
                                     n,
@@ -911,7 +948,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
                                     dv_parts.get(),
                                     db_parts.get(),
                                     loc,
-                                    normalize};
+                                    normalize,
+                                    shift,
+                                    grad_shift != nullptr ? shift_parts.data() : nullptr};
   using Scratch = typename BackwardPass<T, M, DK>::Scratch;
   for_each_item(
       plan, [&] { return pass.make_scratch(); },
@@ -942,36 +981,42 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl(
   auto [dv, dbias] = reduce_item_partials<T, M>(dv_parts.get(), db_parts.get(), plan.items, n.H,
                                                 Hp, opts);
   if (want_dvalues && !dvalues_in_items) dvalues = at::bmm(probs.transpose(1, 2), dctx);
+  if (grad_shift != nullptr) {  // in item order: reproducible
+    double sum = 0.0;
+    for (const double part : shift_parts) sum += part;
+    *grad_shift = sum;
+  }
   return {dq, dk, dvalues, dv, dbias};
 }
 
 // The passes the location-aware step (csrc/location_attention.cpp) calls.
 template std::tuple<Tensor, Tensor, Tensor> forward_impl<float, float>(
     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const KeyValidity&,
-    const Sizes&, bool, const LocationTerm<float>*, Normalize);
+    const Sizes&, bool, const LocationTerm<float>*, Normalize, ScoreShift);
 template std::tuple<Tensor, Tensor, Tensor> forward_impl<double, double>(
     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const KeyValidity&,
-    const Sizes&, bool, const LocationTerm<double>*, Normalize);
+    const Sizes&, bool, const LocationTerm<double>*, Normalize, ScoreShift);
 template std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl<float, float, float>(
     const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
     const Tensor&, const Tensor&, const KeyValidity&, const Sizes&, const Tensor&, const Tensor&,
-    bool, const LocationTerm<float>*, Normalize);
+    bool, const LocationTerm<float>*, Normalize, ScoreShift, double*);
 template std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>
 backward_impl<double, double, double>(const Tensor&, const std::optional<Tensor>&, const Tensor&,
                                       const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                       const KeyValidity&, const Sizes&, const Tensor&,
-                                      const Tensor&, bool, const LocationTerm<double>*, Normalize);
+                                      const Tensor&, bool, const LocationTerm<double>*,
+                                      Normalize, ScoreShift, double*);
 template std::tuple<Tensor, Tensor, Tensor> forward_impl<float, Bf16>(
     const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const KeyValidity&,
-    const Sizes&, bool, const LocationTerm<float>*, Normalize);
+    const Sizes&, bool, const LocationTerm<float>*, Normalize, ScoreShift);
 template std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl<float, Bf16, float>(
     const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
     const Tensor&, const Tensor&, const KeyValidity&, const Sizes&, const Tensor&, const Tensor&,
-    bool, const LocationTerm<float>*, Normalize);
+    bool, const LocationTerm<float>*, Normalize, ScoreShift, double*);
 template std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> backward_impl<float, Bf16, Bf16>(
     const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
     const Tensor&, const Tensor&, const KeyValidity&, const Sizes&, const Tensor&, const Tensor&,
-    bool, const LocationTerm<float>*, Normalize);
+    bool, const LocationTerm<float>*, Normalize, ScoreShift, double*);
 
 namespace {
 
@@ -980,7 +1025,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> checked_backward(
     const Tensor& query, const Tensor& keys, const Tensor& values, const Tensor& v,
     const Tensor& bias, const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
     const Tensor& lse, const std::optional<Tensor>& weights, const Tensor& dkeys_acc,
-    bool want_dvalues, Normalize normalize = Normalize::kSoftmax) {
+    bool want_dvalues, Normalize normalize = Normalize::kSoftmax, ScoreShift shift = {},
+    double* grad_shift = nullptr) {
   const NoAutocast no_autocast;
   const Sizes n = check_inputs(op, query, keys, values, v, bias, lengths, mask);
   TORCH_CHECK(grad_context.dim() == 3 && grad_context.size(0) == n.B &&
@@ -1023,6 +1069,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> checked_backward(
                 dkeys_acc.scalar_type(), (dkeys_acc.is_contiguous() ? "" : " (not contiguous)"));
   }
   const KeyValidity kv = key_validity(op, lengths, mask, n.Tk);
+  if (grad_shift != nullptr) *grad_shift = 0.0;
   if (n.B == 0 || n.Tq == 0) {  // no rows: every gradient is zero
     return {at::zeros_like(query), dkeys_acc.defined() ? dkeys_acc : at::zeros_like(keys),
             want_dvalues ? at::zeros_like(values) : Tensor(), at::zeros_like(v),
@@ -1034,20 +1081,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> checked_backward(
     if (float_dkeys) {
       return backward_impl<float, Bf16, float>(grad_context, grad_weights, query, keys, values, v,
                                                bias, kv, n, saved_p, dkeys_acc, want_dvalues,
-        nullptr, normalize);
+        nullptr, normalize, shift, grad_shift);
     }
     return backward_impl<float, Bf16, Bf16>(grad_context, grad_weights, query, keys, values, v,
                                             bias, kv, n, saved_p, dkeys_acc, want_dvalues,
-        nullptr, normalize);
+        nullptr, normalize, shift, grad_shift);
   }
   if (query.scalar_type() == at::kDouble) {
     return backward_impl<double, double, double>(grad_context, grad_weights, query, keys, values,
                                                  v, bias, kv, n, saved_p, dkeys_acc, want_dvalues,
-        nullptr, normalize);
+        nullptr, normalize, shift, grad_shift);
   }
   return backward_impl<float, float, float>(grad_context, grad_weights, query, keys, values, v,
                                             bias, kv, n, saved_p, dkeys_acc, want_dvalues,
-        nullptr, normalize);
+        nullptr, normalize, shift, grad_shift);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_attention_bwd(
@@ -1063,6 +1110,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> additive_attention_bwd(
   const char* op = "seq2seq_fast::additive_attention_bwd";
   return checked_backward(op, grad_context, grad_weights, query, keys, values, v, bias, lengths,
                           mask, lse, weights, Tensor(), true, parse_normalize(op, normalize_name));
+}
+
+// The backward with a score bias (the overload additive_attention_bwd.score_bias): the five
+// gradients of additive_attention_bwd, then the score bias's, of its shape and dtype.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> additive_attention_bwd_score_bias(
+    const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query,
+    const Tensor& keys, const Tensor& values, const Tensor& v, const Tensor& bias,
+    const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
+    const Tensor& context, const Tensor& lse, const std::optional<Tensor>& weights,
+    c10::string_view normalize_name, const Tensor& score_bias) {
+  (void)context;
+  const char* op = "seq2seq_fast::additive_attention_bwd.score_bias";
+  const ScoreShift shift = score_shift(op, score_bias);
+  double grad_shift = 0.0;
+  auto [dq, dk, dvalues, dv, dbias] = checked_backward(
+      op, grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, lse, weights,
+      Tensor(), true, parse_normalize(op, normalize_name), shift, &grad_shift);
+  return {dq, dk, dvalues, dv, dbias, at::full_like(score_bias, grad_shift)};
 }
 
 // The backward of one call among many that attend to the same keys and values (a decoder's
@@ -1089,6 +1154,7 @@ std::tuple<Tensor, Tensor, Tensor> additive_attention_bwd_accumulate(
 TORCH_LIBRARY_IMPL(seq2seq_fast, CPU, m) {
   m.impl("additive_attention_fwd", &seq2seq_fast::additive_attention_fwd);
   m.impl("additive_attention_bwd", &seq2seq_fast::additive_attention_bwd);
+  m.impl("additive_attention_bwd.score_bias", &seq2seq_fast::additive_attention_bwd_score_bias);
 }
 
 // The accumulating backward is private to the extension (CPU only; its caller is

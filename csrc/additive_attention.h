@@ -68,6 +68,19 @@ struct LocationTerm {
 // log sum sigmoid(e) of the valid keys.
 enum class Normalize : int { kSoftmax = 0, kSigmoid = 1 };
 
+// A scalar score bias b added to every score before the normalisation: sigmoid(e + b) /
+// sum sigmoid(e + b) (Coqui TTS's score layer Linear(A, 1, bias=True) under sigmoid; under a
+// softmax b cancels, and is added all the same). Its gradient is the sum of the scores' gradients.
+struct ScoreShift {
+  double value = 0.0;
+  bool given = false;
+};
+
+// The ops' schema arguments: normalize ("softmax" or "sigmoid") and the optional score bias (one
+// element of a floating dtype on the CPU); errors name `op`.
+Normalize parse_normalize(const char* op, c10::string_view name);
+ScoreShift score_shift(const char* op, const std::optional<at::Tensor>& score_bias);
+
 // (context, weights or an empty tensor, lse) of the attention; loc given: a location-aware step,
 // `keys_in` then the projected memory.
 template <typename T, typename M>
@@ -75,16 +88,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_impl(
     const at::Tensor& query_in, const at::Tensor& keys_in, const at::Tensor& values_in,
     const at::Tensor& v_in, const at::Tensor& bias_in, const KeyValidity& kv, const Sizes& n,
     bool return_weights, const LocationTerm<T>* loc = nullptr,
-    Normalize normalize = Normalize::kSoftmax);
+    Normalize normalize = Normalize::kSoftmax, ScoreShift shift = {});
 
 // (dquery, dkeys, dvalues, dv, dbias); dkeys_acc given: dkeys added to it (returned as is);
 // want_dvalues false: no dvalues (an undefined tensor). DK: the type of the rows dkeys go to.
+// grad_shift given: the score bias's gradient (the sum of every score's gradient) written to it.
 template <typename T, typename M, typename DK>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_impl(
     const at::Tensor& grad_context, const std::optional<at::Tensor>& grad_weights,
     const at::Tensor& query_in, const at::Tensor& keys_in, const at::Tensor& values_in,
     const at::Tensor& v_in, const at::Tensor& bias_in, const KeyValidity& kv, const Sizes& n,
     const at::Tensor& saved_weights, const at::Tensor& dkeys_acc, bool want_dvalues,
-    const LocationTerm<T>* loc = nullptr, Normalize normalize = Normalize::kSoftmax);
+    const LocationTerm<T>* loc = nullptr, Normalize normalize = Normalize::kSoftmax,
+    ScoreShift shift = {}, double* grad_shift = nullptr);
 
 }  // namespace seq2seq_fast

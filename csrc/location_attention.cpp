@@ -85,13 +85,14 @@ std::tuple<Tensor, Tensor> location_forward(const Tensor& query, const Tensor& p
                                             const Tensor& conv, const Tensor& weight,
                                             const Tensor& values, const Tensor& v,
                                             const Tensor& bias, const KeyValidity& kv,
-                                            const Sizes& n, int64_t C) {
+                                            const Sizes& n, int64_t C, Normalize normalize,
+                                            ScoreShift shift) {
   const LocationWeight<T> w(weight, n.H, 0, false);
   const T* wt = w.wt.template data_ptr<T>();
   LocationTerm<T> loc{nullptr, wt, C, nullptr, nullptr, nullptr, nullptr};
   set_conv<T, M>(loc, conv, Tensor());
   auto [context, weights, lse] =
-      forward_impl<T, M>(query, projected, values, v, bias, kv, n, true, &loc);
+      forward_impl<T, M>(query, projected, values, v, bias, kv, n, true, &loc, normalize, shift);
   return {context, weights};
 }
 
@@ -102,9 +103,13 @@ std::tuple<Tensor, Tensor> location_attention_fwd(const Tensor& query, const Ten
                                                   const Tensor& values, const Tensor& v,
                                                   const Tensor& bias,
                                                   const std::optional<Tensor>& lengths,
-                                                  const std::optional<Tensor>& mask) {
+                                                  const std::optional<Tensor>& mask,
+                                                  c10::string_view normalize_name,
+                                                  const std::optional<Tensor>& score_bias) {
   const char* op = "seq2seq_fast::_location_attention_fwd";
   const NoAutocast no_autocast;
+  const Normalize normalize = parse_normalize(op, normalize_name);
+  const ScoreShift shift = score_shift(op, score_bias);
   const LocationSizes sizes = check_location(op, query, projected, conv_in, weight, values, v,
                                              bias, lengths, mask);
   const Sizes& n = sizes.n;
@@ -114,14 +119,14 @@ std::tuple<Tensor, Tensor> location_attention_fwd(const Tensor& query, const Ten
   const Tensor conv = conv_in.contiguous();
   if (is_bf16(query)) {  // bfloat16 rows, float32 arithmetic
     return location_forward<float, Bf16>(query, projected, conv, weight, values, v, bias, kv, n,
-                                         sizes.C);
+                                         sizes.C, normalize, shift);
   }
   if (query.scalar_type() == at::kDouble) {
     return location_forward<double, double>(query, projected, conv, weight, values, v, bias, kv,
-                                            n, sizes.C);
+                                            n, sizes.C, normalize, shift);
   }
   return location_forward<float, float>(query, projected, conv, weight, values, v, bias, kv, n,
-                                        sizes.C);
+                                        sizes.C, normalize, shift);
 }
 
 // The backward's work once checked (DK: grad_projected's element type).
@@ -130,7 +135,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> location_backward(
     const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query,
     const Tensor& projected, const Tensor& conv, const Tensor& weight, const Tensor& values,
     const Tensor& v, const Tensor& bias, const KeyValidity& kv, const Sizes& n, int64_t C,
-    const Tensor& weights, const Tensor& grad_projected, const Plan& plan) {
+    const Tensor& weights, const Tensor& grad_projected, const Plan& plan, Normalize normalize,
+    ScoreShift shift, double* grad_shift) {
   const auto opts = query.options();
   const int64_t Hp = round_up(n.H, kPadTo);
   Tensor dconv = at::empty({n.B * n.Tk, C}, opts);
@@ -141,8 +147,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> location_backward(
                       dw_parts.data()};
   set_conv<T, M>(loc, conv, dconv);
   auto [dq, dk, dvalues, dv, dbias] =
+      // (the sigmoid normalisation recomputes the weights: it needs 1 - sigmoid(e) too)
       backward_impl<T, M, DK>(grad_context, grad_weights, query, projected, values, v, bias, kv, n,
-                              weights, grad_projected, false, &loc);
+                              normalize == Normalize::kSoftmax ? weights : Tensor(),
+                              grad_projected, false, &loc, normalize, shift, grad_shift);
   std::vector<double> sum(static_cast<size_t>(C * Hp), 0.0);  // item order: reproducible
   for (int64_t item = 0; item < plan.items; ++item) {
     const T* part = dw_parts.data() + item * C * Hp;
@@ -165,13 +173,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> location_backward(
 // there; for bfloat16 inputs it may be float32: exact sums over the steps) and multiplied out to
 // conv's and weight's; no values gradient (the caller forms it once for all steps, as for
 // _additive_attention_bwd_accumulate). Returns (dquery, dconv, dweight, dv, dbias).
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> location_attention_bwd(
-    const Tensor& grad_context_in, const std::optional<Tensor>& grad_weights,
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> checked_location_bwd(
+    const char* op, const Tensor& grad_context_in, const std::optional<Tensor>& grad_weights,
     const Tensor& query, const Tensor& projected, const Tensor& conv_in, const Tensor& weight,
     const Tensor& values, const Tensor& v, const Tensor& bias,
     const std::optional<Tensor>& lengths, const std::optional<Tensor>& mask,
-    const Tensor& weights, const Tensor& grad_projected) {
-  const char* op = "seq2seq_fast::_location_attention_bwd";
+    const Tensor& weights, const Tensor& grad_projected, Normalize normalize, ScoreShift shift,
+    double* grad_shift) {
   const NoAutocast no_autocast;
   const LocationSizes sizes = check_location(op, query, projected, conv_in, weight, values, v,
                                              bias, lengths, mask);
@@ -201,6 +209,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> location_attention_bwd(
               projected.sizes(), " and dtype (or float32 for bfloat16), got ",
               grad_projected.sizes(), " ", grad_projected.scalar_type());
   const KeyValidity kv = key_validity(op, lengths, mask, n.Tk);
+  if (grad_shift != nullptr) *grad_shift = 0.0;
   if (n.B == 0) {
     return {at::zeros_like(query), at::empty({0, C}, query.options()), at::zeros_like(weight),
             at::zeros_like(v), at::zeros_like(bias)};
@@ -212,20 +221,48 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> location_attention_bwd(
     if (float_acc) {
       return location_backward<float, Bf16, float>(grad_context_in, grad_weights, query,
                                                    projected, conv, weight, values, v, bias, kv,
-                                                   n, C, weights, grad_projected, plan);
+                                                   n, C, weights, grad_projected, plan, normalize, shift, grad_shift);
     }
     return location_backward<float, Bf16, Bf16>(grad_context_in, grad_weights, query, projected,
                                                 conv, weight, values, v, bias, kv, n, C, weights,
-                                                grad_projected, plan);
+                                                grad_projected, plan, normalize, shift, grad_shift);
   }
   if (query.scalar_type() == at::kDouble) {
     return location_backward<double, double, double>(grad_context_in, grad_weights, query,
                                                      projected, conv, weight, values, v, bias, kv,
-                                                     n, C, weights, grad_projected, plan);
+                                                     n, C, weights, grad_projected, plan, normalize, shift, grad_shift);
   }
   return location_backward<float, float, float>(grad_context_in, grad_weights, query, projected,
                                                 conv, weight, values, v, bias, kv, n, C, weights,
-                                                grad_projected, plan);
+                                                grad_projected, plan, normalize, shift, grad_shift);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> location_attention_bwd(
+    const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query,
+    const Tensor& projected, const Tensor& conv, const Tensor& weight, const Tensor& values,
+    const Tensor& v, const Tensor& bias, const std::optional<Tensor>& lengths,
+    const std::optional<Tensor>& mask, const Tensor& weights, const Tensor& grad_projected,
+    c10::string_view normalize_name) {
+  const char* op = "seq2seq_fast::_location_attention_bwd";
+  return checked_location_bwd(op, grad_context, grad_weights, query, projected, conv, weight,
+                              values, v, bias, lengths, mask, weights, grad_projected,
+                              parse_normalize(op, normalize_name), {}, nullptr);
+}
+
+// With a score bias: the five gradients, then the score bias's (its shape and dtype).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> location_attention_bwd_score_bias(
+    const Tensor& grad_context, const std::optional<Tensor>& grad_weights, const Tensor& query,
+    const Tensor& projected, const Tensor& conv, const Tensor& weight, const Tensor& values,
+    const Tensor& v, const Tensor& bias, const std::optional<Tensor>& lengths,
+    const std::optional<Tensor>& mask, const Tensor& weights, const Tensor& grad_projected,
+    c10::string_view normalize_name, const Tensor& score_bias) {
+  const char* op = "seq2seq_fast::_location_attention_bwd.score_bias";
+  double grad_shift = 0.0;
+  auto [dq, dconv, dweight, dv, dbias] = checked_location_bwd(
+      op, grad_context, grad_weights, query, projected, conv, weight, values, v, bias, lengths,
+      mask, weights, grad_projected, parse_normalize(op, normalize_name),
+      score_shift(op, score_bias), &grad_shift);
+  return {dq, dconv, dweight, dv, dbias, at::full_like(score_bias, grad_shift)};
 }
 
 }  // namespace
@@ -236,15 +273,22 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> location_attention_bwd(
 TORCH_LIBRARY_FRAGMENT(seq2seq_fast, m) {
   m.def(
       "_location_attention_fwd(Tensor query, Tensor projected, Tensor conv, Tensor weight, "
-      "Tensor values, Tensor v, Tensor bias, Tensor? lengths, Tensor? mask) -> (Tensor, Tensor)");
+      "Tensor values, Tensor v, Tensor bias, Tensor? lengths, Tensor? mask, "
+      "str normalize=\"softmax\", Tensor? score_bias=None) -> (Tensor, Tensor)");
   m.def(
       "_location_attention_bwd(Tensor grad_context, Tensor? grad_weights, Tensor query, "
       "Tensor projected, Tensor conv, Tensor weight, Tensor values, Tensor v, Tensor bias, "
-      "Tensor? lengths, Tensor? mask, Tensor weights, Tensor(a!) grad_projected) -> (Tensor, "
-      "Tensor, Tensor, Tensor, Tensor)");
+      "Tensor? lengths, Tensor? mask, Tensor weights, Tensor(a!) grad_projected, "
+      "str normalize=\"softmax\") -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "_location_attention_bwd.score_bias(Tensor grad_context, Tensor? grad_weights, "
+      "Tensor query, Tensor projected, Tensor conv, Tensor weight, Tensor values, Tensor v, "
+      "Tensor bias, Tensor? lengths, Tensor? mask, Tensor weights, Tensor(a!) grad_projected, "
+      "str normalize, Tensor score_bias) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(seq2seq_fast, CPU, m) {
   m.impl("_location_attention_fwd", &seq2seq_fast::location_attention_fwd);
   m.impl("_location_attention_bwd", &seq2seq_fast::location_attention_bwd);
+  m.impl("_location_attention_bwd.score_bias", &seq2seq_fast::location_attention_bwd_score_bias);
 }

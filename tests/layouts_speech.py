@@ -23,7 +23,9 @@ and parameter names (so state_dicts match) and the same state, masks and return 
 - ``D2LAdditiveAttention`` (LazyLinear, d2l-en) and ``D2LAdditiveAttentionSized`` (older d2l,
   sized Linear): dropout on the weights, masked scores filled with -1e6.
 - ``CoquiOriginalAttention``: Coqui TTS ``OriginalAttention`` (softmax or sigmoid normalisation,
-  optional location layer; windowing and forward attention are not re-created here).
+  optional location layer; windowing and forward attention are not re-created here);
+  ``CoquiOriginalAttentionInPlace`` the same in the original's call conventions (a padding fill
+  in place through ``.data``, helper methods).
 """
 
 from __future__ import annotations
@@ -520,3 +522,48 @@ class CoquiOriginalAttention(nn.Module):
             self.attention_weights_cum += alignment
         self.attention_weights = alignment
         return torch.bmm(alignment.unsqueeze(1), inputs).squeeze(1)
+
+
+class CoquiOriginalAttentionInPlace(CoquiOriginalAttention):
+    """The same math in the original's own call conventions: the energies from a method that also
+    returns the processed query, the states joined by cat of unsqueezes, the padding filled in
+    place through ``.data`` (autograd does not see the fill), the cumulative weights updated by a
+    method."""
+
+    def get_location_attention(self, query, processed_inputs):
+        attention_cat = torch.cat(
+            (self.attention_weights.unsqueeze(1), self.attention_weights_cum.unsqueeze(1)), dim=1
+        )
+        processed_query = self.query_layer(query.unsqueeze(1))
+        processed_attention_weights = self.location_layer(attention_cat)
+        energies = self.v(
+            torch.tanh(processed_query + processed_attention_weights + processed_inputs)
+        )
+        return energies.squeeze(-1), processed_query
+
+    def get_attention(self, query, processed_inputs):
+        processed_query = self.query_layer(query.unsqueeze(1))
+        energies = self.v(torch.tanh(processed_query + processed_inputs))
+        return energies.squeeze(-1), processed_query
+
+    def update_location_attention(self, alignments):
+        self.attention_weights_cum += alignments
+
+    def forward(self, query, inputs, processed_inputs, mask):
+        if self.location_attention:
+            attention, _ = self.get_location_attention(query, processed_inputs)
+        else:
+            attention, _ = self.get_attention(query, processed_inputs)
+        if mask is not None:
+            attention.data.masked_fill_(~mask, self._mask_value)
+        if self.norm == "softmax":
+            alignment = torch.softmax(attention, dim=-1)
+        elif self.norm == "sigmoid":
+            alignment = torch.sigmoid(attention) / torch.sigmoid(attention).sum(dim=1, keepdim=True)
+        else:
+            raise ValueError("Unknown value for attention norm type")
+        if self.location_attention:
+            self.update_location_attention(alignment)
+        context = torch.bmm(alignment.unsqueeze(1), inputs)
+        self.attention_weights = alignment
+        return context.squeeze(1)

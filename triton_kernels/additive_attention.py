@@ -4,7 +4,9 @@
     p[b,t,:]   = softmax of e[b,t,:] over the valid keys (masked keys get exactly 0); with
                  normalize="sigmoid" (SIGMOID): sigmoid(e) / sum sigmoid(e) over them, computed
                  as the softmax of log sigmoid(e) (lse = log sum sigmoid(e)), and the backward's
-                 ds times 1 - sigmoid(e) (the derivative of log sigmoid), parked in a scratch
+                 ds times 1 - sigmoid(e) (the derivative of log sigmoid), parked in a scratch;
+                 with a score bias b (HAS_SCORE_BIAS, a one-element tensor): of e + b, and the
+                 score bias's gradient the sum of ds (torch, over the zero-filled ds scratch)
     ctx[b,t,:] = sum_s p[b,t,s] * values[b,s,:]
 
 Installed as ``seq2seq_fast._triton.additive_attention``; ``seq2seq_fast.ops.additive_attention``
@@ -206,14 +208,16 @@ def _log_sigmoid(s, tail):
 
 @triton.jit
 def _scores_pass(q_rows, k_batch, v_ptr, b_ptr, mask_row, out_rows, om_rows, lse, q_in,
-                 Tk, key_end, H, sq_h, sk_s, sk_h, s_v, s_b, sm_s, ss_s,
+                 Tk, key_end, H, sq_h, sk_s, sk_h, s_v, s_b, sm_s, ss_s, shift,
                  HAS_MASK: tl.constexpr, TANH_MODE: tl.constexpr, FAST_RCP: tl.constexpr,
                  INT64: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_H: tl.constexpr, FORWARD: tl.constexpr, SIGMOID: tl.constexpr):  # fmt: skip
+                 BLOCK_H: tl.constexpr, FORWARD: tl.constexpr, SIGMOID: tl.constexpr,
+                 HAS_SCORE_BIAS: tl.constexpr):  # fmt: skip
     """Scores of this query tile against every key tile below key_end, stored at out_rows.
 
     FORWARD: stores the masked raw scores and returns (online max m, sum l, valid key count).
     Else (backward): stores p = exp(s - lse) (0 on masked keys) and returns zeros.
+    HAS_SCORE_BIAS: s + shift (the score bias) in place of s, first.
     SIGMOID: log sigmoid(s) in place of s; the backward also stores 1 - sigmoid(s) at om_rows.
     """
     m_i = tl.full((BLOCK_Q,), float("-inf"), dtype=tl.float32)
@@ -226,6 +230,8 @@ def _scores_pass(q_rows, k_batch, v_ptr, b_ptr, mask_row, out_rows, om_rows, lse
         s = _score_tile(q_rows, k_rows, v_ptr, b_ptr, q_in, offs_k[:, None] < Tk, H,
                         sq_h, sk_h, s_v, s_b, TANH_MODE, FAST_RCP, INT64,
                         BLOCK_Q, BLOCK_K, BLOCK_H)  # fmt: skip
+        if HAS_SCORE_BIAS:
+            s = s + shift
         valid = _valid_keys(offs_k, Tk, key_end, mask_row, sm_s, HAS_MASK, INT64)
         out_mask = q_in & (offs_k[None, :] < Tk)
         if SIGMOID:
@@ -292,7 +298,7 @@ def _fwd_context(p_rows, x_batch, c_rows, r_in, key_end, Dv, ss_s, sx_s, sx_d, s
 
 @triton.jit
 def _fwd_kernel(
-    q_ptr, k_ptr, x_ptr, v_ptr, b_ptr, len_ptr, mask_ptr,  # inputs (x = values)
+    q_ptr, k_ptr, x_ptr, v_ptr, b_ptr, len_ptr, mask_ptr, sb_ptr,  # inputs (x = values)
     c_ptr, w_ptr, s_ptr, lse_ptr,  # outputs: context, weights, fp32 score scratch, lse
     Tq, Tk, H, Dv, n_qt,
     sq_b, sq_t, sq_h, sk_b, sk_s, sk_h, sx_b, sx_s, sx_d, s_v, s_b, s_len, sm_b, sm_s,
@@ -301,12 +307,15 @@ def _fwd_kernel(
     TANH_MODE: tl.constexpr, FAST_RCP: tl.constexpr, USE_DOT: tl.constexpr,
     LOWP_DOT: tl.constexpr, INT64: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, ROWS2: tl.constexpr, BLOCK_K2: tl.constexpr,
-    SIGMOID: tl.constexpr = False,
+    SIGMOID: tl.constexpr = False, HAS_SCORE_BIAS: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_b = _index(pid // n_qt, INT64)
     row0 = (pid % n_qt) * BLOCK_Q
     key_end = _key_end(len_ptr, pid_b, s_len, Tk, HAS_LENGTHS)
+    shift = 0.0
+    if HAS_SCORE_BIAS:
+        shift = tl.load(sb_ptr).to(tl.float32)
 
     # Phase 1: scores, online max / sum, raw scores parked in the fp32 scratch.
     offs_q = row0 + tl.arange(0, BLOCK_Q)
@@ -315,8 +324,8 @@ def _fwd_kernel(
     m_i, l_i, num_valid = _scores_pass(
         q_ptr + pid_b * sq_b + idx_q[:, None] * sq_t, k_ptr + pid_b * sk_b, v_ptr, b_ptr,
         mask_ptr + pid_b * sm_b, s_ptr + pid_b * ss_b + idx_q[:, None] * ss_t, s_ptr, 0.0,
-        q_in, Tk, key_end, H, sq_h, sk_s, sk_h, s_v, s_b, sm_s, ss_s, HAS_MASK, TANH_MODE,
-        FAST_RCP, INT64, BLOCK_Q, BLOCK_K, BLOCK_H, True, SIGMOID,
+        q_in, Tk, key_end, H, sq_h, sk_s, sk_h, s_v, s_b, sm_s, ss_s, shift, HAS_MASK, TANH_MODE,
+        FAST_RCP, INT64, BLOCK_Q, BLOCK_K, BLOCK_H, True, SIGMOID, HAS_SCORE_BIAS,
     )  # fmt: skip
     # +inf for a row with no valid key: exp(s - lse) is then 0 everywhere, never NaN. "No valid
     # key" comes from the count, not from l: a row whose scores are NaN or +-inf must come out
@@ -395,7 +404,7 @@ def _bwd_ds_finish(p_rows, ds_rows, om_rows, delta, r_in, Tk, key_end, ss_s, INT
 
 @triton.jit
 def _bwd_ds_kernel(
-    g_ptr, gw_ptr, q_ptr, k_ptr, x_ptr, v_ptr, b_ptr, len_ptr, mask_ptr, lse_ptr,  # inputs
+    g_ptr, gw_ptr, q_ptr, k_ptr, x_ptr, v_ptr, b_ptr, len_ptr, mask_ptr, lse_ptr, sb_ptr,  # inputs
     p_ptr, ds_ptr, om_ptr,  # outputs: fp32 scratch [B, Tq, Tk], p, ds and (SIGMOID) 1 - sigmoid(s)
     Tq, Tk, H, Dv, n_qt,
     sg_b, sg_t, sg_d, sgw_b, sgw_t, sgw_s, sq_b, sq_t, sq_h, sk_b, sk_s, sk_h, sx_b, sx_s, sx_d,
@@ -404,12 +413,15 @@ def _bwd_ds_kernel(
     TANH_MODE: tl.constexpr, FAST_RCP: tl.constexpr, USE_DOT: tl.constexpr,
     LOWP_DOT: tl.constexpr, INT64: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr, ROWS2: tl.constexpr, BLOCK_K2: tl.constexpr,
-    SIGMOID: tl.constexpr = False,
+    SIGMOID: tl.constexpr = False, HAS_SCORE_BIAS: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     pid_b = _index(pid // n_qt, INT64)
     row0 = (pid % n_qt) * BLOCK_Q
     key_end = _key_end(len_ptr, pid_b, s_len, Tk, HAS_LENGTHS)
+    shift = 0.0
+    if HAS_SCORE_BIAS:
+        shift = tl.load(sb_ptr).to(tl.float32)
 
     # Phase 1: recompute the scores, p = exp(s - lse) into the probs scratch. Padded query rows
     # get lse = +inf, hence p = 0 and ds = 0.
@@ -420,8 +432,9 @@ def _bwd_ds_kernel(
         q_ptr + pid_b * sq_b + idx_q[:, None] * sq_t, k_ptr + pid_b * sk_b, v_ptr, b_ptr,
         mask_ptr + pid_b * sm_b, p_ptr + pid_b * ss_b + idx_q[:, None] * ss_t,
         om_ptr + pid_b * ss_b + idx_q[:, None] * ss_t, lse,
-        (offs_q < Tq)[:, None], Tk, key_end, H, sq_h, sk_s, sk_h, s_v, s_b, sm_s, ss_s, HAS_MASK,
-        TANH_MODE, FAST_RCP, INT64, BLOCK_Q, BLOCK_K, BLOCK_H, False, SIGMOID,
+        (offs_q < Tq)[:, None], Tk, key_end, H, sq_h, sk_s, sk_h, s_v, s_b, sm_s, ss_s, shift,
+        HAS_MASK, TANH_MODE, FAST_RCP, INT64, BLOCK_Q, BLOCK_K, BLOCK_H, False, SIGMOID,
+        HAS_SCORE_BIAS,
     )  # fmt: skip
     tl.debug_barrier()
 
@@ -695,7 +708,7 @@ def _tile_constexprs(cfg: TileConfig) -> dict:
 
 
 def _fwd_impl(query, keys, values, v, bias, lengths, mask, return_weights, config, tanh,
-              normalize):  # fmt: skip
+              normalize, score_bias=None):  # fmt: skip
     batch, num_queries, hidden = query.shape
     num_keys, value_dim = values.shape[1], values.shape[2]
     dtype, device = query.dtype, query.device
@@ -717,33 +730,34 @@ def _fwd_impl(query, keys, values, v, bias, lengths, mask, return_weights, confi
     consts["INT64"] = needs_int64_offsets(query, keys, values, context, weights_t, scores, mask)
     n_qt = triton.cdiv(num_queries, cfg.block_q)
     _fwd_kernel[(batch * n_qt,)](
-        query, keys, values, v, bias, len_t, mask_t, context, weights_t, scores, lse,
+        query, keys, values, v, bias, len_t, mask_t, lse if score_bias is None else score_bias,
+        context, weights_t, scores, lse,
         num_queries, num_keys, hidden, value_dim, n_qt,
         *query.stride(), *keys.stride(), *values.stride(), v.stride(0), bias.stride(0), s_len,
         sm_b, sm_s, *context.stride(), *weights_t.stride(), *scores.stride(), *lse.stride(),
         HAS_LENGTHS=lengths is not None, HAS_MASK=mask is not None,
-        RETURN_WEIGHTS=bool(return_weights), SIGMOID=_sigmoid(normalize), **consts,
-        **_tile_constexprs(cfg),
+        RETURN_WEIGHTS=bool(return_weights), SIGMOID=_sigmoid(normalize),
+        HAS_SCORE_BIAS=score_bias is not None, **consts, **_tile_constexprs(cfg),
     )  # fmt: skip
     return context, weights, lse
 
 
 def _launch_bwd_ds(grad_context, grad_weights, query, keys, values, v, bias, lengths, mask,
-                   lse, probs, ds, cfg, consts, one_minus=None):  # fmt: skip
+                   lse, probs, ds, cfg, consts, one_minus=None, score_bias=None):  # fmt: skip
     batch, num_queries, hidden = query.shape
     num_keys, value_dim = values.shape[1], values.shape[2]
     len_t, s_len, mask_t, sm_b, sm_s = _optional_args(lengths, mask, lse)
     grad_weights_t = grad_weights if grad_weights is not None else probs
     n_qt = triton.cdiv(num_queries, cfg.block_q)
     _bwd_ds_kernel[(batch * n_qt,)](
-        grad_context, grad_weights_t, query, keys, values, v, bias, len_t, mask_t, lse, probs, ds,
-        ds if one_minus is None else one_minus, num_queries, num_keys, hidden, value_dim, n_qt,
+        grad_context, grad_weights_t, query, keys, values, v, bias, len_t, mask_t, lse,
+        lse if score_bias is None else score_bias, probs, ds, ds if one_minus is None else one_minus, num_queries, num_keys, hidden, value_dim, n_qt,
         *grad_context.stride(), *grad_weights_t.stride(), *query.stride(), *keys.stride(),
         *values.stride(), v.stride(0), bias.stride(0), s_len, sm_b, sm_s, *lse.stride(),
         *probs.stride(),
         HAS_LENGTHS=lengths is not None, HAS_MASK=mask is not None,
-        HAS_GRAD_WEIGHTS=grad_weights is not None, SIGMOID=one_minus is not None, **consts,
-        **_tile_constexprs(cfg),
+        HAS_GRAD_WEIGHTS=grad_weights is not None, SIGMOID=one_minus is not None,
+        HAS_SCORE_BIAS=score_bias is not None, **consts, **_tile_constexprs(cfg),
     )  # fmt: skip
 
 
@@ -779,14 +793,15 @@ def _launch_bwd_dvalues(probs, grad_context, lengths, grad_values, cfg, consts):
 
 
 def _bwd_impl(grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, lse,
-              configs, tanh, normalize):  # fmt: skip
+              configs, tanh, normalize, score_bias=None):  # fmt: skip
     batch, num_queries, hidden = query.shape
     num_keys, value_dim = values.shape[1], values.shape[2]
     dtype, device = query.dtype, query.device
     if bias is None:
         bias = query.new_zeros(hidden)
-    grads = tuple(torch.empty_like(t) for t in (query, keys, values, v, bias))
-    grad_query, grad_keys, grad_values, grad_v, grad_bias = grads
+    inputs = (query, keys, values, v, bias) + (() if score_bias is None else (score_bias,))
+    grads = tuple(torch.empty_like(t) for t in inputs)
+    grad_query, grad_keys, grad_values, grad_v, grad_bias = grads[:5]
     if batch * num_queries * num_keys == 0:  # no (query, key) pair: every gradient is zero
         for grad in grads:
             grad.zero_()
@@ -800,13 +815,14 @@ def _bwd_impl(grad_context, grad_weights, query, keys, values, v, bias, lengths,
     # No zero fills: the kernels read the scratch below each row's length only, and write every
     # element of the gradients (zeros where no key is visited).
     probs = torch.empty((batch, num_queries, num_keys), dtype=torch.float32, device=device)
-    ds = torch.empty_like(probs)
+    # (zero-filled for a score bias: its gradient is the sum of ds, written below the lengths)
+    ds = torch.empty_like(probs) if score_bias is None else torch.zeros_like(probs)
     one_minus = torch.empty_like(probs) if _sigmoid(normalize) else None  # 1 - sigmoid(s)
     int64 = needs_int64_offsets(query, keys, values, grad_context, grad_weights, grad_keys,
                                 grad_values, probs, mask)  # fmt: skip
     consts["INT64"] = int64
     _launch_bwd_ds(grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, lse,
-                   probs, ds, ds_cfg, consts, one_minus)  # fmt: skip
+                   probs, ds, ds_cfg, consts, one_minus, score_bias)  # fmt: skip
     grad_query_f32 = torch.empty((batch, num_queries, hidden), dtype=torch.float32, device=device)
     grad_v_partial = torch.empty((batch, hidden), dtype=torch.float32, device=device)
     if hidden > 0:
@@ -818,6 +834,8 @@ def _bwd_impl(grad_context, grad_weights, query, keys, values, v, bias, lengths,
     grad_query.copy_(grad_query_f32)
     grad_v.copy_(grad_v_partial.sum(dim=0))
     grad_bias.copy_(grad_query_f32.sum(dim=(0, 1)))
+    if score_bias is not None:
+        grads[5].copy_(ds.sum().reshape(score_bias.shape))
     return grads
 
 
@@ -831,6 +849,7 @@ def additive_attention_fwd(
     mask: torch.Tensor | None,
     return_weights: bool,
     normalize: str = "softmax",
+    score_bias: torch.Tensor | None = None,
     *,
     config: TileConfig | None = None,
     tanh: str = "auto",
@@ -843,6 +862,7 @@ def additive_attention_fwd(
         lengths: int [B] (0 <= length <= Tk) or None. mask: bool [B, Tk] (True = attend) or None.
         return_weights: also write the [B, Tq, Tk] weights.
         normalize: "softmax" or "sigmoid" (sigmoid(e) / sum sigmoid(e); lse = log sum sigmoid(e)).
+        score_bias: None or a one-element tensor b added to every score before the normalisation.
         config: tile override (benchmarks); None picks :func:`forward_config`.
         tanh: "auto" (default; see :func:`tanh_override`), "approx", "packed", "product", "exp".
 
@@ -853,7 +873,7 @@ def additive_attention_fwd(
     """
     with _on_device(query.device):
         return _fwd_impl(query, keys, values, v, bias, lengths, mask, return_weights, config, tanh,
-                         normalize)  # fmt: skip
+                         normalize, score_bias)  # fmt: skip
 
 
 def additive_attention_bwd(
@@ -870,6 +890,7 @@ def additive_attention_bwd(
     lse: torch.Tensor,
     weights: torch.Tensor | None = None,
     normalize: str = "softmax",
+    score_bias: torch.Tensor | None = None,
     *,
     configs: tuple[TileConfig, TileConfig, TileConfig] | None = None,
     tanh: str = "auto",
@@ -883,9 +904,10 @@ def additive_attention_bwd(
         from the forward; weights: the forward's weights when the caller kept them (unused here:
         p = exp(e - lse) is recomputed in the score tiles, where it costs one exp per pair and
         saves reading a [B, Tq, Tk] tensor). configs: tile override (benchmarks); tanh: as in
-        :func:`additive_attention_fwd`; normalize: as in :func:`additive_attention_fwd`.
+        :func:`additive_attention_fwd`; normalize, score_bias: as in
+        :func:`additive_attention_fwd` (with a score bias, a sixth gradient: the score bias's).
     """
     del context, weights
     with _on_device(query.device):
         return _bwd_impl(grad_context, grad_weights, query, keys, values, v, bias, lengths, mask,
-                         lse, configs, tanh, normalize)  # fmt: skip
+                         lse, configs, tanh, normalize, score_bias)  # fmt: skip

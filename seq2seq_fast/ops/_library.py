@@ -71,8 +71,14 @@ def load_cuda_kernels() -> str | None:
     except ImportError as exc:  # Triton missing
         CUDA_KERNEL_ERROR = f"{type(exc).__name__}: {exc}"
         return CUDA_KERNEL_ERROR
-    for name in ("additive_attention_fwd", "additive_attention_bwd"):
-        torch.library.register_kernel(f"{LIBRARY}::{name}", "cuda", getattr(triton_attention, name))
+    for name, kernel in (
+        ("additive_attention_fwd", "additive_attention_fwd"),
+        ("additive_attention_bwd", "additive_attention_bwd"),
+        ("additive_attention_bwd.score_bias", "additive_attention_bwd"),  # (returns six)
+    ):
+        torch.library.register_kernel(
+            f"{LIBRARY}::{name}", "cuda", getattr(triton_attention, kernel)
+        )
     CUDA_KERNEL_ERROR = None
     return None
 

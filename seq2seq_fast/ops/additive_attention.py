@@ -23,10 +23,17 @@ Op-level contract (inputs already checked and normalised by ``additive_attention
         sigmoid(e) over the valid keys, "smoothing"); lse then holds log sum sigmoid(e) (+inf for
         a row with no valid key). Computed as the softmax of log sigmoid(e), which is the same
         and never overflows or divides 0 by 0. The CPU backward recomputes the scores for it.
+    score_bias (fwd, trailing, default None): a one-element tensor b ([] or [1], floating) added to
+        every score before the normalisation: sigmoid(e + b) / sum sigmoid(e + b) (a score layer
+        with a bias under the sigmoid; under a softmax b cancels). lse then holds the shifted
+        scores' statistic. Its backward is the overload ``additive_attention_bwd.score_bias``:
+        the default overload's arguments, normalize and score_bias required, and a sixth
+        gradient, the score bias's (the sum of the scores' gradients; its shape and dtype).
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,22 +58,43 @@ NORMALIZATIONS = ("softmax", "sigmoid")
 BACKENDS = ("auto", "fused", "reference")
 BWD_NAME = f"{LIBRARY}::additive_attention_bwd"
 
+_BWD_ARGS = (
+    "Tensor grad_context, Tensor? grad_weights, Tensor query, Tensor keys, Tensor values, "
+    "Tensor v, Tensor bias, Tensor? lengths, Tensor? mask, Tensor context, Tensor lse, "
+)
 torch.library.define(
     FWD_NAME,
     "(Tensor query, Tensor keys, Tensor values, Tensor v, Tensor bias, Tensor? lengths, "
-    'Tensor? mask, bool return_weights, str normalize="softmax") -> (Tensor, Tensor, Tensor)',
+    'Tensor? mask, bool return_weights, str normalize="softmax", Tensor? score_bias=None) '
+    "-> (Tensor, Tensor, Tensor)",
 )
 torch.library.define(
     BWD_NAME,
-    "(Tensor grad_context, Tensor? grad_weights, Tensor query, Tensor keys, Tensor values, "
-    "Tensor v, Tensor bias, Tensor? lengths, Tensor? mask, Tensor context, Tensor lse, "
-    'Tensor? weights=None, str normalize="softmax") '
+    f'({_BWD_ARGS}Tensor? weights=None, str normalize="softmax") '
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+# The backward with a score bias: a sixth gradient, so an overload (the default one keeps its
+# five outputs for every caller).
+torch.library.define(
+    f"{BWD_NAME}.score_bias",
+    f"({_BWD_ARGS}Tensor? weights, str normalize, Tensor score_bias) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 
 
 @torch.library.register_fake(FWD_NAME)
-def _fwd_fake(query, keys, values, v, bias, lengths, mask, return_weights, normalize="softmax"):
+def _fwd_fake(
+    query,
+    keys,
+    values,
+    v,
+    bias,
+    lengths,
+    mask,
+    return_weights,
+    normalize="softmax",
+    score_bias=None,
+):
     batch, num_queries, _ = query.shape
     num_keys, value_dim = values.shape[1], values.shape[2]
     context = query.new_empty((batch, num_queries, value_dim))
@@ -100,6 +128,12 @@ def _bwd_fake(
     )
 
 
+@torch.library.register_fake(f"{BWD_NAME}.score_bias")
+def _bwd_score_bias_fake(*args):
+    *rest, score_bias = args
+    return (*_bwd_fake(*rest), torch.empty_like(score_bias))
+
+
 # --- fake kernels of the ops the extension defines -------------------------------------------------
 
 if CPU_KERNEL_ERROR is None:  # fake kernels of the ops that the extension defines itself
@@ -121,20 +155,29 @@ def _save_for_backward(ctx, inputs: tuple, output: tuple) -> None:
     query, keys, values, v, bias, lengths, mask = inputs[:7]
     context, weights, lse = output
     ctx.normalize = inputs[8] if len(inputs) > 8 else SOFTMAX
+    ctx.num_inputs = len(inputs)
+    score_bias = inputs[9] if len(inputs) > 9 else None
     saved_weights = weights if weights.numel() > 0 else None
-    ctx.save_for_backward(query, keys, values, v, bias, lengths, mask, context, lse, saved_weights)
+    ctx.save_for_backward(
+        query, keys, values, v, bias, lengths, mask, context, lse, saved_weights, score_bias
+    )
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 
 
-def _backward(bwd, ctx, grad_context: Tensor | None, grad_weights: Tensor | None) -> tuple:
-    """The five input gradients from the backward kernel ``bwd`` (Nones for the rest)."""
-    query, keys, values, v, bias, lengths, mask, context, lse, weights = ctx.saved_tensors
+def _backward(
+    bwd, ctx, grad_context: Tensor | None, grad_weights: Tensor | None, biased_bwd=None
+) -> tuple:
+    """The input gradients from the backward kernel ``bwd`` (five; Nones for lengths, mask,
+    return_weights and normalize; then the score bias's, when one was given: from ``biased_bwd``,
+    or ``bwd`` called with it, which then returns six)."""
+    saved = ctx.saved_tensors
+    query, keys, values, v, bias, lengths, mask, context, lse, weights, score_bias = saved
     if grad_context is None:
         grad_context = torch.zeros_like(context)
     if grad_weights is not None and grad_weights.numel() == 0:
         grad_weights = None
-    grads = bwd(
+    args = (
         grad_context.contiguous(),
         None if grad_weights is None else grad_weights.contiguous(),
         query,
@@ -149,32 +192,46 @@ def _backward(bwd, ctx, grad_context: Tensor | None, grad_weights: Tensor | None
         weights,
         ctx.normalize,
     )
-    return guard_double_backward((*grads, None, None, None, None))
+    if score_bias is None:
+        grads = (*bwd(*args), None)
+    else:
+        grads = (biased_bwd or bwd)(*args, score_bias)
+    result = (*grads[:5], None, None, None, None, grads[5])
+    return guard_double_backward(result[: ctx.num_inputs])
 
 
 class AdditiveAttentionFunction(torch.autograd.Function):
     """The autograd Function over the two ops (op-level contract, module docstring).
 
-    ``apply(query3d, keys, values, v, bias, lengths, mask, return_weights, normalize)`` returns
-    (context, weights, lse); the inputs are those :func:`check_inputs` returns (bias not None).
+    ``apply(query3d, keys, values, v, bias, lengths, mask, return_weights, normalize,
+    score_bias)`` returns (context, weights, lse); the inputs are those :func:`check_inputs`
+    returns (bias not None), score_bias None or a one-element tensor (:func:`check_score_bias`).
     ``eager_apply`` is the same call, faster outside tracing and transforms.
     """
 
     @staticmethod
-    def forward(query, keys, values, v, bias, lengths, mask, return_weights, normalize=SOFTMAX):
+    def forward(
+        query, keys, values, v, bias, lengths, mask, return_weights, normalize=SOFTMAX,
+        score_bias=None,
+    ):  # fmt: skip
         # The CPU kernel writes the weights in the forward anyway (O(B*Tq*Tk), no extra work),
         # and its backward is one pass instead of two with them. Triton recomputes them from lse.
         keep = return_weights or query.device.type == "cpu"
         return torch.ops.seq2seq_fast.additive_attention_fwd(
-            query, keys, values, v, bias, lengths, mask, keep, normalize
+            query, keys, values, v, bias, lengths, mask, keep, normalize, score_bias
         )
 
     setup_context = staticmethod(_save_for_backward)
 
     @staticmethod
     def backward(ctx, grad_context, grad_weights, _grad_lse):
+        ops = torch.ops.seq2seq_fast
         return _backward(
-            torch.ops.seq2seq_fast.additive_attention_bwd, ctx, grad_context, grad_weights
+            ops.additive_attention_bwd.default,
+            ctx,
+            grad_context,
+            grad_weights,
+            ops.additive_attention_bwd.score_bias,
         )
 
     @staticmethod
@@ -206,8 +263,15 @@ def attention_function(fwd, bwd) -> type[AdditiveAttentionFunction]:
 
     class KernelPairFunction(AdditiveAttentionFunction):
         @staticmethod
-        def forward(query, keys, values, v, bias, lengths, mask, return_weights, normalize=SOFTMAX):
-            return fwd(query, keys, values, v, bias, lengths, mask, return_weights, normalize)
+        def forward(
+            query, keys, values, v, bias, lengths, mask, return_weights, normalize=SOFTMAX,
+            score_bias=None,
+        ):  # fmt: skip
+            if score_bias is None:
+                return fwd(query, keys, values, v, bias, lengths, mask, return_weights, normalize)
+            return fwd(
+                query, keys, values, v, bias, lengths, mask, return_weights, normalize, score_bias
+            )
 
         @staticmethod
         def backward(ctx, grad_context, grad_weights, _grad_lse):
@@ -229,6 +293,7 @@ def additive_attention(
     normalize: str = "softmax",
     backend: str = "fused",
     stepwise: StepwiseMemory | None = None,
+    score_bias: Tensor | float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Fused additive attention: scores, mask, softmax and context in one pass, no [B,Tq,Tk,H] tensor.
 
@@ -255,6 +320,10 @@ def additive_attention(
         stepwise: a :class:`~seq2seq_fast.ops.stepwise.StepwiseMemory` whose ``keys`` and
             ``values`` are the ones passed (a decoder's steps, training): used where the fused
             CPU kernel runs the softmax with gradients wanted, ignored elsewhere.
+        score_bias: None, a finite number or a one-element floating tensor ([] or [1]) b added to
+            every score before the normalisation: sigmoid(e + b) / sum sigmoid(e + b) (a score
+            layer with a bias, as Coqui TTS's; a softmax cancels b). A tensor that requires grad
+            gets its gradient.
 
     Returns:
         context [B, Tq, Dv] ([B, Dv] for a [B, H] query) and weights [B, Tq, Tk] ([B, Tk]) or None,
@@ -271,22 +340,25 @@ def additive_attention(
     if not isinstance(return_weights, bool):
         raise TypeError(f"return_weights must be a bool, got {type(return_weights).__name__}")
     query3, keys, values = checked.query, checked.keys, checked.values
+    score_bias = check_score_bias(score_bias, query3)
     degenerate = min(query3.shape) == 0 or min(keys.shape) == 0 or values.shape[2] == 0
     if degenerate or _use_reference(backend, query3):
         # Degenerate sizes (B, Tq, Tk, H or Dv = 0) leave a kernel nothing to do; the reference is exact.
-        return _reference(checked, return_weights, normalize)
+        return _reference(checked, return_weights, normalize, score_bias)
     v, lengths, mask = checked.v, checked.lengths, checked.mask
     bias = query3.new_zeros(query3.shape[-1]) if checked.bias is None else checked.bias
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query3, keys, values, v, bias))
-    if grad and stepwise is not None and normalize == SOFTMAX and stepwise.owns(keys, values):
+    leaves = (query3, keys, values, v, bias) + (() if score_bias is None else (score_bias,))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+    plain_softmax = normalize == SOFTMAX and score_bias is None
+    if grad and stepwise is not None and plain_softmax and stepwise.owns(keys, values):
         context, weights = stepwise.attend(query3, v, bias, lengths, mask)
     elif grad:
         context, weights, _ = AdditiveAttentionFunction.eager_apply(
-            query3, keys, values, v, bias, lengths, mask, return_weights, normalize
+            query3, keys, values, v, bias, lengths, mask, return_weights, normalize, score_bias
         )
     else:  # no autograd needed: skip Function.apply's per-call signature binding
         context, weights, _ = torch.ops.seq2seq_fast.additive_attention_fwd(
-            query3, keys, values, v, bias, lengths, mask, return_weights, normalize
+            query3, keys, values, v, bias, lengths, mask, return_weights, normalize, score_bias
         )
     if checked.single_step:
         context = context.squeeze(1)
@@ -299,6 +371,34 @@ def check_normalize(normalize: object) -> str:
     if normalize not in NORMALIZATIONS:
         raise ValueError(f"normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
     return normalize
+
+
+def check_score_bias(score_bias: object, query: Tensor) -> Tensor | None:
+    """``score_bias`` as the op takes it: None, or a one-element tensor on query's device (a
+    number becomes a float64 tensor: the kernels read it at full precision); else a
+    TypeError / ValueError naming it and what it got."""
+    if score_bias is None:
+        return None
+    if isinstance(score_bias, bool) or not isinstance(score_bias, (int, float, Tensor)):
+        raise TypeError(
+            f"score_bias must be None, a number or a one-element tensor, got "
+            f"{type(score_bias).__name__}"
+        )
+    if not isinstance(score_bias, Tensor):
+        if not math.isfinite(score_bias):
+            raise ValueError(f"score_bias must be finite, got {score_bias!r}")
+        return torch.tensor(float(score_bias), dtype=torch.float64, device=query.device)
+    if score_bias.numel() != 1 or score_bias.dim() > 1:
+        raise ValueError(
+            f"score_bias must have one element ([] or [1]), got shape {list(score_bias.shape)}"
+        )
+    if not score_bias.is_floating_point():
+        raise TypeError(f"score_bias must be a floating tensor, got {score_bias.dtype}")
+    if score_bias.device != query.device:
+        raise ValueError(
+            f"score_bias must be on query's device {query.device}, got {score_bias.device}"
+        )
+    return score_bias
 
 
 def check_backend(backend: object) -> str:
@@ -329,7 +429,9 @@ def _use_reference(backend: str, query: Tensor) -> bool:
     return True
 
 
-def _reference(checked: AttentionInputs, return_weights: bool, normalize: str):
+def _reference(
+    checked: AttentionInputs, return_weights: bool, normalize: str, score_bias: Tensor | None = None
+):
     from seq2seq_fast.ops.reference import additive_attention_ref
 
     query = checked.query.squeeze(1) if checked.single_step else checked.query
@@ -343,4 +445,5 @@ def _reference(checked: AttentionInputs, return_weights: bool, normalize: str):
         mask=checked.mask,
         return_weights=return_weights,
         normalize=normalize,
+        score_bias=score_bias,
     )

@@ -4,7 +4,10 @@ P + conv_t @ W^T over fixed values, where P [B, T, A] is the projected memory, c
 location convolution of step t's previous weights and W [A, C] the location dense layer's weight.
 
     seq2seq_fast::_location_attention_fwd / _bwd   one step; the keys are formed per batch row
-                                                    inside the kernels (csrc/), never written
+                                                    inside the kernels (csrc/), never written;
+                                                    normalize and score_bias as the attention op's
+                                                    (backward with a score bias: the overload
+                                                    _location_attention_bwd.score_bias)
     seq2seq_fast::_location_conv_fwd / _bwd         the location convolution (csrc/location_conv.cpp)
     location_columns(), location_keys()             the convolution and the keys, by the kernel
                                                     where it serves, else by plain products
@@ -32,8 +35,9 @@ if CPU_KERNEL_ERROR is None:  # shapes for torch.compile / FakeTensor tracing of
 
     @torch.library.register_fake("seq2seq_fast::_location_attention_fwd")
     def _location_attention_fwd_fake(
-        query, projected, conv, weight, values, v, bias, lengths, mask
-    ):
+        query, projected, conv, weight, values, v, bias, lengths, mask, normalize="softmax",
+        score_bias=None,
+    ):  # fmt: skip
         batch, frames = projected.shape[:2]
         return query.new_empty(batch, 1, values.shape[2]), query.new_empty(batch, 1, frames)
 
@@ -52,6 +56,7 @@ if CPU_KERNEL_ERROR is None:  # shapes for torch.compile / FakeTensor tracing of
         mask,
         weights,
         grad_projected,
+        normalize="softmax",
     ):
         # grad_projected is updated in place; (dquery, dconv, dweight, dv, dbias) are new
         return (
@@ -61,6 +66,11 @@ if CPU_KERNEL_ERROR is None:  # shapes for torch.compile / FakeTensor tracing of
             torch.empty_like(v),
             torch.empty_like(bias),
         )
+
+    @torch.library.register_fake("seq2seq_fast::_location_attention_bwd.score_bias")
+    def _location_attention_bwd_score_bias_fake(*args):
+        *rest, score_bias = args
+        return (*_location_attention_bwd_fake(*rest), torch.empty_like(score_bias))
 
     @torch.library.register_fake("seq2seq_fast::_location_conv_fwd")
     def _location_conv_fwd_fake(features, weight):
@@ -174,28 +184,36 @@ def location_keys(
 
 class _LocationStep(torch.autograd.Function):
     """One step: (context [B, 1, Dv], weights [B, 1, T]) of query [B, 1, A] against keys
-    projected + conv @ weight^T, formed inside the kernels (see the module docstring)."""
+    projected + conv @ weight^T, formed inside the kernels (see the module docstring);
+    ``normalize`` and ``score_bias`` as the attention op takes them."""
 
     @staticmethod
-    def forward(ctx, query, projected, conv, weight, values, v, bias, lengths, mask, memory):
+    def forward(
+        ctx, query, projected, conv, weight, values, v, bias, lengths, mask, memory,
+        normalize="softmax", score_bias=None,
+    ):  # fmt: skip
         context, weights = torch.ops.seq2seq_fast._location_attention_fwd(
-            query, projected, conv, weight, values, v, bias, lengths, mask
+            query, projected, conv, weight, values, v, bias, lengths, mask, normalize, score_bias
         )
         saved = (query, projected, conv, weight, values, v, bias, lengths, mask, weights)
-        ctx.save_for_backward(*saved)
+        ctx.save_for_backward(*saved, score_bias)
         ctx.memory = memory
+        ctx.normalize = normalize
         ctx.set_materialize_grads(False)
         return context, weights
 
     @staticmethod
     def backward(ctx, grad_context, grad_weights):
-        query, projected, conv, weight, values, v, bias, lengths, mask, weights = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        query, projected, conv, weight, values, v, bias, lengths, mask, weights = saved[:10]
+        score_bias = saved[10]
         memory = ctx.memory
         if grad_context is None:
             grad_context = query.new_zeros((*query.shape[:2], values.shape[2]))
         else:
             grad_context = grad_context.contiguous()
-        grads = torch.ops.seq2seq_fast._location_attention_bwd(
+        ops = torch.ops.seq2seq_fast
+        args = (
             grad_context,
             None if grad_weights is None else grad_weights.contiguous(),
             query,
@@ -209,8 +227,13 @@ class _LocationStep(torch.autograd.Function):
             mask,
             weights,
             memory.buffer(projected),  # the steps' sum (ops._autograd.gradient_sum_dtype)
+            ctx.normalize,
         )
-        grad_query, grad_conv, grad_weight, grad_v, grad_bias = grads
+        if score_bias is None:
+            grads = (*ops._location_attention_bwd.default(*args), None)
+        else:
+            grads = ops._location_attention_bwd.score_bias(*args, score_bias)
+        grad_query, grad_conv, grad_weight, grad_v, grad_bias, grad_score_bias = grads
         needs = ctx.needs_input_grad
         if needs[4]:  # the values' gradient: one product over all the steps, in the gatherer
             memory.record(weights, grad_context)
@@ -226,5 +249,7 @@ class _LocationStep(torch.autograd.Function):
                 None,
                 None,
                 None,
+                None,
+                grad_score_bias,
             )
         )

@@ -3,6 +3,7 @@
     e[b,t,s] = sum_h v[h] * tanh(query[b,t,h] + keys[b,s,h] + bias[h])
     alpha[b,t,:] = softmax of e[b,t,:] over the valid key positions (masked ones get exactly 0),
                    or with normalize="sigmoid": sigmoid(e) / sum of sigmoid(e) over them
+                   (with a score_bias b: of e + b, which only the sigmoid does not cancel)
     context[b,t] = sum_s alpha[b,t,s] * values[b,s]
 
 It builds the full [B, Tq, Tk, H] tensor on purpose: it is the readable truth, not the fast path.
@@ -40,6 +41,7 @@ def additive_attention_ref(
     return_weights: bool = True,
     upcast: bool = False,
     normalize: str = "softmax",
+    score_bias: Tensor | float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Reference additive attention, same contract as :func:`seq2seq_fast.additive_attention`.
 
@@ -56,6 +58,8 @@ def additive_attention_ref(
         normalize: "softmax", or "sigmoid" (sigmoid(e) / sum of sigmoid(e) over the valid keys:
             the "smoothing" of Tacotron-style and LAS-style attention). Computed as the softmax of
             log sigmoid(e): the same weights, and no 0/0 where every sigmoid(e) underflows.
+        score_bias: a number or a one-element tensor b added to every score before the
+            normalisation (sigmoid(e + b) / sum sigmoid(e + b)); a tensor gets its gradient.
 
     Returns:
         (context [B, Tq, Dv] or [B, Dv], weights [B, Tq, Tk] or [B, Tk] or None).
@@ -76,6 +80,10 @@ def additive_attention_ref(
     if bias is not None:
         pre = pre + bias
     scores = torch.tanh(pre) @ v  # [B, Tq, Tk]
+    if isinstance(score_bias, Tensor):
+        scores = scores + score_bias.to(scores.dtype).reshape(())
+    elif score_bias is not None:
+        scores = scores + float(score_bias)
     if normalize == "sigmoid":  # sigmoid(e) / sum sigmoid(e) = softmax(log sigmoid(e))
         scores = torch.nn.functional.logsigmoid(scores)
 

@@ -39,7 +39,11 @@ from seq2seq_fast.ops._autograd import (
 )
 from seq2seq_fast.ops._checks import check_inputs, prefix_lengths
 from seq2seq_fast.ops._library import kernel_serves
-from seq2seq_fast.ops.additive_attention import additive_attention
+from seq2seq_fast.ops.additive_attention import (
+    additive_attention,
+    check_normalize,
+    check_score_bias,
+)
 from seq2seq_fast.ops.location_attention import _LocationStep
 
 
@@ -207,12 +211,22 @@ class GatheredValues(StepGradients):
         return self._placeholder
 
     def attend(
-        self, backend: str, query: Tensor, keys: Tensor, v: Tensor, mask: Tensor | None
+        self,
+        backend: str,
+        query: Tensor,
+        keys: Tensor,
+        v: Tensor,
+        mask: Tensor | None,
+        normalize: str = "softmax",
+        score_bias: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """One step: query [B, A], keys [B, T, A], v [A], mask bool [B, T] (True = valid) or None
-        -> (context [B, Dv], weights [B, T]) over these values."""
+        -> (context [B, Dv], weights [B, T]) over these values. ``normalize`` and ``score_bias``
+        as ``additive_attention`` takes them (other than a plain softmax: the op forms the
+        weights, :meth:`context` the context)."""
         step_kernel = query.dim() == 2 and kernel_serves("attention_step", query, keys, self.values)
-        if backend != "reference" and step_kernel:
+        plain_softmax = normalize == "softmax" and score_bias is None
+        if backend != "reference" and step_kernel and plain_softmax:
             checked = check_inputs(query, keys, self.values, v, None, None, mask)
             lengths = prefix_lengths(checked.mask)
             mask = None if lengths is not None else checked.mask
@@ -223,7 +237,14 @@ class GatheredValues(StepGradients):
             )
             return context.squeeze(1), weights.squeeze(1)
         _, weights = additive_attention(
-            query, keys, self.placeholder, v, mask=mask, backend=backend
+            query,
+            keys,
+            self.placeholder,
+            v,
+            mask=mask,
+            backend=backend,
+            normalize=normalize,
+            score_bias=score_bias,
         )
         return self.context(weights), weights
 
@@ -269,10 +290,18 @@ class LocationMemory(StepGradients):
         return not self.spent and self.sources[0] is projected and self.sources[1] is values
 
     def attend(
-        self, query: Tensor, conv: Tensor, weight: Tensor, v: Tensor, mask: Tensor | None
+        self,
+        query: Tensor,
+        conv: Tensor,
+        weight: Tensor,
+        v: Tensor,
+        mask: Tensor | None,
+        normalize: str = "softmax",
+        score_bias: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """query [B, A], conv [B*T, C], weight [A, C], v [A], mask bool [B, T] (True = valid) or
-        None -> (context [B, Dv], weights [B, T])."""
+        None -> (context [B, Dv], weights [B, T]); ``normalize`` and ``score_bias`` as
+        ``additive_attention`` takes them."""
         checked = check_inputs(query, self.projected, self.values, v, mask=mask)
         query3, v, mask = checked.query, checked.v, checked.mask
         batch, frames, width = self.projected.shape
@@ -286,8 +315,20 @@ class LocationMemory(StepGradients):
         # (under autocast: the casts check_inputs made of query and v, differentiable)
         conv, weight = conv.to(query3.dtype), weight.to(query3.dtype)
         bias = query3.new_zeros(width)
+        score_bias = check_score_bias(score_bias, query3)
         context, weights = _LocationStep.apply(
-            query3, self.projected, conv, weight, self.values, v, bias, lengths, mask, self
+            query3,
+            self.projected,
+            conv,
+            weight,
+            self.values,
+            v,
+            bias,
+            lengths,
+            mask,
+            self,
+            check_normalize(normalize),
+            score_bias,
         )
         return context.squeeze(1), weights.squeeze(1)
 

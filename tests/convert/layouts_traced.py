@@ -762,9 +762,9 @@ def _coverage_batched_call(b, t, dtype):
 
 CASES += [
     Case("coverage_batched", _wrap(CoverageBatched), _coverage_batched_call, "att"),
-    # a known limit, not a look-alike: batch and frames flattened into one axis ([B*T, A]) are
-    # not told apart, so the query term cannot be found: left alone
-    Case("coverage_flattened", _wrap(CoverageAttention), _coverage_call, None),
+    # batch and frames flattened into one axis ([B*T, A]), split where the scores are viewed
+    # back to [B, T]
+    Case("coverage_flattened", _wrap(CoverageAttention), _coverage_call, "att"),
 ]
 
 
@@ -1059,4 +1059,340 @@ CASES += [
         _pool_call,
         None,
     ),
+]
+
+
+# === issue 36: biased sigmoid, scaled scores, multi-head, learned queries, small concat ===========
+#
+# Each re-created from the math and call conventions of a kind of public code not used above.
+
+# --- a listen-attend-spell-style smoothing attention: sigmoid of a score layer with its bias -------
+
+
+class SmoothedScores(nn.Module):
+    """forward(memory [B, T, K], state [B, Q], valid [B, T] True = real) -> (context [B, K],
+    weights [B, T]): sigmoid(v . tanh(W m + U s) + b) renormalised over the real frames, the
+    padding filled with -inf first (a TTS/ASR "smoothing" attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.memory_layer = nn.Linear(K, A, bias=False)
+        self.query_layer = nn.Linear(Q, A, bias=False)
+        self.v = nn.Linear(A, 1, bias=True)
+        with torch.no_grad():
+            self.v.bias.fill_(1.5)  # far enough from 0 that a dropped bias shows
+
+    def forward(self, memory, state, valid):
+        energies = self.v(
+            torch.tanh(self.memory_layer(memory) + self.query_layer(state).unsqueeze(1))
+        ).squeeze(-1)
+        energies = energies.masked_fill(~valid, float("-inf"))
+        weights = torch.sigmoid(energies) / torch.sigmoid(energies).sum(dim=1, keepdim=True)
+        return torch.bmm(weights.unsqueeze(1), memory).squeeze(1), weights
+
+
+def _smooth_call(b, t, dtype):
+    return (_rand(b, t, K, dtype=dtype), _rand(b, Q, dtype=dtype), lengths_mask(b, t))
+
+
+# --- monotonic-attention-style energy: g v/||v|| . tanh(W s + V h + b) + r, under the sigmoid ------
+
+
+class OffsetEnergy(nn.Module):
+    """forward(memory [B, T, K], state [B, Q]) -> weights [B, T]: the energy of online monotonic
+    attention (a weight-normalised score vector and a learned scalar offset r), here normalised
+    by the sum of its sigmoids; ``after_mask``: r added after the padding is filled (left alone:
+    a filled frame's sigmoid need not stay 0)."""
+
+    def __init__(self, after_mask: bool = False) -> None:
+        super().__init__()
+        self.W = nn.Linear(Q, A, bias=False)
+        self.V = nn.Linear(K, A)
+        self.v = nn.Parameter(torch.randn(A))
+        self.g = nn.Parameter(torch.tensor(1.0 / math.sqrt(A)))
+        self.r = nn.Parameter(torch.tensor(-1.0))
+        self.after_mask = after_mask
+
+    def forward(self, memory, state, valid):
+        v = self.g * self.v / self.v.norm()
+        e = (torch.tanh(self.W(state).unsqueeze(1) + self.V(memory)) * v).sum(-1)
+        if not self.after_mask:
+            e = e + self.r
+        e = e.masked_fill(~valid, -1e5)
+        if self.after_mask:
+            e = e + self.r
+        s = torch.sigmoid(e)
+        return s / s.sum(-1, keepdim=True)
+
+
+# --- a learned temperature (a Parameter) dividing the energies ------------------------------------
+
+
+class LearnedTemperature(nn.Module):
+    """forward(memory [B, T, K], state [B, Q], valid) -> (context, weights): energies divided by
+    a learned temperature, softmax (a distillation-style sharpened attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = nn.Linear(K, A)
+        self.q = nn.Linear(Q, A, bias=False)
+        self.score = nn.Linear(A, 1, bias=False)
+        self.tau = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, memory, state, valid):
+        e = self.score(torch.tanh(self.k(memory) + self.q(state)[:, None, :])).squeeze(-1)
+        e = e.div(self.tau).masked_fill(~valid, -1e9)
+        w = e.softmax(-1)
+        return torch.einsum("bt,btk->bk", w, memory), w
+
+
+# --- a scaled additive attention: energies times a buffer 1/sqrt(A) -------------------------------
+
+
+class ScaledByBuffer(nn.Module):
+    """forward(memory [B, T, K], state [B, Q], valid) -> weights: (v . tanh(...)) * scale with
+    scale = 1/sqrt(A) a registered buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = nn.Linear(K, A, bias=False)
+        self.q = nn.Linear(Q, A)
+        self.v = nn.Parameter(torch.randn(A))
+        self.register_buffer("scale", torch.tensor([1.0 / math.sqrt(A)]))
+
+    def forward(self, memory, state, valid):
+        e = torch.matmul(torch.tanh(self.k(memory) + self.q(state).unsqueeze(1)), self.v)
+        e = (e * self.scale).masked_fill(~valid, float("-inf"))
+        return F.softmax(e, dim=-1)
+
+
+# --- sigmoid smoothing with a biased score layer and a constant temperature -----------------------
+
+
+class SmoothedTempered(SmoothedScores):
+    """As SmoothedScores, the energies (bias included) divided by 2.0 before the sigmoid, and a
+    constant subtracted: sigmoid((v . tanh + b) / 2 - 0.25)."""
+
+    def forward(self, memory, state, valid):
+        energies = self.v(
+            torch.tanh(self.memory_layer(memory) + self.query_layer(state).unsqueeze(1))
+        ).squeeze(-1)
+        energies = energies / 2.0 - 0.25
+        energies = energies.masked_fill(~valid, float("-inf"))
+        weights = torch.sigmoid(energies) / torch.sigmoid(energies).sum(dim=1, keepdim=True)
+        return torch.bmm(weights.unsqueeze(1), memory).squeeze(1), weights
+
+
+# --- multi-head additive attention -----------------------------------------------------------------
+
+HEADS, HEAD_DIM = 3, 4
+
+
+class HeadsPerVector(nn.Module):
+    """forward(memory [B, T, K], state [B, Q], valid) -> (context [B, heads, K], weights [B, T,
+    heads]): one additive attention per head, each head its own score vector (v [heads, d]),
+    projections split into heads by view."""
+
+    def __init__(self, shared: bool = False) -> None:
+        super().__init__()
+        self.wq = nn.Linear(Q, HEADS * HEAD_DIM)
+        self.wk = nn.Linear(K, HEADS * HEAD_DIM, bias=False)
+        self.v = nn.Parameter(torch.randn(HEAD_DIM) if shared else torch.randn(HEADS, HEAD_DIM))
+        self.shared = shared
+
+    def forward(self, memory, state, valid):
+        b, t = memory.shape[:2]
+        q = self.wq(state).view(b, 1, HEADS, HEAD_DIM)
+        k = self.wk(memory).view(b, t, HEADS, HEAD_DIM)
+        if self.shared:
+            e = torch.tanh(q + k) @ self.v
+        else:
+            e = (torch.tanh(q + k) * self.v).sum(-1)
+        e = e.masked_fill(~valid.unsqueeze(-1), -1e9)
+        w = torch.softmax(e, dim=1)
+        return torch.einsum("bth,btk->bhk", w, memory), w
+
+
+class HeadModules(nn.Module):
+    """An ASR toolkit's multi-head additive attention: per-head Linear layers in ModuleLists, a
+    loop over the heads, each head's energy filled in place and scaled, the heads' contexts
+    joined and projected. forward(memory [B, T, K], pad [B, T] True = padding, state [B, Q])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp_q = nn.ModuleList([nn.Linear(Q, HEAD_DIM) for _ in range(HEADS)])
+        self.mlp_k = nn.ModuleList([nn.Linear(K, HEAD_DIM, bias=False) for _ in range(HEADS)])
+        self.mlp_v = nn.ModuleList([nn.Linear(K, HEAD_DIM, bias=False) for _ in range(HEADS)])
+        self.gvec = nn.ModuleList([nn.Linear(HEAD_DIM, 1) for _ in range(HEADS)])
+        self.mlp_o = nn.Linear(HEADS * HEAD_DIM, K, bias=False)
+        self.scaling = 2.0
+
+    def forward(self, memory, pad, state):
+        b, t = memory.shape[:2]
+        keys = [self.mlp_k[h](memory) for h in range(HEADS)]
+        values = [self.mlp_v[h](memory) for h in range(HEADS)]
+        contexts, weights = [], []
+        for h in range(HEADS):
+            e = self.gvec[h](torch.tanh(keys[h] + self.mlp_q[h](state).view(b, 1, HEAD_DIM)))
+            e = e.squeeze(2)
+            e.masked_fill_(pad, -float("inf"))
+            weights.append(F.softmax(self.scaling * e, dim=1))
+            contexts.append(torch.sum(values[h] * weights[h].view(b, t, 1), dim=1))
+        return self.mlp_o(torch.cat(contexts, dim=1)), torch.stack(weights, dim=1)
+
+
+class HeadsPerPosition(HeadsPerVector):
+    """Look-alike: a score vector per frame (v [T, d]), not per head: not one attention per row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = nn.Parameter(torch.randn(9, HEAD_DIM))
+
+    def forward(self, memory, state, valid):
+        b, t = memory.shape[:2]
+        q = self.wq(state).view(b, 1, HEADS, HEAD_DIM)[:, :, 0]
+        k = self.wk(memory).view(b, t, HEADS, HEAD_DIM)[:, :, 0]
+        e = (torch.tanh(q + k) * self.v[:t]).sum(-1)
+        return torch.softmax(e.masked_fill(~valid, -1e9), dim=1)
+
+
+def _heads_call(b, t, dtype):
+    return (_rand(b, t, K, dtype=dtype), _rand(b, Q, dtype=dtype), lengths_mask(b, t))
+
+
+def _head_modules_call(b, t, dtype):
+    return (_rand(b, t, K, dtype=dtype), ~lengths_mask(b, t), _rand(b, Q, dtype=dtype))
+
+
+# --- several learned queries pooling a sequence (additive, set-pooling style) ----------------------
+
+
+class LearnedQueries(nn.Module):
+    """forward(h [B, T, K], valid) -> (pooled [B, n, K], weights [B, n, T]): n learned seed
+    vectors, each projected, attend to the sequence additively (a pooling by multiple queries)."""
+
+    def __init__(self, seeds: int = 3) -> None:
+        super().__init__()
+        self.seeds = nn.Parameter(torch.randn(seeds, Q))
+        self.wq = nn.Linear(Q, A, bias=False)
+        self.wk = nn.Linear(K, A)
+        self.u = nn.Linear(A, 1, bias=False)
+
+    def forward(self, h, valid):
+        pre = self.wq(self.seeds)[None, :, None, :] + self.wk(h)[:, None, :, :]
+        e = self.u(torch.tanh(pre)).squeeze(-1)  # [B, n, T]
+        e = e.masked_fill(~valid[:, None, :], -1e9)
+        w = torch.softmax(e, dim=-1)
+        return w @ h, w
+
+
+# --- a time-series input attention over a handful of driving series (concat of width 1 and 2) ------
+
+
+class SeriesAttention(nn.Module):
+    """forward(series [B, N, S] (N driving series of S steps), hidden [B, 2], cell [B, 2]) ->
+    weights [B, N]: v . tanh(W [h; c] + U x_k) per series k, the state and cell repeated over the
+    series and joined with each series (tiny widths), softmax over the series."""
+
+    def __init__(self, steps: int = 1, width: int = 2) -> None:
+        super().__init__()
+        self.attn = nn.Linear(2 * width + steps, A)
+        self.v = nn.Linear(A, 1, bias=False)
+
+    def forward(self, series, hidden, cell):
+        n = series.shape[1]
+        joined = torch.cat(
+            (hidden.unsqueeze(1).repeat(1, n, 1), cell.unsqueeze(1).repeat(1, n, 1), series), dim=2
+        )
+        e = self.v(torch.tanh(self.attn(joined))).squeeze(2)
+        return F.softmax(e, dim=1)
+
+
+def _series_call(b, t, dtype):
+    return (_rand(b, t, 1, dtype=dtype), _rand(b, 2, dtype=dtype), _rand(b, 2, dtype=dtype))
+
+
+# --- look-alikes ------------------------------------------------------------------------------------
+
+
+class SigmoidMasked(SmoothedScores):
+    """sigmoid(e) * mask, not renormalised (a gating, not a distribution)."""
+
+    def forward(self, memory, state, valid):
+        energies = self.v(
+            torch.tanh(self.memory_layer(memory) + self.query_layer(state).unsqueeze(1))
+        ).squeeze(-1)
+        weights = torch.sigmoid(energies) * valid
+        return torch.bmm(weights.unsqueeze(1), memory).squeeze(1), weights
+
+
+class SoftmaxOverBatch(LearnedTemperature):
+    """Softmax over the batch axis of batch-first energies (a wrong dim)."""
+
+    def forward(self, memory, state, valid):
+        e = self.score(torch.tanh(self.k(memory) + self.q(state)[:, None, :])).squeeze(-1)
+        w = e.softmax(0)
+        return torch.einsum("bt,btk->bk", w, memory), w
+
+
+class TanhOfProduct(LearnedTemperature):
+    """tanh(W m * U s): a multiplicative interaction inside the tanh."""
+
+    def forward(self, memory, state, valid):
+        e = self.score(torch.tanh(self.k(memory) * self.q(state)[:, None, :])).squeeze(-1)
+        w = e.masked_fill(~valid, -1e9).softmax(-1)
+        return torch.einsum("bt,btk->bk", w, memory), w
+
+
+class BiasAfterSoftmax(LearnedTemperature):
+    """A learned bias added to the weights after the softmax (converts: the graph keeps the
+    addition after the fused op's weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.after = nn.Parameter(torch.tensor(0.05))
+
+    def forward(self, memory, state, valid):
+        e = self.score(torch.tanh(self.k(memory) + self.q(state)[:, None, :])).squeeze(-1)
+        w = e.masked_fill(~valid, -1e9).softmax(-1) + self.after
+        return torch.einsum("bt,btk->bk", w, memory), w
+
+
+class LocationFromThisStep(nn.Module):
+    """A location term convolved from this step's own energies (not the previous step's weights):
+    e' = e + conv(e), then the softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = nn.Linear(K, A, bias=False)
+        self.q = nn.Linear(Q, A)
+        self.v = nn.Linear(A, 1, bias=False)
+        self.conv = nn.Conv1d(1, 1, 3, padding=1, bias=False)
+
+    def forward(self, memory, state, valid):
+        e = self.v(torch.tanh(self.k(memory) + self.q(state).unsqueeze(1))).squeeze(-1)
+        e = e + self.conv(e.unsqueeze(1)).squeeze(1)
+        return torch.softmax(e.masked_fill(~valid, -1e9), dim=-1)
+
+
+CASES += [
+    Case("smoothed_score_bias", _wrap(SmoothedScores), _smooth_call, "att"),
+    Case("monotonic_offset_sigmoid", _wrap(OffsetEnergy), _smooth_call, "att"),
+    Case("learned_temperature", _wrap(LearnedTemperature), _smooth_call, "att"),
+    Case("scaled_by_buffer", _wrap(ScaledByBuffer), _smooth_call, "att"),
+    Case("smoothed_tempered_shifted", _wrap(SmoothedTempered), _smooth_call, "att"),
+    Case("heads_per_head_vector", _wrap(HeadsPerVector), _heads_call, "att"),
+    Case("heads_shared_vector", _wrap(lambda: HeadsPerVector(shared=True)), _heads_call, "att"),
+    Case("heads_module_lists", _wrap(HeadModules), _head_modules_call, "att"),
+    # not a look-alike: only the sum ... softmax is replaced, the addition after it runs as traced
+    Case("bias_after_softmax", _wrap(BiasAfterSoftmax), _smooth_call, "att"),
+    Case("learned_queries", _wrap(LearnedQueries), _pool_call, "att"),
+    Case("series_concat_width_1", _wrap(SeriesAttention), _series_call, "att"),
+    # look-alikes, left alone
+    Case("offset_after_the_mask", _wrap(lambda: OffsetEnergy(after_mask=True)), _smooth_call, None),
+    Case("sigmoid_times_mask", _wrap(SigmoidMasked), _smooth_call, None),
+    Case("softmax_over_batch", _wrap(SoftmaxOverBatch), _smooth_call, None),
+    Case("tanh_of_product", _wrap(TanhOfProduct), _smooth_call, None),
+    Case("location_from_this_step", _wrap(LocationFromThisStep), _smooth_call, None),
+    Case("heads_per_position", _wrap(HeadsPerPosition), _heads_call, None),
 ]

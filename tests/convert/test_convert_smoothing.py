@@ -37,7 +37,7 @@ class _AttLoc(nn.Module):
         self.mlp_dec = nn.Linear(DEC, ATT, bias=False)
         self.mlp_att = nn.Linear(CHANNELS, ATT, bias=False)
         self.loc_conv = nn.Conv2d(1, CHANNELS, (1, 2 * KERNEL + 1), padding=(0, KERNEL), bias=False)
-        # a bias on the scores: the softmax ignores it, the sigmoid does not (left alone)
+        # a bias on the scores: the softmax ignores it, the sigmoid does not (the op's score_bias)
         self.gvec = nn.Linear(ATT, 1, bias=score_bias)
 
     def energies(self, enc, enc_len, dec, prev):
@@ -116,7 +116,7 @@ def _inputs(batch, frames, dtype):
     [
         (Smooth, True),
         (SmoothTwice, True),
-        (SmoothBiased, False),
+        (SmoothBiased, True),
         (SigmoidOnly, False),
         (SumPlusOne, False),
         (BatchAxis, False),

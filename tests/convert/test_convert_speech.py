@@ -214,6 +214,28 @@ CASES = {
         drive_coqui,
         "coqui_original",
     ),
+    # Coqui's Tacotron default: sigmoid normalisation, the score layer's bias kept (score_bias)
+    "coqui_sigmoid_location": Case(
+        lambda: L.CoquiOriginalAttention(
+            6, 10, 8, True, 4, 5, False, "sigmoid", False, False, False
+        ),
+        drive_coqui,
+        "coqui_original",
+    ),
+    "coqui_sigmoid_content": Case(
+        lambda: L.CoquiOriginalAttention(
+            6, 10, 8, False, 4, 5, False, "sigmoid", False, False, False
+        ),
+        drive_coqui,
+        "coqui_original",
+    ),
+    "coqui_sigmoid_in_place": Case(
+        lambda: L.CoquiOriginalAttentionInPlace(
+            6, 10, 8, True, 4, 5, False, "sigmoid", False, False, False
+        ),
+        drive_coqui,
+        "coqui_original",
+    ),
     "fairseq_mlp": Case(
         lambda: L.MLPAttention(6, 10, 8), drive_fairseq_mlp, "fairseq_mlp", rounds_to_float32=True
     ),
@@ -367,7 +389,7 @@ def test_lookalikes_are_refused(make):
 @pytest.mark.parametrize(
     ("flags", "reason"),
     [
-        (dict(norm="sigmoid"), "sigmoid"),
+        (dict(norm="entmax"), "softmax and sigmoid only"),
         (dict(forward_attn=True), "forward attention"),
         (dict(windowing=True), "windowing"),
     ],
@@ -380,6 +402,67 @@ def test_coqui_inexact_variants_are_skipped_with_the_reason(flags, reason):
     report = fuse_attention_report(model)
     assert report.count == 0 and model["attn"] is attn
     assert report.skipped[0].layouts == ("coqui_original",) and reason in report.skipped[0].reason
+
+
+@requires_cpu_kernel
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "name",
+    ["coqui_sigmoid_location", "coqui_sigmoid_content", "coqui_sigmoid_in_place", "coqui_location"],
+)
+def test_coqui_through_the_general_path(name, dtype, monkeypatch):
+    """Coqui's attention with the names off: the general path converts it at its first call and
+    runs the op, the sigmoid's score bias included (never the plain fallback), exactly."""
+    from seq2seq_fast.nn.convert._traced_graph import TracedWeights
+
+    def no_plain(*args, **kwargs):
+        raise AssertionError("the replacement fell back to plain ops")
+
+    monkeypatch.setattr(TracedWeights, "_plain", no_plain)
+    case = CASES[name]
+    torch.manual_seed(0)
+    plain = nn.ModuleDict({"attn": case.make()}).to(dtype)
+    fused = copy.deepcopy(plain)
+    report = fuse_attention_report(fused, named=False)
+    calls = TracedWeights.calls
+    outs_a, grads_a = _run(case, plain, dtype, seed=1)
+    outs_b, grads_b = _run(case, fused, dtype, seed=1)
+    assert [r.path for r in report.replaced] == ["attn"], str(report)
+    assert report.replaced[0].layout.startswith("traced"), str(report)
+    assert TracedWeights.calls > calls
+    tol = dict(atol=1e-10, rtol=1e-9) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-4)
+    for i, (a, b) in enumerate(zip(outs_a, outs_b, strict=True)):
+        torch.testing.assert_close(b, a, **tol, msg=lambda m, i=i: f"output {i}: {m}")
+    for key, grad in grads_a.items():
+        torch.testing.assert_close(grads_b[key], grad, **tol, msg=lambda m, k=key: f"{k}: {m}")
+    if "sigmoid" in name:  # the score layer's bias moves the weights: it has a gradient
+        assert grads_b["attn.v.linear_layer.bias"].abs().sum() > 1e-6
+
+
+@requires_cpu_kernel
+def test_coqui_sigmoid_trains_through_the_location_step(monkeypatch):
+    """Coqui's default (location-sensitive, sigmoid, score bias) trains through the location-aware
+    step op (keys formed inside the kernels), its score bias's gradient from the op."""
+    from seq2seq_fast.nn.convert._location import LocationMemory
+
+    seen = []
+    attend = LocationMemory.attend
+
+    def spy(self, *args, **kwargs):
+        seen.append(args[5:] if len(args) > 5 else tuple(kwargs.values()))
+        return attend(self, *args, **kwargs)
+
+    monkeypatch.setattr(LocationMemory, "attend", spy)
+    case = CASES["coqui_sigmoid_location"]
+    plain, fused = _pair(case, torch.float64)
+    outs_a, grads_a = _run(case, plain, torch.float64, seed=3)
+    outs_b, grads_b = _run(case, fused, torch.float64, seed=3)
+    assert len(seen) >= 6 and all(s[0] == "sigmoid" and s[1] is not None for s in seen)
+    for a, b in zip(outs_a, outs_b, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-9)
+    for key, grad in grads_a.items():
+        torch.testing.assert_close(grads_b[key], grad, atol=1e-10, rtol=1e-9, msg=key)
+    assert grads_b["attn.v.linear_layer.bias"].abs().sum() > 1e-6
 
 
 class AttCovLoc(L.AttLoc):

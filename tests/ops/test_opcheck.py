@@ -34,6 +34,16 @@ def _attention_samples() -> dict[str, tuple]:
     return {
         "additive_attention_fwd": (*inputs, True),
         "additive_attention_bwd": (grad_context, None, *inputs, context, lse, weights),
+        "additive_attention_bwd.score_bias": (
+            grad_context,
+            None,
+            *inputs,
+            context,
+            lse,
+            None,
+            "sigmoid",
+            torch.tensor(-0.5),
+        ),
         "_additive_attention_bwd_accumulate": (
             grad_context,
             torch.randn_like(weights),
@@ -87,6 +97,15 @@ def _location_samples() -> dict[str, tuple]:
             weights,
             torch.randn_like(projected),
         ),
+        "_location_attention_bwd.score_bias": (
+            torch.randn_like(context),
+            torch.randn_like(weights),
+            *inputs,
+            weights,
+            torch.randn_like(projected),
+            "sigmoid",
+            torch.tensor(0.3),
+        ),
     }
 
 
@@ -114,7 +133,8 @@ def test_every_op_of_the_library_is_covered():
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))
 def test_opcheck(name):
-    op = getattr(OPS, name).default
+    packet, _, overload = name.partition(".")  # name.overload: an overload, not the default
+    op = getattr(getattr(OPS, packet), overload or "default")
     args = SAMPLES[name]
     torch.library.opcheck(op, args)
 

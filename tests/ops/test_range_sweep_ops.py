@@ -15,7 +15,9 @@ in float64 on the same (dtype-rounded) inputs:
 - the location-aware step ops (``_location_attention_fwd`` / ``_bwd``, seq2seq_fast/ops/
   location_attention.py), with q + projected + conv W^T + bias driven through the range in seven splits;
 - linear + cross-entropy (seq2seq_fast/ops/linear_cross_entropy.py), logits up to 1e4 of either
-  sign, with and without label smoothing, rows ignored by ignore_index.
+  sign, with and without label smoothing, rows ignored by ignore_index;
+- the attention op's score bias under the sigmoid normalisation: scores e through the signed
+  magnitudes, b through the exp overflow and underflow bands of float32 and float64, both signs.
 
 Tolerances, per batch row as max|got - want| / (1 + max|want|). float64: 1e-10. float32 and
 bfloat16: the rule of tests/ops/test_bf16.py, per row: at most twice plain PyTorch's error in that
@@ -42,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seq2seq_fast.ops import recurrent
+from seq2seq_fast.ops.additive_attention import additive_attention
 from seq2seq_fast.ops.linear_cross_entropy import linear_cross_entropy
 from seq2seq_fast.ops.reference import additive_attention_ref
 from tests.reliability import fp32_tolerance, requires_cpp
@@ -611,15 +614,15 @@ def location_inputs(hidden: int, filters: int, bias_shift: float, seed: int = 0)
     )
 
 
-def location_validity(kind: str, batch: int, seed: int = 1):
+def location_validity(kind: str, batch: int, seed: int = 1, frames: int = LOCATION_FRAMES):
     gen = torch.Generator().manual_seed(seed)
     if kind == "lengths":
-        lengths = torch.randint(0, LOCATION_FRAMES + 1, (batch,), generator=gen)
-        lengths[::7] = LOCATION_FRAMES
+        lengths = torch.randint(0, frames + 1, (batch,), generator=gen)
+        lengths[::7] = frames
         lengths[3::11] = 0  # rows with no valid frame
         return lengths, None
     if kind == "mask":
-        mask = torch.rand(batch, LOCATION_FRAMES, generator=gen) < 0.7
+        mask = torch.rand(batch, frames, generator=gen) < 0.7
         mask[::5, 0] = True
         mask[2::13] = False
         return None, mask
@@ -723,6 +726,100 @@ def test_location_step_ops_over_the_whole_range(isa, dtype, kind, bias_shift, mo
         if dtype == torch.float32:
             limit += fp32_tolerance(t["v"])
         sweep.whole(LOCATION_NAMES[i], ours[i], truth[i], limit)
+    sweep.finish()
+    COVERED_ISAS.add(isa)
+
+
+# --- the attention op's score bias (sigmoid normalisation) -------------------------------------
+
+# b walks past where exp(+-(e + b)) overflows or underflows in float32 (88.7, 103.9) and float64
+# (709.8, 745.1), both signs, up to 1e4; every call's rows carry e through the dense magnitudes
+# (0..120 every 0.5, both signs), so that e + b crosses every band in some row, and cancels to
+# about 0 in another. (e itself stays within 120: a score of 1e4 takes |v| in the hundreds, and
+# then the gradients cancel so much that float32 compares noise with noise.)
+SCORE_BIASES = (0.0, 0.5, 5.0, 30.0, 88.0, 89.0, 104.0, 709.0, 710.0, 746.0, 1e3, 1e4)
+BIAS_KEYS, BIAS_QUERIES, BIAS_HIDDEN, BIAS_VALUES = 5, 2, 19, 3
+BIAS_SUM_V = 150.0  # sum of v: scores up to 120 from pre-activations up to atanh(0.8)
+BIAS_NAMES = ("context", "weights", "grad query", "grad keys", "grad values")
+BIAS_WHOLE = ("grad v", "grad bias", "grad score_bias")
+
+
+def score_bias_magnitudes() -> Tensor:
+    """[482]: 0..120 every 0.5, both signs."""
+    dense = magnitudes()[:241]
+    return torch.cat([dense, -dense])
+
+
+def score_bias_inputs(seed: int = 0) -> list[Tensor]:
+    """[query, keys, values, v, bias] in float64, one batch row per magnitude p of
+    :func:`score_bias_magnitudes`: every score of row r is p_r within about +-0.1 (v sums to
+    BIAS_SUM_V, the query is atanh(p / BIAS_SUM_V), keys and bias noise)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def noise(*size, s):
+        return torch.randn(*size, generator=gen, dtype=F64) * s
+
+    mags = score_bias_magnitudes()
+    B, H = mags.shape[0], BIAS_HIDDEN
+    v = 1 + noise(H, s=0.1)
+    v = v * (BIAS_SUM_V / v.sum())
+    query = torch.atanh(mags / BIAS_SUM_V)[:, None, None] + noise(B, BIAS_QUERIES, H, s=1e-3)
+    keys = noise(B, BIAS_KEYS, H, s=3e-3)
+    values = noise(B, BIAS_KEYS, BIAS_VALUES, s=1.0)
+    bias = noise(H, s=1e-3)
+    return [query, keys, values, v, bias]
+
+
+def score_bias_call(reference: bool, lengths, mask):
+    """f(query, keys, values, v, bias, score_bias) -> (context, weights), sigmoid-normalised."""
+    attention = additive_attention_ref if reference else additive_attention
+
+    def f(q, k, x, v, bias, score_bias):
+        return attention(
+            q, k, x, v, bias, lengths=lengths, mask=mask, normalize="sigmoid", score_bias=score_bias
+        )
+
+    return f
+
+
+@requires_cpp
+@pytest.mark.parametrize("kind", ["none", "lengths", "mask"])
+@pytest.mark.parametrize("isa,dtype", isa_cases([torch.float32, F64, BF16]))
+def test_score_bias_over_the_whole_range(isa, dtype, kind, monkeypatch):
+    """sigmoid(e + b) / sum sigmoid(e + b) by the C++ op with e + b through the overflow bands of
+    both dtypes, both signs: outputs and every gradient (the score bias's included) against the
+    reference in float64, per batch row (shared parameters' gradients as a whole)."""
+    _use_isa(isa, monkeypatch)
+    inputs = [t.to(dtype) for t in score_bias_inputs()]  # the truth is of the rounded inputs
+    B = inputs[0].shape[0]
+    lengths, mask = location_validity(kind, B, frames=BIAS_KEYS)
+    labels = magnitude_labels(score_bias_magnitudes())
+    sweep = Sweep(f"score bias ({kind}), {DTYPE_NAMES[dtype]}, {isa}", labels)
+    for b in sorted({sign * b for b in SCORE_BIASES for sign in (1.0, -1.0)}):
+        score_bias = torch.tensor(b, dtype=F64).to(dtype)
+        args = [*inputs, score_bias]
+        truth, plains = cached(
+            ("score bias", dtype, kind, b),
+            lambda args=args: (
+                outputs_and_grads(score_bias_call(True, lengths, mask), args, F64, 11),
+                []
+                if dtype == F64
+                else [outputs_and_grads(score_bias_call(True, lengths, mask), args, dtype, 11)],
+            ),
+        )
+        ours = outputs_and_grads(score_bias_call(False, lengths, mask), args, dtype, 11)
+        for i, out in enumerate(ours):
+            assert out.dtype == dtype, (b, i)
+        rows = len(BIAS_NAMES)
+        allowed = allowed_rows(dtype, truth[:rows], [p[:rows] for p in plains])
+        extra = fp32_tolerance(inputs[3]) if dtype == torch.float32 else 0.0
+        if dtype != F64:  # e + b rounded to float32 (the kernels' arithmetic), here and in plain
+            extra += 2 * torch.finfo(torch.float32).eps * abs(b)
+        for i, name in enumerate(BIAS_NAMES):
+            sweep.rows(f"{name} (b={b:g})", ours[i], truth[i], allowed[i] + extra)
+        for i, name in enumerate(BIAS_WHOLE, start=rows):
+            limit = whole_limit(dtype, truth[i], [p[i] for p in plains]) + extra
+            sweep.whole(f"{name} (b={b:g})", ours[i], truth[i], limit)
     sweep.finish()
     COVERED_ISAS.add(isa)
 

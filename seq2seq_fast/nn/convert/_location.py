@@ -34,14 +34,16 @@ def attend_location(
     values: Tensor,
     v: Tensor,
     mask: Tensor | None,
+    normalize: str = "softmax",
+    score_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """A location-aware step: ``attend(backend, query [B, A], projected + dense(conv(features)),
     values [B, T, Dv], v, mask)`` with ``location = (features [B, Cin, T], conv_weight,
     dense_weight [A, C])`` (see :func:`location_keys`); mask bool [B, T] (True = valid) or None.
     When training on the fused CPU kernel, through ``owner``'s :class:`LocationMemory` for these
     projected memory and values (kept in ``owner._location``); else through
-    :func:`~seq2seq_fast.nn.convert._speech.attend_gathered`. Returns (context [B, Dv],
-    weights [B, T])."""
+    :func:`~seq2seq_fast.nn.convert._speech.attend_gathered` (``normalize`` and ``score_bias`` as
+    ``additive_attention`` takes them). Returns (context [B, Dv], weights [B, T])."""
     features, conv_weight, dense_weight = location
     memory = getattr(owner, "_location", None)
     if not (isinstance(memory, LocationMemory) and memory.owns(projected, values)):
@@ -49,5 +51,6 @@ def attend_location(
         owner._location = memory
     if memory is None or query.dim() != 2:
         keys = location_keys(projected, features, conv_weight, dense_weight)
-        return attend_gathered(owner, backend, query, keys, values, v, mask)
-    return memory.attend(query, location_columns(features, conv_weight), dense_weight, v, mask)
+        return attend_gathered(owner, backend, query, keys, values, v, mask, normalize, score_bias)
+    conv = location_columns(features, conv_weight)
+    return memory.attend(query, conv, dense_weight, v, mask, normalize, score_bias)

@@ -168,9 +168,11 @@ def attend_gathered(
     values: Tensor,
     v: Tensor,
     mask: Tensor | None,
+    normalize: str = "softmax",
+    score_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``additive_attention(query [B, A], keys [B, T, A], values [B, T, Dv], v, mask=mask,
-    backend=backend)`` for a
+    backend=backend, normalize=normalize, score_bias=score_bias)`` for a
     decoder step whose keys change every step but whose values do not: when training, through
     ``owner``'s :class:`GatheredValues` for these values (made on the first step that sees them,
     kept in ``owner._gathered``). Returns (context [B, Dv], weights [B, T])."""
@@ -179,5 +181,14 @@ def attend_gathered(
         gathered = GatheredValues.for_training(values)
         owner._gathered = gathered
     if gathered is None or query.dim() != 2:
-        return additive_attention(query, keys, values, v, backend=backend, **masking(mask))
-    return gathered.attend(backend, query, keys, v, mask)
+        return additive_attention(
+            query,
+            keys,
+            values,
+            v,
+            backend=backend,
+            **masking(mask),
+            normalize=normalize,
+            score_bias=score_bias,
+        )
+    return gathered.attend(backend, query, keys, v, mask, normalize, score_bias)

@@ -9,9 +9,11 @@ methods, with example values carrying shapes) is searched for::
         einsum("...h,h->..."), bmm(v repeated over the batch, tanh^T), or bmm(v, tanh) with the
         hidden axis in the middle ([B, H, T]: a Conv1d over the memory)
     e -> shape-only ops (squeeze, unsqueeze, transpose, permute, view, reshape, contiguous), dtype
-         round trips, scale (e * c, e / c), masks (masked_fill / masked_fill_ / .data.masked_fill_
-         with a very negative value, where(mask, e, very negative), + a float mask), in any order
-    w = softmax(e, dim=memory axis)
+         round trips, scale (e * c, e / c), shifts (e + c, e - c: a number or a one-element
+         tensor, and the projection's own bias), masks (masked_fill / masked_fill_ /
+         .data.masked_fill_ with a very negative value, where(mask, e, very negative), + a float
+         mask), in any order (a shift under the sigmoid: before any mask)
+    w = softmax(e, dim=memory axis), or sigmoid(e) / sigmoid(e).sum(dim, keepdim=True)
 
 The terms are sorted by their shapes: those that vary along the softmax's axis are the keys, those
 that do not (but vary along some axis) the query, those that vary along none the bias inside the
@@ -56,6 +58,7 @@ MASK_FILL_MAX = -1e4
 ROUNDED_SCORES = "the scores are rounded to a lower precision and cast back"
 
 _ADDS = {operator.add, operator.iadd, torch.add, "add", "add_", "__add__", "__radd__"}
+_SUBS = {operator.sub, torch.sub, "sub", "__sub__"}
 _TANH = {torch.tanh, F.tanh, "tanh"}
 _SOFTMAX = {F.softmax, torch.softmax, torch.nn.functional.softmax, "softmax"}
 _LINEAR = {nn_linear(), F.linear}
@@ -325,8 +328,11 @@ def _projection(tanh: fx.Node, shape: tuple, rank: int):
     if _is(user, _MUL) and len(user.args) == 2 and tanh in user.args:
         vector = user.args[1] if user.args[0] is tanh else user.args[0]
         shape = _shape(vector)
-        if shape is None or not _same(shape[-1], width) or not all(map(_is_one, shape[:-1])):
+        if shape is None or not _same(shape[-1], width) or len(shape) > rank:
             raise NoMatch(f"the tanh is multiplied by a tensor of shape {shape}, not a vector")
+        if not all(map(_is_one, shape[:-1])) and not isinstance(vector, fx.Node):
+            raise NoMatch(f"the tanh is multiplied by a tensor of shape {shape}, not a vector")
+        # (a vector per head, [heads, H]: its axes must be batch axes, checked by the caller)
         total = _single_user(user, "the product with the vector")
         dim = _arg(total, 1, "dim")
         dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
@@ -461,21 +467,26 @@ class Match:
     memory_axis: int
     scores_origin: tuple  # the pre-activation's axis each axis of the projection's output is
     hidden_axis: int
-    steps: list[tuple] = field(default_factory=list)  # ("scale", op, node|number), ("fill", ...)
+    # ("scale", op, node|number), ("shift", sign, node|number), ("fill", ...), ("keep", ...),
+    # ("add", ...) in the chain's order
+    steps: list[tuple] = field(default_factory=list)
     shape_ops: list[fx.Node] = field(default_factory=list)
     split_nodes: list[fx.Node] = field(default_factory=list)
     helpers: list[fx.Node] = field(default_factory=list)  # new_full(scores, ...): dtype only
     sizes: list[tuple[fx.Node, int]] = field(default_factory=list)  # (size, after k shape ops)
     normalize: str = "softmax"  # or "sigmoid": `softmax` is then the division
     normalize_nodes: list[fx.Node] = field(default_factory=list)  # the sum, then the sigmoids
+    # batch axes along which the score vector varies (one vector per head), first in batch_axes
+    vector_axes: tuple[int, ...] = ()
 
     def describe(self) -> str:
-        kinds = [s[0] + (f"({s[1]})" if s[0] == "scale" else "") for s in self.steps]
+        kinds = [s[0] + (f"({s[1]})" if s[0] in ("scale", "shift") else "") for s in self.steps]
         return (
             f"{len(self.query_terms)} query and {len(self.key_terms)} key term(s)"
             + (", a bias" if self.bias_terms else "")
             + (f", then {', '.join(kinds)}" if kinds else "")
             + (", sigmoid-normalised" if self.normalize == "sigmoid" else "")
+            + (", a score vector per head" if self.vector_axes else "")
         )
 
 
@@ -535,6 +546,9 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
         terms = split
     scores_origin = origin
     steps, shape_ops = [], []
+    if _is(scores, _LINEAR) and _arg(scores, 2, "bias") is not None:
+        # the score layer's bias: a shift of every score (a softmax cancels it, a sigmoid not)
+        steps.append(("shift", "+", _arg(scores, 2, "bias")))
     node = scores
     helpers: list[fx.Node] = []  # scores.new_full(...) for a where: the scores' dtype only
     sizes: list[tuple[fx.Node, int]] = []  # .size() of the chain, after this many shape ops
@@ -623,11 +637,28 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
                 raise NoMatch(f"where(mask, scores, {_hint(value)!r}): not a very negative value")
             condition = user.args[0]
             steps.append(("keep", _peel_repeat(condition), value, origin, _shape(node)))
-        elif _is(user, _ADDS) and len(user.args) == 2:
+        elif (_is(user, _ADDS) or (_is(user, _SUBS) and user.args[0] is node)) and len(
+            user.args
+        ) == 2:
             other = user.args[1] if user.args[0] is node else user.args[0]
-            if not isinstance(other, fx.Node) or _shape(other) is None:
-                raise NoMatch("a number is added to the scores")
-            steps.append(("add", _peel_repeat(other), None, origin, _shape(node)))
+            sign = "-" if _is(user, _SUBS) else "+"
+            if isinstance(other, fx.Node) and isinstance(_value(other), Tensor):
+                other_shape, at = _shape(other), _shape(node)
+                if other_shape is None or at is None:
+                    raise NoMatch("something of unknown shape is added to the scores")
+                if all(map(_is_one, other_shape)) and len(other_shape) <= len(at):
+                    steps.append(("shift", sign, other))  # one element: every score moves
+                elif sign == "-":
+                    raise NoMatch("a tensor is subtracted from the scores")
+                else:
+                    steps.append(("add", _peel_repeat(other), None, origin, at))
+            else:
+                number = _number(other)
+                if number is None and isinstance(_value(other), (torch.SymFloat, torch.SymInt)):
+                    number = _number(_hint(other))  # a float attribute made an input
+                if number is None or not math.isfinite(number):
+                    raise NoMatch(f"the scores are shifted by {_hint(other)!r}, not a number")
+                steps.append(("shift", sign, other))
         elif (_is(user, _DIV) or _is(user, _MUL)) and len(user.args) == 2 and not user.kwargs:
             if user.args[0] is not node and _is(user, _DIV):
                 raise NoMatch("the scores divide something")
@@ -654,10 +685,12 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
     if normalised is not None:  # sigmoid(e) / sum sigmoid(e): the division stands for the softmax
         softmax, dim, normalize_nodes = normalised
         normalize = "sigmoid"
-        if _is(scores, _LINEAR) and _arg(scores, 2, "bias") is not None:
-            # a softmax ignores a constant added to the scores, the sigmoid does not, and the
-            # op has no score offset
-            raise NoMatch("sigmoid-normalised scores with a bias (the fused op adds none)")
+        kinds = [step[0] for step in steps]
+        if "shift" in kinds and any(k in ("fill", "keep", "add") for k in kinds):
+            first_mask = min(kinds.index(k) for k in ("fill", "keep", "add") if k in kinds)
+            if "shift" in kinds[first_mask:]:
+                # a sigmoid of (masked + b): the masked positions need not stay 0
+                raise NoMatch("sigmoid-normalised scores shifted after they are masked")
     else:
         softmax = user
         if softmax.args[0] is not node:
@@ -702,6 +735,20 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
         raise NoMatch("no term of the sum varies along the softmax's axis, or none along another")
     batch_axes = sorted(set().union(*(varies[t] for t in keys)) - {memory_axis})
     query_axes = [a for a in range(rank - 1) if a != memory_axis and a not in batch_axes]
+    vector_shape = _shape(vector)
+    vector_axes = []
+    per_head = _is(scores, _SUM) and not all(map(_is_one, vector_shape[:-1]))  # (. * v).sum(-1)
+    if per_head:  # one vector per head: along batch axes only
+        padded_vector = (1,) * (rank - len(vector_shape)) + tuple(vector_shape)
+        vector_axes = [a for a in range(rank - 1) if not _is_one(padded_vector[a])]
+        if hidden != rank - 1 or any(
+            a not in batch_axes or not _same(padded_vector[a], shape[a]) for a in vector_axes
+        ):
+            raise NoMatch(
+                f"the score vector of shape {list(vector_shape)} varies along other axes than "
+                "the batch's"
+            )
+        batch_axes = vector_axes + [a for a in batch_axes if a not in vector_axes]
     for step in steps:
         if step[0] in ("fill", "add", "keep"):
             _check_mask(step, query_axes)
@@ -725,6 +772,7 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
         sizes,
         normalize,
         normalize_nodes,
+        tuple(vector_axes),
     )
 
 
@@ -831,9 +879,97 @@ def _check_not_written(tanh: fx.Node) -> None:
                     )
 
 
+# --- rows flattened into one axis ------------------------------------------------------------------
+
+# A summariser's coverage attention works on [B*T, A] rows: the decoder's term is made by
+# dec.unsqueeze(1).expand(B, T, A).contiguous().view(-1, A), the scores are viewed back to [B, T]
+# before the softmax. Batch and frames are one axis there, so the terms cannot be told apart; the
+# pass below splits that axis where the scores are split, so the matcher sees [B, T, A] terms.
+_FLAT_VIEWS = {"view", "reshape", torch.reshape}
+
+
+def _unflattened_term(graph: fx.Graph, term: fx.Node, frames, sizes: tuple) -> fx.Node:
+    """``term`` [B*T, A] as [B, T, A] (``sizes``, as traced): the tensor an expand over T was made
+    from, where it is x.unsqueeze(1).expand(B, T, A) (or repeat) viewed flat; else
+    term.unflatten(0, (-1, T))."""
+    node = term
+    if _is(node, _FLAT_VIEWS) and isinstance(node.args[0], fx.Node):
+        inner = node.args[0]
+        if _is(inner, {"contiguous"}) and len(inner.users) == 1:
+            inner = inner.args[0]
+        shape = _shape(inner)
+        if _is(inner, _REPEATS) and shape is not None and len(shape) == 3:
+            source = inner.args[0] if isinstance(inner.args[0], fx.Node) else None
+            source_shape = _shape(source) if source is not None else None
+            if (
+                source_shape is not None
+                and len(source_shape) == 3
+                and _is_one(source_shape[1])
+                and _same(source_shape[0], shape[0])
+                and _same(source_shape[2], shape[2])
+                # (the traced sizes: the split's are expressions in the flat size's symbols)
+                and _size_hint(shape[1]) == _size_hint(sizes[1])
+            ):
+                return source
+    new = graph.call_method("unflatten", (term, 0, (-1, frames)))
+    new.meta["example_value"] = _value(term).unflatten(0, sizes[:2])
+    return new
+
+
+def _unflatten_rows(graph: fx.Graph) -> None:
+    """tanh(sum of [N, A] terms) projected to scores [N, 1] or [N] that are then viewed to
+    [B, T] (N = B*T): the sum, tanh and projection formed again on [B, T, A] terms (see above),
+    the view's readers reading the new scores. Anything else is left as it is."""
+    for tanh in [n for n in graph.nodes if _is(n, _TANH)]:
+        shape = _shape(tanh)
+        inner = tanh.args[0] if tanh.args else None
+        if shape is None or len(shape) != 2 or not isinstance(inner, fx.Node):
+            continue
+        if len(tanh.users) != 1:
+            continue
+        projection = next(iter(tanh.users))
+        if not (_is(projection, _LINEAR) and _arg(projection, 0, "input") is tanh):
+            continue
+        if len(projection.users) != 1:
+            continue
+        split = next(iter(projection.users))
+        out = _shape(split)
+        if not _is(split, _FLAT_VIEWS) or split.args[0] is not projection or out is None:
+            continue
+        if len(out) != 2 or _is_one(out[1]) or split.kwargs:
+            continue
+        frames = split.args[-1] if len(split.args) == 3 else None
+        if isinstance(frames, (list, tuple)):
+            frames = frames[-1] if len(frames) == 2 else None
+        if frames is None:
+            continue
+        sizes = (out[0], out[1], shape[1])
+        with graph.inserting_before(split):
+            terms = [_unflattened_term(graph, t, frames, sizes) for t in _terms(inner)]
+            total = terms[0]
+            for t in terms[1:]:
+                total = graph.call_function(operator.add, (total, t))
+                total.meta["example_value"] = _value(total.args[0]) + _value(t)
+            new_tanh = graph.call_function(torch.tanh, (total,))
+            new_tanh.meta["example_value"] = torch.tanh(_value(total))
+            args = (new_tanh, *projection.args[1:])
+            new_scores = graph.call_function(projection.target, args, dict(projection.kwargs))
+            new_scores.meta["example_value"] = projection.target(
+                *[_value(a) if isinstance(a, fx.Node) else a for a in args]
+            )
+            new_split = graph.call_method("squeeze", (new_scores, -1))  # [B, T, 1] -> [B, T]
+            new_split.meta["example_value"] = _value(new_scores).squeeze(-1)
+        split.replace_all_uses_with(new_split)
+        graph.erase_node(split)
+        for node in (projection, tanh):  # the flat forms, dead now
+            if not node.users:
+                graph.erase_node(node)
+
+
 def find_matches(graph: fx.Graph) -> tuple[list[Match], list[str]]:
     """(matches, why each other tanh over a sum is not one)."""
     _functionalize_arithmetic(graph)
+    _unflatten_rows(graph)
     matches, misses = [], []
     for node in list(graph.nodes):
         if not _is(node, _TANH):
@@ -860,9 +996,11 @@ class Plan:
     memory_axis: int
     scores_origin: tuple
     hidden_axis: int
-    steps: tuple  # ("scale", "mul"|"div") | ("fill", value, origin) | ("add", None, origin)
+    # ("scale", "mul"|"div") | ("shift", "+"|"-") | ("fill"|"keep"|"add", None, origin)
+    steps: tuple
     backend: str
     normalize: str = "softmax"  # or "sigmoid" (sigmoid(e) / sum sigmoid(e))
+    vector_axes: tuple[int, ...] = ()  # one score vector per index of these (leading) batch axes
 
 
 def _pad(t: Tensor, rank: int) -> Tensor:
@@ -890,9 +1028,14 @@ def _fill_value(value) -> float:
 
 
 def _plain_scores(query, keys, bias, v):
+    """[B', T', S] scores; v [H], or [G, H]: one per group of B' / G consecutive rows."""
     pre = query.unsqueeze(2) + keys.unsqueeze(1)
     if bias is not None:
         pre = pre + bias
+    if v.dim() == 2:
+        groups = v.shape[0]
+        tanh = torch.tanh(pre).reshape(groups, -1, *pre.shape[1:])
+        return (tanh * v[:, None, None, None, :]).sum(-1).reshape(pre.shape[:-1])
     return torch.tanh(pre) @ v
 
 
@@ -931,7 +1074,7 @@ class TracedWeights:
         self.fixed_cache = ProjectionCache()
         self.mask_cache = ProjectionCache()
 
-    def __call__(self, queries, keys, biases, vector, scales, masks, fills):
+    def __call__(self, queries, keys, biases, vector, scales, masks, fills, shifts=()):
         TracedWeights.calls += 1
         for log in getattr(_RUNS, "logs", ()):
             log.append(self)
@@ -941,11 +1084,7 @@ class TracedWeights:
         queries = [_pad(t, rank).movedim(hidden, -1) for t in queries]
         location = next((t for t in keys if isinstance(t, _LocationTerm)), None)
         if location is not None and not (
-            rank == 3
-            and hidden == 2
-            and plan.memory_axis == 1
-            and plan.batch_axes == (0,)
-            and plan.normalize == "softmax"
+            rank == 3 and hidden == 2 and plan.memory_axis == 1 and plan.batch_axes == (0,)
         ):
             keys = [t if t is not location else _Plain(t.value()) for t in keys]
             location = None
@@ -969,7 +1108,8 @@ class TracedWeights:
         memory = values = None
         if location is not None:  # the fixed part of the keys, kept while the memory is
             key, values = self._fixed(values_of_terms[0], raw[0], canonical, full)
-        elif len(raw) == 1:  # one key term: its layout and memory kept with it (a decoder's steps)
+        elif len(raw) == 1 and not plan.vector_axes:
+            # one key term: its layout and memory kept with it (a decoder's steps)
             key, values, memory = self._memory(values_of_terms[0], raw[0], canonical, full)
         else:
             key = canonical(raw[0])
@@ -989,16 +1129,30 @@ class TracedWeights:
         for t in biases:
             t = t.reshape(width)
             bias = t if bias is None else bias + t
-        v = vector.reshape(width)
+        groups = math.prod(full[a] for a in plan.vector_axes)
+        v = vector.reshape(groups, width) if plan.vector_axes else vector.reshape(width)
         plain = False
-        v_eff = v
-        for step, factor in zip(
-            [step for step in plan.steps if step[0] == "scale"], scales, strict=True
-        ):
-            if isinstance(factor, Tensor):
-                factor = factor.reshape(())
-            plain |= not bool(factor > 0)
-            v_eff = v_eff * factor if step[1] == "mul" else v_eff / factor
+        v_eff, score_bias = v, None  # e' = v_eff . tanh(...) + score_bias: the scaled, shifted e
+        scale_iter, shift_iter = iter(scales), iter(shifts)
+        for step in plan.steps:
+            if step[0] == "scale":
+                factor = next(scale_iter)
+                if isinstance(factor, Tensor):
+                    factor = factor.reshape(())
+                plain |= not bool(factor > 0)
+                if step[1] == "mul":
+                    v_eff = v_eff * factor
+                    score_bias = None if score_bias is None else score_bias * factor
+                else:
+                    v_eff = v_eff / factor
+                    score_bias = None if score_bias is None else score_bias / factor
+            elif step[0] == "shift":
+                shift = next(shift_iter)
+                shift = shift.reshape(()) if isinstance(shift, Tensor) else float(shift)
+                shift = -shift if step[1] == "-" else shift
+                score_bias = shift if score_bias is None else score_bias + shift
+        if plan.normalize == "softmax":
+            score_bias = None  # a softmax cancels it
         invalid = options = None
         graded = [m for m in masks if isinstance(m, Tensor) and m.requires_grad]
         if masks:
@@ -1010,15 +1164,43 @@ class TracedWeights:
             key = key + location.value()  # [B, T, A] already: the op's layout
             location = None
         if plain:
-            weights = self._plain(query, key, bias, v, scales, masks, fills, full)
+            weights = self._plain(query, key, bias, v, scales, masks, fills, full, shifts)
         elif location is not None:
             valid = None if invalid is None else ~invalid
             step_query = query[:, 0] if bias is None else query[:, 0] + bias
             parts = (location.features, location.conv_weight, location.dense_weight)
             _, weights = attend_location(
-                self, plan.backend, step_query, key, parts, values, v_eff, valid
+                self,
+                plan.backend,
+                step_query,
+                key,
+                parts,
+                values,
+                v_eff,
+                valid,
+                plan.normalize,
+                score_bias,
             )
             weights = weights.unsqueeze(1)
+        elif plan.vector_axes:  # a score vector per head: the op once per head, over its rows
+            options = {} if options is None else options
+            rows_per = batch // groups
+            parts = []
+            for g in range(groups):
+                part = slice(g * rows_per, (g + 1) * rows_per)
+                _, w = additive_attention(
+                    query[part],
+                    key[part],
+                    values[part],
+                    v_eff[g],
+                    bias,
+                    **{name: t if t is None else t[part] for name, t in options.items()},
+                    normalize=plan.normalize,
+                    backend=plan.backend,
+                    score_bias=score_bias,
+                )
+                parts.append(w)
+            weights = torch.cat(parts)
         else:
             options = {} if options is None else options
             _, weights = additive_attention(
@@ -1031,12 +1213,13 @@ class TracedWeights:
                 stepwise=memory,
                 normalize=plan.normalize,
                 backend=plan.backend,
+                score_bias=score_bias,
             )
-            if graded:  # a float mask's gradient: the softmax's Jacobian, by a term worth zero
-                shift = sum(m - m.detach() for m in graded).unsqueeze(1)
-                fixed = weights.detach()
-                moved = fixed * shift
-                weights = weights + moved - fixed * moved.sum(-1, keepdim=True)
+        if graded and not plain:  # a float mask's gradient: the softmax's Jacobian, by a term
+            shift = sum(m - m.detach() for m in graded).unsqueeze(1)  # worth zero
+            fixed = weights.detach()
+            moved = fixed * shift
+            weights = weights + moved - fixed * moved.sum(-1, keepdim=True)
         weights = weights.reshape(
             [full[a] for a in plan.batch_axes + plan.query_axes] + [frames]
         ).permute([rows.index(a) for a in range(rank - 1)])
@@ -1057,7 +1240,9 @@ class TracedWeights:
             invalid, not_exact, graded_rows = None, False, []
             fills = iter(fill_values)
             for step, mask in zip(
-                [step for step in plan.steps if step[0] != "scale"], masks, strict=True
+                [step for step in plan.steps if step[0] in ("fill", "keep", "add")],
+                masks,
+                strict=True,
             ):
                 rows = _mask_to_rows(mask, step[2], plan, full)
                 if step[0] == "add":
@@ -1105,17 +1290,22 @@ class TracedWeights:
         entry = self.layout_cache.get(term, (tuple(full),), compute, watch=lambda e: e[3:])
         return entry[:3]
 
-    def _plain(self, query, key, bias, v, scales, masks, fills, full):
+    def _plain(self, query, key, bias, v, scales, masks, fills, full, shifts=()):
         """The original's math in the op's layout, step by step (a row without a valid frame, a
         float mask that is not a mask, a scale that is not positive)."""
         plan = self.plan
         scores = _plain_scores(query, key, bias, v)  # [B', T', S]
-        scale_index, mask_index, fill_index = 0, 0, 0
+        scale_index, mask_index, fill_index, shift_index = 0, 0, 0, 0
         for step in plan.steps:
             if step[0] == "scale":
                 factor = scales[scale_index]
                 scale_index += 1
                 scores = scores * factor if step[1] == "mul" else scores / factor
+            elif step[0] == "shift":
+                shift = shifts[shift_index]
+                shift_index += 1
+                shift = shift.reshape(()) if isinstance(shift, Tensor) else shift
+                scores = scores + shift if step[1] == "+" else scores - shift
             else:
                 mask = _mask_to_rows(masks[mask_index], step[2], plan, full).unsqueeze(1)
                 mask_index += 1
@@ -1133,6 +1323,7 @@ class TracedWeights:
 
 _PURE_METHODS = {
     "view",
+    "unflatten",
     "reshape",
     "permute",
     "transpose",
@@ -1343,11 +1534,14 @@ def _key_terms(graph: fx.Graph, match: Match, before: fx.Node) -> list[fx.Node]:
 def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
     """Replace ``match``'s sum ... softmax by one :class:`TracedWeights` call (the shape ops between
     the scores and the softmax applied again to its weights)."""
-    plan_steps, scales, masks, fills = [], [], [], []
+    plan_steps, scales, masks, fills, shifts = [], [], [], [], []
     for step in match.steps:
         if step[0] == "scale":
             plan_steps.append(("scale", step[1]))
             scales.append(step[2])
+        elif step[0] == "shift":
+            plan_steps.append(("shift", step[1]))
+            shifts.append(step[2])
         elif step[0] in ("fill", "keep"):
             plan_steps.append((step[0], None, step[3]))
             masks.append(step[1])
@@ -1366,13 +1560,23 @@ def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
         tuple(plan_steps),
         backend,
         match.normalize,
+        match.vector_axes,
     )
     with graph.inserting_before(match.softmax):
         replacement = TracedWeights(plan)
         replacement.description = match.describe()
         node = graph.call_function(
             replacement,
-            (match.query_terms, key_terms, match.bias_terms, match.vector, scales, masks, fills),
+            (
+                match.query_terms,
+                key_terms,
+                match.bias_terms,
+                match.vector,
+                scales,
+                masks,
+                fills,
+                shifts,
+            ),
         )
         sizes = {}  # the chain's .size() / .dim(): asked of the weights at the same point
 

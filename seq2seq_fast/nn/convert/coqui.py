@@ -1,4 +1,5 @@
-"""Coqui TTS's ``OriginalAttention`` (TTS/tts/layers/tacotron/attentions.py), softmax normalisation.
+"""Coqui TTS's ``OriginalAttention`` (TTS/tts/layers/tacotron/attentions.py), softmax or sigmoid
+normalisation.
 
 Original parameters: ``query_layer`` (Dq -> A, no bias), ``inputs_layer`` (E -> A, no bias), ``v``
 (A -> 1, with bias), each a Coqui ``Linear`` wrapper (``.linear_layer``); with
@@ -15,15 +16,18 @@ Original math and call (batch-first)::
             valid) or None) -> context [B, E]
     keys = processed_inputs [+ location_layer([attention_weights; attention_weights_cum])]
     e = v(tanh(query_layer(query) + keys)); e[~mask] = -inf
-    alignment = softmax(e); attention_weights_cum += alignment; attention_weights = alignment
+    alignment = softmax(e), or with norm="sigmoid" (the default of Coqui's Tacotron configs)
+                sigmoid(e) / sigmoid(e).sum(1, keepdim=True)
+    attention_weights_cum += alignment; attention_weights = alignment
     context = alignment @ inputs
 
-Converted only with ``norm="softmax"``, no forward attention and no windowing; the others are
-skipped with the reason (:func:`_unsupported`). ``v``'s bias cancels in the softmax. One difference:
-a row with no valid frame gives NaN there and zeros here. Location-sensitive training steps go
+Converted with ``norm`` "softmax" or "sigmoid", no forward attention and no windowing; the others
+are skipped with the reason (:func:`_unsupported`). ``v``'s bias cancels in the softmax; under the
+sigmoid it is the op's ``score_bias`` (sigmoid(e + b) / sum sigmoid(e + b)), with its gradient.
+One difference: a row with no valid frame gives NaN there and zeros here. Location-sensitive training steps go
 through a :class:`~seq2seq_fast.nn.convert._location.LocationMemory` (keys by one
 addmm, no location term written; the projected memory's and the values' gradients gathered once
-per sequence); content-only ones form their context over a
+per sequence; softmax only); the others form their context over a
 :class:`~seq2seq_fast.nn.convert._speech.GatheredValues`.
 """
 
@@ -51,7 +55,7 @@ from seq2seq_fast.nn.convert._speech import (
 
 
 class FusedCoquiOriginalAttention(FusedStandIn):
-    """Fused stand-in for Coqui's OriginalAttention (softmax, optionally location-sensitive): same
+    """Fused stand-in for Coqui's OriginalAttention (softmax or sigmoid, optionally location-sensitive): same
     parts (the very objects, same state_dict keys), state and methods the decoder calls
     (``init_states``, ``preprocess_inputs``, ``init_win_idx``), same ``forward``."""
 
@@ -90,7 +94,11 @@ class FusedCoquiOriginalAttention(FusedStandIn):
             raise RuntimeError(
                 f"seq2seq_fast: this converted OriginalAttention cannot run: {reason}"
             )
-        v = linear_of(self.v).weight[0]
+        score = linear_of(self.v)
+        v = score.weight[0]
+        # under the sigmoid the score layer's bias stays (sigmoid(e + b)); a softmax cancels it
+        normalize = "sigmoid" if self.norm == "sigmoid" else "softmax"
+        score_bias = score.bias if normalize == "sigmoid" else None
         if self.location_attention:  # keys = processed_inputs + location_layer(previous)
             previous = torch.cat(
                 (self.attention_weights.unsqueeze(1), self.attention_weights_cum.unsqueeze(1)),
@@ -111,10 +119,20 @@ class FusedCoquiOriginalAttention(FusedStandIn):
                 inputs,
                 v,
                 mask,
+                normalize,
+                score_bias,
             )
         else:
             context, alignment = attend_gathered(
-                self, self.backend, self.query_layer(query), processed_inputs, inputs, v, mask
+                self,
+                self.backend,
+                self.query_layer(query),
+                processed_inputs,
+                inputs,
+                v,
+                mask,
+                normalize,
+                score_bias,
             )
         if self.location_attention:
             self.update_location_attention(alignment)
@@ -123,11 +141,8 @@ class FusedCoquiOriginalAttention(FusedStandIn):
 
 
 def _unsupported(module: nn.Module, runtime: bool = False) -> str | None:
-    if module.norm != "softmax":
-        return (
-            f"norm={module.norm!r}: sigmoid normalisation (sigmoid(e) / sum sigmoid(e)) is not a "
-            "softmax, which is what the fused kernel computes"
-        )
+    if module.norm not in ("softmax", "sigmoid"):
+        return f"norm={module.norm!r}: the original knows softmax and sigmoid only (it raises)"
     if module.forward_attn:
         return (
             "forward attention: the softmax weights are re-weighted by a recursion over the "

@@ -1,0 +1,101 @@
+"""The general path on the forms a decoder runs step after step: coverage fed back each step
+(pointer-generator networks, flattened [B*T, A] rows or batched), checked over whole decoding runs
+against the original (outputs and the gradients of every parameter and input, through the steps),
+and that the fused op (not a plain fallback) computed the weights."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from seq2seq_fast.nn import fuse_attention_report
+from seq2seq_fast.nn.convert._traced_graph import TracedWeights
+from seq2seq_fast.ops import fused_available
+from tests.convert import layouts_traced as T
+from tests.convert.test_convert_traced import _assert_close
+
+pytestmark = pytest.mark.skipif(
+    not fused_available("cpu", torch.float64), reason="the C++ extension is not built"
+)
+
+
+def _no_plain(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("the replacement fell back to plain ops")
+
+    monkeypatch.setattr(TracedWeights, "_plain", fail)
+
+
+def _decode_coverage(model, flattened: bool, batch: int, frames: int, steps: int, dtype, seed):
+    """``steps`` decoder steps, the coverage fed back each step; outputs and the gradients of a
+    random projection of them (parameters by name, then the inputs)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    feats = randn(batch * frames, T.A) if flattened else randn(batch, frames, T.A)
+    enc_out = randn(batch, frames, T.K)
+    pad = T.lengths_mask(batch, frames).to(dtype)
+    coverage = torch.zeros(batch, frames, dtype=dtype)
+    inputs = [feats.requires_grad_(), enc_out.requires_grad_()]
+    outs = []
+    for _ in range(steps):
+        state = randn(batch, T.Q).requires_grad_()
+        inputs.append(state)
+        context, weights, coverage = model(state, feats, enc_out, pad, coverage)
+        outs += [context, weights, coverage]
+    loss = sum((o * randn(*o.shape)).sum() for o in outs)
+    named = sorted(model.named_parameters())
+    grads = torch.autograd.grad(loss, [p for _, p in named] + inputs)
+    return [o.detach() for o in outs], grads
+
+
+@pytest.mark.parametrize("flattened", [True, False], ids=["flattened", "batched"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_coverage_fed_back_each_step(flattened, dtype, monkeypatch):
+    _no_plain(monkeypatch)
+    torch.manual_seed(0)
+    make = T.CoverageAttention if flattened else T.CoverageBatched
+    original = T._Holder(make()).to(dtype)
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model)
+    calls = TracedWeights.calls
+    for batch, frames in ((3, 6), (2, 9)):
+        got = _decode_coverage(model, flattened, batch, frames, 4, dtype, seed=frames)
+        want = _decode_coverage(original, flattened, batch, frames, 4, dtype, seed=frames)
+        _assert_close(got[0], want[0], dtype, "outputs")
+        _assert_close(got[1], want[1], dtype, "gradients")
+    assert [r.path for r in report.replaced] == ["att"], str(report)
+    assert TracedWeights.calls >= calls + 7  # every step after the first by the fused op
+
+
+CONVERTING = [case for case in T.CASES if case.converts is not None]
+
+
+@pytest.mark.parametrize("case", CONVERTING, ids=[case.name for case in CONVERTING])
+def test_converted_layouts_run_the_fused_op_not_a_fallback(case, monkeypatch):
+    """Every converting layout of tests/convert/layouts_traced.py (score biases, temperatures,
+    heads, learned queries, coverage, small concat widths among them) has its weights computed by
+    the fused op on ordinary calls: the replacement's plain-ops fallback never runs."""
+    _no_plain(monkeypatch)
+    dtype = next(d for d in (torch.float64, torch.float32) if case.converts_at(d) is not None)
+    torch.manual_seed(0)
+    original = case.make().to(dtype)
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model)
+    for batch, frames in ((4, 7), (3, 5)):
+        torch.manual_seed(batch)
+        args = case.inputs(batch, frames, dtype)
+        calls = TracedWeights.calls
+        got, want = model(*args), original(*args)
+        assert TracedWeights.calls > calls
+        _assert_close(
+            [t for t in torch.utils._pytree.tree_leaves(got) if isinstance(t, torch.Tensor)],
+            [t for t in torch.utils._pytree.tree_leaves(want) if isinstance(t, torch.Tensor)],
+            dtype,
+            "outputs",
+        )
+    assert [r.path for r in report.replaced] == [case.converts], str(report)
