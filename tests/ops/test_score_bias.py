@@ -9,15 +9,13 @@ of e + b through the overflow ranges is in tests/ops/test_range_sweep_ops.py.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import seq2seq_fast
 from seq2seq_fast.ops.additive_attention import additive_attention
 from seq2seq_fast.reference import additive_attention_ref
-from tests.ops.test_smoothing import MASKS, key_masks, make_inputs
+from tests.ops.test_smoothing import MASKS, key_masks, loop_oracle, make_inputs
 
 CPU_KERNEL = seq2seq_fast.fused_available("cpu", torch.float32)
 requires_cpu_kernel = pytest.mark.skipif(not CPU_KERNEL, reason="seq2seq_fast._C is not built")
@@ -27,33 +25,9 @@ NAMES = ("query", "keys", "values", "v", "bias", "score_bias")
 
 def oracle(query, keys, values, v, bias, score_bias, lengths, mask, normalize):
     """The weights and context key by key in Python floats, with e + b."""
-    q = query.unsqueeze(1) if query.dim() == 2 else query
-    batch, num_queries, hidden = q.shape
-    num_keys, value_dim = values.shape[1], values.shape[2]
-    context = torch.zeros(batch, num_queries, value_dim, dtype=torch.float64)
-    weights = torch.zeros(batch, num_queries, num_keys, dtype=torch.float64)
-    for b in range(batch):
-        valid = [
-            (lengths is None or s < int(lengths[b])) and (mask is None or bool(mask[b, s]))
-            for s in range(num_keys)
-        ]
-        for t in range(num_queries):
-            f = [0.0] * num_keys
-            for s in range(num_keys):
-                if valid[s]:
-                    e = float(score_bias) + sum(
-                        float(v[h]) * math.tanh(float(q[b, t, h] + keys[b, s, h] + bias[h]))
-                        for h in range(hidden)
-                    )
-                    f[s] = 1.0 / (1.0 + math.exp(-e)) if normalize == "sigmoid" else math.exp(e)
-            total = sum(f)
-            for s in range(num_keys):
-                if total > 0:
-                    weights[b, t, s] = f[s] / total
-                    context[b, t] += weights[b, t, s] * values[b, s].double()
-    if query.dim() == 2:
-        return context.squeeze(1), weights.squeeze(1)
-    return context, weights
+    return loop_oracle(
+        query, keys, values, v, bias, lengths, mask, score_bias=score_bias, normalize=normalize
+    )
 
 
 def score_bias_of(value: float, dtype, shape=()) -> torch.Tensor:

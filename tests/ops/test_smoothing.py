@@ -49,10 +49,12 @@ def key_masks(kind, batch, num_keys):
     return None, None
 
 
-def oracle(query, keys, values, v, bias, lengths, mask):
-    """sigmoid(e) / sum sigmoid(e), key by key in Python floats (float64 loops)."""
-    single = query.dim() == 2
-    q = query.unsqueeze(1) if single else query
+def loop_oracle(
+    query, keys, values, v, bias, lengths, mask, *, score_bias=0.0, normalize="sigmoid"
+):
+    """The weights and context key by key in Python floats (float64 loops): sigmoid(e + b) / sum
+    sigmoid(e + b), or the softmax of e + b; b = ``score_bias``."""
+    q = query.unsqueeze(1) if query.dim() == 2 else query
     batch, num_queries, hidden = q.shape
     num_keys, value_dim = values.shape[1], values.shape[2]
     context = torch.zeros(batch, num_queries, value_dim, dtype=torch.float64)
@@ -63,23 +65,27 @@ def oracle(query, keys, values, v, bias, lengths, mask):
             for s in range(num_keys)
         ]
         for t in range(num_queries):
-            sig = [0.0] * num_keys
+            f = [0.0] * num_keys
             for s in range(num_keys):
-                if not valid[s]:
-                    continue
-                e = sum(
-                    float(v[h]) * math.tanh(float(q[b, t, h] + keys[b, s, h] + bias[h]))
-                    for h in range(hidden)
-                )
-                sig[s] = 1.0 / (1.0 + math.exp(-e))
-            total = sum(sig)
+                if valid[s]:
+                    e = float(score_bias) + sum(
+                        float(v[h]) * math.tanh(float(q[b, t, h] + keys[b, s, h] + bias[h]))
+                        for h in range(hidden)
+                    )
+                    f[s] = 1.0 / (1.0 + math.exp(-e)) if normalize == "sigmoid" else math.exp(e)
+            total = sum(f)
             for s in range(num_keys):
                 if total > 0:
-                    weights[b, t, s] = sig[s] / total
+                    weights[b, t, s] = f[s] / total
                     context[b, t] += weights[b, t, s] * values[b, s].double()
-    if single:
+    if query.dim() == 2:
         return context.squeeze(1), weights.squeeze(1)
     return context, weights
+
+
+def oracle(query, keys, values, v, bias, lengths, mask):
+    """sigmoid(e) / sum sigmoid(e), key by key in Python floats."""
+    return loop_oracle(query, keys, values, v, bias, lengths, mask)
 
 
 def run(fn, inputs, lengths, mask, grad_seed=5):
