@@ -149,6 +149,14 @@ def _families() -> dict[str, _Family]:
     def conv(size: Size) -> tuple[int, int]:
         return size.conv_channels, size.conv_half_width
 
+    def _coqui(size: Size, norm: str) -> nn.Module:
+        # Coqui's positional arguments: location attention on, no windowing, `norm`, no forward
+        # attention, no transition agent, no forward-attention mask
+        return L.CoquiOriginalAttention(
+            w(size), w(size), w(size), True, size.conv_channels, 2 * size.conv_half_width + 1,
+            False, norm, False, False, False,
+        )  # fmt: skip
+
     return {
         "espnet AttAdd": _Family(lambda s: L.AttAdd(w(s), w(s), w(s)), _espnet_start, _espnet_step),
         "espnet AttLoc": _Family(
@@ -180,37 +188,13 @@ def _families() -> dict[str, _Family]:
             _tacotron2_step,
         ),
         "coqui OriginalAttention": _Family(
-            lambda s: L.CoquiOriginalAttention(
-                w(s),
-                w(s),
-                w(s),
-                True,
-                s.conv_channels,
-                2 * s.conv_half_width + 1,
-                False,
-                "softmax",
-                False,
-                False,
-                False,
-            ),
+            lambda s: _coqui(s, "softmax"),
             _coqui_start,
             _coqui_step,
         ),
         # Coqui's Tacotron default: sigmoid normalisation, the score layer's bias kept
         "coqui OriginalAttention (sigmoid)": _Family(
-            lambda s: L.CoquiOriginalAttention(
-                w(s),
-                w(s),
-                w(s),
-                True,
-                s.conv_channels,
-                2 * s.conv_half_width + 1,
-                False,
-                "sigmoid",
-                False,
-                False,
-                False,
-            ),
+            lambda s: _coqui(s, "sigmoid"),
             _coqui_start,
             _coqui_step,
         ),
