@@ -29,12 +29,11 @@ class CacheEntry:
     last_used: float  # the newest modification time among its files
 
     def lock_path(self, root: Path) -> Path:
-        """The lock file its builder holds while building it."""
-        if self.kind == "sentencepiece models":
-            return root / f".lock-{self.name}"
-        return (
-            root / f".lock-{self.name}" if self.kind == "token store" else self.paths[0] / ".lock"
-        )
+        """The lock file its builder holds while building it: beside it in the cache for a store
+        or tokenizer, inside the temporary folder for an unfinished build."""
+        if self.kind == "unfinished build":
+            return self.paths[0] / ".lock"
+        return root / f".lock-{self.name}"
 
 
 def _size_and_mtime(path: Path) -> tuple[int, float]:
