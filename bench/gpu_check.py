@@ -46,7 +46,8 @@ from bench import gpu_targets  # noqa: E402
 from bench.shapes import FULL_SHAPES, TINY_SHAPES, Shape  # noqa: E402
 from bench.timing import Summary, time_interleaved  # noqa: E402
 
-STAGES = ("env", "bandwidth", "probes", "benchmark", "sweep", "tests")
+STAGES = ("env", "bandwidth", "probes", "benchmark", "launch", "sweep", "tests")
+DEFAULT_STAGES = ("bandwidth", "probes", "benchmark", "sweep", "tests")
 CHECK_BATCH = 16  # batch slice of the correctness gate (the kernels treat batch rows alike)
 
 
@@ -69,6 +70,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=450.0, help="no new work after this")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument(
+        "--stages",
+        help="comma-separated stages after env, run in this order (default: "
+        + ",".join(DEFAULT_STAGES)
+        + "; 'launch' times the public op's host overhead)",
+    )
+    parser.add_argument(
+        "--wide-sweep",
+        action="store_true",
+        help="sweep every forward tile candidate (block_q up to 32) and every grad-kernel tile, "
+        "the data to refit tiles.py from, instead of the best few",
+    )
     parser.add_argument("--shapes", help="comma-separated shape names (default: all)")
     parser.add_argument("--max-rows", type=int, default=None, help="stop after this many rows")
     parser.add_argument("--out-dir", default=os.environ.get("OUT") or None)
@@ -491,6 +504,54 @@ def selected_shapes(check: Check) -> list[Shape]:
 # --- stages 5-6: tile sweep, tests -----------------------------------------------------------------
 
 
+def stage_launch(check: Check, record: dict, torch, tk) -> None:
+    """The host cost on the smallest shape (where it matters most): launch_ms is the time to
+    enqueue one call with the device busy, kernel_ms the device time (graph replay); through the
+    public op, and the forward launcher alone (Triton's own launch cost)."""
+    import seq2seq_fast
+
+    shapes = TINY_SHAPES if check.args.dry_run else FULL_SHAPES
+    shape = next((s for s in shapes if s.name == "small-train"), shapes[0])
+    record["shape"] = shape.name
+    for dtype_name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        inputs = make_inputs(torch, shape, dtype, check.device)
+        calls = {
+            mode: make_call(torch, seq2seq_fast.additive_attention, inputs, mode)
+            for mode in ("forward", "forward+backward")
+        }
+        calls["launcher forward"] = lambda x=inputs: tk.additive_attention_fwd(*x, None, None, True)
+        for what, call in calls.items():
+            entry = {
+                "ms": sweep_one(check, call),
+                **kernel_and_launch_ms(torch, call, check.device),
+            }
+            record[f"{dtype_name} {what}"] = entry
+            numbers = ", ".join(f"{k} {v:.3f}" for k, v in entry.items() if isinstance(v, float))
+            log(f"   launch {shape.name} {dtype_name} {what}: {numbers}")
+
+
+def _wide_sweep_items(check: Check, tk, tiles, dtypes: dict, shapes: list) -> list:
+    """Shape by shape: every forward candidate (block_q up to 32), then, for the first two
+    training shapes, every grad-kernel tile: the data a refit of tiles.py's constants needs."""
+    items = []
+    training = [s for s in shapes if s.q_len > 1][:2]
+    for shape in shapes:
+        for dtype_name, dtype in dtypes.items():
+            ranked = tiles.rank_forward(*_dims(shape), dtype=dtype, sms=_sms(check), max_q=32)
+            for cfg, cost in ranked:
+                items.append((shape, dtype_name, "fwd tiles", _label(cfg), cost,
+                              lambda x, cfg=cfg: tk.additive_attention_fwd(
+                                  *x, None, None, True, config=cfg)))  # fmt: skip
+        if shape not in training:
+            continue
+        for dtype_name, dtype in dtypes.items():
+            ds_cfg, _, dv_cfg = tiles.backward_configs(*_dims(shape), dtype=dtype, sms=_sms(check))
+            for cfg, cost in tiles.rank_grad(*_dims(shape)[:4], dtype=dtype, sms=_sms(check)):
+                items.append((shape, dtype_name, "bwd grad tiles", _label(cfg), cost,
+                              _backward_factory(tk, (ds_cfg, cfg, dv_cfg))))  # fmt: skip
+    return items
+
+
 def stage_sweep(check: Check, record: dict, torch, tk) -> None:
     """Tuning data, most valuable first: the tanh paths, the forward's best tile of each block_q
     (tiles.sweep_forward), the backward under the grad kernel's best three tiles."""
@@ -498,6 +559,10 @@ def stage_sweep(check: Check, record: dict, torch, tk) -> None:
 
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     shapes = sorted(selected_shapes(check), key=lambda s: s.name not in PRIORITY)
+    if check.args.wide_sweep:
+        run_sweep_items(check, record, torch, dtypes, _wide_sweep_items(check, tk, tiles, dtypes,
+                                                                         shapes))  # fmt: skip
+        return
     items = []  # (shape, dtype name, what, label, cost, call factory)
     for shape in shapes[:2] if not check.args.dry_run else shapes:
         for dtype_name, modes in (("bf16", ("approx", "packed")), ("fp32", ("product", "exp"))):
@@ -622,6 +687,9 @@ def stage_tests(check: Check, record: dict) -> None:
         "-p",
         "no:cacheprovider",
         "tests/ops/test_triton.py",
+        "--tb=short",
+        "--show-capture=no",  # the captured logs (torch.compile's DEBUG lines) hid the failures
+        "-rfE",
     ]
     if check.args.dry_run:  # the interpreter is slow: one test proves the invocation
         cmd += ["-k", "test_fp32_matches_reference and 2x3x5x7x4"]
@@ -635,7 +703,10 @@ def stage_tests(check: Check, record: dict) -> None:
         record["status"] = f"timeout after {timeout:.0f} s (budget)"
         return
     output = (proc.stdout + proc.stderr).strip()
-    log(output[-4000:])
+    if check.args.out_dir:
+        with open(os.path.join(check.args.out_dir, "gpu_check_tests.log"), "w") as handle:
+            handle.write(output + "\n")
+    log(output[-6000:])
     record["summary"] = output.splitlines()[-1] if output else ""
     record["status"] = "passed" if proc.returncode == 0 else f"FAILED (rc={proc.returncode})"
 
@@ -660,14 +731,21 @@ def main(argv: list[str] | None = None) -> int:
         from seq2seq_fast._triton import additive_attention as tk
 
         stage_env(check, record, torch, triton)
-    stages = (
-        ("bandwidth", 0, lambda rec: stage_bandwidth(check, rec, torch)),
-        ("probes", 30, lambda rec: stage_probes(check, rec, torch, tk)),
-        ("benchmark", 30, lambda rec: stage_benchmark(check, rec, torch, tk)),
-        ("sweep", 40, lambda rec: stage_sweep(check, rec, torch, tk)),
-        ("tests", 60, lambda rec: stage_tests(check, rec)),
-    )
-    for name, min_left, run in stages:
+    stages = {
+        "bandwidth": (0, lambda rec: stage_bandwidth(check, rec, torch)),
+        "probes": (30, lambda rec: stage_probes(check, rec, torch, tk)),
+        "benchmark": (30, lambda rec: stage_benchmark(check, rec, torch, tk)),
+        "launch": (20, lambda rec: stage_launch(check, rec, torch, tk)),
+        "sweep": (40, lambda rec: stage_sweep(check, rec, torch, tk)),
+        "tests": (60, lambda rec: stage_tests(check, rec)),
+    }
+    order = args.stages.split(",") if args.stages else list(DEFAULT_STAGES)
+    unknown = [name for name in order if name not in stages]
+    if unknown:
+        log(f"--stages: unknown {', '.join(unknown)} (known: {', '.join(stages)})")
+        return 2
+    for name in order:
+        min_left, run = stages[name]
         if (name == "sweep" and args.no_sweep) or (name == "tests" and args.skip_tests):
             check.report["stages"][name] = {"status": "skipped: by argument"}
             continue

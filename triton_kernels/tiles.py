@@ -34,6 +34,7 @@ best few); rerun the SASS report and the sweep after changing a kernel.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -163,13 +164,14 @@ def _rank(costs: list[tuple[TileConfig, float, int]], sms: int) -> list[tuple[Ti
 
 def rank_forward(batch: int, num_queries: int, num_keys: int, hidden: int, value_dim: int,
                  dtype: torch.dtype | None = None, sms: int = H200_SMS, mode: str | None = None,
-                 tile: int = DEFAULT_TILE) -> list[tuple[TileConfig, float]]:  # fmt: skip
+                 tile: int = DEFAULT_TILE, max_q: int = 16,
+                 ) -> list[tuple[TileConfig, float]]:  # fmt: skip
     """Every forward / backward-ds tile candidate with its predicted cost, best first."""
     mode = mode or _default_mode(dtype)
     size = _element_bytes(dtype)
     k2, dv = _phase2_tiles(value_dim, dtype, num_queries)
     costs = []
-    for block_q, block_k, block_h in _candidates(num_queries, num_keys, hidden, tile):
+    for block_q, block_k, block_h in _candidates(num_queries, num_keys, hidden, tile, max_q):
         programs = batch * -(-max(1, num_queries) // block_q)
         cost = (_padding(num_queries, block_q) * _padding(num_keys, block_k)
                 * _padding(hidden, block_h) * _wave_factor(programs, sms)
@@ -200,6 +202,7 @@ def _phase2_tiles(value_dim: int, dtype: torch.dtype | None, num_queries: int) -
     return 16, min(32, dv_cap)
 
 
+@functools.lru_cache(maxsize=4096)  # ranking costs ~0.1 ms a call; shapes repeat
 def forward_config(num_queries: int, num_keys: int, hidden: int, value_dim: int,
                    tile: int = DEFAULT_TILE, dtype: torch.dtype | None = None,
                    batch: int = 4 * H200_SMS, sms: int = H200_SMS,
@@ -229,6 +232,7 @@ def rank_grad(batch: int, num_queries: int, num_keys: int, hidden: int,
     return _rank(costs, sms)
 
 
+@functools.lru_cache(maxsize=4096)  # ranking costs ~0.1 ms a call; shapes repeat
 def grad_tile(batch: int, num_queries: int, num_keys: int, hidden: int,
               dtype: torch.dtype | None = None, sms: int = H200_SMS,
               mode: str | None = None) -> tuple[int, int, int]:  # fmt: skip
@@ -237,6 +241,7 @@ def grad_tile(batch: int, num_queries: int, num_keys: int, hidden: int,
     return cfg.block_q, cfg.block_k, cfg.block_h
 
 
+@functools.lru_cache(maxsize=4096)  # ranking costs ~0.1 ms a call; shapes repeat
 def backward_configs(batch: int, num_queries: int, num_keys: int, hidden: int, value_dim: int,
                      tile: int = DEFAULT_TILE, dtype: torch.dtype | None = None,
                      sms: int = H200_SMS, mode: str | None = None,
