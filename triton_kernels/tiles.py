@@ -1,35 +1,33 @@
-"""Tile sizes of the Triton kernels, chosen by a cost model rather than by rules of thumb.
+"""Tile sizes of the Triton kernels, chosen by a cost model fitted to timings on an H200.
 
-The score kernels (forward, backward ds, backward grad) are bound by tanh: by the special-function
-unit (MUFU, 16 lanes/clock/SM on Hopper), by instruction issue (128 lanes/clock/SM), or by L2
-traffic of the tiles each program re-reads. The model scores a tile (block_q, block_k, block_h,
-warps) by the time it predicts, relative to a perfect kernel (1.0 = every SM busy on useful tanh
-at the MUFU rate):
+The score kernels (forward, backward ds, backward grad) loop over [block_q, block_k, block_h]
+tiles of tanh. The model scores a tile (block_q, block_k, block_h, warps) by the time it
+predicts, relative to a perfect kernel:
 
-    cost = padding waste x wave inefficiency x per-tanh cost
+    cost = padding waste x wave inefficiency x per-tanh tile cost
 
     padding waste      padded Tq x padded Tk x padded H over Tq x Tk x H: padded lanes cost tanh
-    wave inefficiency  ceil(programs / SMs) x SMs / programs: the busiest SM's share of programs
-                       (programs resident on one SM share its MUFU) over the average
-    per-tanh cost      max(MUFU ops per tanh, issued instructions per tanh / 8, L2 bytes per tanh
-                       x tanh rate / L2 bandwidth), in units of one MUFU op
+    wave inefficiency  ceil(programs / slots) x slots / programs, slots = SMs x programs resident
+                       per SM (4 for the forward's score tiles, 1 for the grad kernel)
+    per-tanh cost      1 + c_q / block_q + c_k / block_k + c_h / block_h: the operand tiles loaded,
+                       converted and broadcast per tanh (each query row is reused over block_k
+                       keys and each key row over block_q queries), and the per-chunk reduction
 
-MUFU ops per tanh are counted from the kernels' SASS (bench/compile_check.py): approx 1, packed 1
-(sm_90 splits tanh.approx.bf16x2 into two MUFU.TANH.BF16), exp 2, product 1 + 1/block_q +
-1/block_k (the two exponentials amortised over the other operand's rows). Instructions per tanh =
-a base per path + a load term x (1/block_q + 1/block_k) for the operand tiles loaded per tanh,
-fitted to the forward's tanh loop in the sm_90 SASS that bench/compile_check.py reads (triton
-3.9, real specialisation; bf16/approx: 5.2 instr per tanh at (4,8,128), 5.8 at (4,4,256), 5.6
-at (2,16,128), 7.8 at (1,8,512); fp32/product: 6.8 at (8,8,64), 7.3 at (4,32,32), 6.4 at
-(8,16,32), 20 at (1,8,512); packed 7.4 at (4,4,256)). So approx is MUFU-bound at every tile
-(< 8 instructions per MUFU op) and product close to balanced. L2 bytes per tanh are the keys
-each query tile re-reads: element size / block_q (the query tile stays in L1).
+The constants are fitted to the first H200 runs of bench/gpu_check.py (2026-12-04, triton 3.6):
+every forward candidate of four benchmark shapes (150 tiles, block_q up to 32) and every
+grad-kernel tile of two (68), per tanh path (bench/RESULTS.md). The first, physical model (MUFU
+ops, issue slots and L2 bytes per tanh, counted from the SASS) ranked 2 x 4 x 512 first for the
+bfloat16 training shapes; measured, it ran at half the speed of 16 x 4 x 64: the kernels are bound
+by moving operands into the tanh tile, not by the tanh unit, so larger block_q pays although it
+pads 50 queries to 64. With the fit, the pick is the measured best tile on 7 of the 12 measured
+(shape, dtype, kernel) groups, the others within 20% (tests/ops/test_triton.py checks this against
+the recorded timings).
 
 A minimum-programs rule comes first: when some candidate gives every SM a program, those that
 leave SMs idle are dropped. The decoding step (Tq = 1) gets block_q = 1 and a one-row GEMV for the
 values (no 16-row tl.dot padding). The value products (phase 2) run on their own, larger tiles.
-``rank_forward`` / ``rank_grad`` list every candidate with its cost (the GPU check sweeps the
-best few); rerun the SASS report and the sweep after changing a kernel.
+``rank_forward`` / ``rank_grad`` list every candidate with its cost (``bench/gpu_check.py
+--wide-sweep`` times them all); rerun that sweep and refit after changing a kernel.
 """
 
 from __future__ import annotations
@@ -50,25 +48,19 @@ __all__ = [
     "rank_forward",
     "rank_grad",
     "sweep_forward",
-    "tanh_cost",
+    "tile_cost",
 ]
 
 DEFAULT_TILE = 4096  # elements of the [BLOCK_Q, BLOCK_K, BLOCK_H] tanh tile at 4 warps (32/thread)
 DEFAULT_NUM_WARPS = 4
 H200_SMS = 132
 MUFU_PER_CLOCK, ISSUE_PER_CLOCK = 16, 128  # lanes per clock per SM (Hopper)
-TANH_RATE = 4.2e12  # MUFU ops per second, H200 (132 SMs x 16 x ~1.98 GHz)
-L2_BANDWIDTH = 6.0e12  # bytes/s, Hopper L2 read (a lead, not a reading here)
-BASE_INSTR = {"approx": 3.9, "packed": 5.6, "product": 3.1, "exp": 19.0}
-# Instructions per operand element loaded, converted, broadcast (and exponentiated: product).
-LOAD_INSTR = {"approx": 3.5, "packed": 3.5, "product": 15.0, "exp": 8.0}
-# Per key tile and thread: the reduction over h, masking, online softmax, score store (estimate).
-KEY_TILE_INSTR = 64.0
-THREADS = 32 * DEFAULT_NUM_WARPS
-# Backward grad kernel: extra per-tanh work (ds, (1 - u^2), grad query / keys / v sums) and the
-# grad-query read-modify-write per (query tile, key tile), fitted to the same SASS (9.2-17 instr).
-GRAD_BASE_INSTR = {"approx": 7.5, "packed": 6.0, "product": 8.5, "exp": 22.0}
-GRAD_LOAD_INSTR = 12.0
+# (c_q, c_k, c_h) of the per-tanh cost per tanh path, and programs resident per SM: the fit to the
+# H200 sweeps (module doc). approx / packed: float16 and bfloat16; product / exp: float32.
+FORWARD_FIT = {"approx": (2.0, 0.0, -4.0), "product": (4.0, 2.0, 4.0)}
+GRAD_FIT = {"approx": (0.5, 0.0, 0.0), "product": (0.0, 2.0, 4.0)}
+FORWARD_RESIDENT, GRAD_RESIDENT = 4, 1
+MAX_BLOCK_Q = 32
 
 
 @dataclass(frozen=True)
@@ -109,35 +101,24 @@ def _padding(n: int, block: int) -> float:
     return (-(-n // block) * block) / n
 
 
-def _wave_factor(programs: int, sms: int) -> float:
-    """Busiest SM's programs over the average: 1.0 when programs spread evenly."""
+def _wave_factor(programs: int, slots: int) -> float:
+    """Busiest slot's programs over the average: 1.0 when programs spread evenly."""
     programs = max(1, programs)
-    return math.ceil(programs / sms) * sms / programs
+    return math.ceil(programs / slots) * slots / programs
 
 
-def tanh_cost(mode: str, block_q: int, block_k: int, element_bytes: int, grad: bool = False,
-              hidden: int = 1024) -> float:  # fmt: skip
-    """Time per useful tanh of a tile, in MUFU ops (see the module doc)."""
-    amortised = 1.0 / block_q + 1.0 / block_k
-    mufu = {"approx": 1.0, "packed": 1.0, "exp": 2.0, "product": 1.0 + amortised}[mode]
-    base, load = (GRAD_BASE_INSTR, GRAD_LOAD_INSTR) if grad else (BASE_INSTR, LOAD_INSTR)
-    instr = base[mode] + (load[mode] if isinstance(load, dict) else load) * amortised
-    if not grad:  # the per-key-tile work, spread over the tile's tanh per thread
-        instr += KEY_TILE_INSTR * THREADS / (block_q * block_k * _pow2_at_least(hidden))
-    issue = instr * MUFU_PER_CLOCK / ISSUE_PER_CLOCK
-    l2 = element_bytes / block_q * TANH_RATE / L2_BANDWIDTH
-    return max(mufu, issue, l2)
+def tile_cost(mode: str, block_q: int, block_k: int, block_h: int, grad: bool = False) -> float:
+    """Per-tanh cost of a tile, relative (see the module doc)."""
+    fit = GRAD_FIT if grad else FORWARD_FIT
+    c_q, c_k, c_h = fit["approx" if mode in ("approx", "packed") else "product"]
+    return 1.0 + c_q / block_q + c_k / block_k + c_h / block_h
 
 
 def _default_mode(dtype: torch.dtype | None) -> str:
     return "approx" if dtype in (torch.float16, torch.bfloat16) else "product"
 
 
-def _element_bytes(dtype: torch.dtype | None) -> int:
-    return 2 if dtype in (torch.float16, torch.bfloat16) else 4
-
-
-def _candidates(num_queries: int, num_keys: int, hidden: int, tile: int, max_q: int = 16,
+def _candidates(num_queries: int, num_keys: int, hidden: int, tile: int, max_q: int = MAX_BLOCK_Q,
                 max_h: int = 512):  # fmt: skip
     """(block_q, block_k, block_h) with at most ``tile`` elements, block_k >= 4 (vector score
     stores), min(16, H) <= block_h <= max_h (some H loop left to overlap loads with tanh)."""
@@ -164,18 +145,17 @@ def _rank(costs: list[tuple[TileConfig, float, int]], sms: int) -> list[tuple[Ti
 
 def rank_forward(batch: int, num_queries: int, num_keys: int, hidden: int, value_dim: int,
                  dtype: torch.dtype | None = None, sms: int = H200_SMS, mode: str | None = None,
-                 tile: int = DEFAULT_TILE, max_q: int = 16,
+                 tile: int = DEFAULT_TILE, max_q: int = MAX_BLOCK_Q,
                  ) -> list[tuple[TileConfig, float]]:  # fmt: skip
     """Every forward / backward-ds tile candidate with its predicted cost, best first."""
     mode = mode or _default_mode(dtype)
-    size = _element_bytes(dtype)
     k2, dv = _phase2_tiles(value_dim, dtype, num_queries)
     costs = []
     for block_q, block_k, block_h in _candidates(num_queries, num_keys, hidden, tile, max_q):
         programs = batch * -(-max(1, num_queries) // block_q)
         cost = (_padding(num_queries, block_q) * _padding(num_keys, block_k)
-                * _padding(hidden, block_h) * _wave_factor(programs, sms)
-                * tanh_cost(mode, block_q, block_k, size, hidden=hidden))  # fmt: skip
+                * _padding(hidden, block_h) * _wave_factor(programs, sms * FORWARD_RESIDENT)
+                * tile_cost(mode, block_q, block_k, block_h))  # fmt: skip
         costs.append((TileConfig(block_q, block_k, block_h, dv, block_k2=k2), cost, programs))
     return _rank(costs, sms)
 
@@ -221,13 +201,12 @@ def rank_grad(batch: int, num_queries: int, num_keys: int, hidden: int,
               mode: str | None = None) -> list[tuple[TileConfig, float]]:  # fmt: skip
     """Grad-kernel tiles (one program per batch x H chunk) with their predicted cost, best first."""
     mode = mode or _default_mode(dtype)
-    size = _element_bytes(dtype)
     costs = []
     for block_q, block_k, block_h in _candidates(num_queries, num_keys, hidden, DEFAULT_TILE, 8):
         programs = batch * -(-max(1, hidden) // block_h)
         cost = (_padding(num_queries, block_q) * _padding(num_keys, block_k)
-                * _padding(hidden, block_h) * _wave_factor(programs, sms)
-                * tanh_cost(mode, block_q, block_k, size, grad=True))  # fmt: skip
+                * _padding(hidden, block_h) * _wave_factor(programs, sms * GRAD_RESIDENT)
+                * tile_cost(mode, block_q, block_k, block_h, grad=True))  # fmt: skip
         costs.append((TileConfig(block_q, block_k, block_h, 1), cost, programs))
     return _rank(costs, sms)
 
