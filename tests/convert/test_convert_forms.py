@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from seq2seq_fast.nn import fuse_attention_report
-from seq2seq_fast.nn.convert._traced_graph import TracedWeights
+from seq2seq_fast.nn.convert.traced.rewrite import TracedWeights
 from seq2seq_fast.ops import fused_available
 from tests.convert import layouts_traced as T
 from tests.convert.test_convert_traced import _assert_close

@@ -413,7 +413,7 @@ def test_coqui_inexact_variants_are_skipped_with_the_reason(flags, reason):
 def test_coqui_through_the_general_path(name, dtype, monkeypatch):
     """Coqui's attention with the names off: the general path converts it at its first call and
     runs the op, the sigmoid's score bias included (never the plain fallback), exactly."""
-    from seq2seq_fast.nn.convert._traced_graph import TracedWeights
+    from seq2seq_fast.nn.convert.traced.rewrite import TracedWeights
 
     def no_plain(*args, **kwargs):
         raise AssertionError("the replacement fell back to plain ops")

@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 
 from seq2seq_fast.nn import fuse_attention_report
 from seq2seq_fast.nn.convert import FusedStandIn
-from seq2seq_fast.nn.convert._traced_graph import TracedWeights
+from seq2seq_fast.nn.convert.traced.rewrite import TracedWeights
 from seq2seq_fast.ops import fused_available
 from tests.convert.layouts_traced import CASES
 
@@ -248,13 +248,13 @@ def test_a_converted_module_deep_copies_and_pickles_converted(tmp_path):
 def test_location_terms_are_formed_inside_the_kernels(monkeypatch):
     """A conv + dense location term goes to the location-aware steps (keys formed in the
     kernel), and the steps of one memory still match the original."""
-    from seq2seq_fast.nn.convert import _traced_graph
+    from seq2seq_fast.nn.convert.traced import rewrite as traced_rewrite
     from tests.convert.layouts_traced import LocationHolder, _location_call
 
     calls = []
-    real = _traced_graph.attend_location
+    real = traced_rewrite.attend_location
     monkeypatch.setattr(
-        _traced_graph, "attend_location", lambda *a, **k: calls.append(1) or real(*a, **k)
+        traced_rewrite, "attend_location", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     dtype = torch.float64
     torch.manual_seed(0)

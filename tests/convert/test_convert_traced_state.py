@@ -11,7 +11,7 @@ import torch
 
 from seq2seq_fast.nn.convert import FusedStandIn, fuse_attention_report
 from seq2seq_fast.nn.convert import traced as traced_package
-from seq2seq_fast.nn.convert._traced_graph import recorded_runs
+from seq2seq_fast.nn.convert.traced.rewrite import recorded_runs
 from seq2seq_fast.ops import fused_available
 from tests.convert.layouts_traced import CASES
 

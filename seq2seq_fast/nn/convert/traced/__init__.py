@@ -8,9 +8,10 @@ After the named layouts have taken what they recognise, every other module that 
    chosen (a module with only the tanh is reported, not converted).
 2. ``runtime.py``: once the outermost watched call has returned, the chosen module's ``forward``
    is traced by TorchDynamo and the pattern is replaced in its graph
-   (``seq2seq_fast/nn/convert/_traced_graph.py``: pattern, key terms, the rewrite and the
-   replacement's run time); a float64 probe of outputs and every gradient on the first call's
-   input decides; then the module's class is swapped for a traced subclass, in place.
+   (``pattern.py`` finds it, after the graph passes of ``passes.py``, on the helpers of
+   ``nodes.py``; ``key_terms.py`` computes the key side at run time; ``rewrite.py`` builds the
+   replacement, ``TracedWeights``); a float64 probe of outputs and every gradient on the first
+   call's input decides; then the module's class is swapped for a traced subclass, in place.
 
 What was found for each watched module goes into the :class:`ConversionReport` that
 ``fuse_attention_report`` returned, as the calls happen (``ConversionReport.watching`` lists the

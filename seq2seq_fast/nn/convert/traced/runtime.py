@@ -3,7 +3,7 @@
 2. When the outermost watched call has returned, the chosen module's ``forward`` is traced by
    TorchDynamo (``torch.compile`` with a backend of ours, :class:`_Rewriter`, dynamic shapes):
    real code with keyword arguments, branches on ``None`` and on shapes, helper methods and child
-   modules all trace. In the graph, :mod:`~seq2seq_fast.nn.convert._traced_graph` finds the sum,
+   modules all trace. In the graph, :mod:`~seq2seq_fast.nn.convert.traced.pattern` finds the sum,
    tanh, projection, scale, masks and softmax and replaces that subgraph by the fused op; the rest
    of the graph stays.
 3. The probe decides: float64 CPU copies of the module, the original and the traced one, run on
@@ -42,12 +42,9 @@ from seq2seq_fast.nn.convert._base import (
     _gradients,
     class_name,
 )
-from seq2seq_fast.nn.convert._traced_graph import (
-    ROUNDED_SCORES,
-    find_matches,
-    recorded_runs,
-    rewrite,
-)
+from seq2seq_fast.nn.convert.traced.nodes import ROUNDED_SCORES
+from seq2seq_fast.nn.convert.traced.pattern import find_matches
+from seq2seq_fast.nn.convert.traced.rewrite import recorded_runs, rewrite
 from seq2seq_fast.nn.convert.traced.watching import LAYOUT, strip_watches
 from seq2seq_fast.ops import fused_available
 from seq2seq_fast.ops._torch_private import dynamo_config, pytree

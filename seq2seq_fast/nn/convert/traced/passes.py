@@ -1,0 +1,202 @@
+"""Graph passes run before matching: in-place arithmetic made out of place, and rows
+flattened into one axis split back (see each section)."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from seq2seq_fast.nn.convert.traced.nodes import (
+    _LINEAR,
+    _REPEATS,
+    _SHAPE_OPS,
+    _TANH,
+    NoMatch,
+    _ancestors,
+    _arg,
+    _is,
+    _is_one,
+    _same,
+    _shape,
+    _size_hint,
+    _terms,
+    _value,
+)
+
+# --- in-place arithmetic ---------------------------------------------------------------------------
+
+# x.add_(y) and the like: the traced graph keeps using the node of x, which no longer holds what
+# it held when it was made. Out of place, with x's later readers reading the new node, the graph
+# says what it computes (nmtpytorch's inner_sum.add_(bias) was read without its bias before).
+_INPLACE_ARITHMETIC = {"add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div"}
+_VIEWS = (
+    _SHAPE_OPS
+    | _REPEATS
+    | {
+        operator.getitem,
+        "__getitem__",
+        "select",
+        "narrow",
+        "t",
+        "expand",
+        "as_strided",
+        "unfold",
+        "split",
+        "chunk",
+        "unbind",
+        "detach",
+        "view_as",
+        "flatten",
+        "unflatten",
+        torch.flatten,
+        torch.split,
+        torch.chunk,
+        torch.unbind,
+        torch.narrow,
+        torch.select,
+    }
+)
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    """A call that writes its first argument: ``x.add_(...)``, ``torch.relu_(x)``..."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return (
+        node.op in ("call_method", "call_function")
+        and isinstance(name, str)
+        and name.endswith("_")
+        and not name.startswith("_")
+        and bool(node.args)
+    )
+
+
+def _aliased(base: fx.Node) -> bool:
+    """Whether another node may share ``base``'s memory: an input, a view, a view of it."""
+    if base.op in ("placeholder", "get_attr") or _is(base, _VIEWS) or base.op == "call_module":
+        return True
+    return any(_is(user, _VIEWS) or user.op == "call_module" for user in base.users)
+
+
+def _functionalize_arithmetic(graph: fx.Graph) -> None:
+    """Rewrite ``x.add_(y)`` (sub_, mul_, div_) of a graph-made, unaliased x out of place; x's
+    readers after the write read its result. Others stay as they are (see _check_not_written)."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op != "call_method" or node.target not in _INPLACE_ARITHMETIC:
+            continue
+        base = node.args[0]
+        if not isinstance(base, fx.Node) or _aliased(base):
+            continue
+        later = [u for u in base.users if u is not node and order[u] > order[node]]
+        node.target = _INPLACE_ARITHMETIC[node.target]
+        for user in later:
+            user.replace_input_with(base, node)
+
+
+def _check_not_written(tanh: fx.Node) -> None:
+    """NoMatch where a tensor the tanh's sum is made from was written in place before the tanh:
+    the rewrite forms the sum from its terms, and would miss what the write added."""
+    order = {node: i for i, node in enumerate(tanh.graph.nodes)}
+    for node in _ancestors(tanh):
+        aliases, todo = set(), [node]  # node and its views, which share its memory
+        while todo:
+            current = todo.pop()
+            aliases.add(current)
+            todo += [u for u in current.users if _is(u, _VIEWS) and u not in aliases]
+        for alias in aliases:
+            for user in alias.users:
+                if user is tanh or not _writes_in_place(user) or user.args[0] is not alias:
+                    continue
+                if order[user] < order[tanh]:
+                    raise NoMatch(
+                        f"{node.name} is written in place ({user.target}) before the tanh reads it"
+                    )
+
+
+# --- rows flattened into one axis ------------------------------------------------------------------
+
+# A summariser's coverage attention works on [B*T, A] rows: the decoder's term is made by
+# dec.unsqueeze(1).expand(B, T, A).contiguous().view(-1, A), the scores are viewed back to [B, T]
+# before the softmax. Batch and frames are one axis there, so the terms cannot be told apart; the
+# pass below splits that axis where the scores are split, so the matcher sees [B, T, A] terms.
+_FLAT_VIEWS = {"view", "reshape", torch.reshape}
+
+
+def _unflattened_term(graph: fx.Graph, term: fx.Node, frames, sizes: tuple) -> fx.Node:
+    """``term`` [B*T, A] as [B, T, A] (``sizes``, as traced): the tensor an expand over T was made
+    from, where it is x.unsqueeze(1).expand(B, T, A) (or repeat) viewed flat; else
+    term.unflatten(0, (-1, T))."""
+    node = term
+    if _is(node, _FLAT_VIEWS) and isinstance(node.args[0], fx.Node):
+        inner = node.args[0]
+        if _is(inner, {"contiguous"}) and len(inner.users) == 1:
+            inner = inner.args[0]
+        shape = _shape(inner)
+        if _is(inner, _REPEATS) and shape is not None and len(shape) == 3:
+            source = inner.args[0] if isinstance(inner.args[0], fx.Node) else None
+            source_shape = _shape(source) if source is not None else None
+            if (
+                source_shape is not None
+                and len(source_shape) == 3
+                and _is_one(source_shape[1])
+                and _same(source_shape[0], shape[0])
+                and _same(source_shape[2], shape[2])
+                # (the traced sizes: the split's are expressions in the flat size's symbols)
+                and _size_hint(shape[1]) == _size_hint(sizes[1])
+            ):
+                return source
+    new = graph.call_method("unflatten", (term, 0, (-1, frames)))
+    new.meta["example_value"] = _value(term).unflatten(0, sizes[:2])
+    return new
+
+
+def _unflatten_rows(graph: fx.Graph) -> None:
+    """tanh(sum of [N, A] terms) projected to scores [N, 1] or [N] that are then viewed to
+    [B, T] (N = B*T): the sum, tanh and projection formed again on [B, T, A] terms (see above),
+    the view's readers reading the new scores. Anything else is left as it is."""
+    for tanh in [n for n in graph.nodes if _is(n, _TANH)]:
+        shape = _shape(tanh)
+        inner = tanh.args[0] if tanh.args else None
+        if shape is None or len(shape) != 2 or not isinstance(inner, fx.Node):
+            continue
+        if len(tanh.users) != 1:
+            continue
+        projection = next(iter(tanh.users))
+        if not (_is(projection, _LINEAR) and _arg(projection, 0, "input") is tanh):
+            continue
+        if len(projection.users) != 1:
+            continue
+        split = next(iter(projection.users))
+        out = _shape(split)
+        if not _is(split, _FLAT_VIEWS) or split.args[0] is not projection or out is None:
+            continue
+        if len(out) != 2 or _is_one(out[1]) or split.kwargs:
+            continue
+        frames = split.args[-1] if len(split.args) == 3 else None
+        if isinstance(frames, (list, tuple)):
+            frames = frames[-1] if len(frames) == 2 else None
+        if frames is None:
+            continue
+        sizes = (out[0], out[1], shape[1])
+        with graph.inserting_before(split):
+            terms = [_unflattened_term(graph, t, frames, sizes) for t in _terms(inner)]
+            total = terms[0]
+            for t in terms[1:]:
+                total = graph.call_function(operator.add, (total, t))
+                total.meta["example_value"] = _value(total.args[0]) + _value(t)
+            new_tanh = graph.call_function(torch.tanh, (total,))
+            new_tanh.meta["example_value"] = torch.tanh(_value(total))
+            args = (new_tanh, *projection.args[1:])
+            new_scores = graph.call_function(projection.target, args, dict(projection.kwargs))
+            new_scores.meta["example_value"] = projection.target(
+                *[_value(a) if isinstance(a, fx.Node) else a for a in args]
+            )
+            new_split = graph.call_method("squeeze", (new_scores, -1))  # [B, T, 1] -> [B, T]
+            new_split.meta["example_value"] = _value(new_scores).squeeze(-1)
+        split.replace_all_uses_with(new_split)
+        graph.erase_node(split)
+        for node in (projection, tanh):  # the flat forms, dead now
+            if not node.users:
+                graph.erase_node(node)

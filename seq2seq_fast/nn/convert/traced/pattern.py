@@ -1,0 +1,688 @@
+"""Additive attention found in a traced graph by what it computes, and replaced by the fused op.
+
+A torch.fx graph (TorchDynamo's, torch-level: ``linear``, ``tanh``, ``add``, ``softmax`` and tensor
+methods, with example values carrying shapes) is searched for::
+
+    X = t_1 + t_2 + ... (+ linear(cat([a, b]), W, c), split into a W_a + b W_b + c)
+        (repeats and expands of a term that only broadcast it are seen through)
+    e = project(tanh(X)) onto a vector v: linear(., w[1, H]), matmul(., v), (. * v).sum(-1),
+        einsum("...h,h->..."), bmm(v repeated over the batch, tanh^T), or bmm(v, tanh) with the
+        hidden axis in the middle ([B, H, T]: a Conv1d over the memory)
+    e -> shape-only ops (squeeze, unsqueeze, transpose, permute, view, reshape, contiguous), dtype
+         round trips, scale (e * c, e / c), shifts (e + c, e - c: a number or a one-element
+         tensor, and the projection's own bias), masks (masked_fill / masked_fill_ /
+         .data.masked_fill_ with a very negative value, where(mask, e, very negative), + a float
+         mask), in any order (a shift under the sigmoid: before any mask)
+    w = softmax(e, dim=memory axis), or sigmoid(e) / sigmoid(e).sum(dim, keepdim=True)
+
+The terms are sorted by their shapes: those that vary along the softmax's axis are the keys, those
+that do not (but vary along some axis) the query, those that vary along none the bias inside the
+tanh. Axes along which the keys vary are batch axes, the others query axes. A term varying along
+a query axis and the memory axis, or a mask varying along a query axis, is not the op's form:
+no match. Only the subgraph from the sum to the softmax is replaced (by :class:`TracedWeights`,
+whose weights go back through the same shape ops); the rest of the graph (the context, residuals,
+output layers) is kept as it is. The names of modules and parameters play no part.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx
+
+from seq2seq_fast.nn.convert.traced.nodes import (
+    _ADDS,
+    _CASTS,
+    _CAT,
+    _DIV,
+    _LINEAR,
+    _MASKED_FILL,
+    _MATMUL,
+    _MUL,
+    _NEW_FULL,
+    _REPEATS,
+    _SHAPE_OPS,
+    _SIGMOID,
+    _SIZES,
+    _SOFTMAX,
+    _SUBS,
+    _SUM,
+    _TANH,
+    _WHERE,
+    MASK_FILL_MAX,
+    ROUNDED_SCORES,
+    NoMatch,
+    _ancestors,
+    _arg,
+    _hint,
+    _is,
+    _is_one,
+    _number,
+    _same,
+    _shape,
+    _single_user,
+    _size_hint,
+    _terms,
+    _value,
+)
+from seq2seq_fast.nn.convert.traced.passes import (
+    _check_not_written,
+    _functionalize_arithmetic,
+    _unflatten_rows,
+)
+from seq2seq_fast.ops._torch_private import nn_linear
+
+# --- the sum inside the tanh ----------------------------------------------------------------------
+
+
+def _peel_repeat(node: fx.Node, kept_from_end: int = 0) -> fx.Node:
+    """The tensor a repeat/expand along other axes than one was made from, where broadcasting it
+    gives the same (a linear map commutes with it; a sum broadcasts it). The kept axis is
+    ``kept_from_end`` axes before the last (the hidden axis: the last one, or the middle one of a
+    [B, H, T] layout)."""
+    while _is(node, _REPEATS) and isinstance(node.args[0], fx.Node):
+        source, out = _shape(node.args[0]), _shape(node)
+        if source is None or out is None or not source or len(source) > len(out):
+            break
+        padded = (1,) * (len(out) - len(source)) + source
+        kept = len(out) - 1 - kept_from_end
+        if kept < 0 or not _same(padded[kept], out[kept]):
+            break
+        if not all(_is_one(a) or _same(a, b) for a, b in zip(padded, out, strict=True)):
+            break
+        node = node.args[0]
+    return node
+
+
+def _split_linear_bias(graph: fx.Graph, node: fx.Node) -> list[fx.Node] | None:
+    """linear(x, W, c) -> [linear(x, W), c] as a new node and c; linear(x, W) -> [itself]."""
+    if not _is(node, _LINEAR) or node.kwargs:
+        return None
+    source, weight, bias = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
+    if bias is None:
+        return [node]
+    with graph.inserting_before(node):
+        term = graph.call_function(nn_linear(), (source, weight))
+        term.meta["example_value"] = F.linear(_value(source), _value(weight))
+    return [term, bias]
+
+
+def _split_concat_linear(graph: fx.Graph, node: fx.Node) -> list[fx.Node] | None:
+    """linear(cat([a, b, ...], -1), W, c) -> [linear(a', W_a), linear(b', W_b), ..., c] as new
+    nodes (a' the tensor a repeat/expand was made from), or None. A width TorchDynamo traced as a
+    symbol (sizes above 1 of a dynamic trace) is read at run time: W's columns are cut where the
+    call's own parts end, never at the traced example's widths."""
+    if not _is(node, _LINEAR):
+        return None
+    source, weight = _arg(node, 0, "input"), _arg(node, 1, "weight")
+    bias = _arg(node, 2, "bias")
+    if not _is(source, _CAT) or len(source.users) != 1:
+        return None
+    parts, dim = _arg(source, 0, "tensors"), _arg(source, 1, "dim", 0)
+    shape = _shape(source)
+    if shape is None or not isinstance(parts, (list, tuple)) or dim not in (-1, len(shape) - 1):
+        return None
+    widths = [(_shape(part) or (None,))[-1] for part in parts]
+    hints = [_size_hint(width) for width in widths if width is not None]
+    if len(hints) != len(parts) or any(h is None or h <= 0 for h in hints):
+        return None
+    terms, start, hint_start = [], 0, 0
+    with graph.inserting_before(node):
+        for part, width, hint in zip(parts, widths, hints, strict=True):
+            if not isinstance(width, int):  # the part's width at run time
+                width = graph.call_method("size", (part, -1))
+                width.meta["example_value"] = hint
+            end = start + hint if isinstance(start, int) and isinstance(width, int) else None
+            if end is None:
+                end = graph.call_function(operator.add, (start, width))
+                end.meta["example_value"] = hint_start + hint
+            columns = graph.call_function(
+                operator.getitem, (weight, (slice(None), slice(start, end)))
+            )
+            columns.meta["example_value"] = _value(weight)[:, hint_start : hint_start + hint]
+            peeled = _peel_repeat(part)
+            term = graph.call_function(nn_linear(), (peeled, columns))
+            term.meta["example_value"] = F.linear(_value(peeled), _value(columns))
+            terms.append(term)
+            start, hint_start = end, hint_start + hint
+    if bias is not None:
+        terms.append(bias)
+    return terms
+
+
+# --- from the tanh to the softmax -----------------------------------------------------------------
+
+
+def _vector_source(node: object, width) -> fx.Node | None:
+    """The [H] (or [1, ..., 1, H]) tensor that ``node`` repeats or reshapes over leading axes."""
+    while isinstance(node, fx.Node):
+        shape = _shape(node)
+        if shape is not None and _same(shape[-1], width) and all(map(_is_one, shape[:-1])):
+            return node
+        if not (_is(node, _REPEATS) or _is(node, {"unsqueeze", "view", "reshape"})):
+            return None
+        node = node.args[0]
+    return None
+
+
+def _einsum_projection(user: fx.Node, tanh: fx.Node, width):
+    equation = user.args[0] if user.args and isinstance(user.args[0], str) else None
+    operands = list(user.args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if equation is None or len(operands) != 2 or tanh not in operands or "..." in equation:
+        return None
+    inputs, _, output = equation.replace(" ", "").partition("->")
+    subscripts = inputs.split(",")
+    if len(subscripts) != 2:
+        return None
+    mine = subscripts[operands.index(tanh)]
+    other = subscripts[1 - operands.index(tanh)]
+    vector = operands[1 - operands.index(tanh)]
+    if other != mine[-1] or output != mine[:-1] or _shape(vector) is None:
+        return None
+    if not _same(_shape(vector), (width,)):
+        return None
+    return vector
+
+
+def _projection(tanh: fx.Node, shape: tuple, rank: int):
+    """(scores node, vector node, origin of the scores' axes, hidden axis) of tanh's projection
+    onto a vector: origin[i] is the axis of the pre-activation without its hidden axis that the
+    scores' axis i is, None for an added 1."""
+    leading = tuple(range(rank - 1))
+    width = shape[-1]
+    user = _single_user(tanh, "the tanh")
+    if _is(user, {torch.bmm, *_MATMUL}) and len(user.args) == 2 and user.args[1] is tanh:
+        # bmm(v repeated over the batch [B, 1, H], tanh [B, H, S]) -> [B, 1, S] (a pointer
+        # network's Conv1d over [B, H, S] memory)
+        vector = _vector_source(user.args[0], shape[1]) if rank == 3 else None
+        weights = _shape(user.args[0])
+        if vector is None or weights is None or len(weights) != 3 or not _is_one(weights[1]):
+            raise NoMatch("the tanh is multiplied from the left by something not a vector")
+        return user, vector, (0, None, 1), 1
+    if _is(user, _LINEAR) and _arg(user, 0, "input") is tanh:
+        weight = _arg(user, 1, "weight")
+        shape = _shape(weight)
+        if shape is None or len(shape) != 2 or not _is_one(shape[0]) or not _same(shape[1], width):
+            raise NoMatch(f"the tanh goes into a linear map of weight {shape}, not onto a vector")
+        return user, weight, leading + (None,), rank - 1
+    if _is(user, _MATMUL) and user.args[0] is tanh:
+        vector = user.args[1]
+        shape = _shape(vector)
+        if shape is not None and _same(shape, (width,)):
+            return user, vector, leading, rank - 1
+        if shape is not None and len(shape) == 2 and _same(shape[0], width) and _is_one(shape[1]):
+            return user, vector, leading + (None,), rank - 1
+        raise NoMatch(f"the tanh is multiplied by a matrix of shape {shape}, not a vector")
+    if _is(user, {torch.einsum}):
+        vector = _einsum_projection(user, tanh, width)
+        if vector is None:
+            raise NoMatch(f"the tanh goes into einsum {user.args[0]!r}, not onto a vector")
+        return user, vector, leading, rank - 1
+    if _is(user, {"permute", "transpose"}) and rank == 3:
+        # bmm(v repeated over the batch [B, 1, H], tanh^T [B, H, S]) -> [B, 1, S]
+        dims = [d % 3 for d in user.args[1:]] if user.target == "transpose" else None
+        if user.target == "permute":
+            dims = list(user.args[1:])
+            dims = list(dims[0]) if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
+        swapped = dims in ([1, 2], [2, 1]) if user.target == "transpose" else dims == [0, 2, 1]
+        product = _single_user(user, "the transposed tanh")
+        if swapped and _is(product, {torch.bmm, *_MATMUL}) and product.args[1] is user:
+            vector = _vector_source(product.args[0], width)
+            shape = _shape(product.args[0])
+            if vector is not None and shape is not None and len(shape) == 3:
+                if _is_one(shape[1]) and _same(shape[2], width):
+                    return product, vector, (0, None, 1), rank - 1
+        raise NoMatch("the transposed tanh is not multiplied by a vector repeated over the batch")
+    if _is(user, _MUL) and len(user.args) == 2 and tanh in user.args:
+        vector = user.args[1] if user.args[0] is tanh else user.args[0]
+        shape = _shape(vector)
+        if shape is None or not _same(shape[-1], width) or len(shape) > rank:
+            raise NoMatch(f"the tanh is multiplied by a tensor of shape {shape}, not a vector")
+        if not all(map(_is_one, shape[:-1])) and not isinstance(vector, fx.Node):
+            raise NoMatch(f"the tanh is multiplied by a tensor of shape {shape}, not a vector")
+        # (a vector per head, [heads, H]: its axes must be batch axes, checked by the caller)
+        total = _single_user(user, "the product with the vector")
+        dim = _arg(total, 1, "dim")
+        dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+        if not _is(total, _SUM) or dim not in (-1, rank - 1):
+            raise NoMatch("the product with the vector is not summed over the last axis")
+        if _arg(total, 3, "dtype") is not None:
+            raise NoMatch("the sum over the hidden axis changes the dtype")
+        keepdim = bool(_arg(total, 2, "keepdim", False))
+        return total, vector, leading + ((None,) if keepdim else ()), rank - 1
+    raise NoMatch(f"the tanh goes into {user.target!r}, not a projection onto a vector")
+
+
+def _permuted(origin: tuple, dims: list[int]) -> tuple:
+    return tuple(origin[d] for d in dims)
+
+
+def _shape_op_origin(node: fx.Node, origin: tuple) -> tuple:
+    """Which axis of the pre-activation's leading axes each axis of ``node``'s output is (None: an
+    inserted 1), given the same for its input."""
+    before, after = _shape(node.args[0]), _shape(node)
+    rank = len(before)
+    name = node.target if isinstance(node.target, str) else node.target.__name__
+    if name in ("transpose",):
+        a, b = (d % rank for d in node.args[1:3])
+        dims = list(range(rank))
+        dims[a], dims[b] = dims[b], dims[a]
+        return _permuted(origin, dims)
+    if name == "permute":
+        dims = node.args[1:]
+        if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+            dims = dims[0]
+        dims = node.kwargs.get("dims", dims)
+        return _permuted(origin, [d % rank for d in dims])
+    if name == "contiguous":
+        return origin
+    # squeeze, unsqueeze, view, reshape: they may remove or insert 1-axes, and merge neighbouring
+    # axes into one (a tuple of their origins: [B, Tq, S] -> [B * Tq, S] before a softmax)
+    kept = [(s, o) for s, o in zip(before, origin, strict=True) if not _is_one(s)]
+    new, k = [], 0
+    for size in after:
+        if _is_one(size):
+            new.append(None)
+            continue
+        group, product = [], None
+        while k < len(kept) and (product is None or not _same(product, size)):
+            product = kept[k][0] if product is None else product * kept[k][0]
+            group += list(kept[k][1]) if isinstance(kept[k][1], tuple) else [kept[k][1]]
+            k += 1
+        if product is None or not _same(product, size):
+            raise NoMatch(f"{name} {list(before)} -> {list(after)} mixes axes")
+        new.append(group[0] if len(group) == 1 else tuple(group))
+    if k != len(kept):
+        raise NoMatch(f"{name} {list(before)} -> {list(after)} mixes axes")
+    return tuple(new)
+
+
+def _is_mask_setitem(user: fx.Node, node: fx.Node) -> bool:
+    """``scores[mask] = value`` with a bool mask of the scores' shape: an in-place masked_fill_
+    (d2l's ``masked_softmax`` writes ``X[~mask] = -1e6``)."""
+    if not (user.op == "call_function" and user.target is operator.setitem):
+        return False
+    if len(user.args) != 3 or user.args[0] is not node or not isinstance(user.args[1], fx.Node):
+        return False
+    index, scores = _value(user.args[1]), _value(node)
+    # (a bool index of the scores' rank must have their shape, or the write would fail)
+    return (
+        isinstance(index, Tensor)
+        and isinstance(scores, Tensor)
+        and index.dtype == torch.bool
+        and index.dim() == scores.dim()
+    )
+
+
+def _from_call_inputs(node: fx.Node) -> bool:
+    """Whether ``node`` depends on a graph input that is not a parameter or buffer (TorchDynamo
+    names each input by its source: ``L['self']._modules['q']._parameters['weight']``)."""
+    for current in _ancestors(node):
+        if current.op != "placeholder" or not isinstance(_value(current), Tensor):
+            continue
+        source = getattr(current.meta.get("grapharg"), "source", None)
+        name = source.name if source is not None else ""
+        if not ("._parameters[" in name or "._buffers[" in name):
+            return True
+    return False
+
+
+@dataclass
+class Match:
+    """One additive attention found in a graph (see the module docstring)."""
+
+    tanh: fx.Node
+    softmax: fx.Node
+    query_terms: list[fx.Node]
+    key_terms: list[fx.Node]
+    bias_terms: list[fx.Node]
+    vector: fx.Node
+    rank: int  # of the pre-activation, hidden axis included
+    batch_axes: tuple[int, ...]
+    query_axes: tuple[int, ...]
+    memory_axis: int
+    scores_origin: tuple  # the pre-activation's axis each axis of the projection's output is
+    hidden_axis: int
+    # ("scale", op, node|number), ("shift", sign, node|number), ("fill", ...), ("keep", ...),
+    # ("add", ...) in the chain's order
+    steps: list[tuple] = field(default_factory=list)
+    shape_ops: list[fx.Node] = field(default_factory=list)
+    split_nodes: list[fx.Node] = field(default_factory=list)
+    helpers: list[fx.Node] = field(default_factory=list)  # new_full(scores, ...): dtype only
+    sizes: list[tuple[fx.Node, int]] = field(default_factory=list)  # (size, after k shape ops)
+    normalize: str = "softmax"  # or "sigmoid": `softmax` is then the division
+    normalize_nodes: list[fx.Node] = field(default_factory=list)  # the sum, then the sigmoids
+    # batch axes along which the score vector varies (one vector per head), first in batch_axes
+    vector_axes: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        kinds = [s[0] + (f"({s[1]})" if s[0] in ("scale", "shift") else "") for s in self.steps]
+        return (
+            f"{len(self.query_terms)} query and {len(self.key_terms)} key term(s)"
+            + (", a bias" if self.bias_terms else "")
+            + (f", then {', '.join(kinds)}" if kinds else "")
+            + (", sigmoid-normalised" if self.normalize == "sigmoid" else "")
+            + (", a score vector per head" if self.vector_axes else "")
+        )
+
+
+def _sigmoid_normalisation(node: fx.Node, users: list[fx.Node]):
+    """(division, dim, [sum, sigmoids]) where ``users`` of the scores ``node`` are one or two
+    sigmoid(node) whose only uses are sigmoid(node) / sigmoid(node).sum(dim, keepdim=True) (the
+    "smoothing" normalisation); None otherwise."""
+    if not users or len(users) > 2:
+        return None
+    if not all(_is(u, _SIGMOID) and u.args and u.args[0] is node for u in users):
+        return None
+    if any(len(u.args) > 1 or u.kwargs for u in users):
+        return None
+    uses = {use for u in users for use in u.users}
+    sums = [n for n in uses if _is(n, _SUM)]
+    if len(sums) != 1 or len(sums[0].users) != 1:
+        return None
+    total = sums[0]
+    division = next(iter(total.users))
+    if not (_is(division, _DIV) and len(division.args) == 2 and not division.kwargs):
+        return None
+    if division.args[1] is not total or division.args[0] not in users:
+        return None
+    if total.args[0] not in users or uses != {total, division}:
+        return None
+    if any(set(u.users) - {total, division} for u in users):
+        return None
+    dim = _arg(total, 1, "dim")
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    if not isinstance(dim, int) or _arg(total, 2, "keepdim") is not True:
+        return None
+    if _arg(total, 3, "dtype") is not None or len(total.args) > 3:
+        return None
+    return division, dim, [total, *users]
+
+
+def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
+    inner = tanh.args[0] if tanh.args else tanh.kwargs.get("input")
+    shape = _shape(tanh)
+    if not isinstance(inner, fx.Node) or shape is None or len(shape) < 2:
+        raise NoMatch("the tanh's input is not a tensor of rank 2 or more")
+    rank = len(shape)
+    scores, vector, origin, hidden = _projection(tanh, shape, rank)
+    terms, split_nodes = [_peel_repeat(t, rank - 1 - hidden) for t in _terms(inner)], []
+    pooled = None  # attention pooling: one Linear inside the tanh, a learned vector, no query
+    width = shape[hidden]
+    if len(terms) == 1:
+        split = _split_concat_linear(graph, terms[0]) if hidden == rank - 1 else None
+        if split is None and hidden == rank - 1:
+            # attention pooling, tanh(W h + b) against a learned vector: one key term (and its
+            # bias), no query; the op runs it with a zero query
+            split = pooled = _split_linear_bias(graph, terms[0])
+        if split is None:
+            raise NoMatch("the tanh's input is not a sum of two or more terms, nor one Linear")
+        split_nodes = [n for n in split if n.op == "call_function" and n.target is not None]
+        terms = split
+    scores_origin = origin
+    steps, shape_ops = [], []
+    if _is(scores, _LINEAR) and _arg(scores, 2, "bias") is not None:
+        # the score layer's bias: a shift of every score (a softmax cancels it, a sigmoid not)
+        steps.append(("shift", "+", _arg(scores, 2, "bias")))
+    node = scores
+    helpers: list[fx.Node] = []  # scores.new_full(...) for a where: the scores' dtype only
+    sizes: list[tuple[fx.Node, int]] = []  # .size() of the chain, after this many shape ops
+    while True:
+        users = [u for u in node.users if u not in helpers or u.args[0] is node]
+        fills_in_place = [
+            u
+            for u in users
+            if (_is(u, {"masked_fill_"}) and u.args[0] is node) or _is_mask_setitem(u, node)
+        ]
+        for data in [u for u in users if getattr(u.target, "__name__", "") == "_get_data_attr"]:
+            # scores.data.masked_fill_(...): the forward sees the fill, autograd does not, and a
+            # softmax's backward gives those positions zero gradient all the same
+            inner = list(data.users)
+            if not inner or not all(_is(u, {"masked_fill_"}) and u.args[0] is data for u in inner):
+                raise NoMatch("the scores' .data is used other than by masked_fill_")
+            fills_in_place += inner
+            helpers.append(data)
+            users.remove(data)
+        for fill in fills_in_place:
+            if fill.users:
+                raise NoMatch("the result of an in-place masked_fill_ of the scores is used")
+            value = _arg(fill, 2, "value")
+            known = _number(_hint(value))
+            if known is None or not known <= MASK_FILL_MAX:
+                raise NoMatch(f"masked_fill_ with {_hint(value)!r}, not a very negative value")
+            mask = _peel_repeat(_arg(fill, 1, "mask"))
+            steps.append(("fill", mask, value, origin, _shape(node)))
+            helpers.insert(0, fill)  # erased before the .data it fills
+            if fill in users:
+                users.remove(fill)
+        extra = [
+            u
+            for u in users
+            if (_is(u, _NEW_FULL) and u.args[0] is node)
+            or (_is(u, {"type_as"}) and len(u.args) == 2 and u.args[1] is node)
+        ]  # they take only the scores' dtype (and device)
+        # `shape = scores.shape` (d2l's masked_softmax, to reshape back): asked of the weights
+        # after the same shape ops
+        for u in users:
+            if _is(u, _SIZES) and u.args[0] is node:
+                extra.append(u)
+                sizes.append((u, len(shape_ops)))
+        helpers += extra
+        normalised = _sigmoid_normalisation(node, [u for u in users if u not in extra])
+        if normalised is not None:
+            break
+        if len(users) - len(extra) != 1:
+            raise NoMatch(
+                f"the scores are used {len(users)} times (the fused op gives only the weights)"
+            )
+        user = next(u for u in users if u not in extra)
+        if _is(user, _SOFTMAX):
+            break
+        if _is(user, _CASTS) and user.args[0] is node:
+            # a dtype round trip (checked at the softmax): the op computes in the dtype; a cast
+            # down (float64 scores through .float()) rounds, which the op does not
+            before, after = _value(node), _value(user)
+            if (
+                isinstance(before, Tensor)
+                and isinstance(after, Tensor)
+                and after.is_floating_point()
+                and torch.finfo(after.dtype).eps > torch.finfo(before.dtype).eps
+            ):
+                raise NoMatch(f"{ROUNDED_SCORES} ({before.dtype} to {after.dtype})")
+        elif _is(user, _SHAPE_OPS):
+            if user.args[0] is not node:
+                raise NoMatch("a shape op takes the scores as other than its input")
+            origin = _shape_op_origin(user, origin)
+            shape_ops.append(user)
+        elif _is(user, _MASKED_FILL):
+            if user.args[0] is not node:
+                raise NoMatch("masked_fill takes the scores as its mask")
+            value = _arg(user, 2, "value")
+            known = _number(_hint(value))
+            if known is None or not known <= MASK_FILL_MAX:
+                raise NoMatch(f"masked_fill with {_hint(value)!r}, not a very negative value")
+            steps.append(("fill", _peel_repeat(_arg(user, 1, "mask")), value, origin, _shape(node)))
+        elif _is(user, _WHERE) and len(user.args) == 3 and user.args[1] is node:
+            value = user.args[2]
+            if isinstance(value, fx.Node) and _is(value, _NEW_FULL) and value.args[0] is node:
+                helpers.append(value)
+                value = _arg(value, 2, "fill_value")
+            known = _number(_hint(value))
+            if known is None or not known <= MASK_FILL_MAX:
+                raise NoMatch(f"where(mask, scores, {_hint(value)!r}): not a very negative value")
+            condition = user.args[0]
+            steps.append(("keep", _peel_repeat(condition), value, origin, _shape(node)))
+        elif (_is(user, _ADDS) or (_is(user, _SUBS) and user.args[0] is node)) and len(
+            user.args
+        ) == 2:
+            other = user.args[1] if user.args[0] is node else user.args[0]
+            sign = "-" if _is(user, _SUBS) else "+"
+            if isinstance(other, fx.Node) and isinstance(_value(other), Tensor):
+                other_shape, at = _shape(other), _shape(node)
+                if other_shape is None or at is None:
+                    raise NoMatch("something of unknown shape is added to the scores")
+                if all(map(_is_one, other_shape)) and len(other_shape) <= len(at):
+                    steps.append(("shift", sign, other))  # one element: every score moves
+                elif sign == "-":
+                    raise NoMatch("a tensor is subtracted from the scores")
+                else:
+                    steps.append(("add", _peel_repeat(other), None, origin, at))
+            else:
+                number = _number(other)
+                if number is None and isinstance(_value(other), (torch.SymFloat, torch.SymInt)):
+                    number = _number(_hint(other))  # a float attribute made an input
+                if number is None or not math.isfinite(number):
+                    raise NoMatch(f"the scores are shifted by {_hint(other)!r}, not a number")
+                steps.append(("shift", sign, other))
+        elif (_is(user, _DIV) or _is(user, _MUL)) and len(user.args) == 2 and not user.kwargs:
+            if user.args[0] is not node and _is(user, _DIV):
+                raise NoMatch("the scores divide something")
+            other = user.args[1] if user.args[0] is node else user.args[0]
+            number = _number(other)
+            if number is None and isinstance(_value(other), (torch.SymFloat, torch.SymInt)):
+                # a module's float attribute that TorchDynamo made an input (another instance
+                # had another value): its value comes in at run time, checked there too
+                number = _number(_hint(other))
+                if number is None:
+                    raise NoMatch("the scores are scaled by a number the trace cannot see")
+            if number is not None and not number > 0:
+                raise NoMatch(f"the scores are scaled by {number}")
+            if number is None:
+                if not isinstance(other, fx.Node) or _shape(other) is None:
+                    raise NoMatch("the scores are scaled by something that is not a number")
+                if math.prod(_value(other).shape) != 1:
+                    raise NoMatch(f"the scores are scaled by a tensor of shape {_shape(other)}")
+            steps.append(("scale", "div" if _is(user, _DIV) else "mul", other))
+        else:
+            raise NoMatch(f"the scores go into {user.target!r} before any softmax")
+        node = user
+    normalize, normalize_nodes = "softmax", []
+    if normalised is not None:  # sigmoid(e) / sum sigmoid(e): the division stands for the softmax
+        softmax, dim, normalize_nodes = normalised
+        normalize = "sigmoid"
+        kinds = [step[0] for step in steps]
+        if "shift" in kinds and any(k in ("fill", "keep", "add") for k in kinds):
+            first_mask = min(kinds.index(k) for k in ("fill", "keep", "add") if k in kinds)
+            if "shift" in kinds[first_mask:]:
+                # a sigmoid of (masked + b): the masked positions need not stay 0
+                raise NoMatch("sigmoid-normalised scores shifted after they are masked")
+    else:
+        softmax = user
+        if softmax.args[0] is not node:
+            raise NoMatch("the softmax takes the scores as other than its input")
+        dim = _arg(softmax, 1, "dim")
+        if dim is None and _shape(node) is not None:
+            # softmax(x) without a dim (deprecated, still common: nn.Softmax()) takes PyTorch's
+            # implicit one: 0 for 0, 1 or 3 dimensions, else 1
+            dim = 0 if len(_shape(node)) in (0, 1, 3) else 1
+        if (
+            not isinstance(dim, int)
+            or _arg(softmax, 3 if softmax.op == "call_function" else 2, "dtype") is not None
+        ):
+            raise NoMatch("softmax without an int dim, or with a dtype")
+    if _value(node).dtype != _value(scores).dtype:
+        raise NoMatch("the scores reach the softmax in another dtype")
+    memory_axis = origin[dim % len(origin)]
+    if memory_axis is None:
+        raise NoMatch("the softmax runs over an axis of size 1")
+    if isinstance(memory_axis, tuple):
+        raise NoMatch("the softmax runs over axes merged into one")
+    padded = {}
+    for term in terms:
+        term_shape = _shape(term)
+        if term_shape is None or len(term_shape) > rank:
+            raise NoMatch(f"a term of shape {term_shape} in a sum of shape {list(shape)}")
+        full_rank = (1,) * (rank - len(term_shape)) + term_shape
+        if not _same(full_rank[hidden], width):
+            raise NoMatch(f"a term of shape {term_shape} in a sum of shape {list(shape)}")
+        # the hidden axis moved last (the replacement moves it so)
+        padded[term] = full_rank[:hidden] + full_rank[hidden + 1 :] + (full_rank[hidden],)
+    varies = {t: {a for a in range(rank - 1) if not _is_one(s[a])} for t, s in padded.items()}
+    keys = [t for t in terms if memory_axis in varies[t]]
+    queries = [t for t in terms if memory_axis not in varies[t] and varies[t]]
+    biases = [t for t in terms if not varies[t]]
+    if keys and not queries:
+        # a batch of one (TorchDynamo fixes sizes of 1): the query term varies along no axis. A
+        # term computed from the call's inputs, not from parameters alone, is the query.
+        queries = [t for t in biases if _from_call_inputs(t)]
+        biases = [t for t in biases if t not in queries]
+    if not keys or not (queries or pooled):
+        raise NoMatch("no term of the sum varies along the softmax's axis, or none along another")
+    batch_axes = sorted(set().union(*(varies[t] for t in keys)) - {memory_axis})
+    query_axes = [a for a in range(rank - 1) if a != memory_axis and a not in batch_axes]
+    vector_shape = _shape(vector)
+    vector_axes = []
+    per_head = _is(scores, _SUM) and not all(map(_is_one, vector_shape[:-1]))  # (. * v).sum(-1)
+    if per_head:  # one vector per head: along batch axes only
+        padded_vector = (1,) * (rank - len(vector_shape)) + tuple(vector_shape)
+        vector_axes = [a for a in range(rank - 1) if not _is_one(padded_vector[a])]
+        if hidden != rank - 1 or any(
+            a not in batch_axes or not _same(padded_vector[a], shape[a]) for a in vector_axes
+        ):
+            raise NoMatch(
+                f"the score vector of shape {list(vector_shape)} varies along other axes than "
+                "the batch's"
+            )
+        batch_axes = vector_axes + [a for a in batch_axes if a not in vector_axes]
+    for step in steps:
+        if step[0] in ("fill", "add", "keep"):
+            _check_mask(step, query_axes)
+    return Match(
+        tanh,
+        softmax,
+        queries,
+        keys,
+        biases,
+        vector,
+        rank,
+        tuple(batch_axes),
+        tuple(query_axes),
+        memory_axis,
+        scores_origin,
+        hidden,
+        steps,
+        shape_ops,
+        split_nodes,
+        helpers,
+        sizes,
+        normalize,
+        normalize_nodes,
+        tuple(vector_axes),
+    )
+
+
+def _check_mask(step: tuple, query_axes: list[int]) -> None:
+    _, mask, _, origin, at_shape = step
+    mask_shape = _shape(mask)
+    if mask_shape is None or len(mask_shape) > len(origin):
+        raise NoMatch(f"a mask of shape {mask_shape} on scores of shape {list(at_shape)}")
+    mask_shape = (1,) * (len(origin) - len(mask_shape)) + mask_shape
+    if any(isinstance(axis, tuple) for axis in origin):
+        raise NoMatch("a mask on scores whose axes were merged")
+    for size, axis in zip(mask_shape, origin, strict=True):
+        if axis in query_axes and not _is_one(size):
+            raise NoMatch("the mask varies along a query axis")
+
+
+def find_matches(graph: fx.Graph) -> tuple[list[Match], list[str]]:
+    """(matches, why each other tanh over a sum is not one)."""
+    _functionalize_arithmetic(graph)
+    _unflatten_rows(graph)
+    matches, misses = [], []
+    for node in list(graph.nodes):
+        if not _is(node, _TANH):
+            continue
+        try:
+            match = _match_at(graph, node)
+            _check_not_written(node)
+            matches.append(match)
+        except NoMatch as exc:
+            misses.append(str(exc))
+    return matches, misses
