@@ -16,14 +16,9 @@ import torch.nn.functional as F
 from torch import Tensor, fx
 
 from seq2seq_fast.nn.convert.traced.nodes import (
-    _LINEAR,
     _ancestors,
-    _arg,
-    _is,
-    _shape,
-    _single,
 )
-from seq2seq_fast.nn.convert.traced.pattern import Match
+from seq2seq_fast.nn.convert.traced.plan import Plan
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.ops._torch_private import nn_linear
 
@@ -152,45 +147,8 @@ def _wrap_plain(value: Tensor) -> _Plain:
 _wrap_plain.__name__ = "plain_key_term"
 
 
-def _location_source(term: fx.Node):
-    """(features [B, Cin, T], conv weight [C, Cin, K], dense weight [A, C]) when ``term`` is
-    linear(conv1d(features, conv weight, same padding, odd K, no bias)^T, dense weight, no bias),
-    a location term the kernels can form themselves; else None."""
-    if not _is(term, _LINEAR) or _arg(term, 2, "bias") is not None:
-        return None
-    swap, dense = _arg(term, 0, "input"), _arg(term, 1, "weight")
-    if _is(swap, {"transpose"}) and len(swap.args) == 3:
-        if sorted(d % 3 for d in swap.args[1:3]) != [1, 2]:
-            return None
-    elif _is(swap, {"permute"}):
-        dims = list(swap.args[1:])
-        dims = list(dims[0]) if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
-        if dims != [0, 2, 1]:
-            return None
-    else:
-        return None
-    conv = swap.args[0]
-    if not _is(conv, {torch.conv1d, F.conv1d}) or len(swap.users) != 1 or len(conv.users) != 1:
-        return None
-    weight = _arg(conv, 1, "weight")
-    shape = _shape(weight)
-    if _arg(conv, 2, "bias") is not None or shape is None or len(shape) != 3:
-        return None
-    width = shape[2]
-    padding = _arg(conv, 4, "padding", 0)
-    if not isinstance(width, int) or width % 2 == 0:
-        return None
-    if padding != "same" and _single(padding) != width // 2:
-        return None
-    if _single(_arg(conv, 3, "stride", 1)) != 1 or _single(_arg(conv, 5, "dilation", 1)) != 1:
-        return None
-    if _arg(conv, 6, "groups", 1) != 1:
-        return None
-    return _arg(conv, 0, "input"), weight, dense
-
-
 class _LocationTerm:
-    """A location term (see :func:`_location_source`), formed inside the kernels where a
+    """A location term (see :class:`~seq2seq_fast.nn.convert.traced.plan.LocationSource`), formed inside the kernels where a
     decoder's training steps allow, else by the same ops as the original."""
 
     __slots__ = ("features", "conv_weight", "dense_weight")
@@ -214,17 +172,21 @@ def _location_term(features, conv_weight, dense_weight) -> _LocationTerm:
 _location_term.__name__ = "location_key_term"
 
 
-def _key_terms(graph: fx.Graph, match: Match, before: fx.Node) -> list[fx.Node]:
+def _key_terms(graph: fx.Graph, plan: Plan, before: fx.Node) -> list[fx.Node]:
+    """One node per key term, inserted before ``before``: a location term the kernels form, a
+    term computed from the graph's inputs by the replacement (and cached), or the graph's own
+    value."""
     terms = []
     with graph.inserting_before(before):
-        for term in match.key_terms:
-            location = _location_source(term) if len(match.key_terms) == 2 else None
-            if location is not None:
-                terms.append(graph.call_function(_location_term, location))
+        for key in plan.terms.keys:
+            if key.location is not None:
+                location = key.location
+                parts = (location.features, location.conv_weight, location.dense_weight)
+                terms.append(graph.call_function(_location_term, parts))
                 continue
-            found = _key_function(graph, term)
+            found = _key_function(graph, key.node)
             if found is None:
-                terms.append(graph.call_function(_wrap_plain, (term,)))
+                terms.append(graph.call_function(_wrap_plain, (key.node,)))
             else:
                 function, inputs = found
                 terms.append(graph.call_function(_Bound(KeyTerm(function)), tuple(inputs)))

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +63,7 @@ from seq2seq_fast.nn.convert.traced.nodes import (
     _number,
     _same,
     _shape,
+    _single,
     _single_user,
     _size_hint,
     _terms,
@@ -73,6 +73,19 @@ from seq2seq_fast.nn.convert.traced.passes import (
     _check_not_written,
     _functionalize_arithmetic,
     _unflatten_rows,
+)
+from seq2seq_fast.nn.convert.traced.plan import (
+    Heads,
+    KeyTerm,
+    Layout,
+    LocationSource,
+    Mask,
+    Normalisation,
+    Plan,
+    Scale,
+    Shift,
+    Site,
+    Terms,
 )
 from seq2seq_fast.ops._torch_private import nn_linear
 
@@ -333,45 +346,6 @@ def _from_call_inputs(node: fx.Node) -> bool:
     return False
 
 
-@dataclass
-class Match:
-    """One additive attention found in a graph (see the module docstring)."""
-
-    tanh: fx.Node
-    softmax: fx.Node
-    query_terms: list[fx.Node]
-    key_terms: list[fx.Node]
-    bias_terms: list[fx.Node]
-    vector: fx.Node
-    rank: int  # of the pre-activation, hidden axis included
-    batch_axes: tuple[int, ...]
-    query_axes: tuple[int, ...]
-    memory_axis: int
-    scores_origin: tuple  # the pre-activation's axis each axis of the projection's output is
-    hidden_axis: int
-    # ("scale", op, node|number), ("shift", sign, node|number), ("fill", ...), ("keep", ...),
-    # ("add", ...) in the chain's order
-    steps: list[tuple] = field(default_factory=list)
-    shape_ops: list[fx.Node] = field(default_factory=list)
-    split_nodes: list[fx.Node] = field(default_factory=list)
-    helpers: list[fx.Node] = field(default_factory=list)  # new_full(scores, ...): dtype only
-    sizes: list[tuple[fx.Node, int]] = field(default_factory=list)  # (size, after k shape ops)
-    normalize: str = "softmax"  # or "sigmoid": `softmax` is then the division
-    normalize_nodes: list[fx.Node] = field(default_factory=list)  # the sum, then the sigmoids
-    # batch axes along which the score vector varies (one vector per head), first in batch_axes
-    vector_axes: tuple[int, ...] = ()
-
-    def describe(self) -> str:
-        kinds = [s[0] + (f"({s[1]})" if s[0] in ("scale", "shift") else "") for s in self.steps]
-        return (
-            f"{len(self.query_terms)} query and {len(self.key_terms)} key term(s)"
-            + (", a bias" if self.bias_terms else "")
-            + (f", then {', '.join(kinds)}" if kinds else "")
-            + (", sigmoid-normalised" if self.normalize == "sigmoid" else "")
-            + (", a score vector per head" if self.vector_axes else "")
-        )
-
-
 def _sigmoid_normalisation(node: fx.Node, users: list[fx.Node]):
     """(division, dim, [sum, sigmoids]) where ``users`` of the scores ``node`` are one or two
     sigmoid(node) whose only uses are sigmoid(node) / sigmoid(node).sum(dim, keepdim=True) (the
@@ -406,7 +380,7 @@ def _sigmoid_normalisation(node: fx.Node, users: list[fx.Node]):
     return division, dim, [total, *users]
 
 
-def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
+def _match_at(graph: fx.Graph, tanh: fx.Node) -> Plan:
     inner = tanh.args[0] if tanh.args else tanh.kwargs.get("input")
     shape = _shape(tanh)
     if not isinstance(inner, fx.Node) or shape is None or len(shape) < 2:
@@ -430,7 +404,7 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
     steps, shape_ops = [], []
     if _is(scores, _LINEAR) and _arg(scores, 2, "bias") is not None:
         # the score layer's bias: a shift of every score (a softmax cancels it, a sigmoid not)
-        steps.append(("shift", "+", _arg(scores, 2, "bias")))
+        steps.append(Shift(sign="+", amount=_arg(scores, 2, "bias")))
     node = scores
     helpers: list[fx.Node] = []  # scores.new_full(...) for a where: the scores' dtype only
     sizes: list[tuple[fx.Node, int]] = []  # .size() of the chain, after this many shape ops
@@ -458,7 +432,9 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
             if known is None or not known <= MASK_FILL_MAX:
                 raise NoMatch(f"masked_fill_ with {_hint(value)!r}, not a very negative value")
             mask = _peel_repeat(_arg(fill, 1, "mask"))
-            steps.append(("fill", mask, value, origin, _shape(node)))
+            steps.append(
+                Mask(kind="fill", mask=mask, fill=value, origin=origin, at_shape=_shape(node))
+            )
             helpers.insert(0, fill)  # erased before the .data it fills
             if fill in users:
                 users.remove(fill)
@@ -508,7 +484,10 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
             known = _number(_hint(value))
             if known is None or not known <= MASK_FILL_MAX:
                 raise NoMatch(f"masked_fill with {_hint(value)!r}, not a very negative value")
-            steps.append(("fill", _peel_repeat(_arg(user, 1, "mask")), value, origin, _shape(node)))
+            mask = _peel_repeat(_arg(user, 1, "mask"))
+            steps.append(
+                Mask(kind="fill", mask=mask, fill=value, origin=origin, at_shape=_shape(node))
+            )
         elif _is(user, _WHERE) and len(user.args) == 3 and user.args[1] is node:
             value = user.args[2]
             if isinstance(value, fx.Node) and _is(value, _NEW_FULL) and value.args[0] is node:
@@ -518,7 +497,10 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
             if known is None or not known <= MASK_FILL_MAX:
                 raise NoMatch(f"where(mask, scores, {_hint(value)!r}): not a very negative value")
             condition = user.args[0]
-            steps.append(("keep", _peel_repeat(condition), value, origin, _shape(node)))
+            mask = _peel_repeat(condition)
+            steps.append(
+                Mask(kind="keep", mask=mask, fill=value, origin=origin, at_shape=_shape(node))
+            )
         elif (_is(user, _ADDS) or (_is(user, _SUBS) and user.args[0] is node)) and len(
             user.args
         ) == 2:
@@ -529,18 +511,19 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
                 if other_shape is None or at is None:
                     raise NoMatch("something of unknown shape is added to the scores")
                 if all(map(_is_one, other_shape)) and len(other_shape) <= len(at):
-                    steps.append(("shift", sign, other))  # one element: every score moves
+                    steps.append(Shift(sign=sign, amount=other))  # one element: every score moves
                 elif sign == "-":
                     raise NoMatch("a tensor is subtracted from the scores")
                 else:
-                    steps.append(("add", _peel_repeat(other), None, origin, at))
+                    mask = _peel_repeat(other)
+                    steps.append(Mask(kind="add", mask=mask, fill=None, origin=origin, at_shape=at))
             else:
                 number = _number(other)
                 if number is None and isinstance(_value(other), (torch.SymFloat, torch.SymInt)):
                     number = _number(_hint(other))  # a float attribute made an input
                 if number is None or not math.isfinite(number):
                     raise NoMatch(f"the scores are shifted by {_hint(other)!r}, not a number")
-                steps.append(("shift", sign, other))
+                steps.append(Shift(sign=sign, amount=other))
         elif (_is(user, _DIV) or _is(user, _MUL)) and len(user.args) == 2 and not user.kwargs:
             if user.args[0] is not node and _is(user, _DIV):
                 raise NoMatch("the scores divide something")
@@ -559,7 +542,7 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
                     raise NoMatch("the scores are scaled by something that is not a number")
                 if math.prod(_value(other).shape) != 1:
                     raise NoMatch(f"the scores are scaled by a tensor of shape {_shape(other)}")
-            steps.append(("scale", "div" if _is(user, _DIV) else "mul", other))
+            steps.append(Scale(op="div" if _is(user, _DIV) else "mul", factor=other))
         else:
             raise NoMatch(f"the scores go into {user.target!r} before any softmax")
         node = user
@@ -567,7 +550,10 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
     if normalised is not None:  # sigmoid(e) / sum sigmoid(e): the division stands for the softmax
         softmax, dim, normalize_nodes = normalised
         normalize = "sigmoid"
-        kinds = [step[0] for step in steps]
+        kinds = [
+            step.kind if isinstance(step, Mask) else "shift" if isinstance(step, Shift) else "scale"
+            for step in steps
+        ]
         if "shift" in kinds and any(k in ("fill", "keep", "add") for k in kinds):
             first_mask = min(kinds.index(k) for k in ("fill", "keep", "add") if k in kinds)
             if "shift" in kinds[first_mask:]:
@@ -632,34 +618,49 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Match:
             )
         batch_axes = vector_axes + [a for a in batch_axes if a not in vector_axes]
     for step in steps:
-        if step[0] in ("fill", "add", "keep"):
+        if isinstance(step, Mask):
             _check_mask(step, query_axes)
-    return Match(
-        tanh,
-        softmax,
-        queries,
-        keys,
-        biases,
-        vector,
-        rank,
-        tuple(batch_axes),
-        tuple(query_axes),
-        memory_axis,
-        scores_origin,
-        hidden,
-        steps,
-        shape_ops,
-        split_nodes,
-        helpers,
-        sizes,
-        normalize,
-        normalize_nodes,
-        tuple(vector_axes),
+    return Plan(
+        terms=Terms(
+            queries=tuple(queries),
+            keys=_key_terms_of(keys),
+            biases=tuple(biases),
+            learned_query=not queries,
+        ),
+        vector=vector,
+        layout=Layout(
+            rank=rank,
+            batch_axes=tuple(batch_axes),
+            query_axes=tuple(query_axes),
+            memory_axis=memory_axis,
+            hidden_axis=hidden,
+            scores_origin=scores_origin,
+        ),
+        steps=tuple(steps),
+        normalisation=Normalisation(kind=normalize, nodes=tuple(normalize_nodes)),
+        heads=Heads(vector_axes=tuple(vector_axes)),
+        site=Site(
+            tanh=tanh,
+            output=softmax,
+            shape_ops=tuple(shape_ops),
+            split_nodes=tuple(split_nodes),
+            helpers=tuple(helpers),
+            sizes=tuple(sizes),
+        ),
     )
 
 
-def _check_mask(step: tuple, query_axes: list[int]) -> None:
-    _, mask, _, origin, at_shape = step
+def _key_terms_of(keys: list[fx.Node]) -> tuple[KeyTerm, ...]:
+    """The key terms, each with its location source where the kernels can form it (only beside
+    one other key term: a memory projection plus a location term)."""
+    return tuple(
+        KeyTerm(node=key, location=_location_source(key) if len(keys) == 2 else None)
+        for key in keys
+    )
+
+
+def _check_mask(step: Mask, query_axes: list[int]) -> None:
+    mask, origin, at_shape = step.mask, step.origin, step.at_shape
     mask_shape = _shape(mask)
     if mask_shape is None or len(mask_shape) > len(origin):
         raise NoMatch(f"a mask of shape {mask_shape} on scores of shape {list(at_shape)}")
@@ -671,7 +672,42 @@ def _check_mask(step: tuple, query_axes: list[int]) -> None:
             raise NoMatch("the mask varies along a query axis")
 
 
-def find_matches(graph: fx.Graph) -> tuple[list[Match], list[str]]:
+def _location_source(term: fx.Node):
+    """The location source of ``term`` (see :class:`LocationSource`) where it is one; else None."""
+    if not _is(term, _LINEAR) or _arg(term, 2, "bias") is not None:
+        return None
+    swap, dense = _arg(term, 0, "input"), _arg(term, 1, "weight")
+    if _is(swap, {"transpose"}) and len(swap.args) == 3:
+        if sorted(d % 3 for d in swap.args[1:3]) != [1, 2]:
+            return None
+    elif _is(swap, {"permute"}):
+        dims = list(swap.args[1:])
+        dims = list(dims[0]) if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
+        if dims != [0, 2, 1]:
+            return None
+    else:
+        return None
+    conv = swap.args[0]
+    if not _is(conv, {torch.conv1d, F.conv1d}) or len(swap.users) != 1 or len(conv.users) != 1:
+        return None
+    weight = _arg(conv, 1, "weight")
+    shape = _shape(weight)
+    if _arg(conv, 2, "bias") is not None or shape is None or len(shape) != 3:
+        return None
+    width = shape[2]
+    padding = _arg(conv, 4, "padding", 0)
+    if not isinstance(width, int) or width % 2 == 0:
+        return None
+    if padding != "same" and _single(padding) != width // 2:
+        return None
+    if _single(_arg(conv, 3, "stride", 1)) != 1 or _single(_arg(conv, 5, "dilation", 1)) != 1:
+        return None
+    if _arg(conv, 6, "groups", 1) != 1:
+        return None
+    return LocationSource(features=_arg(conv, 0, "input"), conv_weight=weight, dense_weight=dense)
+
+
+def find_matches(graph: fx.Graph) -> tuple[list[Plan], list[str]]:
     """(matches, why each other tanh over a sum is not one)."""
     _functionalize_arithmetic(graph)
     _unflatten_rows(graph)

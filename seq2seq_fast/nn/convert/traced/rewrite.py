@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, fx
@@ -16,7 +15,7 @@ from torch import Tensor, fx
 from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert.traced.key_terms import _key_terms, _LocationTerm, _Plain
 from seq2seq_fast.nn.convert.traced.nodes import _NEW_FULL, MASK_FILL_MAX, _is
-from seq2seq_fast.nn.convert.traced.pattern import Match
+from seq2seq_fast.nn.convert.traced.plan import Layout, Mask, Plan, Scale, Shift, Site
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepwiseMemory
 from seq2seq_fast.ops._checks import masking
@@ -25,41 +24,24 @@ from seq2seq_fast.ops.additive_attention import additive_attention
 # --- the replacement ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Plan:
-    """What :func:`traced_weights` needs to know of a match besides its tensors."""
-
-    rank: int
-    batch_axes: tuple[int, ...]
-    query_axes: tuple[int, ...]
-    memory_axis: int
-    scores_origin: tuple
-    hidden_axis: int
-    # ("scale", "mul"|"div") | ("shift", "+"|"-") | ("fill"|"keep"|"add", None, origin)
-    steps: tuple
-    backend: str
-    normalize: str = "softmax"  # or "sigmoid" (sigmoid(e) / sum sigmoid(e))
-    vector_axes: tuple[int, ...] = ()  # one score vector per index of these (leading) batch axes
-
-
 def _pad(t: Tensor, rank: int) -> Tensor:
     return t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)) if t.dim() < rank else t
 
 
-def _mask_to_rows(mask: Tensor, origin: tuple, plan: Plan, full: tuple) -> Tensor:
+def _mask_to_rows(mask: Tensor, origin: tuple, layout: Layout, full: tuple) -> Tensor:
     """A mask on the scores (in their layout at that step) -> [B', S] over the op's rows."""
     mask = _pad(mask, len(origin))
     index = tuple(0 if axis is None else slice(None) for axis in origin)
     mask = mask[index]  # the inserted 1-axes dropped
     axes = [axis for axis in origin if axis is not None]
-    leading = plan.rank - 1
+    leading = layout.rank - 1
     order = [axes.index(a) if a in axes else None for a in range(leading)]
     shape = [mask.shape[o] if o is not None else 1 for o in order]
     mask = mask.permute([o for o in order if o is not None]).reshape(shape)
-    target = [1 if a in plan.query_axes else full[a] for a in range(leading)]
-    rows = plan.batch_axes + plan.query_axes + (plan.memory_axis,)
+    target = [1 if a in layout.query_axes else full[a] for a in range(leading)]
+    rows = layout.batch_axes + layout.query_axes + (layout.memory_axis,)
     mask = mask.expand(target).permute(rows)
-    return mask.reshape(-1, full[plan.memory_axis])
+    return mask.reshape(-1, full[layout.memory_axis])
 
 
 def _fill_value(value) -> float:
@@ -99,7 +81,8 @@ def recorded_runs():
 
 class TracedWeights:
     """The callable that replaces a match's sum ... softmax in the graph (see :func:`rewrite`):
-    the weights in the projection's output layout (``Plan.scores_origin``)."""
+    the weights in the projection's output layout (``Layout.scores_origin``). It reads the plan's
+    structure only; the plan's values come in as its call's arguments (see :func:`rewrite`)."""
 
     __name__ = "traced_weights"
     # how many times any converted module ran a replacement: a statistic for tests, never read
@@ -107,8 +90,9 @@ class TracedWeights:
     calls = 0
     description = ""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, backend: str) -> None:
         self.plan = plan
+        self.backend = backend
         self.layout_cache = ProjectionCache()
         self.fixed_cache = ProjectionCache()
         self.mask_cache = ProjectionCache()
@@ -118,12 +102,15 @@ class TracedWeights:
         for log in getattr(_RUNS, "logs", ()):
             log.append(self)
         plan = self.plan
-        rank = plan.rank
-        hidden = plan.hidden_axis
+        rank = plan.layout.rank
+        hidden = plan.layout.hidden_axis
         queries = [_pad(t, rank).movedim(hidden, -1) for t in queries]
         location = next((t for t in keys if isinstance(t, _LocationTerm)), None)
         if location is not None and not (
-            rank == 3 and hidden == 2 and plan.memory_axis == 1 and plan.batch_axes == (0,)
+            rank == 3
+            and hidden == 2
+            and plan.layout.memory_axis == 1
+            and plan.layout.batch_axes == (0,)
         ):
             keys = [t if t is not location else _Plain(t.value()) for t in keys]
             location = None
@@ -135,11 +122,11 @@ class TracedWeights:
             shapes.append(location.shape())
         full = torch.broadcast_shapes(*shapes)
         width = full[-1]
-        rows = plan.batch_axes + plan.query_axes + (plan.memory_axis, rank - 1)
-        batch = math.prod(full[a] for a in plan.batch_axes)
-        steps_q = math.prod(full[a] for a in plan.query_axes)
-        frames = full[plan.memory_axis]
-        key_shape = [1 if a in plan.query_axes else full[a] for a in range(rank)]
+        rows = plan.layout.batch_axes + plan.layout.query_axes + (plan.layout.memory_axis, rank - 1)
+        batch = math.prod(full[a] for a in plan.layout.batch_axes)
+        steps_q = math.prod(full[a] for a in plan.layout.query_axes)
+        frames = full[plan.layout.memory_axis]
+        key_shape = [1 if a in plan.layout.query_axes else full[a] for a in range(rank)]
 
         def canonical(t):
             return t.expand(key_shape).permute(rows).reshape(batch, frames, width)
@@ -147,7 +134,7 @@ class TracedWeights:
         memory = values = None
         if location is not None:  # the fixed part of the keys, kept while the memory is
             key, values = self._fixed(values_of_terms[0], raw[0], canonical, full)
-        elif len(raw) == 1 and not plan.vector_axes:
+        elif len(raw) == 1 and not plan.heads.vector_axes:
             # one key term: its layout and memory kept with it (a decoder's steps)
             key, values, memory = self._memory(values_of_terms[0], raw[0], canonical, full)
         else:
@@ -160,7 +147,7 @@ class TracedWeights:
             query = queries[0]
             for t in queries[1:]:
                 query = query + t
-            query_shape = [1 if a == plan.memory_axis else full[a] for a in range(rank)]
+            query_shape = [1 if a == plan.layout.memory_axis else full[a] for a in range(rank)]
             query = query.expand(query_shape).permute(rows).reshape(batch, steps_q, width)
         else:  # attention pooling: a learned vector scores the keys alone
             query = key.new_zeros(batch, steps_q, width)
@@ -168,29 +155,29 @@ class TracedWeights:
         for t in biases:
             t = t.reshape(width)
             bias = t if bias is None else bias + t
-        groups = math.prod(full[a] for a in plan.vector_axes)
-        v = vector.reshape(groups, width) if plan.vector_axes else vector.reshape(width)
+        groups = math.prod(full[a] for a in plan.heads.vector_axes)
+        v = vector.reshape(groups, width) if plan.heads.vector_axes else vector.reshape(width)
         plain = False
         v_eff, score_bias = v, None  # e' = v_eff . tanh(...) + score_bias: the scaled, shifted e
         scale_iter, shift_iter = iter(scales), iter(shifts)
         for step in plan.steps:
-            if step[0] == "scale":
+            if isinstance(step, Scale):
                 factor = next(scale_iter)
                 if isinstance(factor, Tensor):
                     factor = factor.reshape(())
                 plain |= not bool(factor > 0)
-                if step[1] == "mul":
+                if step.op == "mul":
                     v_eff = v_eff * factor
                     score_bias = None if score_bias is None else score_bias * factor
                 else:
                     v_eff = v_eff / factor
                     score_bias = None if score_bias is None else score_bias / factor
-            elif step[0] == "shift":
+            elif isinstance(step, Shift):
                 shift = next(shift_iter)
                 shift = shift.reshape(()) if isinstance(shift, Tensor) else float(shift)
-                shift = -shift if step[1] == "-" else shift
+                shift = -shift if step.sign == "-" else shift
                 score_bias = shift if score_bias is None else score_bias + shift
-        if plan.normalize == "softmax":
+        if plan.normalisation.kind == "softmax":
             score_bias = None  # a softmax cancels it
         invalid = options = None
         graded = [m for m in masks if isinstance(m, Tensor) and m.requires_grad]
@@ -198,7 +185,9 @@ class TracedWeights:
             fill_values = tuple(_fill_value(f) for f in fills)
             invalid, not_exact, options, graded = self._masks(masks, fill_values, full, graded)
             plain |= not_exact
-        plain |= bool(graded) and plan.normalize != "softmax"  # (the Jacobian below: softmax's)
+        plain |= (
+            bool(graded) and plan.normalisation.kind != "softmax"
+        )  # (the Jacobian below: softmax's)
         if location is not None and (plain or graded or steps_q != 1):
             key = key + location.value()  # [B, T, A] already: the op's layout
             location = None
@@ -210,18 +199,18 @@ class TracedWeights:
             parts = (location.features, location.conv_weight, location.dense_weight)
             _, weights = attend_location(
                 self,
-                plan.backend,
+                self.backend,
                 step_query,
                 key,
                 parts,
                 values,
                 v_eff,
                 valid,
-                plan.normalize,
+                plan.normalisation.kind,
                 score_bias,
             )
             weights = weights.unsqueeze(1)
-        elif plan.vector_axes:  # a score vector per head: the op once per head, over its rows
+        elif plan.heads.vector_axes:  # a score vector per head: the op once per head, over its rows
             options = {} if options is None else options
             rows_per = batch // groups
             parts = []
@@ -234,8 +223,8 @@ class TracedWeights:
                     v_eff[g],
                     bias,
                     **{name: t if t is None else t[part] for name, t in options.items()},
-                    normalize=plan.normalize,
-                    backend=plan.backend,
+                    normalize=plan.normalisation.kind,
+                    backend=self.backend,
                     score_bias=score_bias,
                 )
                 parts.append(w)
@@ -250,8 +239,8 @@ class TracedWeights:
                 bias,
                 **options,
                 stepwise=memory,
-                normalize=plan.normalize,
-                backend=plan.backend,
+                normalize=plan.normalisation.kind,
+                backend=self.backend,
                 score_bias=score_bias,
             )
         if graded and not plain:  # a float mask's gradient: the softmax's Jacobian, by a term
@@ -260,10 +249,10 @@ class TracedWeights:
             moved = fixed * shift
             weights = weights + moved - fixed * moved.sum(-1, keepdim=True)
         weights = weights.reshape(
-            [full[a] for a in plan.batch_axes + plan.query_axes] + [frames]
+            [full[a] for a in plan.layout.batch_axes + plan.layout.query_axes] + [frames]
         ).permute([rows.index(a) for a in range(rank - 1)])
-        weights = weights.permute([a for a in plan.scores_origin if a is not None])
-        for axis, source in enumerate(plan.scores_origin):  # the projection's added 1-axes
+        weights = weights.permute([a for a in plan.layout.scores_origin if a is not None])
+        for axis, source in enumerate(plan.layout.scores_origin):  # the projection's added 1-axes
             if source is None:
                 weights = weights.unsqueeze(axis)
         return weights
@@ -279,12 +268,12 @@ class TracedWeights:
             invalid, not_exact, graded_rows = None, False, []
             fills = iter(fill_values)
             for step, mask in zip(
-                [step for step in plan.steps if step[0] in ("fill", "keep", "add")],
+                [step for step in plan.steps if isinstance(step, Mask)],
                 masks,
                 strict=True,
             ):
-                rows = _mask_to_rows(mask, step[2], plan, full)
-                if step[0] == "add":
+                rows = _mask_to_rows(mask, step.origin, plan.layout, full)
+                if step.kind == "add":
                     pure = (rows == 0) | (rows <= MASK_FILL_MAX)
                     not_exact |= not bool(pure.all())
                     if rows.requires_grad:
@@ -292,7 +281,7 @@ class TracedWeights:
                     rows = rows != 0
                 else:
                     rows = rows.to(torch.bool)
-                    rows = rows if step[0] == "fill" else ~rows
+                    rows = rows if step.kind == "fill" else ~rows
                     not_exact |= not next(fills) <= MASK_FILL_MAX
                 invalid = rows if invalid is None else invalid | rows
             not_exact |= bool(invalid.all(dim=1).any())  # a row without a valid frame
@@ -321,7 +310,7 @@ class TracedWeights:
         def compute():
             key = canonical(raw).contiguous()
             values = key.new_zeros(key.shape[0], key.shape[1], 1)
-            memory = StepwiseMemory.for_training(key, values, self.plan.backend)
+            memory = StepwiseMemory.for_training(key, values, self.backend)
             if memory is None:
                 return key, values, None, key
             return memory.keys, memory.values, memory, key
@@ -336,105 +325,88 @@ class TracedWeights:
         scores = _plain_scores(query, key, bias, v)  # [B', T', S]
         scale_index, mask_index, fill_index, shift_index = 0, 0, 0, 0
         for step in plan.steps:
-            if step[0] == "scale":
+            if isinstance(step, Scale):
                 factor = scales[scale_index]
                 scale_index += 1
-                scores = scores * factor if step[1] == "mul" else scores / factor
-            elif step[0] == "shift":
+                scores = scores * factor if step.op == "mul" else scores / factor
+            elif isinstance(step, Shift):
                 shift = shifts[shift_index]
                 shift_index += 1
                 shift = shift.reshape(()) if isinstance(shift, Tensor) else shift
-                scores = scores + shift if step[1] == "+" else scores - shift
+                scores = scores + shift if step.sign == "+" else scores - shift
             else:
-                mask = _mask_to_rows(masks[mask_index], step[2], plan, full).unsqueeze(1)
+                mask = _mask_to_rows(masks[mask_index], step.origin, plan.layout, full).unsqueeze(1)
                 mask_index += 1
-                if step[0] == "add":
+                if step.kind == "add":
                     scores = scores + mask
                 else:
                     mask = mask.to(torch.bool)
-                    mask = mask if step[0] == "fill" else ~mask
+                    mask = mask if step.kind == "fill" else ~mask
                     scores = scores.masked_fill(mask, _fill_value(fills[fill_index]))
                     fill_index += 1
-        if plan.normalize == "sigmoid":
+        if plan.normalisation.kind == "sigmoid":
             return torch.sigmoid(scores) / torch.sigmoid(scores).sum(-1, keepdim=True)
         return torch.softmax(scores, dim=-1)
 
 
-def rewrite(graph: fx.Graph, match: Match, backend: str) -> None:
-    """Replace ``match``'s sum ... softmax by one :class:`TracedWeights` call (the shape ops between
-    the scores and the softmax applied again to its weights)."""
-    plan_steps, scales, masks, fills, shifts = [], [], [], [], []
-    for step in match.steps:
-        if step[0] == "scale":
-            plan_steps.append(("scale", step[1]))
-            scales.append(step[2])
-        elif step[0] == "shift":
-            plan_steps.append(("shift", step[1]))
-            shifts.append(step[2])
-        elif step[0] in ("fill", "keep"):
-            plan_steps.append((step[0], None, step[3]))
-            masks.append(step[1])
-            fills.append(step[2])
-        else:
-            plan_steps.append(("add", None, step[3]))
-            masks.append(step[1])
-    key_terms = _key_terms(graph, match, match.softmax)
-    plan = Plan(
-        match.rank,
-        match.batch_axes,
-        match.query_axes,
-        match.memory_axis,
-        match.scores_origin,
-        match.hidden_axis,
-        tuple(plan_steps),
-        backend,
-        match.normalize,
-        match.vector_axes,
-    )
-    with graph.inserting_before(match.softmax):
-        replacement = TracedWeights(plan)
-        replacement.description = match.describe()
-        node = graph.call_function(
-            replacement,
-            (
-                match.query_terms,
-                key_terms,
-                match.bias_terms,
-                match.vector,
-                scales,
-                masks,
-                fills,
-                shifts,
-            ),
+def rewrite(graph: fx.Graph, plan: Plan, backend: str) -> None:
+    """Replace ``plan``'s sum ... normaliser by one :class:`TracedWeights` call (the shape ops
+    between the scores and the normaliser applied again to its weights). Its arguments: the query
+    terms, the key terms (see key_terms.py), the bias terms, the score vector, then the steps'
+    values in step order: each Scale's factor, each Mask's mask, each "fill"/"keep" Mask's fill,
+    each Shift's amount."""
+    scales = [step.factor for step in plan.steps if isinstance(step, Scale)]
+    shifts = [step.amount for step in plan.steps if isinstance(step, Shift)]
+    masks = [step.mask for step in plan.steps if isinstance(step, Mask)]
+    fills = [step.fill for step in plan.steps if isinstance(step, Mask) and step.kind != "add"]
+    site = plan.site
+    key_terms = _key_terms(graph, plan, site.output)
+    with graph.inserting_before(site.output):
+        replacement = TracedWeights(plan, backend)
+        replacement.description = plan.describe()
+        arguments = (plan.terms.queries, key_terms, plan.terms.biases, plan.vector)
+        node = graph.call_function(replacement, (*arguments, scales, masks, fills, shifts))
+        node, sizes = _shape_ops_again(graph, site, node)
+    site.output.replace_all_uses_with(node)
+    graph.erase_node(site.output)
+    _erase_the_original(graph, plan, sizes)
+
+
+def _shape_ops_again(graph: fx.Graph, site: Site, node: fx.Node) -> tuple[fx.Node, dict]:
+    """(the weights through the site's shape ops again, {the chain's .size() / .dim(): the same
+    asked of the weights at the same point})."""
+    sizes = {}
+
+    def ask_sizes(applied: int, of: fx.Node) -> None:
+        for helper, at in site.sizes:
+            if at == applied:
+                sizes[helper] = graph.call_method(helper.target, (of, *helper.args[1:]))
+                sizes[helper].meta.update(helper.meta)
+
+    ask_sizes(0, node)
+    for k, op in enumerate(site.shape_ops):
+        node = graph.node_copy(
+            op, lambda n, prev=node, src=op: prev if n is src.args[0] else sizes.get(n, n)
         )
-        sizes = {}  # the chain's .size() / .dim(): asked of the weights at the same point
+        ask_sizes(k + 1, node)
+    return node, sizes
 
-        def ask_sizes(applied: int, of: fx.Node) -> None:
-            for helper, at in match.sizes:
-                if at == applied:
-                    sizes[helper] = graph.call_method(helper.target, (of, *helper.args[1:]))
-                    sizes[helper].meta.update(helper.meta)
 
-        ask_sizes(0, node)
-        for k, op in enumerate(match.shape_ops):
-            node = graph.node_copy(
-                op, lambda n, prev=node, src=op: prev if n is src.args[0] else sizes.get(n, n)
-            )
-            ask_sizes(k + 1, node)
-    match.softmax.replace_all_uses_with(node)
-    graph.erase_node(match.softmax)
-    for op in match.normalize_nodes:  # the sigmoid normalisation's sum, then its sigmoids
+def _erase_the_original(graph: fx.Graph, plan: Plan, sizes: dict) -> None:
+    """The normaliser's other nodes, the helpers and the original shape ops, once the weights
+    replace the normaliser's output."""
+    for op in plan.normalisation.nodes:  # the sigmoid normalisation's sum, then its sigmoids
         graph.erase_node(op)
-    for helper in match.helpers:
+    for helper in plan.site.helpers:
         if _is(helper, _NEW_FULL):  # new_full(scores, ...): dtype and device from the vector
-            helper.replace_input_with(helper.args[0], match.vector)
+            helper.replace_input_with(helper.args[0], plan.vector)
         elif _is(helper, {"type_as"}):  # x.type_as(scores) (dead if x is the scores' chain)
-            helper.replace_input_with(helper.args[1], match.vector)
+            helper.replace_input_with(helper.args[1], plan.vector)
         elif helper not in sizes:  # an in-place fill of the scores or of their .data: in the
             graph.erase_node(helper)  # op's mask now
     # the original shape ops (dead now, but a graph whose scores are written in place may keep
     # them), then the sizes asked of them
-    for op in reversed(match.shape_ops):
+    for op in reversed(plan.site.shape_ops):
         if not op.users:
             graph.erase_node(op)
     for helper, size in sizes.items():  # its other users come after the weights too
