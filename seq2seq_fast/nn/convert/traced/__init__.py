@@ -9,8 +9,8 @@ After the named layouts have taken what they recognise, every other module that 
 2. ``runtime.py``: once the outermost watched call has returned, the chosen module's ``forward``
    is traced by TorchDynamo and the pattern is replaced in its graph
    (``pattern.py`` finds it, after the graph passes of ``passes.py``, on the helpers of
-   ``nodes.py``; ``key_terms.py`` computes the key side at run time; ``rewrite.py`` builds the
-   replacement, ``TracedWeights``); a float64 probe of outputs and every gradient on the first
+   ``nodes.py``, and returns a typed ``Plan``, ``plan.py``; ``rewrite.py`` turns the plan into
+   one ``TracedWeights`` call; ``key_terms.py`` computes the key side at run time); a float64 probe of outputs and every gradient on the first
    call's input decides; then the module's class is swapped for a traced subclass, in place.
 
 What was found for each watched module goes into the :class:`ConversionReport` that

@@ -381,205 +381,307 @@ def _sigmoid_normalisation(node: fx.Node, users: list[fx.Node]):
 
 
 def _match_at(graph: fx.Graph, tanh: fx.Node) -> Plan:
+    """The plan of the additive attention whose tanh is ``tanh``, or NoMatch saying why not."""
     inner = tanh.args[0] if tanh.args else tanh.kwargs.get("input")
     shape = _shape(tanh)
     if not isinstance(inner, fx.Node) or shape is None or len(shape) < 2:
         raise NoMatch("the tanh's input is not a tensor of rank 2 or more")
     rank = len(shape)
     scores, vector, origin, hidden = _projection(tanh, shape, rank)
-    terms, split_nodes = [_peel_repeat(t, rank - 1 - hidden) for t in _terms(inner)], []
-    pooled = None  # attention pooling: one Linear inside the tanh, a learned vector, no query
-    width = shape[hidden]
-    if len(terms) == 1:
-        split = _split_concat_linear(graph, terms[0]) if hidden == rank - 1 else None
-        if split is None and hidden == rank - 1:
-            # attention pooling, tanh(W h + b) against a learned vector: one key term (and its
-            # bias), no query; the op runs it with a zero query
-            split = pooled = _split_linear_bias(graph, terms[0])
-        if split is None:
-            raise NoMatch("the tanh's input is not a sum of two or more terms, nor one Linear")
-        split_nodes = [n for n in split if n.op == "call_function" and n.target is not None]
-        terms = split
-    scores_origin = origin
-    steps, shape_ops = [], []
-    if _is(scores, _LINEAR) and _arg(scores, 2, "bias") is not None:
-        # the score layer's bias: a shift of every score (a softmax cancels it, a sigmoid not)
-        steps.append(Shift(sign="+", amount=_arg(scores, 2, "bias")))
-    node = scores
-    helpers: list[fx.Node] = []  # scores.new_full(...) for a where: the scores' dtype only
-    sizes: list[tuple[fx.Node, int]] = []  # .size() of the chain, after this many shape ops
+    terms, split_nodes, pooled = _sum_terms(graph, inner, rank, hidden)
+    chain = _Chain(scores, origin)
+    output, dim, normalisation = _walk_to_normaliser(chain)
+    if _value(chain.node).dtype != _value(scores).dtype:
+        raise NoMatch("the scores reach the softmax in another dtype")
+    memory_axis = chain.origin[dim % len(chain.origin)]
+    if memory_axis is None:
+        raise NoMatch("the softmax runs over an axis of size 1")
+    if isinstance(memory_axis, tuple):
+        raise NoMatch("the softmax runs over axes merged into one")
+    queries, keys, biases, varies = _sorted_terms(terms, shape, hidden, memory_axis)
+    if not keys or not (queries or pooled):
+        raise NoMatch("no term of the sum varies along the softmax's axis, or none along another")
+    batch_axes = sorted(set().union(*(varies[t] for t in keys)) - {memory_axis})
+    query_axes = [a for a in range(rank - 1) if a != memory_axis and a not in batch_axes]
+    heads = _heads(scores, vector, shape, hidden, batch_axes)
+    batch_axes = list(heads.vector_axes) + [a for a in batch_axes if a not in heads.vector_axes]
+    for step in chain.steps:
+        if isinstance(step, Mask):
+            _check_mask(step, query_axes)
+    return Plan(
+        terms=Terms(
+            queries=tuple(queries),
+            keys=_key_terms_of(keys),
+            biases=tuple(biases),
+            learned_query=not queries,
+        ),
+        vector=vector,
+        layout=Layout(
+            rank=rank,
+            batch_axes=tuple(batch_axes),
+            query_axes=tuple(query_axes),
+            memory_axis=memory_axis,
+            hidden_axis=hidden,
+            scores_origin=origin,
+        ),
+        steps=tuple(chain.steps),
+        normalisation=normalisation,
+        heads=heads,
+        site=Site(
+            tanh=tanh,
+            output=output,
+            shape_ops=tuple(chain.shape_ops),
+            split_nodes=tuple(split_nodes),
+            helpers=tuple(chain.helpers),
+            sizes=tuple(chain.sizes),
+        ),
+    )
+
+
+def _sum_terms(graph: fx.Graph, inner: fx.Node, rank: int, hidden: int):
+    """(the terms of the tanh's input, the new nodes a split made, whether it is attention
+    pooling: one Linear inside the tanh, a learned vector, no query)."""
+    terms = [_peel_repeat(t, rank - 1 - hidden) for t in _terms(inner)]
+    if len(terms) > 1:
+        return terms, [], False
+    split = _split_concat_linear(graph, terms[0]) if hidden == rank - 1 else None
+    pooled = False
+    if split is None and hidden == rank - 1:
+        # attention pooling, tanh(W h + b) against a learned vector: one key term (and its
+        # bias), no query; the op runs it with a zero query
+        split = _split_linear_bias(graph, terms[0])
+        pooled = split is not None
+    if split is None:
+        raise NoMatch("the tanh's input is not a sum of two or more terms, nor one Linear")
+    split_nodes = [n for n in split if n.op == "call_function" and n.target is not None]
+    return split, split_nodes, pooled
+
+
+class _Chain:
+    """The walk from the projection's output towards the normaliser: where it is (``node``, and
+    which axis of the pre-activation each of its axes is: ``origin``) and what it passed."""
+
+    def __init__(self, scores: fx.Node, origin: tuple) -> None:
+        self.node, self.origin = scores, origin
+        self.steps: list = []  # Scale, Shift and Mask in the chain's order
+        self.shape_ops: list[fx.Node] = []
+        # new_full / type_as of the scores (dtype only), .size() / .dim(), in-place fills
+        self.helpers: list[fx.Node] = []
+        self.sizes: list[tuple[fx.Node, int]] = []  # .size() of the chain, after k shape ops
+        if _is(scores, _LINEAR) and _arg(scores, 2, "bias") is not None:
+            # the score layer's bias: a shift of every score (a softmax cancels it, a sigmoid not)
+            self.steps.append(Shift(sign="+", amount=_arg(scores, 2, "bias")))
+
+    def mask(self, kind: str, mask: fx.Node, fill) -> None:
+        at = _shape(self.node)
+        self.steps.append(Mask(kind=kind, mask=mask, fill=fill, origin=self.origin, at_shape=at))
+
+
+def _walk_to_normaliser(chain: _Chain) -> tuple[fx.Node, int, Normalisation]:
+    """Walk ``chain`` to its normaliser: (the node the weights replace, its dim, the
+    normalisation)."""
     while True:
-        users = [u for u in node.users if u not in helpers or u.args[0] is node]
-        fills_in_place = [
-            u
-            for u in users
-            if (_is(u, {"masked_fill_"}) and u.args[0] is node) or _is_mask_setitem(u, node)
-        ]
-        for data in [u for u in users if getattr(u.target, "__name__", "") == "_get_data_attr"]:
-            # scores.data.masked_fill_(...): the forward sees the fill, autograd does not, and a
-            # softmax's backward gives those positions zero gradient all the same
-            inner = list(data.users)
-            if not inner or not all(_is(u, {"masked_fill_"}) and u.args[0] is data for u in inner):
-                raise NoMatch("the scores' .data is used other than by masked_fill_")
-            fills_in_place += inner
-            helpers.append(data)
-            users.remove(data)
-        for fill in fills_in_place:
-            if fill.users:
-                raise NoMatch("the result of an in-place masked_fill_ of the scores is used")
-            value = _arg(fill, 2, "value")
-            known = _number(_hint(value))
-            if known is None or not known <= MASK_FILL_MAX:
-                raise NoMatch(f"masked_fill_ with {_hint(value)!r}, not a very negative value")
-            mask = _peel_repeat(_arg(fill, 1, "mask"))
-            steps.append(
-                Mask(kind="fill", mask=mask, fill=value, origin=origin, at_shape=_shape(node))
-            )
-            helpers.insert(0, fill)  # erased before the .data it fills
-            if fill in users:
-                users.remove(fill)
-        extra = [
-            u
-            for u in users
-            if (_is(u, _NEW_FULL) and u.args[0] is node)
-            or (_is(u, {"type_as"}) and len(u.args) == 2 and u.args[1] is node)
-        ]  # they take only the scores' dtype (and device)
-        # `shape = scores.shape` (d2l's masked_softmax, to reshape back): asked of the weights
-        # after the same shape ops
-        for u in users:
-            if _is(u, _SIZES) and u.args[0] is node:
-                extra.append(u)
-                sizes.append((u, len(shape_ops)))
-        helpers += extra
+        node = chain.node
+        users = [u for u in node.users if u not in chain.helpers or u.args[0] is node]
+        _take_in_place_fills(chain, users)
+        extra = _take_dtype_and_size_users(chain, users)
         normalised = _sigmoid_normalisation(node, [u for u in users if u not in extra])
         if normalised is not None:
-            break
+            return _sigmoid(chain, normalised)
         if len(users) - len(extra) != 1:
             raise NoMatch(
                 f"the scores are used {len(users)} times (the fused op gives only the weights)"
             )
         user = next(u for u in users if u not in extra)
         if _is(user, _SOFTMAX):
-            break
-        if _is(user, _CASTS) and user.args[0] is node:
-            # a dtype round trip (checked at the softmax): the op computes in the dtype; a cast
-            # down (float64 scores through .float()) rounds, which the op does not
-            before, after = _value(node), _value(user)
-            if (
-                isinstance(before, Tensor)
-                and isinstance(after, Tensor)
-                and after.is_floating_point()
-                and torch.finfo(after.dtype).eps > torch.finfo(before.dtype).eps
-            ):
-                raise NoMatch(f"{ROUNDED_SCORES} ({before.dtype} to {after.dtype})")
-        elif _is(user, _SHAPE_OPS):
-            if user.args[0] is not node:
-                raise NoMatch("a shape op takes the scores as other than its input")
-            origin = _shape_op_origin(user, origin)
-            shape_ops.append(user)
-        elif _is(user, _MASKED_FILL):
-            if user.args[0] is not node:
-                raise NoMatch("masked_fill takes the scores as its mask")
-            value = _arg(user, 2, "value")
-            known = _number(_hint(value))
-            if known is None or not known <= MASK_FILL_MAX:
-                raise NoMatch(f"masked_fill with {_hint(value)!r}, not a very negative value")
-            mask = _peel_repeat(_arg(user, 1, "mask"))
-            steps.append(
-                Mask(kind="fill", mask=mask, fill=value, origin=origin, at_shape=_shape(node))
-            )
-        elif _is(user, _WHERE) and len(user.args) == 3 and user.args[1] is node:
-            value = user.args[2]
-            if isinstance(value, fx.Node) and _is(value, _NEW_FULL) and value.args[0] is node:
-                helpers.append(value)
-                value = _arg(value, 2, "fill_value")
-            known = _number(_hint(value))
-            if known is None or not known <= MASK_FILL_MAX:
-                raise NoMatch(f"where(mask, scores, {_hint(value)!r}): not a very negative value")
-            condition = user.args[0]
-            mask = _peel_repeat(condition)
-            steps.append(
-                Mask(kind="keep", mask=mask, fill=value, origin=origin, at_shape=_shape(node))
-            )
-        elif (_is(user, _ADDS) or (_is(user, _SUBS) and user.args[0] is node)) and len(
-            user.args
-        ) == 2:
-            other = user.args[1] if user.args[0] is node else user.args[0]
-            sign = "-" if _is(user, _SUBS) else "+"
-            if isinstance(other, fx.Node) and isinstance(_value(other), Tensor):
-                other_shape, at = _shape(other), _shape(node)
-                if other_shape is None or at is None:
-                    raise NoMatch("something of unknown shape is added to the scores")
-                if all(map(_is_one, other_shape)) and len(other_shape) <= len(at):
-                    steps.append(Shift(sign=sign, amount=other))  # one element: every score moves
-                elif sign == "-":
-                    raise NoMatch("a tensor is subtracted from the scores")
-                else:
-                    mask = _peel_repeat(other)
-                    steps.append(Mask(kind="add", mask=mask, fill=None, origin=origin, at_shape=at))
-            else:
-                number = _number(other)
-                if number is None and isinstance(_value(other), (torch.SymFloat, torch.SymInt)):
-                    number = _number(_hint(other))  # a float attribute made an input
-                if number is None or not math.isfinite(number):
-                    raise NoMatch(f"the scores are shifted by {_hint(other)!r}, not a number")
-                steps.append(Shift(sign=sign, amount=other))
-        elif (_is(user, _DIV) or _is(user, _MUL)) and len(user.args) == 2 and not user.kwargs:
-            if user.args[0] is not node and _is(user, _DIV):
-                raise NoMatch("the scores divide something")
-            other = user.args[1] if user.args[0] is node else user.args[0]
-            number = _number(other)
-            if number is None and isinstance(_value(other), (torch.SymFloat, torch.SymInt)):
-                # a module's float attribute that TorchDynamo made an input (another instance
-                # had another value): its value comes in at run time, checked there too
-                number = _number(_hint(other))
-                if number is None:
-                    raise NoMatch("the scores are scaled by a number the trace cannot see")
-            if number is not None and not number > 0:
-                raise NoMatch(f"the scores are scaled by {number}")
-            if number is None:
-                if not isinstance(other, fx.Node) or _shape(other) is None:
-                    raise NoMatch("the scores are scaled by something that is not a number")
-                if math.prod(_value(other).shape) != 1:
-                    raise NoMatch(f"the scores are scaled by a tensor of shape {_shape(other)}")
-            steps.append(Scale(op="div" if _is(user, _DIV) else "mul", factor=other))
-        else:
-            raise NoMatch(f"the scores go into {user.target!r} before any softmax")
-        node = user
-    normalize, normalize_nodes = "softmax", []
-    if normalised is not None:  # sigmoid(e) / sum sigmoid(e): the division stands for the softmax
-        softmax, dim, normalize_nodes = normalised
-        normalize = "sigmoid"
-        kinds = [
-            step.kind if isinstance(step, Mask) else "shift" if isinstance(step, Shift) else "scale"
-            for step in steps
-        ]
-        if "shift" in kinds and any(k in ("fill", "keep", "add") for k in kinds):
-            first_mask = min(kinds.index(k) for k in ("fill", "keep", "add") if k in kinds)
-            if "shift" in kinds[first_mask:]:
-                # a sigmoid of (masked + b): the masked positions need not stay 0
-                raise NoMatch("sigmoid-normalised scores shifted after they are masked")
+            return _softmax(chain, user)
+        _chain_step(chain, user)
+        chain.node = user
+
+
+def _take_in_place_fills(chain: _Chain, users: list[fx.Node]) -> None:
+    """The in-place fills of the scores (masked_fill_, ``scores[mask] = value``, and through
+    ``.data``) as "fill" masks; taken out of ``users``."""
+    node = chain.node
+    fills_in_place = [
+        u
+        for u in users
+        if (_is(u, {"masked_fill_"}) and u.args[0] is node) or _is_mask_setitem(u, node)
+    ]
+    for data in [u for u in users if getattr(u.target, "__name__", "") == "_get_data_attr"]:
+        # scores.data.masked_fill_(...): the forward sees the fill, autograd does not, and a
+        # softmax's backward gives those positions zero gradient all the same
+        inner = list(data.users)
+        if not inner or not all(_is(u, {"masked_fill_"}) and u.args[0] is data for u in inner):
+            raise NoMatch("the scores' .data is used other than by masked_fill_")
+        fills_in_place += inner
+        chain.helpers.append(data)
+        users.remove(data)
+    for fill in fills_in_place:
+        if fill.users:
+            raise NoMatch("the result of an in-place masked_fill_ of the scores is used")
+        value = _arg(fill, 2, "value")
+        known = _number(_hint(value))
+        if known is None or not known <= MASK_FILL_MAX:
+            raise NoMatch(f"masked_fill_ with {_hint(value)!r}, not a very negative value")
+        chain.mask("fill", _peel_repeat(_arg(fill, 1, "mask")), value)
+        chain.helpers.insert(0, fill)  # erased before the .data it fills
+        if fill in users:
+            users.remove(fill)
+
+
+def _take_dtype_and_size_users(chain: _Chain, users: list[fx.Node]) -> list[fx.Node]:
+    """The users of the scores that take only their dtype (and device), or their sizes; they
+    become helpers."""
+    node = chain.node
+    extra = [
+        u
+        for u in users
+        if (_is(u, _NEW_FULL) and u.args[0] is node)
+        or (_is(u, {"type_as"}) and len(u.args) == 2 and u.args[1] is node)
+    ]
+    # `shape = scores.shape` (d2l's masked_softmax, to reshape back): asked of the weights
+    # after the same shape ops
+    for u in users:
+        if _is(u, _SIZES) and u.args[0] is node:
+            extra.append(u)
+            chain.sizes.append((u, len(chain.shape_ops)))
+    chain.helpers += extra
+    return extra
+
+
+def _chain_step(chain: _Chain, user: fx.Node) -> None:
+    """One op between the scores and the normaliser: a cast, a shape op, a mask, a shift or a
+    scale, noted in ``chain``; NoMatch for anything else."""
+    node = chain.node
+    if _is(user, _CASTS) and user.args[0] is node:
+        _check_cast(node, user)
+    elif _is(user, _SHAPE_OPS):
+        if user.args[0] is not node:
+            raise NoMatch("a shape op takes the scores as other than its input")
+        chain.origin = _shape_op_origin(user, chain.origin)
+        chain.shape_ops.append(user)
+    elif _is(user, _MASKED_FILL):
+        if user.args[0] is not node:
+            raise NoMatch("masked_fill takes the scores as its mask")
+        value = _arg(user, 2, "value")
+        known = _number(_hint(value))
+        if known is None or not known <= MASK_FILL_MAX:
+            raise NoMatch(f"masked_fill with {_hint(value)!r}, not a very negative value")
+        chain.mask("fill", _peel_repeat(_arg(user, 1, "mask")), value)
+    elif _is(user, _WHERE) and len(user.args) == 3 and user.args[1] is node:
+        _where_step(chain, user)
+    elif (_is(user, _ADDS) or (_is(user, _SUBS) and user.args[0] is node)) and len(user.args) == 2:
+        _add_step(chain, user)
+    elif (_is(user, _DIV) or _is(user, _MUL)) and len(user.args) == 2 and not user.kwargs:
+        _scale_step(chain, user)
     else:
-        softmax = user
-        if softmax.args[0] is not node:
-            raise NoMatch("the softmax takes the scores as other than its input")
-        dim = _arg(softmax, 1, "dim")
-        if dim is None and _shape(node) is not None:
-            # softmax(x) without a dim (deprecated, still common: nn.Softmax()) takes PyTorch's
-            # implicit one: 0 for 0, 1 or 3 dimensions, else 1
-            dim = 0 if len(_shape(node)) in (0, 1, 3) else 1
-        if (
-            not isinstance(dim, int)
-            or _arg(softmax, 3 if softmax.op == "call_function" else 2, "dtype") is not None
-        ):
-            raise NoMatch("softmax without an int dim, or with a dtype")
-    if _value(node).dtype != _value(scores).dtype:
-        raise NoMatch("the scores reach the softmax in another dtype")
-    memory_axis = origin[dim % len(origin)]
-    if memory_axis is None:
-        raise NoMatch("the softmax runs over an axis of size 1")
-    if isinstance(memory_axis, tuple):
-        raise NoMatch("the softmax runs over axes merged into one")
+        raise NoMatch(f"the scores go into {user.target!r} before any softmax")
+
+
+def _check_cast(node: fx.Node, user: fx.Node) -> None:
+    """A dtype round trip (checked at the softmax): the op computes in the dtype; a cast down
+    (float64 scores through .float()) rounds, which the op does not."""
+    before, after = _value(node), _value(user)
+    if (
+        isinstance(before, Tensor)
+        and isinstance(after, Tensor)
+        and after.is_floating_point()
+        and torch.finfo(after.dtype).eps > torch.finfo(before.dtype).eps
+    ):
+        raise NoMatch(f"{ROUNDED_SCORES} ({before.dtype} to {after.dtype})")
+
+
+def _where_step(chain: _Chain, user: fx.Node) -> None:
+    """where(mask, scores, very negative): a "keep" mask."""
+    value = user.args[2]
+    if isinstance(value, fx.Node) and _is(value, _NEW_FULL) and value.args[0] is chain.node:
+        chain.helpers.append(value)
+        value = _arg(value, 2, "fill_value")
+    known = _number(_hint(value))
+    if known is None or not known <= MASK_FILL_MAX:
+        raise NoMatch(f"where(mask, scores, {_hint(value)!r}): not a very negative value")
+    chain.mask("keep", _peel_repeat(user.args[0]), value)
+
+
+def _add_step(chain: _Chain, user: fx.Node) -> None:
+    """scores + / - a number or one-element tensor (a Shift), or + a float mask (an "add"
+    Mask)."""
+    node = chain.node
+    other = user.args[1] if user.args[0] is node else user.args[0]
+    sign = "-" if _is(user, _SUBS) else "+"
+    if isinstance(other, fx.Node) and isinstance(_value(other), Tensor):
+        other_shape, at = _shape(other), _shape(node)
+        if other_shape is None or at is None:
+            raise NoMatch("something of unknown shape is added to the scores")
+        if all(map(_is_one, other_shape)) and len(other_shape) <= len(at):
+            chain.steps.append(Shift(sign=sign, amount=other))  # one element: every score moves
+        elif sign == "-":
+            raise NoMatch("a tensor is subtracted from the scores")
+        else:
+            chain.mask("add", _peel_repeat(other), None)
+        return
+    number = _number(other)
+    if number is None and isinstance(_value(other), (torch.SymFloat, torch.SymInt)):
+        number = _number(_hint(other))  # a float attribute made an input
+    if number is None or not math.isfinite(number):
+        raise NoMatch(f"the scores are shifted by {_hint(other)!r}, not a number")
+    chain.steps.append(Shift(sign=sign, amount=other))
+
+
+def _scale_step(chain: _Chain, user: fx.Node) -> None:
+    """scores * c, c * scores or scores / c: a Scale by a positive number or a one-element
+    tensor."""
+    if user.args[0] is not chain.node and _is(user, _DIV):
+        raise NoMatch("the scores divide something")
+    other = user.args[1] if user.args[0] is chain.node else user.args[0]
+    number = _number(other)
+    if number is None and isinstance(_value(other), (torch.SymFloat, torch.SymInt)):
+        # a module's float attribute that TorchDynamo made an input (another instance
+        # had another value): its value comes in at run time, checked there too
+        number = _number(_hint(other))
+        if number is None:
+            raise NoMatch("the scores are scaled by a number the trace cannot see")
+    if number is not None and not number > 0:
+        raise NoMatch(f"the scores are scaled by {number}")
+    if number is None:
+        if not isinstance(other, fx.Node) or _shape(other) is None:
+            raise NoMatch("the scores are scaled by something that is not a number")
+        if math.prod(_value(other).shape) != 1:
+            raise NoMatch(f"the scores are scaled by a tensor of shape {_shape(other)}")
+    chain.steps.append(Scale(op="div" if _is(user, _DIV) else "mul", factor=other))
+
+
+def _sigmoid(chain: _Chain, normalised: tuple) -> tuple[fx.Node, int, Normalisation]:
+    """sigmoid(e) / sum sigmoid(e): the division stands for the softmax."""
+    division, dim, nodes = normalised
+    kinds = [type(step) for step in chain.steps]
+    if Shift in kinds and Mask in kinds and Shift in kinds[kinds.index(Mask) :]:
+        # a sigmoid of (masked + b): the masked positions need not stay 0
+        raise NoMatch("sigmoid-normalised scores shifted after they are masked")
+    return division, dim, Normalisation(kind="sigmoid", nodes=tuple(nodes))
+
+
+def _softmax(chain: _Chain, softmax: fx.Node) -> tuple[fx.Node, int, Normalisation]:
+    if softmax.args[0] is not chain.node:
+        raise NoMatch("the softmax takes the scores as other than its input")
+    dim = _arg(softmax, 1, "dim")
+    if dim is None and _shape(chain.node) is not None:
+        # softmax(x) without a dim (deprecated, still common: nn.Softmax()) takes PyTorch's
+        # implicit one: 0 for 0, 1 or 3 dimensions, else 1
+        dim = 0 if len(_shape(chain.node)) in (0, 1, 3) else 1
+    if (
+        not isinstance(dim, int)
+        or _arg(softmax, 3 if softmax.op == "call_function" else 2, "dtype") is not None
+    ):
+        raise NoMatch("softmax without an int dim, or with a dtype")
+    return softmax, dim, Normalisation(kind="softmax")
+
+
+def _sorted_terms(terms: list[fx.Node], shape: tuple, hidden: int, memory_axis: int):
+    """(queries, keys, biases, {term: the leading axes it varies along}): the terms sorted by
+    the axes they vary along."""
+    rank, width = len(shape), shape[hidden]
     padded = {}
     for term in terms:
         term_shape = _shape(term)
@@ -599,55 +701,25 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Plan:
         # term computed from the call's inputs, not from parameters alone, is the query.
         queries = [t for t in biases if _from_call_inputs(t)]
         biases = [t for t in biases if t not in queries]
-    if not keys or not (queries or pooled):
-        raise NoMatch("no term of the sum varies along the softmax's axis, or none along another")
-    batch_axes = sorted(set().union(*(varies[t] for t in keys)) - {memory_axis})
-    query_axes = [a for a in range(rank - 1) if a != memory_axis and a not in batch_axes]
+    return queries, keys, biases, varies
+
+
+def _heads(scores: fx.Node, vector: fx.Node, shape: tuple, hidden: int, batch_axes) -> Heads:
+    """One score vector per head ((. * v).sum(-1) with v [heads, H]): along batch axes only."""
+    rank = len(shape)
     vector_shape = _shape(vector)
-    vector_axes = []
-    per_head = _is(scores, _SUM) and not all(map(_is_one, vector_shape[:-1]))  # (. * v).sum(-1)
-    if per_head:  # one vector per head: along batch axes only
-        padded_vector = (1,) * (rank - len(vector_shape)) + tuple(vector_shape)
-        vector_axes = [a for a in range(rank - 1) if not _is_one(padded_vector[a])]
-        if hidden != rank - 1 or any(
-            a not in batch_axes or not _same(padded_vector[a], shape[a]) for a in vector_axes
-        ):
-            raise NoMatch(
-                f"the score vector of shape {list(vector_shape)} varies along other axes than "
-                "the batch's"
-            )
-        batch_axes = vector_axes + [a for a in batch_axes if a not in vector_axes]
-    for step in steps:
-        if isinstance(step, Mask):
-            _check_mask(step, query_axes)
-    return Plan(
-        terms=Terms(
-            queries=tuple(queries),
-            keys=_key_terms_of(keys),
-            biases=tuple(biases),
-            learned_query=not queries,
-        ),
-        vector=vector,
-        layout=Layout(
-            rank=rank,
-            batch_axes=tuple(batch_axes),
-            query_axes=tuple(query_axes),
-            memory_axis=memory_axis,
-            hidden_axis=hidden,
-            scores_origin=scores_origin,
-        ),
-        steps=tuple(steps),
-        normalisation=Normalisation(kind=normalize, nodes=tuple(normalize_nodes)),
-        heads=Heads(vector_axes=tuple(vector_axes)),
-        site=Site(
-            tanh=tanh,
-            output=softmax,
-            shape_ops=tuple(shape_ops),
-            split_nodes=tuple(split_nodes),
-            helpers=tuple(helpers),
-            sizes=tuple(sizes),
-        ),
-    )
+    if not (_is(scores, _SUM) and not all(map(_is_one, vector_shape[:-1]))):
+        return Heads()
+    padded_vector = (1,) * (rank - len(vector_shape)) + tuple(vector_shape)
+    vector_axes = [a for a in range(rank - 1) if not _is_one(padded_vector[a])]
+    if hidden != rank - 1 or any(
+        a not in batch_axes or not _same(padded_vector[a], shape[a]) for a in vector_axes
+    ):
+        raise NoMatch(
+            f"the score vector of shape {list(vector_shape)} varies along other axes than "
+            "the batch's"
+        )
+    return Heads(vector_axes=tuple(vector_axes))
 
 
 def _key_terms_of(keys: list[fx.Node]) -> tuple[KeyTerm, ...]:
@@ -708,17 +780,18 @@ def _location_source(term: fx.Node):
 
 
 def find_matches(graph: fx.Graph) -> tuple[list[Plan], list[str]]:
-    """(matches, why each other tanh over a sum is not one)."""
+    """(the plan of each additive attention in ``graph``, why each other tanh is not one); the
+    graph passes (passes.py) run first."""
     _functionalize_arithmetic(graph)
     _unflatten_rows(graph)
-    matches, misses = [], []
+    plans, misses = [], []
     for node in list(graph.nodes):
         if not _is(node, _TANH):
             continue
         try:
-            match = _match_at(graph, node)
+            plan = _match_at(graph, node)
             _check_not_written(node)
-            matches.append(match)
+            plans.append(plan)
         except NoMatch as exc:
             misses.append(str(exc))
-    return matches, misses
+    return plans, misses

@@ -160,14 +160,7 @@ class Plan:
     site: Site
 
     def describe(self) -> str:
-        kinds = [
-            type(s).__name__.lower() + f"({s.op})"
-            if isinstance(s, Scale)
-            else "shift" + f"({s.sign})"
-            if isinstance(s, Shift)
-            else s.kind
-            for s in self.steps
-        ]
+        kinds = [_step_name(step) for step in self.steps]
         return (
             f"{len(self.terms.queries)} query and {len(self.terms.keys)} key term(s)"
             + (", a bias" if self.terms.biases else "")
@@ -175,3 +168,11 @@ class Plan:
             + (", sigmoid-normalised" if self.normalisation.kind == "sigmoid" else "")
             + (", a score vector per head" if self.heads.vector_axes else "")
         )
+
+
+def _step_name(step: Step) -> str:
+    if isinstance(step, Scale):
+        return f"scale({step.op})"
+    if isinstance(step, Shift):
+        return f"shift({step.sign})"
+    return step.kind

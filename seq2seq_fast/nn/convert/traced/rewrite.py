@@ -79,10 +79,60 @@ def recorded_runs():
         logs.remove(log)
 
 
+class _Rows:
+    """One call's geometry: the broadcast shape ``full`` of the terms (hidden axis last) and the
+    op's rows in it: B' (batch axes) x T' (query axes) queries over S (memory axis) frames."""
+
+    __slots__ = ("layout", "full", "width", "order", "batch", "steps_q", "frames", "key_shape")
+
+    def __init__(self, layout: Layout, full) -> None:
+        rank = layout.rank
+        self.layout, self.full, self.width = layout, full, full[-1]
+        self.order = layout.batch_axes + layout.query_axes + (layout.memory_axis, rank - 1)
+        self.batch = math.prod(full[a] for a in layout.batch_axes)
+        self.steps_q = math.prod(full[a] for a in layout.query_axes)
+        self.frames = full[layout.memory_axis]
+        self.key_shape = [1 if a in layout.query_axes else full[a] for a in range(rank)]
+
+    def canonical(self, t: Tensor) -> Tensor:
+        """A key term -> [B', S, H]."""
+        return (
+            t.expand(self.key_shape)
+            .permute(self.order)
+            .reshape(self.batch, self.frames, self.width)
+        )
+
+    def query(self, queries: list, key: Tensor) -> Tensor:
+        """The query terms' sum -> [B', T', H]; zeros for attention pooling (a learned vector
+        scores the keys alone)."""
+        if not queries:
+            return key.new_zeros(self.batch, self.steps_q, self.width)
+        query = queries[0]
+        for t in queries[1:]:
+            query = query + t
+        layout = self.layout
+        shape = [1 if a == layout.memory_axis else self.full[a] for a in range(layout.rank)]
+        return query.expand(shape).permute(self.order).reshape(self.batch, self.steps_q, self.width)
+
+    def back(self, weights: Tensor) -> Tensor:
+        """Weights [B', T', S] -> the projection's output layout (``Layout.scores_origin``)."""
+        layout = self.layout
+        weights = weights.reshape(
+            [self.full[a] for a in layout.batch_axes + layout.query_axes] + [self.frames]
+        ).permute([self.order.index(a) for a in range(layout.rank - 1)])
+        weights = weights.permute([a for a in layout.scores_origin if a is not None])
+        for axis, source in enumerate(layout.scores_origin):  # the projection's added 1-axes
+            if source is None:
+                weights = weights.unsqueeze(axis)
+        return weights
+
+
 class TracedWeights:
     """The callable that replaces a match's sum ... softmax in the graph (see :func:`rewrite`):
     the weights in the projection's output layout (``Layout.scores_origin``). It reads the plan's
-    structure only; the plan's values come in as its call's arguments (see :func:`rewrite`)."""
+    structure only; the plan's values come in as its call's arguments (see :func:`rewrite`).
+    It is the owner :func:`~seq2seq_fast.nn.convert._location.attend_location` keeps its
+    location memory on (``self._location``)."""
 
     __name__ = "traced_weights"
     # how many times any converted module ran a replacement: a statistic for tests, never read
@@ -101,136 +151,47 @@ class TracedWeights:
         TracedWeights.calls += 1
         for log in getattr(_RUNS, "logs", ()):
             log.append(self)
-        plan = self.plan
-        rank = plan.layout.rank
-        hidden = plan.layout.hidden_axis
+        plan, layout = self.plan, self.plan.layout
+        rank, hidden = layout.rank, layout.hidden_axis
         queries = [_pad(t, rank).movedim(hidden, -1) for t in queries]
-        location = next((t for t in keys if isinstance(t, _LocationTerm)), None)
-        if location is not None and not (
-            rank == 3
-            and hidden == 2
-            and plan.layout.memory_axis == 1
-            and plan.layout.batch_axes == (0,)
-        ):
-            keys = [t if t is not location else _Plain(t.value()) for t in keys]
-            location = None
-        keys = [t for t in keys if t is not location]
+        keys, location = self._split_location(keys)
         values_of_terms = [term.value() for term in keys]  # the same objects while cached
         raw = [_pad(t, rank).movedim(hidden, -1) for t in values_of_terms]
         shapes = [t.shape for t in queries + raw]
         if location is not None:
             shapes.append(location.shape())
-        full = torch.broadcast_shapes(*shapes)
-        width = full[-1]
-        rows = plan.layout.batch_axes + plan.layout.query_axes + (plan.layout.memory_axis, rank - 1)
-        batch = math.prod(full[a] for a in plan.layout.batch_axes)
-        steps_q = math.prod(full[a] for a in plan.layout.query_axes)
-        frames = full[plan.layout.memory_axis]
-        key_shape = [1 if a in plan.layout.query_axes else full[a] for a in range(rank)]
-
-        def canonical(t):
-            return t.expand(key_shape).permute(rows).reshape(batch, frames, width)
-
-        memory = values = None
-        if location is not None:  # the fixed part of the keys, kept while the memory is
-            key, values = self._fixed(values_of_terms[0], raw[0], canonical, full)
-        elif len(raw) == 1 and not plan.heads.vector_axes:
-            # one key term: its layout and memory kept with it (a decoder's steps)
-            key, values, memory = self._memory(values_of_terms[0], raw[0], canonical, full)
-        else:
-            key = canonical(raw[0])
-            for t in raw[1:]:
-                key = key + canonical(t)
-        if values is None:
-            values = key.new_zeros(batch, frames, 1)  # the graph forms the context: a placeholder
-        if queries:
-            query = queries[0]
-            for t in queries[1:]:
-                query = query + t
-            query_shape = [1 if a == plan.layout.memory_axis else full[a] for a in range(rank)]
-            query = query.expand(query_shape).permute(rows).reshape(batch, steps_q, width)
-        else:  # attention pooling: a learned vector scores the keys alone
-            query = key.new_zeros(batch, steps_q, width)
+        rows = _Rows(layout, torch.broadcast_shapes(*shapes))
+        key, values, memory = self._keys(values_of_terms, raw, rows, location is not None)
+        query = rows.query(queries, key)
         bias = None
         for t in biases:
-            t = t.reshape(width)
+            t = t.reshape(rows.width)
             bias = t if bias is None else bias + t
-        groups = math.prod(full[a] for a in plan.heads.vector_axes)
-        v = vector.reshape(groups, width) if plan.heads.vector_axes else vector.reshape(width)
-        plain = False
-        v_eff, score_bias = v, None  # e' = v_eff . tanh(...) + score_bias: the scaled, shifted e
-        scale_iter, shift_iter = iter(scales), iter(shifts)
-        for step in plan.steps:
-            if isinstance(step, Scale):
-                factor = next(scale_iter)
-                if isinstance(factor, Tensor):
-                    factor = factor.reshape(())
-                plain |= not bool(factor > 0)
-                if step.op == "mul":
-                    v_eff = v_eff * factor
-                    score_bias = None if score_bias is None else score_bias * factor
-                else:
-                    v_eff = v_eff / factor
-                    score_bias = None if score_bias is None else score_bias / factor
-            elif isinstance(step, Shift):
-                shift = next(shift_iter)
-                shift = shift.reshape(()) if isinstance(shift, Tensor) else float(shift)
-                shift = -shift if step.sign == "-" else shift
-                score_bias = shift if score_bias is None else score_bias + shift
-        if plan.normalisation.kind == "softmax":
-            score_bias = None  # a softmax cancels it
+        groups = math.prod(rows.full[a] for a in plan.heads.vector_axes)
+        if plan.heads.vector_axes:
+            v = vector.reshape(groups, rows.width)
+        else:
+            v = vector.reshape(rows.width)
+        v_eff, score_bias, plain = self._fold_steps(v, scales, shifts)
         invalid = options = None
         graded = [m for m in masks if isinstance(m, Tensor) and m.requires_grad]
         if masks:
             fill_values = tuple(_fill_value(f) for f in fills)
-            invalid, not_exact, options, graded = self._masks(masks, fill_values, full, graded)
+            invalid, not_exact, options, graded = self._masks(masks, fill_values, rows.full, graded)
             plain |= not_exact
-        plain |= (
-            bool(graded) and plan.normalisation.kind != "softmax"
-        )  # (the Jacobian below: softmax's)
-        if location is not None and (plain or graded or steps_q != 1):
+        # (the Jacobian of a graded mask below is the softmax's)
+        plain |= bool(graded) and plan.normalisation.kind != "softmax"
+        if location is not None and (plain or graded or rows.steps_q != 1):
             key = key + location.value()  # [B, T, A] already: the op's layout
             location = None
+        options = {} if options is None else options
         if plain:
-            weights = self._plain(query, key, bias, v, scales, masks, fills, full, shifts)
+            weights = self._plain(query, key, bias, v, scales, masks, fills, rows.full, shifts)
         elif location is not None:
-            valid = None if invalid is None else ~invalid
-            step_query = query[:, 0] if bias is None else query[:, 0] + bias
-            parts = (location.features, location.conv_weight, location.dense_weight)
-            _, weights = attend_location(
-                self,
-                self.backend,
-                step_query,
-                key,
-                parts,
-                values,
-                v_eff,
-                valid,
-                plan.normalisation.kind,
-                score_bias,
-            )
-            weights = weights.unsqueeze(1)
+            weights = self._located(query, key, bias, location, values, v_eff, invalid, score_bias)
         elif plan.heads.vector_axes:  # a score vector per head: the op once per head, over its rows
-            options = {} if options is None else options
-            rows_per = batch // groups
-            parts = []
-            for g in range(groups):
-                part = slice(g * rows_per, (g + 1) * rows_per)
-                _, w = additive_attention(
-                    query[part],
-                    key[part],
-                    values[part],
-                    v_eff[g],
-                    bias,
-                    **{name: t if t is None else t[part] for name, t in options.items()},
-                    normalize=plan.normalisation.kind,
-                    backend=self.backend,
-                    score_bias=score_bias,
-                )
-                parts.append(w)
-            weights = torch.cat(parts)
+            weights = self._per_head(query, key, values, v_eff, bias, options, score_bias, groups)
         else:
-            options = {} if options is None else options
             _, weights = additive_attention(
                 query,
                 key,
@@ -248,14 +209,105 @@ class TracedWeights:
             fixed = weights.detach()
             moved = fixed * shift
             weights = weights + moved - fixed * moved.sum(-1, keepdim=True)
-        weights = weights.reshape(
-            [full[a] for a in plan.layout.batch_axes + plan.layout.query_axes] + [frames]
-        ).permute([rows.index(a) for a in range(rank - 1)])
-        weights = weights.permute([a for a in plan.layout.scores_origin if a is not None])
-        for axis, source in enumerate(plan.layout.scores_origin):  # the projection's added 1-axes
-            if source is None:
-                weights = weights.unsqueeze(axis)
-        return weights
+        return rows.back(weights)
+
+    def _split_location(self, keys: list) -> tuple[list, _LocationTerm | None]:
+        """(the key terms but the location term, the location term the kernels form, if any: only
+        for keys [B, T, A] in that layout; else it is computed like any other term)."""
+        layout = self.plan.layout
+        location = next((t for t in keys if isinstance(t, _LocationTerm)), None)
+        if location is not None and not (
+            layout.rank == 3
+            and layout.hidden_axis == 2
+            and layout.memory_axis == 1
+            and layout.batch_axes == (0,)
+        ):
+            keys = [t if t is not location else _Plain(t.value()) for t in keys]
+            location = None
+        return [t for t in keys if t is not location], location
+
+    def _keys(self, values_of_terms: list, raw: list, rows: _Rows, located: bool) -> tuple:
+        """(keys [B', S, H], values placeholder [B', S, 1], StepwiseMemory or None)."""
+        memory = values = None
+        canonical = rows.canonical
+        if located:  # the fixed part of the keys, kept while the memory is
+            key, values = self._fixed(values_of_terms[0], raw[0], canonical, rows.full)
+        elif len(raw) == 1 and not self.plan.heads.vector_axes:
+            # one key term: its layout and memory kept with it (a decoder's steps)
+            key, values, memory = self._memory(values_of_terms[0], raw[0], canonical, rows.full)
+        else:
+            key = canonical(raw[0])
+            for t in raw[1:]:
+                key = key + canonical(t)
+        if values is None:  # the graph forms the context: a placeholder
+            values = key.new_zeros(rows.batch, rows.frames, 1)
+        return key, values, memory
+
+    def _fold_steps(self, v: Tensor, scales, shifts) -> tuple:
+        """(v_eff, score_bias, whether the op cannot give the original's result): the scales and
+        shifts folded into e' = v_eff . tanh(...) + score_bias (a softmax cancels the bias)."""
+        plain = False
+        v_eff, score_bias = v, None
+        scale_iter, shift_iter = iter(scales), iter(shifts)
+        for step in self.plan.steps:
+            if isinstance(step, Scale):
+                factor = next(scale_iter)
+                if isinstance(factor, Tensor):
+                    factor = factor.reshape(())
+                plain |= not bool(factor > 0)
+                if step.op == "mul":
+                    v_eff = v_eff * factor
+                    score_bias = None if score_bias is None else score_bias * factor
+                else:
+                    v_eff = v_eff / factor
+                    score_bias = None if score_bias is None else score_bias / factor
+            elif isinstance(step, Shift):
+                shift = next(shift_iter)
+                shift = shift.reshape(()) if isinstance(shift, Tensor) else float(shift)
+                shift = -shift if step.sign == "-" else shift
+                score_bias = shift if score_bias is None else score_bias + shift
+        if self.plan.normalisation.kind == "softmax":
+            score_bias = None  # a softmax cancels it
+        return v_eff, score_bias, plain
+
+    def _located(self, query, key, bias, location, values, v_eff, invalid, score_bias) -> Tensor:
+        """The location-aware steps: the location term formed inside the kernels."""
+        valid = None if invalid is None else ~invalid
+        step_query = query[:, 0] if bias is None else query[:, 0] + bias
+        parts = (location.features, location.conv_weight, location.dense_weight)
+        _, weights = attend_location(
+            self,
+            self.backend,
+            step_query,
+            key,
+            parts,
+            values,
+            v_eff,
+            valid,
+            self.plan.normalisation.kind,
+            score_bias,
+        )
+        return weights.unsqueeze(1)
+
+    def _per_head(self, query, key, values, v_eff, bias, options, score_bias, groups) -> Tensor:
+        """A score vector per head: the op once per head, over its rows."""
+        rows_per = query.shape[0] // groups
+        parts = []
+        for g in range(groups):
+            part = slice(g * rows_per, (g + 1) * rows_per)
+            _, w = additive_attention(
+                query[part],
+                key[part],
+                values[part],
+                v_eff[g],
+                bias,
+                **{name: t if t is None else t[part] for name, t in options.items()},
+                normalize=self.plan.normalisation.kind,
+                backend=self.backend,
+                score_bias=score_bias,
+            )
+            parts.append(w)
+        return torch.cat(parts)
 
     def _masks(self, masks: list, fill_values: tuple, full, graded: list) -> tuple:
         """(invalid bool [B', S], whether the op cannot give the original's result (a row with

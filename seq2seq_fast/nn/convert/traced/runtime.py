@@ -62,11 +62,11 @@ class _Rewriter:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         try:
-            matches, misses = find_matches(gm.graph)
+            plans, misses = find_matches(gm.graph)
             described = []
-            for match in matches:
-                described.append(match.describe())
-                rewrite(gm.graph, match, self.backend)
+            for plan in plans:
+                described.append(plan.describe())
+                rewrite(gm.graph, plan, self.backend)
             gm.graph.eliminate_dead_code()
             gm.graph.lint()
             gm.recompile()
