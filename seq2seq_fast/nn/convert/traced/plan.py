@@ -152,7 +152,9 @@ class Plan:
     """One additive attention found in a graph (see the module docstring)."""
 
     terms: Terms
-    vector: fx.Node  # the score vector v: [H], or [heads..., H] (see heads)
+    # the score vector v as the graph has it: [H], a [1, H] Linear weight, an [H, 1] column, a
+    # [1, ..., 1, H] view, or one per head [heads, H] (see heads); the replacement reshapes it
+    vector: fx.Node
     layout: Layout
     steps: tuple[Step, ...]  # between the projection and the normaliser, in the chain's order
     normalisation: Normalisation
