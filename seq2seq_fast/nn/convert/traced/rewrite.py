@@ -146,6 +146,7 @@ class TracedWeights:
         self.layout_cache = ProjectionCache()
         self.fixed_cache = ProjectionCache()
         self.mask_cache = ProjectionCache()
+        self.rows: dict[torch.Size, _Rows] = {}  # each call's geometry, by its broadcast shape
 
     def __call__(self, queries, keys, biases, vector, scales, masks, fills, shifts=()):
         TracedWeights.calls += 1
@@ -160,7 +161,12 @@ class TracedWeights:
         shapes = [t.shape for t in queries + raw]
         if location is not None:
             shapes.append(location.shape())
-        rows = _Rows(layout, torch.broadcast_shapes(*shapes))
+        full = torch.broadcast_shapes(*shapes)
+        rows = self.rows.get(full)
+        if rows is None:  # (a few shapes in a run; kept bounded all the same)
+            if len(self.rows) >= 64:
+                self.rows.clear()
+            rows = self.rows[full] = _Rows(layout, full)
         key, values, memory = self._keys(values_of_terms, raw, rows, location is not None)
         query = rows.query(queries, key)
         bias = None
