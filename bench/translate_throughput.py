@@ -317,10 +317,13 @@ def opennmt_ratios(runs: dict[str, list[dict]], args: argparse.Namespace) -> dic
         if c["precision"] in (BASELINE, ONMT) or c["backend"] != args.backends[0]:
             continue
         peer = key({"precision": ONMT, "beam": c["beam"], "threads": c["threads"]})
-        pairs = list(zip(runs[key(c)], runs[peer], strict=True))
-        wall = statistics.median(o["seconds"] / m["seconds"] for m, o in pairs)
-        past = statistics.median(o["translate_seconds"] / m["translate_seconds"] for m, o in pairs)
-        out[f"{key(c)} / OpenNMT-py"] = f"{1 / wall:.2f}x wall, {1 / past:.2f}x past start-up"
+        # sentences/s ours / OpenNMT-py = OpenNMT-py's seconds / ours (same sentences)
+        rounds = list(zip(runs[key(c)], runs[peer], strict=True))
+        wall = statistics.median(onmt["seconds"] / us["seconds"] for us, onmt in rounds)
+        past = statistics.median(
+            onmt["translate_seconds"] / us["translate_seconds"] for us, onmt in rounds
+        )
+        out[f"{key(c)} / OpenNMT-py"] = f"{wall:.2f}x wall, {past:.2f}x past start-up"
     return out
 
 
