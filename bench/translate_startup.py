@@ -5,7 +5,7 @@
         [--baseline-tree PATH] [--sentence "a b c d"]
 
 Each round runs, in a fresh process and in rotated order: ``python -c pass``, ``python -c
-"import torch"``, ``python -m seq2seq_fast translate --checkpoint … SENTENCE`` of this tree (and of
+"import torch; print()"``, ``python -m seq2seq_fast translate --checkpoint … SENTENCE`` of this tree (and of
 ``--baseline-tree``, e.g. a checkout of an older commit), timing each from the start of the
 process to its first line on stdout (the translation) and to its exit. Reported: medians, the
 per-round ratio baseline/this tree, and from one ``python -X importtime`` run per tree the
@@ -96,7 +96,12 @@ def main(argv=None) -> None:
     here = str(Path(__file__).resolve().parents[1])
     commands = {
         "python -c pass": ([sys.executable, "-c", "pass"], None, None),
-        "python -c 'import torch'": ([sys.executable, "-c", "import torch"], None, None),
+        # prints once imported: its first line is the import, its exit adds torch's teardown
+        "python -c 'import torch; print()'": (
+            [sys.executable, "-c", "import torch; print(flush=True)"],
+            None,
+            None,
+        ),
         "translate (this tree)": (translate_command(args) + [args.sentence], *tree_env(here)),
     }
     if args.baseline_tree:
