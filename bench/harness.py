@@ -216,7 +216,7 @@ def make_decode_case(
 
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    module = BahdanauAttention(shape.hidden, shape.value_dim, shape.hidden, normalize=True)
+    module = BahdanauAttention(shape.hidden, shape.value_dim, shape.hidden, weight_norm=True)
     b, tk = shape.batch, shape.k_len
     return DecodeCase(
         shape=shape,
@@ -232,7 +232,7 @@ def make_decode_case(
 def make_decode_call(provider: str, case: DecodeCase) -> Callable[[], tuple[Tensor, ...]]:
     """Greedy-decoding attention: ``steps`` [B, H] queries against keys projected once, cached.
 
-    ``BahdanauAttention(normalize=True)`` with ``backend="fused"`` or ``"reference"``, under
+    ``BahdanauAttention(weight_norm=True)`` with ``backend="fused"`` or ``"reference"``, under
     ``torch.no_grad()``. The keys are projected here, outside the timed region (once per source
     batch, the same work for both providers); each timed step projects its query and attends.
     """
@@ -243,7 +243,7 @@ def make_decode_call(provider: str, case: DecodeCase) -> Callable[[], tuple[Tens
         shape.hidden,
         shape.value_dim,
         shape.hidden,
-        normalize=True,
+        weight_norm=True,
         backend=_DECODE_BACKEND[provider],
     ).to(case.device, case.dtype)
     module.load_state_dict(case.state_dict)

@@ -11,6 +11,7 @@ always uses the reference.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import Tensor, nn
@@ -29,8 +30,10 @@ class BahdanauAttention(nn.Module):
         query_size: size of the decoder state (query) features.
         key_size: size of the encoder state (key) features.
         hidden_size: H, the attention hidden size.
-        normalize: weight-normalised score vector as in GNMT / TensorFlow: v_eff = g * v / ||v||
+        weight_norm: weight-normalised score vector as in GNMT / TensorFlow: v_eff = g * v / ||v||
             with a scalar g initialised to 1/sqrt(H), and a bias b inside the tanh initialised to 0.
+            (Formerly ``normalize=``, still accepted with a DeprecationWarning: in the op,
+            ``normalize`` names the normalisation of the scores, "softmax" or "sigmoid".)
         backend: "auto", "fused" or "reference" (see module docstring).
 
     ``forward(query [B,Tq,Dq] or [B,Dq], keys [B,Tk,Dk], values=None (= keys), *, lengths=None,
@@ -45,10 +48,19 @@ class BahdanauAttention(nn.Module):
         key_size: int,
         hidden_size: int,
         *,
-        normalize: bool = False,
+        weight_norm: bool = False,
         backend: str = "auto",
+        normalize: bool | None = None,
     ) -> None:
         super().__init__()
+        if normalize is not None:
+            warnings.warn(
+                "BahdanauAttention(normalize=) is now weight_norm= (normalize names the score "
+                "normalisation in the op)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            weight_norm = bool(normalize)
         for name, value in (
             ("query_size", query_size),
             ("key_size", key_size),
@@ -57,12 +69,12 @@ class BahdanauAttention(nn.Module):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.query_size, self.key_size, self.hidden_size = query_size, key_size, hidden_size
-        self.normalize = normalize
+        self.weight_norm = weight_norm
         self.backend = check_backend(backend)
         self.query_proj = nn.Linear(query_size, hidden_size, bias=False)
         self.key_proj = nn.Linear(key_size, hidden_size, bias=False)
         self.v = nn.Parameter(torch.empty(hidden_size))
-        if normalize:
+        if weight_norm:
             self.g = nn.Parameter(torch.empty(()))
             self.b = nn.Parameter(torch.empty(hidden_size))
         else:
@@ -75,14 +87,14 @@ class BahdanauAttention(nn.Module):
         self.key_proj.reset_parameters()
         bound = 1.0 / math.sqrt(self.hidden_size)
         nn.init.uniform_(self.v, -bound, bound)
-        if self.normalize:
+        if self.weight_norm:
             nn.init.constant_(self.g, bound)
             nn.init.zeros_(self.b)
 
     def extra_repr(self) -> str:
         return (
             f"query_size={self.query_size}, key_size={self.key_size}, hidden_size={self.hidden_size}, "
-            f"normalize={self.normalize}, backend={self.backend!r}"
+            f"weight_norm={self.weight_norm}, backend={self.backend!r}"
         )
 
     def _check_tensor(self, name: str, value: object) -> None:
@@ -102,6 +114,11 @@ class BahdanauAttention(nn.Module):
                 f"(convert the module, e.g. .to({value.dtype}), or the input)"
             )
 
+    @property
+    def normalize(self) -> bool:
+        """The former name of :attr:`weight_norm` (read-only)."""
+        return self.weight_norm
+
     def project_keys(self, keys: Tensor) -> Tensor:
         """[B, Tk, key_size] -> [B, Tk, H]; compute once per source batch, reuse every step."""
         self._check_tensor("keys", keys)
@@ -113,7 +130,7 @@ class BahdanauAttention(nn.Module):
 
     def score_vector(self) -> tuple[Tensor, Tensor | None]:
         """(v_eff [H], bias [H] or None) as the op takes them."""
-        if self.normalize:
+        if self.weight_norm:
             return self.g * self.v / self.v.norm(), self.b
         return self.v, None
 

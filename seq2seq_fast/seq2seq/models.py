@@ -150,7 +150,7 @@ def _decoder_attention(config: Seq2SeqConfig, memory_size: int) -> BahdanauAtten
         config.hidden_size,
         memory_size,
         config.attention_size or config.hidden_size,
-        normalize=config.normalize_attention,
+        weight_norm=config.normalize_attention,
         backend=config.backend,
     )
 

@@ -37,11 +37,11 @@ def assert_grads_close(model_a: nn.Module, model_b: nn.Module, atol: float, rtol
 
 @requires_cpu_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("weight_norm", [False, True])
 @pytest.mark.parametrize("query_rank", [2, 3])
-def test_module_fused_matches_reference(dtype, normalize, query_rank):
+def test_module_fused_matches_reference(dtype, weight_norm, query_rank):
     torch.manual_seed(0)
-    fused = BahdanauAttention(12, 10, 17, normalize=normalize, backend="fused").to(dtype)
+    fused = BahdanauAttention(12, 10, 17, weight_norm=weight_norm, backend="fused").to(dtype)
     ref = copy.deepcopy(fused)
     ref.backend = "reference"
     query = torch.randn((3, 5, 12) if query_rank == 3 else (3, 12), dtype=dtype)
@@ -61,8 +61,17 @@ def test_module_fused_matches_reference(dtype, normalize, query_rank):
     assert_grads_close(fused, ref, **tol)
 
 
-def test_normalize_initialisation_and_score_vector():
-    module = BahdanauAttention(4, 4, 16, normalize=True)
+def test_weight_norm_old_keyword_still_works_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="weight_norm"):
+        old = BahdanauAttention(4, 4, 16, normalize=True)
+    new = BahdanauAttention(4, 4, 16, weight_norm=True)
+    assert old.weight_norm and old.normalize and new.normalize
+    assert old.state_dict().keys() == new.state_dict().keys()  # checkpoints load either way
+    assert "weight_norm=True" in repr(new)
+
+
+def test_weight_norm_initialisation_and_score_vector():
+    module = BahdanauAttention(4, 4, 16, weight_norm=True)
     assert module.g.item() == pytest.approx(0.25)
     assert torch.all(module.b == 0)
     v_eff, bias = module.score_vector()
@@ -124,7 +133,7 @@ def test_bad_constructor_and_call_arguments():
 @requires_cpu_kernel
 def test_module_compiles_fullgraph_with_backward():
     torch.manual_seed(2)
-    module = BahdanauAttention(8, 8, 16, normalize=True)
+    module = BahdanauAttention(8, 8, 16, weight_norm=True)
     reference = copy.deepcopy(module)
     reference.backend = "reference"
 

@@ -303,7 +303,7 @@ def test_attention_module_under_autocast_runs_the_fused_op():
     """float32 module and inputs under autocast: the fused op runs in bfloat16 (backend="fused":
     no reference fallback), its outputs are bfloat16 and the parameters' gradients float32."""
     torch.manual_seed(0)
-    module = BahdanauAttention(12, 10, 16, normalize=True, backend="fused")
+    module = BahdanauAttention(12, 10, 16, weight_norm=True, backend="fused")
     query, keys = torch.randn(3, 4, 12), torch.randn(3, 7, 10)
     lengths = torch.tensor([7, 3, 5])
     with torch.autocast("cpu", dtype=BF16):

@@ -173,7 +173,7 @@ def test_module_shared_by_threads_equals_serial(threads):
     """One BahdanauAttention (eval, no grad) serving decoding steps from several threads."""
     threads(2)
     torch.manual_seed(0)
-    module = BahdanauAttention(16, 24, 32, normalize=True, backend="fused").eval()
+    module = BahdanauAttention(16, 24, 32, weight_norm=True, backend="fused").eval()
     requests = []
     gen = torch.Generator().manual_seed(3)
     for i in range(16):
