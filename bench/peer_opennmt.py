@@ -339,6 +339,36 @@ def phase_speed(args, python: Path, files: dict) -> None:
             )
 
 
+def translate_command(
+    python: Path, model: Path, source: str | Path, output: Path, beam: int, batch_size: int = 64
+) -> list[str]:
+    """``onmt_translate`` on CPU: ``source`` holds subword pieces (as ``prepare_data`` writes
+    them), the output too (``detokenize`` each line); ``-report_time`` logs the translating time
+    past start-up and loading (``translating_seconds``)."""
+    return [
+        str(python), "-m", "onmt.bin.translate", "-model", str(model), "-src", str(source),
+        "-output", str(output), "-beam_size", str(beam), "-batch_size", str(batch_size),
+        "-gpu", "-1", "-report_time",
+    ]  # fmt: skip
+
+
+_AVERAGE_MS = re.compile(r"Average translation time \(ms\): ([0-9.]+)")
+
+
+def translating_seconds(log: str, sentences: int) -> float:
+    """OpenNMT-py's translating time (-report_time: its mean per sentence, more digits than its
+    total) from its log."""
+    found = _AVERAGE_MS.search(log)
+    if found is None:
+        raise SystemExit(f"no 'Average translation time' in OpenNMT-py's log:\n{log[-2000:]}")
+    return float(found.group(1)) * sentences / 1000
+
+
+def detokenize(line: str) -> str:
+    """sentencepiece pieces, space-separated -> text."""
+    return line.replace(" ", "").replace("\u2581", " ").strip()
+
+
 def _bleu(hyps: list[str], refs: list[str]) -> float:
     import sacrebleu
 
@@ -376,31 +406,12 @@ def phase_bleu(args, python: Path, files: dict) -> None:
         raise SystemExit(f"OpenNMT-py saved no checkpoint in {minutes} min:\n{log[-3000:]}")
     hyp_path = out / "test.hyp"
     subprocess.run(
-        [
-            str(python),
-            "-m",
-            "onmt.bin.translate",
-            "-model",
-            str(checkpoints[-1]),
-            "-src",
-            files["test_src"],
-            "-output",
-            str(hyp_path),
-            "-beam_size",
-            "1",
-            "-batch_size",
-            "64",
-            "-gpu",
-            "-1",
-        ],
+        translate_command(python, checkpoints[-1], files["test_src"], hyp_path, beam=1),
         check=True,
         capture_output=True,
         env=_env(args.threads),
     )
-    hyps = [
-        line.replace(" ", "").replace("\u2581", " ").strip()
-        for line in hyp_path.read_text(encoding="utf-8").splitlines()
-    ]
+    hyps = [detokenize(line) for line in hyp_path.read_text(encoding="utf-8").splitlines()]
     onmt_bleu = _bleu(hyps, files["test_refs"])
     onmt_seconds = time.perf_counter() - started
 
@@ -455,7 +466,7 @@ def phase_bleu(args, python: Path, files: dict) -> None:
     print(f"\n(OpenNMT-py wall time incl. test translation: {onmt_seconds:.0f}s)")
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--data", required=True, help="parallel corpus (.txt/.tsv or .zip), e.g. fra-eng.zip")
@@ -488,7 +499,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="speed: train both tools at the same time (same load from a shared machine)",
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     python = setup_venv(Path(args.venv or Path(args.work) / "venv"))
     print(
         f"OpenNMT-py {ONMT_VERSION} in {python.parent.parent}; load average "

@@ -4,6 +4,8 @@
         --corpus PATH/fra-eng.zip --test-split [--sentences 1000] [--precisions fp32,bf16,int8] \\
         [--threads 1,2] [--beams 1,5] [--backends fused] [--baseline-tree PATH] [--rounds 2] \\
         [--check-exact] [--json out.json]
+    python -m bench.translate_throughput --checkpoint OURS.pt --corpus PATH/fra-eng.zip \\
+        --opennmt ONMT.pt [--opennmt-work /tmp/peer_opennmt] --precisions fp32
 
 Each configuration (precision, beam, threads, attention backend) runs the real command in a
 fresh process on the same input file (``--input FILE`` with ``--references FILE``, or
@@ -21,6 +23,16 @@ time would be on an idle machine; ``--threads N`` runs N one-thread workers, eac
 own batches, so the CPU time is close to N times the wall time of the decoding), sentences/s
 and output tokens/s over the wall time, the start-up alone (an empty input), and the per-round
 ratios reference/fused and 1/2 threads.
+``--opennmt MODEL.pt`` also runs OpenNMT-py 3.5's ``onmt_translate`` (same beams and thread
+counts, ``OMP_NUM_THREADS``) side by side, in the same rounds, on an OpenNMT-py model trained on
+the same data (``python -m bench.peer_opennmt --phase bleu``, which sets OpenNMT-py up in a
+scratch virtual environment under ``--opennmt-work`` and trains both tools for equal time). The
+input is then that script's test split (``bench.peer_opennmt.prepare_data``: its ``--direction``,
+``--max-pairs``, ``--spm-vocab-size``, seed 0): raw text for ours, the same sentences cut into
+the subword pieces OpenNMT-py was trained on for ``onmt_translate`` (the cutting and joining of
+pieces are not timed: ours does its own inside the command). OpenNMT-py's translating time is its
+``-report_time`` line; its output is joined back into text and scored like ours. Ratios
+ours/OpenNMT-py of sentences/s (per round, median), whole command and past start-up.
 ``--check-exact`` also runs each beam one sentence at a time (``--batch-size 1``) and counts the
 lines that differ from the batched output (expected: none).
 """
@@ -43,6 +55,7 @@ from bench.report import CoRunnerMeter, format_machine, load_average, machine_in
 
 CLOSING_LINE = re.compile(r"(\d+) sentences, (\d+) tokens in ([0-9.]+) s")
 BASELINE = "baseline"
+ONMT = "opennmt"
 
 
 def sample_sentences(corpus: Path, count: int, min_words: int, max_words: int, seed: int = 0):
@@ -97,6 +110,8 @@ def _children_cpu_seconds() -> float:
 def run_command(args: argparse.Namespace, source: Path, output: Path, **options) -> dict:
     """One ``seq2seq-fast translate`` process: -> wall seconds, the command's own translation
     seconds (its closing line: after start-up and loading), sentences and output tokens."""
+    if options.get("precision") == ONMT:
+        return run_opennmt(args, output, **options)
     command = [
         sys.executable,
         "-m",
@@ -143,19 +158,70 @@ def run_command(args: argparse.Namespace, source: Path, output: Path, **options)
     }
 
 
+def run_opennmt(args: argparse.Namespace, output: Path, **options) -> dict:
+    """One ``onmt_translate`` process on the subword pieces of the input, the same fields as
+    ``run_command``; its output joined back into text in ``output``."""
+    from bench import peer_opennmt
+
+    pieces = output.with_suffix(".pieces")
+    command = peer_opennmt.translate_command(
+        args.opennmt_python,
+        Path(args.opennmt).resolve(),
+        args.opennmt_source,
+        pieces,
+        beam=options["beam"],
+        batch_size=args.opennmt_batch_size,
+    )
+    env = peer_opennmt._env(options["threads"])
+    cpu_before = _children_cpu_seconds()
+    started = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - started
+    cpu_seconds = _children_cpu_seconds() - cpu_before
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{proc.stderr[-2000:]}")
+    lines = pieces.read_text(encoding="utf-8").splitlines()
+    text = [peer_opennmt.detokenize(line) for line in lines]
+    output.write_text("".join(line + "\n" for line in text), encoding="utf-8")
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "translate_seconds": peer_opennmt.translating_seconds(
+            proc.stdout + proc.stderr, len(lines)
+        ),
+        "sentences": len(lines),
+        "tokens": sum(len(line.split()) + 1 for line in lines),  # pieces and </s>, as ours counts
+        "words": sum(len(line.split()) for line in text),
+    }
+
+
 def configurations(args: argparse.Namespace) -> list[dict]:
     precisions = list(args.precisions) + ([BASELINE] if args.baseline_tree else [])
-    return [
+    ours = [
         {"precision": precision, "beam": beam, "threads": threads, "backend": backend}
         for precision in precisions
         for beam in args.beams
         for threads in args.threads
         for backend in args.backends
     ]
+    onmt = [
+        {"precision": ONMT, "beam": beam, "threads": threads, "backend": ONMT}
+        for beam in args.beams
+        for threads in args.threads
+    ]
+    return ours + (onmt if getattr(args, "opennmt", None) else [])
+
+
+def peer_opennmt_version() -> str:
+    from bench.peer_opennmt import ONMT_VERSION
+
+    return ONMT_VERSION
 
 
 def key(config: dict) -> str:
     mode = "greedy" if config["beam"] == 1 else f"beam {config['beam']}"
+    if config.get("precision") == ONMT:
+        return f"OpenNMT-py {peer_opennmt_version()}, {mode}, {config['threads']} thread(s)"
     return (
         f"{config.get('precision', 'fp32')}, {mode}, {config['threads']} thread(s), "
         f"{config['backend']}"
@@ -208,6 +274,8 @@ def ratios(runs: dict[str, list[dict]], args: argparse.Namespace) -> dict[str, f
     beam, backend); > 1 means the second is faster."""
     out = {}
     for c in configurations(args):
+        if c["precision"] == ONMT:
+            continue
         for field, slower in (("backend", "reference"), ("threads", 1), ("precision", BASELINE)):
             if c[field] == slower:
                 continue
@@ -228,7 +296,7 @@ def translating_ratios(runs: dict[str, list[dict]], args: argparse.Namespace) ->
     if not args.baseline_tree:
         return out
     for c in configurations(args):
-        if c["precision"] == BASELINE:
+        if c["precision"] in (BASELINE, ONMT):
             continue
         base = key(dict(c, precision=BASELINE))
         per_round = [
@@ -236,6 +304,26 @@ def translating_ratios(runs: dict[str, list[dict]], args: argparse.Namespace) ->
             for b, f in zip(runs[base], runs[key(c)], strict=True)
         ]
         out[f"{key(c)} vs baseline"] = round(statistics.median(per_round), 2)
+    return out
+
+
+def opennmt_ratios(runs: dict[str, list[dict]], args: argparse.Namespace) -> dict[str, str]:
+    """Per precision of ours, beam and threads (our first backend): the median per-round ratio
+    ours/OpenNMT-py of sentences/s, whole command (wall) and past start-up (translating)."""
+    out = {}
+    if not getattr(args, "opennmt", None):
+        return out
+    for c in configurations(args):
+        if c["precision"] in (BASELINE, ONMT) or c["backend"] != args.backends[0]:
+            continue
+        peer = key({"precision": ONMT, "beam": c["beam"], "threads": c["threads"]})
+        # sentences/s ours / OpenNMT-py = OpenNMT-py's seconds / ours (same sentences)
+        rounds = list(zip(runs[key(c)], runs[peer], strict=True))
+        wall = statistics.median(onmt["seconds"] / us["seconds"] for us, onmt in rounds)
+        past = statistics.median(
+            onmt["translate_seconds"] / us["translate_seconds"] for us, onmt in rounds
+        )
+        out[f"{key(c)} / OpenNMT-py"] = f"{wall:.2f}x wall, {past:.2f}x past start-up"
     return out
 
 
@@ -284,11 +372,50 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--check-exact", action="store_true")
+    p.add_argument(
+        "--opennmt",
+        metavar="MODEL.pt",
+        help="also run OpenNMT-py's onmt_translate on this model of its (bench.peer_opennmt)",
+    )
+    p.add_argument(
+        "--opennmt-work",
+        default="/tmp/peer_opennmt",
+        help="bench.peer_opennmt's --work: its virtual environment (venv/) and data",
+    )
+    p.add_argument(
+        "--opennmt-args",
+        default="",
+        help="bench.peer_opennmt options that fix the data (e.g. '--max-pairs 29000')",
+    )
+    p.add_argument("--opennmt-batch-size", type=int, default=64, help="onmt_translate's, sents")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     if (args.input is None) == (args.corpus is None):
         p.error("give exactly one of --input and --corpus")
+    if args.opennmt and args.corpus is None:
+        p.error("--opennmt needs --corpus (the corpus both models were trained on)")
     return args
+
+
+def opennmt_input(args: argparse.Namespace, source: Path) -> None:
+    """The test split ``bench.peer_opennmt`` trained both tools beside: raw sources for ours in
+    ``source``, references, OpenNMT-py's python and its subword-piece input (``--sentences``
+    of them, drawn with a fixed seed, when fewer than the split)."""
+    from bench import peer_opennmt
+
+    peer = peer_opennmt.parse_args(
+        ["--data", args.corpus, "--work", args.opennmt_work, *args.opennmt_args.split()]
+    )
+    args.opennmt_python = peer_opennmt.setup_venv(Path(peer.venv or Path(peer.work) / "venv"))
+    files = peer_opennmt.prepare_data(peer)
+    pieces = Path(files["test_src"]).read_text(encoding="utf-8").splitlines()
+    rows = list(zip(files["corpus"].test, pieces, strict=True))
+    if 0 < args.sentences < len(rows):
+        rows = random.Random(0).sample(rows, args.sentences)
+    source.write_text("".join(s + "\n" for (s, _), _ in rows), encoding="utf-8")
+    args.opennmt_source = source.with_suffix(".pieces")
+    args.opennmt_source.write_text("".join(p + "\n" for _, p in rows), encoding="utf-8")
+    args.reference_lines = [t for (_, t), _ in rows]
 
 
 def main(argv=None) -> None:
@@ -301,7 +428,9 @@ def main(argv=None) -> None:
         args.reference_lines = None
         if args.references:
             args.reference_lines = Path(args.references).read_text(encoding="utf-8").splitlines()
-        if args.corpus and args.test_split:
+        if args.opennmt:
+            opennmt_input(args, source)
+        elif args.corpus and args.test_split:
             pairs = test_split_pairs(Path(args.corpus), args.sentences)
             source.write_text("".join(s + "\n" for s, _ in pairs), encoding="utf-8")
             args.reference_lines = [t for _, t in pairs]
@@ -316,7 +445,11 @@ def main(argv=None) -> None:
             result["one_at_a_time"] = check_exact(args, source, folder)
     info["load_average_at_end"] = load_average()
     info["other_processes_busy_cores"] = meter.stop()
-    result["ratios"] = ratios(result["runs"], args) | translating_ratios(result["runs"], args)
+    result["ratios"] = (
+        ratios(result["runs"], args)
+        | translating_ratios(result["runs"], args)
+        | opennmt_ratios(result["runs"], args)
+    )
     result["input"] = {"sentences": len(words), "mean_words": statistics.mean(words)}
     print(format_machine(info))
     print(
@@ -326,7 +459,7 @@ def main(argv=None) -> None:
     )
     print(table(result))
     for name, value in result["ratios"].items():
-        print(f"- {name}: {value}x")
+        print(f"- {name}: {value}" + ("" if isinstance(value, str) else "x"))
     for name, run in result.get("one_at_a_time", {}).items():
         print(
             f"- {name}: {run['seconds']:.2f} s; lines differing from the batched output: "

@@ -316,3 +316,35 @@ def test_time_interleaved_cpu_clock_excludes_waiting():
     s = samples["sleep"]
     assert min(s.wall_s) >= 0.009
     assert max(s.cpu_s) < 0.5 * min(s.wall_s)
+
+
+def test_opennmt_side_by_side_parsing_and_ratio_direction():
+    """translate_throughput --opennmt: OpenNMT-py's log and pieces read back, and the ratio is
+    ours/OpenNMT-py in sentences/s (> 1 when ours takes less time)."""
+    from bench import peer_opennmt, translate_throughput
+
+    log = "[INFO] Total translation time (s): 1.2\n[INFO] Average translation time (ms): 2.5\n"
+    assert peer_opennmt.translating_seconds(log, 400) == pytest.approx(1.0)
+    with pytest.raises(SystemExit, match="Average translation time"):
+        peer_opennmt.translating_seconds("no report here", 400)
+    assert peer_opennmt.detokenize("\u2581I t \u2581is \u2581here .") == "It is here."
+    args = translate_throughput.parse_args(
+        ["--checkpoint", "m.pt", "--corpus", "c.zip", "--opennmt", "o.pt", "--precisions", "fp32"]
+    )
+    args.beams, args.threads = [5], [1]
+    ours = translate_throughput.key(
+        {"precision": "fp32", "beam": 5, "threads": 1, "backend": "fused"}
+    )
+    onmt = translate_throughput.key(
+        {"precision": translate_throughput.ONMT, "beam": 5, "threads": 1}
+    )
+    assert set(translate_throughput.key(c) for c in translate_throughput.configurations(args)) == {
+        ours,
+        onmt,
+    }
+    runs = {
+        ours: [{"seconds": 2.0, "translate_seconds": 1.0}] * 3,
+        onmt: [{"seconds": 6.0, "translate_seconds": 4.0}] * 3,
+    }
+    (ratio,) = translate_throughput.opennmt_ratios(runs, args).values()
+    assert ratio == "3.00x wall, 4.00x past start-up"
