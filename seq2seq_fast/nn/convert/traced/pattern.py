@@ -520,14 +520,19 @@ def _take_in_place_fills(chain: _Chain, users: list[fx.Node]) -> None:
     for fill in fills_in_place:
         if fill.users:
             raise NoMatch("the result of an in-place masked_fill_ of the scores is used")
-        value = _arg(fill, 2, "value")
-        known = _number(_hint(value))
-        if known is None or not known <= MASK_FILL_MAX:
-            raise NoMatch(f"masked_fill_ with {_hint(value)!r}, not a very negative value")
-        chain.mask("fill", _peel_repeat(_arg(fill, 1, "mask")), value)
+        _fill_step(chain, fill, "masked_fill_")
         chain.helpers.insert(0, fill)  # erased before the .data it fills
         if fill in users:
             users.remove(fill)
+
+
+def _fill_step(chain: _Chain, fill: fx.Node, what: str) -> None:
+    """A masked_fill (or masked_fill_) of the scores with a very negative value: a mask step."""
+    value = _arg(fill, 2, "value")
+    known = _number(_hint(value))
+    if known is None or not known <= MASK_FILL_MAX:
+        raise NoMatch(f"{what} with {_hint(value)!r}, not a very negative value")
+    chain.mask("fill", _peel_repeat(_arg(fill, 1, "mask")), value)
 
 
 def _take_dtype_and_size_users(chain: _Chain, users: list[fx.Node]) -> list[fx.Node]:
@@ -564,11 +569,7 @@ def _chain_step(chain: _Chain, user: fx.Node) -> None:
     elif _is(user, _MASKED_FILL):
         if user.args[0] is not node:
             raise NoMatch("masked_fill takes the scores as its mask")
-        value = _arg(user, 2, "value")
-        known = _number(_hint(value))
-        if known is None or not known <= MASK_FILL_MAX:
-            raise NoMatch(f"masked_fill with {_hint(value)!r}, not a very negative value")
-        chain.mask("fill", _peel_repeat(_arg(user, 1, "mask")), value)
+        _fill_step(chain, user, "masked_fill")
     elif _is(user, _WHERE) and len(user.args) == 3 and user.args[1] is node:
         _where_step(chain, user)
     elif (_is(user, _ADDS) or (_is(user, _SUBS) and user.args[0] is node)) and len(user.args) == 2:
