@@ -345,25 +345,31 @@ def additive_attention(
     if degenerate or _use_reference(backend, query3):
         # Degenerate sizes (B, Tq, Tk, H or Dv = 0) leave a kernel nothing to do; the reference is exact.
         return _reference(checked, return_weights, normalize, score_bias)
-    v, lengths, mask = checked.v, checked.lengths, checked.mask
-    bias = query3.new_zeros(query3.shape[-1]) if checked.bias is None else checked.bias
-    leaves = (query3, keys, values, v, bias) + (() if score_bias is None else (score_bias,))
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
-    plain_softmax = normalize == SOFTMAX and score_bias is None
-    if grad and stepwise is not None and plain_softmax and stepwise.owns(keys, values):
-        context, weights = stepwise.attend(query3, v, bias, lengths, mask)
-    elif grad:
-        context, weights, _ = AdditiveAttentionFunction.eager_apply(
-            query3, keys, values, v, bias, lengths, mask, return_weights, normalize, score_bias
-        )
-    else:  # no autograd needed: skip Function.apply's per-call signature binding
-        context, weights, _ = torch.ops.seq2seq_fast.additive_attention_fwd(
-            query3, keys, values, v, bias, lengths, mask, return_weights, normalize, score_bias
-        )
+    context, weights = _fused(checked, return_weights, normalize, score_bias, stepwise)
     if checked.single_step:
         context = context.squeeze(1)
         weights = weights.squeeze(1) if return_weights else weights
     return context, (weights if return_weights else None)
+
+
+def _fused(checked, return_weights: bool, normalize: str, score_bias: Tensor | None,
+           stepwise: StepwiseMemory | None) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The fused kernel on checked inputs: through the step memory (a decoder's steps, training),
+    the autograd Function, or the op alone where no gradient is wanted."""
+    query, keys, values = checked.query, checked.keys, checked.values
+    v, lengths, mask = checked.v, checked.lengths, checked.mask
+    bias = query.new_zeros(query.shape[-1]) if checked.bias is None else checked.bias
+    leaves = (query, keys, values, v, bias) + (() if score_bias is None else (score_bias,))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+    plain_softmax = normalize == SOFTMAX and score_bias is None
+    if grad and stepwise is not None and plain_softmax and stepwise.owns(keys, values):
+        return stepwise.attend(query, v, bias, lengths, mask)
+    args = (query, keys, values, v, bias, lengths, mask, return_weights, normalize, score_bias)
+    if grad:
+        context, weights, _ = AdditiveAttentionFunction.eager_apply(*args)
+    else:  # no autograd needed: skip Function.apply's per-call signature binding
+        context, weights, _ = torch.ops.seq2seq_fast.additive_attention_fwd(*args)
+    return context, weights
 
 
 def check_normalize(normalize: object) -> str:

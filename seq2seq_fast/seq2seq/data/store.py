@@ -383,6 +383,20 @@ def _read_official(
     return pairs
 
 
+def _store_on_rank(folder: Path, key: str, files: CorpusFiles, build: Callable[[], TokenStore],
+                   rank: int, barrier: Callable[[], None] | None, log: Log) -> TokenStore:  # fmt: skip
+    """Rank 0 opens or builds the store; the other ranks open it after ``barrier``."""
+    store = _open_or_build(folder, key, files, build, log) if rank == 0 else None
+    if barrier is not None:
+        barrier()
+    if store is None:
+        manifest, why = verify_store(folder, key)
+        if manifest is None:
+            raise CorpusError(f"token store {folder} is not usable on rank {rank}: {why}")
+        store = TokenStore(folder, manifest)
+    return store
+
+
 def load_store_corpus(
     files: CorpusFiles,
     spec: TokenizerSpec,
@@ -437,31 +451,22 @@ def load_store_corpus(
         }
     )
     folder = cache_dir / f"store-{key}"
-    store = None
-    if rank == 0:
 
-        def build() -> TokenStore:
-            rule = plan()
-            return build_store(
-                folder,
-                key,
-                identity,
-                files,
-                count(),
-                options,
-                vocabs,
-                rule=rule,
-                progress=progress,
-                log=log,
-            )
+    def build() -> TokenStore:
+        rule = plan()
+        return build_store(
+            folder,
+            key,
+            identity,
+            files,
+            count(),
+            options,
+            vocabs,
+            rule=rule,
+            progress=progress,
+            log=log,
+        )
 
-        store = _open_or_build(folder, key, files, build, log)
-    if barrier is not None:
-        barrier()
-    if store is None:
-        manifest, why = verify_store(folder, key)
-        if manifest is None:
-            raise CorpusError(f"token store {folder} is not usable on rank {rank}: {why}")
-        store = TokenStore(folder, manifest)
+    store = _store_on_rank(folder, key, files, build, rank, barrier, log)
     held_valid, held_test = _held_out(store, files, options, valid, test)
     return TranslationData(vocabs[0], vocabs[1], store, held_valid, held_test, store.report())
