@@ -530,6 +530,28 @@ def stage_launch(check: Check, record: dict, torch, tk) -> None:
             log(f"   launch {shape.name} {dtype_name} {what}: {numbers}")
 
 
+def _fwd_tile_items(tk, shape: Shape, dtype_name: str, ranked: list) -> list:
+    """Sweep items timing the forward launcher at each (tile, cost) of ``ranked``."""
+    return [
+        (shape, dtype_name, "fwd tiles", _label(cfg), cost,
+         lambda x, cfg=cfg: tk.additive_attention_fwd(*x, None, None, True, config=cfg))
+        for cfg, cost in ranked
+    ]  # fmt: skip
+
+
+def _grad_tile_items(check: Check, tk, tiles, shape: Shape, dtype_name: str, dtype,
+                     count: int | None) -> list:  # fmt: skip
+    """Sweep items timing the whole backward under the grad kernel's best ``count`` tiles (all
+    with None), the ds and grad-values tiles as the launcher picks them."""
+    ds_cfg, _, dv_cfg = tiles.backward_configs(*_dims(shape), dtype=dtype, sms=_sms(check))
+    ranked = tiles.rank_grad(*_dims(shape)[:4], dtype=dtype, sms=_sms(check))[:count]
+    return [
+        (shape, dtype_name, "bwd grad tiles", _label(cfg), cost,
+         _backward_factory(tk, (ds_cfg, cfg, dv_cfg)))
+        for cfg, cost in ranked
+    ]  # fmt: skip
+
+
 def _wide_sweep_items(check: Check, tk, tiles, dtypes: dict, shapes: list) -> list:
     """Shape by shape: every forward candidate (block_q up to 32), then, for the first two
     training shapes, every grad-kernel tile: the data a refit of tiles.py's constants needs."""
@@ -538,17 +560,10 @@ def _wide_sweep_items(check: Check, tk, tiles, dtypes: dict, shapes: list) -> li
     for shape in shapes:
         for dtype_name, dtype in dtypes.items():
             ranked = tiles.rank_forward(*_dims(shape), dtype=dtype, sms=_sms(check), max_q=32)
-            for cfg, cost in ranked:
-                items.append((shape, dtype_name, "fwd tiles", _label(cfg), cost,
-                              lambda x, cfg=cfg: tk.additive_attention_fwd(
-                                  *x, None, None, True, config=cfg)))  # fmt: skip
-        if shape not in training:
-            continue
-        for dtype_name, dtype in dtypes.items():
-            ds_cfg, _, dv_cfg = tiles.backward_configs(*_dims(shape), dtype=dtype, sms=_sms(check))
-            for cfg, cost in tiles.rank_grad(*_dims(shape)[:4], dtype=dtype, sms=_sms(check)):
-                items.append((shape, dtype_name, "bwd grad tiles", _label(cfg), cost,
-                              _backward_factory(tk, (ds_cfg, cfg, dv_cfg))))  # fmt: skip
+            items += _fwd_tile_items(tk, shape, dtype_name, ranked)
+        if shape in training:
+            for dtype_name, dtype in dtypes.items():
+                items += _grad_tile_items(check, tk, tiles, shape, dtype_name, dtype, None)
     return items
 
 
@@ -560,8 +575,8 @@ def stage_sweep(check: Check, record: dict, torch, tk) -> None:
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     shapes = sorted(selected_shapes(check), key=lambda s: s.name not in PRIORITY)
     if check.args.wide_sweep:
-        run_sweep_items(check, record, torch, dtypes, _wide_sweep_items(check, tk, tiles, dtypes,
-                                                                         shapes))  # fmt: skip
+        items = _wide_sweep_items(check, tk, tiles, dtypes, shapes)
+        run_sweep_items(check, record, torch, dtypes, items)
         return
     items = []  # (shape, dtype name, what, label, cost, call factory)
     for shape in shapes[:2] if not check.args.dry_run else shapes:
@@ -581,33 +596,11 @@ def stage_sweep(check: Check, record: dict, torch, tk) -> None:
                 )
     for shape in shapes:
         for dtype_name, dtype in dtypes.items():
-            for cfg, cost in tiles.sweep_forward(*_dims(shape), dtype=dtype, sms=_sms(check)):
-                items.append(
-                    (
-                        shape,
-                        dtype_name,
-                        "fwd tiles",
-                        _label(cfg),
-                        cost,
-                        lambda x, cfg=cfg: tk.additive_attention_fwd(
-                            *x, None, None, True, config=cfg
-                        ),
-                    )
-                )
+            ranked = tiles.sweep_forward(*_dims(shape), dtype=dtype, sms=_sms(check))
+            items += _fwd_tile_items(tk, shape, dtype_name, ranked)
     for shape in [s for s in shapes if s.q_len > 1][:2]:
         for dtype_name, dtype in dtypes.items():
-            ds_cfg, _, dv_cfg = tiles.backward_configs(*_dims(shape), dtype=dtype, sms=_sms(check))
-            for cfg, cost in tiles.rank_grad(*_dims(shape)[:4], dtype=dtype, sms=_sms(check))[:3]:
-                items.append(
-                    (
-                        shape,
-                        dtype_name,
-                        "bwd grad tiles",
-                        _label(cfg),
-                        cost,
-                        _backward_factory(tk, (ds_cfg, cfg, dv_cfg)),
-                    )
-                )
+            items += _grad_tile_items(check, tk, tiles, shape, dtype_name, dtype, 3)
     run_sweep_items(check, record, torch, dtypes, items)
 
 
