@@ -14,7 +14,6 @@ from seq2seq_fast import fuse_attention
 from seq2seq_fast.nn import fuse_attention_report
 from seq2seq_fast.nn.convert import FusedStandIn, Layout, register, registered_layouts
 from seq2seq_fast.nn.convert._base import check_equivalent
-from seq2seq_fast.nn.convert.gnmt import FusedGNMTAttention
 from seq2seq_fast.nn.convert.tutorial import LAYOUT as TUTORIAL
 from seq2seq_fast.nn.convert.tutorial import FusedTutorialAttention
 from tests.layouts import GNMTAttention, TutorialAttention
@@ -66,7 +65,6 @@ LOOK_ALIKES = {
     "no tanh": lambda: NoTanh(6),
     "temperature": lambda: Temperature(6),
     "subclass forward": lambda: ContextOfProjectedKeys(6),
-    "gnmt scaled": lambda: ScaledGNMT(5, 6, 7, batch_first=True),
 }
 
 
@@ -84,6 +82,22 @@ def test_look_alikes_are_refused_and_untouched(name):
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]) and value.dtype == before[key].dtype
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_thin_matcher_converts_a_scaled_subclass_exactly():
+    """GNMT is a thin matcher: the traced runtime computes what the module computes, so a subclass
+    scaling the scores (a look-alike to a stand-in) converts, exactly."""
+    torch.manual_seed(0)
+    original = nn.Sequential(ScaledGNMT(5, 6, 7, batch_first=True)).double()
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model)
+    assert [(r.path, r.layout) for r in report.replaced] == [("0", "gnmt")], str(report)
+    assert "scale" in report.replaced[0].traced
+    query, keys = torch.randn(3, 2, 5).double(), torch.randn(3, 4, 6).double()
+    for module in (original[0], model[0]):
+        module.set_mask(torch.tensor([4, 2, 1]), keys)
+    for got, want in zip(model[0](query, keys), original[0](query, keys), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
 def test_check_false_trusts_the_structure():
@@ -134,6 +148,7 @@ class Parent(nn.Module):
 
 def test_report_lists_replaced_and_skipped(caplog):
     model = Parent()
+    gnmt = model.decoder["gnmt"]
     keys_before = list(model.state_dict())
     with caplog.at_level(logging.DEBUG, logger="seq2seq_fast.nn.convert"):
         report = fuse_attention_report(model)
@@ -145,9 +160,12 @@ def test_report_lists_replaced_and_skipped(caplog):
     # one stand-in for the module reached by two paths
     assert model.encoder[1] is model.decoder["attn"]
     assert isinstance(model.decoder["attn"], FusedTutorialAttention)
-    assert isinstance(model.decoder["gnmt"], FusedGNMTAttention)
+    # gnmt is a thin matcher: the same module, converted in place by the traced runtime
+    assert model.decoder["gnmt"] is gnmt and isinstance(gnmt, FusedStandIn)
+    assert type(gnmt).__mro__[1] is GNMTAttention
     assert list(model.state_dict()) == keys_before
     assert "2 replaced, 1 skipped" in str(report) and "decoder.gnmt" in str(report)
+    assert "as 'gnmt' through the traced runtime" in str(report)
     assert "2 replaced, 1 skipped" in caplog.text
 
 

@@ -11,7 +11,8 @@ from torch import nn
 
 import seq2seq_fast
 from seq2seq_fast import BahdanauAttention, fuse_attention
-from seq2seq_fast.nn.convert.gnmt import FusedGNMTAttention
+from seq2seq_fast.nn.convert import FusedStandIn, fuse_attention_report
+from seq2seq_fast.nn.convert.traced.rewrite import recorded_runs
 from seq2seq_fast.nn.convert.tutorial import FusedTutorialAttention
 from seq2seq_fast.ops import fused_available
 from tests.layouts import GNMTAttention, GNMTDecoderLayer, TutorialAttention, TutorialDecoder
@@ -184,17 +185,25 @@ def test_fuse_gnmt_layer_same_outputs_and_grads(normalize, batch_first):
     torch.manual_seed(4)
     plain = GNMTDecoderLayer(hidden_size=12, normalize=normalize, batch_first=batch_first)
     fused = copy.deepcopy(plain)
-    assert fuse_attention(fused) == 1
-    assert isinstance(fused.attn, FusedGNMTAttention)
+    attention = fused.attn
+    report = fuse_attention_report(fused)
+    assert report.count == 1, str(report)  # converted at once (a thin matcher, traced runtime)
+    assert [(r.path, r.layout, bool(r.traced)) for r in report.replaced] == [("attn", "gnmt", True)]
+    assert fused.attn is attention and isinstance(attention, FusedStandIn)  # in place
     assert list(fused.state_dict()) == list(plain.state_dict())
 
     batch, src_len, tgt_len = 3, 7, 5
     context = torch.randn(batch, src_len, 12) if batch_first else torch.randn(src_len, batch, 12)
     inputs = torch.randn(batch, tgt_len, 12) if batch_first else torch.randn(tgt_len, batch, 12)
     context_len = torch.tensor([7, 4, 1])
+    with torch.no_grad(), recorded_runs() as ran:
+        fused(inputs, context, context_len)  # the layer's own first call, watched: attn unfused
+    assert not ran and report.count == 1  # (the layer is not converted: its attention was)
     outs = []
     for model in (plain, fused):
-        out, weights = model(inputs, context, context_len)
+        with recorded_runs() as ran:
+            out, weights = model(inputs, context, context_len)
+        assert bool(ran) == (model is fused)  # the fused op computed the converted one's weights
         (out.square().sum() + weights.sum()).backward()
         outs.append((out, weights))
     torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=1e-5)

@@ -35,6 +35,7 @@ from seq2seq_fast.nn.convert._base import (
     registered_layouts,
 )
 from seq2seq_fast.nn.convert.traced import watch_model
+from seq2seq_fast.nn.convert.traced.runtime import convert_now
 
 __all__ = [
     "ConversionReport",
@@ -68,7 +69,8 @@ def _has_hooks(module: nn.Module) -> bool:
 
 
 def _convert_one(module: nn.Module, path: str, backend: str, check: bool, report: ConversionReport):
-    """The stand-in for ``module`` (recording it in ``report``), or None."""
+    """What takes ``module``'s place (recording it in ``report``): a named layout's stand-in, or
+    ``module`` itself converted in place by a thin matcher (``Layout.traced``); or None."""
     if isinstance(module, (FusedStandIn, BahdanauAttention)):
         return None
     matched = [layout for layout in registered_layouts() if _matches(layout, module)]
@@ -77,28 +79,41 @@ def _convert_one(module: nn.Module, path: str, backend: str, check: bool, report
     reasons = []
     for layout in matched:
         reason = layout.unsupported(module) if layout.unsupported is not None else None
-        if reason is None and _has_hooks(module):
-            reason = "the module has hooks registered on it, which a stand-in would not run"
-        if reason is None and check:
-            try:
-                reason = check_equivalent(module, layout, backend)
-                if reason is not None:
-                    reason = f"differs from the stand-in on a random input: {reason}"
-            except Exception as exc:  # noqa: BLE001 - any failure refuses the conversion
-                # (the module is not called as the layout calls it: not a difference found)
-                reason = (
-                    "the safety check could not call it as this layout calls it "
-                    f"({type(exc).__name__}: {exc})"
-                )
-        if reason is None:
-            fused = layout.build(module, backend)
-            fused.train(module.training)
-            report.replaced.append(Replaced(path, layout.name, class_name(module)))
-            return fused
+        if reason is None and layout.traced:
+            # the same runtime a watched module's first call goes through, on the example call
+            reason = convert_now(module, path, layout, report, backend)
+            if reason is None:
+                return module
+            reason = f"through the traced runtime, on this layout's example call: {reason}"
+        elif reason is None:
+            reason = _stand_in_refused(module, layout, backend, check)
+            if reason is None:
+                fused = layout.build(module, backend)
+                fused.train(module.training)
+                report.replaced.append(Replaced(path, layout.name, class_name(module)))
+                return fused
         reasons.append(reason if len(matched) == 1 else f"{layout.name}: {reason}")
     names = tuple(layout.name for layout in matched)
     report.skipped.append(Skipped(path, names, class_name(module), "; ".join(reasons)))
     return None
+
+
+def _stand_in_refused(module: nn.Module, layout: Layout, backend: str, check: bool) -> str | None:
+    """Why a named layout's stand-in may not replace ``module`` (hooks, the safety check), or
+    None."""
+    if _has_hooks(module):
+        return "the module has hooks registered on it, which a stand-in would not run"
+    if not check:
+        return None
+    try:
+        reason = check_equivalent(module, layout, backend)
+    except Exception as exc:  # noqa: BLE001 - any failure refuses the conversion
+        # (the module is not called as the layout calls it: not a difference found)
+        return (
+            "the safety check could not call it as this layout calls it "
+            f"({type(exc).__name__}: {exc})"
+        )
+    return None if reason is None else f"differs from the stand-in on a random input: {reason}"
 
 
 def _matches(layout: Layout, module: nn.Module) -> bool:

@@ -1,8 +1,9 @@
 """The converter's family interface: one :class:`Layout` record per attention layout, a registry.
 
 Adding a layout touches one file: a module ``seq2seq_fast/nn/convert/<family>.py`` (its name not
-starting with ``_``) that defines the stand-in and calls :func:`register` at import time. The
-package imports every such module when it loads, so nothing else needs editing (except the tests).
+starting with ``_``) that defines the stand-in (none for a thin matcher, below) and calls
+:func:`register` at import time. The package imports every such module when it loads, so nothing
+else needs editing (except the tests).
 
 A :class:`Layout` has
 
@@ -23,8 +24,17 @@ A :class:`Layout` has
 - optional ``unsupported(module) -> str | None``: why a module that matches cannot be converted
   exactly (e.g. sigmoid normalisation, dropout on the weights in training); it is then skipped
   with that reason.
+- ``traced``: a *thin matcher*, no stand-in of its own (``build=None``). A module it matches is
+  handed at once to the general path's runtime (:mod:`~seq2seq_fast.nn.convert.traced.runtime`:
+  the same trace, pattern, typed plan, rewrite, float64 probe and in-place class swap a watched
+  module gets at its first call), with ``example_call`` (after ``prepare``, on a copy) as that
+  first call. It is reported as replaced "as '<name>' through the traced runtime", or skipped
+  with the runtime's reason. The module object stays (its class becomes a traced subclass of
+  its own), so hooks keep running and the probe runs whatever ``check`` says. A layout is thin
+  where the traced path is as fast as a stand-in would be (bench/RESULTS.md, "Which named
+  layouts stay, and why"); only the match and the example call are its own.
 
-The safety check (:func:`check_equivalent`) runs a float64 CPU deep copy of the original and the
+The safety check of a named layout (:func:`check_equivalent`) runs a float64 CPU deep copy of the original and the
 stand-in built from a second such copy on ``example_call``'s input (same RNG state for both, so
 dropout draws agree when the stand-in draws the same way), and compares every output and the
 gradients of a random projection of the outputs with respect to every parameter and tensor input.
@@ -67,10 +77,18 @@ class Layout:
 
     name: str
     match: Callable[[nn.Module], bool]
-    build: Callable[[nn.Module, str], nn.Module]
+    build: Callable[[nn.Module, str], nn.Module] | None
     example_call: Callable[[nn.Module, torch.dtype], tuple[tuple, dict]]
     prepare: Callable[[nn.Module, tuple, dict], None] | None = None
     unsupported: Callable[[nn.Module], str | None] | None = None
+    traced: bool = False  # a thin matcher: no stand-in, the traced runtime converts it at once
+
+    def __post_init__(self) -> None:
+        if self.traced != (self.build is None):
+            raise ValueError(
+                f"layout {self.name!r}: a traced layout (traced=True) has build=None and a "
+                f"named one has a build; got traced={self.traced}, build={self.build!r}"
+            )
 
 
 _REGISTRY: dict[str, Layout] = {}
@@ -99,6 +117,9 @@ class Replaced:
     path: str  # dotted name in the model, as named_modules() gives it
     layout: str
     original: str  # the original module's class, module.qualname
+    # a thin matcher's conversion: what the traced runtime found ("" for a stand-in, and for the
+    # general path's own conversions, whose layout already says "traced (...)")
+    traced: str = ""
 
 
 @dataclass(frozen=True)
@@ -125,7 +146,11 @@ class ConversionReport:
 
     def __str__(self) -> str:
         lines = [f"fuse_attention: {len(self.replaced)} replaced, {len(self.skipped)} skipped"]
-        lines += [f"  replaced {r.path} ({r.original}) as {r.layout!r}" for r in self.replaced]
+        lines += [
+            f"  replaced {r.path} ({r.original}) as {r.layout!r}"
+            + (f" through the traced runtime ({r.traced})" if r.traced else "")
+            for r in self.replaced
+        ]
         lines += [
             f"  skipped {s.path} ({s.original}; matched {', '.join(s.layouts)}): {s.reason}"
             for s in self.skipped
@@ -266,7 +291,12 @@ def _first_difference(
 def check_equivalent(module: nn.Module, layout: Layout, backend: str, seed: int = 0) -> str | None:
     """None when ``layout``'s stand-in for ``module`` gives the same outputs and gradients as
     ``module`` on ``layout.example_call`` (float64 CPU copies; ``module`` is not touched); else
-    why not."""
+    why not. (A thin matcher has no stand-in: the traced runtime's probe checks its modules.)"""
+    if layout.traced:
+        raise ValueError(
+            f"layout {layout.name!r} is a thin matcher (traced=True): it has no stand-in to check; "
+            "the traced runtime's probe checks the modules it matches"
+        )
     original = _cpu_copy(module)
     if backend != "reference" and not fused_available("cpu", torch.float64):
         backend = "reference"

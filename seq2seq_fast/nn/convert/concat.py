@@ -7,11 +7,9 @@ a Linear (Dq + Dk -> H, with bias), and ``v``: a Linear (H -> 1, no bias) or a P
 Original math: energy = tanh(attn([hidden repeated over S; encoder_outputs])), scores = v . energy,
 masked (``mask == 0``) scores set to -1e10, weights = softmax over the source. The module returns
 the weights only; the caller forms the context. Splitting attn's weight at the query width,
-W = [W_q | W_k], gives scores = v . tanh(W_q hidden + W_k enc + b): the fused op's form, with the
-encoder part projected once per encoder_outputs tensor (the caller passes the same one at every
-step) and the steps' gradients gathered once per sequence.
+W = [W_q | W_k], gives scores = v . tanh(W_q hidden + W_k enc + b): the fused op's form.
 
-Call conventions, one registered layout each (the safety check keeps the one the module follows):
+Call conventions, one registered layout each (the probe keeps the one the module follows):
 
 - ``concat``: bentrevett: ``forward(hidden [B, Dq], encoder_outputs [S, B, Dk], mask [B, S]
   = None) -> weights [B, S]`` (time-major memory);
@@ -21,94 +19,26 @@ Call conventions, one registered layout each (the safety check keeps the one the
   encoder_outputs [S, B, H]) -> weights [B, 1, S]``, score vector ``v`` a Parameter, attribute
   ``method == "concat"``.
 
-A row whose keys are all masked gets uniform weights, as in the original (all its scores equal).
+A row whose keys are all masked gets uniform weights in the original (all its scores equal).
+
+Thin matchers (``traced=True``): no stand-in of their own. A matched module is converted in place
+at ``fuse_attention`` time by the traced runtime, with the layout's example call as its first call
+(the runtime's key cache projects the encoder part once per encoder_outputs tensor). The three
+layouts differ only in that example call and the name the report gives.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from seq2seq_fast.nn.convert._base import (
-    FusedStandIn,
     Layout,
     child_names,
     is_linear,
     own_parameter_names,
     register,
 )
-from seq2seq_fast.nn.keycache import ProjectionCache
-from seq2seq_fast.nn.stepwise import StepMemory, step_memory
-from seq2seq_fast.ops.additive_attention import additive_attention
-
-
-class FusedConcatAttention(FusedStandIn):
-    """Fused stand-in for the concat layout (see the module docstring). Keeps the original's
-    parameters under their names (``attn`` or ``attention``; ``v``) and its plain attributes."""
-
-    def __init__(self, original: nn.Module, backend: str, *, time_major: bool, layout: str) -> None:
-        super().__init__(backend)
-        self.layout = layout
-        self._linear_name = "attn" if "attn" in child_names(original) else "attention"
-        for name, child in original.named_children():
-            self.add_module(name, child)
-        for name, param in original.named_parameters(recurse=False):
-            self.register_parameter(name, param)
-        for key, value in vars(original).items():
-            if not key.startswith("_") and key != "training":
-                setattr(self, key, value)
-        self.time_major = time_major
-        self.returns_3d = layout == "chatbot_concat"
-        self.key_cache = ProjectionCache()
-
-    @property
-    def _linear(self) -> nn.Linear:
-        return getattr(self, self._linear_name)
-
-    def _score_vector(self) -> Tensor:
-        v = self.v
-        return v if isinstance(v, nn.Parameter) else v.weight[0]
-
-    def _memory(self, encoder_outputs: Tensor, query_width: int) -> StepMemory:
-        """The steps' memory: projected keys [B, S, H] and dummy values [B, S, 1]."""
-        linear = self._linear
-        projected = F.linear(encoder_outputs, linear.weight[:, query_width:], linear.bias)
-        if self.time_major:
-            projected = projected.transpose(0, 1)
-        projected = projected.contiguous()
-        # the caller forms the context; the op gets a one-feature value it ignores
-        values = projected.new_zeros(projected.shape[0], projected.shape[1], 1)
-        return step_memory(projected, values, self.backend)
-
-    def forward(
-        self, hidden: Tensor, encoder_outputs: Tensor, mask: Tensor | None = None
-    ) -> Tensor:
-        if hidden.dim() == 3 and hidden.shape[0] == 1:
-            hidden = hidden.squeeze(0)
-        linear = self._linear
-        width = hidden.shape[-1]
-        memory = self.key_cache.get(
-            encoder_outputs,
-            (linear.weight, linear.bias, width),
-            lambda: self._memory(encoder_outputs, width),
-            watch=lambda m: (m.projection,),
-        )
-        query = F.linear(hidden, linear.weight[:, :width])
-        valid = None if mask is None else mask != 0
-        _, weights = additive_attention(
-            query,
-            memory.keys,
-            memory.values,
-            self._score_vector(),
-            mask=valid,
-            stepwise=memory.stepwise,
-            backend=self.backend,
-        )
-        if valid is not None:  # no valid key: the original's scores are all -1e10, uniform weights
-            empty = ~valid.any(dim=1, keepdim=True)
-            weights = torch.where(empty, 1.0 / weights.shape[-1], weights)
-        return weights.unsqueeze(1) if self.returns_3d else weights
 
 
 def _score_ok(module: nn.Module, hidden: int) -> bool:
@@ -161,34 +91,30 @@ def _example(module: nn.Module, dtype: torch.dtype, *, time_major: bool, chatbot
     return (hidden, keys, mask), {}
 
 
-def _builder(time_major: bool, layout: str):
-    def build(module: nn.Module, backend: str) -> nn.Module:
-        return FusedConcatAttention(module, backend, time_major=time_major, layout=layout)
-
-    return build
-
-
 CONCAT = register(
     Layout(
         "concat",
         _match_bentrevett,
-        _builder(True, "concat"),
+        None,
         lambda m, dtype: _example(m, dtype, time_major=True, chatbot=False),
+        traced=True,
     )
 )
 CONCAT_BATCH_FIRST = register(
     Layout(
         "concat_batch_first",
         _match_bentrevett,
-        _builder(False, "concat_batch_first"),
+        None,
         lambda m, dtype: _example(m, dtype, time_major=False, chatbot=False),
+        traced=True,
     )
 )
 CHATBOT = register(
     Layout(
         "chatbot_concat",
         _match_chatbot,
-        _builder(True, "chatbot_concat"),
+        None,
         lambda m, dtype: _example(m, dtype, time_major=True, chatbot=True),
+        traced=True,
     )
 )

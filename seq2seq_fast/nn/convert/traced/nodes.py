@@ -36,11 +36,13 @@ _SHAPE_OPS = {
     "view",
     "reshape",
     "contiguous",
+    "t",
     torch.squeeze,
     torch.unsqueeze,
     torch.transpose,
     torch.permute,
     torch.reshape,
+    torch.t,
 }
 _MASKED_FILL = {"masked_fill", torch.masked_fill}
 _REPEATS = {"repeat", "expand", "expand_as"}

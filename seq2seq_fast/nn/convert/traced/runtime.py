@@ -45,7 +45,12 @@ from seq2seq_fast.nn.convert._base import (
 from seq2seq_fast.nn.convert.traced.nodes import ROUNDED_SCORES
 from seq2seq_fast.nn.convert.traced.pattern import find_matches
 from seq2seq_fast.nn.convert.traced.rewrite import recorded_runs, rewrite
-from seq2seq_fast.nn.convert.traced.watching import LAYOUT, strip_watches
+from seq2seq_fast.nn.convert.traced.watching import (
+    LAYOUT,
+    Recording,
+    strip_watches,
+    watching_now,
+)
 from seq2seq_fast.ops import fused_available
 from seq2seq_fast.ops._torch_private import dynamo_config, pytree
 
@@ -87,6 +92,7 @@ class _TracedState:
     compiled: object
     report: ConversionReport | None = None
     path: str = "?"
+    layout: str = LAYOUT  # what the report names it as: "traced", or a thin matcher's name
     warned: bool = False
 
     def __deepcopy__(self, memo):
@@ -128,10 +134,11 @@ def _put_back(module: nn.Module, original: type, traces: int) -> None:
         "call (a list that grows each step, say)"
     )
     report, path = (state.report, state.path) if state is not None else (None, "?")
+    layout = state.layout if state is not None else LAYOUT
     warnings.warn(f"fuse_attention: {path} ({name}) {reason}; it runs its own code", stacklevel=3)
     if report is not None:
         report.replaced[:] = [r for r in report.replaced if r.path != path]
-        report.skipped.append(Skipped(path, (LAYOUT,), name, reason))
+        report.skipped.append(Skipped(path, (layout,), name, reason))
 
 
 def _warn_unmatched(module: nn.Module, state: _TracedState, found: list) -> None:
@@ -163,6 +170,8 @@ def traced_class(cls: type, backend: str) -> type:
             state = _traced_state(self, cls, backend)
             if torch.compiler.is_compiling():  # inside the user's own torch.compile
                 return state.compiled(self, *args, **kwargs)
+            if watching_now():  # inside a caller's watched first call: this call runs unfused
+                return cls.forward(self, *args, **kwargs)
             before = len(state.rewriter.found)
             with recorded_runs() as ran:
                 out = state.compiled(self, *args, **kwargs)
@@ -334,19 +343,51 @@ def _probe_copies(module: nn.Module, recording, backend: str, dtype: torch.dtype
 def convert(recording, watch) -> None:
     """Probe the traced version of ``recording.module`` on its first call's input; convert it in
     place when it agrees, and say either in ``watch.report``."""
-    module, report = recording.module, watch.report
+    reason = _probe_and_swap(recording, watch.report, watch.backend, LAYOUT, recording.module)
+    if reason is not None:
+        name = class_name(recording.module)
+        watch.report.skipped.append(Skipped(recording.path, (LAYOUT,), name, reason))
+        logger.debug("fuse_attention: left %s (%s): %s", recording.path, name, reason)
+
+
+def convert_now(module: nn.Module, path: str, layout, report: ConversionReport, backend: str):
+    """A thin matcher's conversion (a ``Layout`` with ``traced=True``, see ``_base.py``): the
+    module traced, rewritten, probed and converted in place as a watched module is after its first
+    call (:func:`convert`), with ``layout.example_call`` (float64) as that call and
+    ``layout.prepare`` applied to a copy (``module``'s own state is left as it is). None when it
+    was converted (``report`` lists it as replaced under ``layout.name``), else why not (the
+    caller reports it: several layouts may match one module)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        args, kwargs = layout.example_call(module, torch.float64)
+    probed = module
+    if layout.prepare is not None:
+        probed = _cpu_copy(module)
+        strip_watches(probed)
+        layout.prepare(probed, args, kwargs)
+    recording = Recording(module, path, args, kwargs)
+    return _probe_and_swap(recording, report, backend, layout.name, probed)
+
+
+def _probe_and_swap(recording, report, backend: str, layout: str, probed: nn.Module) -> str | None:
+    """Probe the traced version of ``probed`` (``recording.module`` or a prepared copy of it) on
+    the recorded call; when it agrees, convert ``recording.module`` in place and list it in
+    ``report`` under ``layout``, and return None; else return why not."""
+    module = recording.module
     try:
-        reason, found = _probe(module, recording, watch.backend)
+        reason, found = _probe(probed, recording, backend)
     except Exception as exc:  # noqa: BLE001 - any failure refuses the conversion
         reason, found = f"the trace or the probe could not run ({type(exc).__name__}: {exc})", ""
+    if reason is not None:
+        return reason
     name = class_name(module)
-    if reason is None:
-        original = type(module)
-        module.__class__ = traced_class(original, watch.backend)
-        state = _traced_state(module, original, watch.backend)
-        state.report, state.path = report, recording.path
+    original = type(module)
+    module.__class__ = traced_class(original, backend)
+    state = _traced_state(module, original, backend)
+    state.report, state.path, state.layout = report, recording.path, layout
+    if layout == LAYOUT:
         report.replaced.append(Replaced(recording.path, f"{LAYOUT} ({found})", name))
-        logger.debug("fuse_attention: traced %s (%s): %s", recording.path, name, found)
     else:
-        report.skipped.append(Skipped(recording.path, (LAYOUT,), name, reason))
-        logger.debug("fuse_attention: left %s (%s): %s", recording.path, name, reason)
+        report.replaced.append(Replaced(recording.path, layout, name, traced=found))
+    logger.debug("fuse_attention: traced %s (%s) as %r: %s", recording.path, name, layout, found)
+    return None

@@ -50,6 +50,7 @@ _CARRIES = {
     "reshape",
     "permute",
     "transpose",
+    "t",
     "contiguous",
     "flatten",
     "masked_fill",
@@ -84,8 +85,8 @@ class _CallWatch:
     over one Linear's output, and the conversions to make once the call has returned."""
 
     def __init__(self) -> None:
-        self.stack: list[_Recording] = []
-        self.pending: list[tuple[_Recording, _Watch]] = []
+        self.stack: list[Recording] = []
+        self.pending: list[tuple[Recording, _Watch]] = []
         self.calls: list[nn.Module] = []
         self.events = itertools.count()
         self.claimed: set[int] = set()
@@ -120,12 +121,24 @@ class _CallWatch:
             self.calls.pop()
 
     def inside_decided_module(self) -> bool:
-        """Is a module that has taken its attention already among the calls open now?"""
-        return any(_watch_of(module, "decided") for module in self.calls)
+        """Is a module that has taken its attention already among the calls open now? (A module
+        converted already counts: its calls here run its own code, see :func:`watching_now`.)"""
+        return any(
+            isinstance(module, FusedStandIn) or _watch_of(module, "decided")
+            for module in self.calls
+        )
 
 
 def _current() -> _CallWatch | None:
     return getattr(_THREAD, "watch", None)
+
+
+def watching_now() -> bool:
+    """Is a watched first call running on this thread (its TorchFunctionMode active)? A module
+    converted already (at ``fuse_attention`` time by a thin matcher, or earlier) that is called
+    inside it runs its own code for that call: TorchDynamo would otherwise trace the watcher's
+    mode into its graph."""
+    return _current() is not None
 
 
 def _watch_of(module: nn.Module, flag: str | None = None):
@@ -133,7 +146,10 @@ def _watch_of(module: nn.Module, flag: str | None = None):
     return watch if flag is None else bool(watch is not None and getattr(watch, flag))
 
 
-class _Recording:
+class Recording:
+    """A module's first call (its arguments copied), what the runtime traces and probes on; and
+    the tanh events and softmaxes noted during it."""
+
     def __init__(self, module: nn.Module, path: str, args, kwargs) -> None:
         self.module, self.path, self.args, self.kwargs = module, path, args, kwargs
         self.events: set[int] = set()
@@ -211,7 +227,7 @@ def _pre_hook(module: nn.Module, args, kwargs):
     else:
         fresh = False
     args, kwargs = pytree.tree_map(_floating_copy, (args, kwargs))
-    watch.recording = _Recording(module, watch.path, args, kwargs)
+    watch.recording = Recording(module, watch.path, args, kwargs)
     call.stack.append(watch.recording)
     if fresh:
         call.start()
@@ -239,7 +255,7 @@ def _post_hook(module: nn.Module, args, kwargs, output):
     return None
 
 
-def _decide(call: _CallWatch, recording: _Recording, watch: _Watch) -> None:
+def _decide(call: _CallWatch, recording: Recording, watch: _Watch) -> None:
     """After a watched module's first call: report it or queue its conversion."""
     if not recording.events:
         return
@@ -273,7 +289,7 @@ class _Watch:
         self.hook_ids = ids
         self.done = False  # its first call has begun
         self.decided = False  # it took its attention: tanh events in its later calls are its
-        self.recording: _Recording | None = None
+        self.recording: Recording | None = None
 
     def __deepcopy__(self, memo):
         return None  # a copy of the module is not watched
