@@ -1,12 +1,23 @@
 """``fuse_attention(model)``: swap the additive-attention submodules of an existing model for fused
-stand-ins, in place, each checked against the original before it is swapped.
+ones, in place, each checked against the original before it is swapped.
 
-Every layout lives in one module of this package (matcher and stand-in together) and registers a
-:class:`~seq2seq_fast.nn.convert._base.Layout`; see ``_base.py`` for the interface. The package
-imports every such module below, so adding a layout touches one file. ``registered_layouts()``
-lists them; each module's docstring gives the original's math, call and what is not converted
-(``tutorial``, ``gnmt``, ``concat``, ``opennmt``, ``joeynmt``; the speech and other toolkits in
-``espnet``, ``speechbrain``, ``fairseq``, ``tacotron2``, ``coqui``, ``allennlp``, ``d2l``).
+One converter, two ways in. A named layout matches a module by its structure; the general path
+(``traced/``) finds the rest by what their first call computes. Every layout lives in one module
+of this package and registers a :class:`~seq2seq_fast.nn.convert._base.Layout` (see ``_base.py``):
+
+- a *thin matcher* (``traced=True``: ``gnmt``, ``concat``, ``concat_batch_first``,
+  ``chatbot_concat``) has no stand-in: the module it matches is converted at once by the general
+  path's runtime (``traced/runtime.py``: trace, typed plan, rewrite, float64 probe, in-place
+  class swap), with the layout's example call as its first call;
+- the others keep a hand-written stand-in (checked by :func:`check_equivalent`), where it is
+  measurably faster than the traced runtime or the graph cannot express the module
+  (bench/RESULTS.md, "Which named layouts stay, and why").
+
+The package imports every layout module below, so adding a layout touches one file.
+``registered_layouts()`` lists them; each module's docstring gives the original's math, call and
+what is not converted (``tutorial``, ``gnmt``, ``concat``, ``opennmt``, ``joeynmt``; the speech
+and other toolkits in ``espnet``, ``speechbrain``, ``fairseq``, ``tacotron2``, ``coqui``,
+``allennlp``, ``d2l``).
 
 Stand-ins whose client attends one step at a time over a fixed memory project it once per memory
 tensor (:mod:`seq2seq_fast.nn.keycache`) and, in training on the CPU kernel, gather the steps'
@@ -133,21 +144,23 @@ def fuse_attention_report(
     example_inputs=None,
 ) -> ConversionReport:
     """Replace, in place, every recognised additive-attention submodule of ``model`` by a fused
-    stand-in, and say what was replaced and what matched a layout but was left alone, and why.
+    one, and say what was replaced and what matched a layout but was left alone, and why.
 
     Args:
         model: any module; its submodules are searched (``model`` itself is not replaced).
         backend: "auto", "fused" or "reference", given to every stand-in.
         check: before each swap, run the original and the stand-in on a small random input
             (float64 copies on the CPU; ``model`` is not touched) and refuse on any difference in
-            outputs or gradients. ``check=False`` trusts the structural match alone.
+            outputs or gradients. ``check=False`` trusts the structural match alone. (A thin
+            matcher's module is always probed: it goes through the traced runtime.)
         traced: also watch the other modules with parameters until their first call, and convert
             those that compute additive attention whatever their names (``traced/``: a trace
             of the call, the pattern found in its graph, a float64 probe of outputs and
             gradients on that call's input decides, whatever ``check`` says). They are added to
             the report as they are called; ``report.watching`` lists those not called yet.
-        named: try the named layouts first (``registered_layouts()``); ``named=False`` leaves
-            everything to the general path (to compare the two).
+        named: try the named layouts first (``registered_layouts()``; a thin matcher's module
+            converts now, counted in the return value); ``named=False`` leaves everything to
+            the general path at first calls (to compare the two).
         example_inputs: a call's arguments (a tuple, a dict of keyword arguments, or a
             ``(args, kwargs)`` pair of a tuple and a dict; a single tensor is one argument):
             ``model`` is called with them once before this returns, so the general path decides
@@ -157,8 +170,9 @@ def fuse_attention_report(
             convert at their first call and are listed in ``report.watching`` until then.
 
     The stand-ins keep the original Parameter objects (optimisers keep working, ``state_dict``
-    keys are unchanged), the call signature and the return values. A module reached by two
-    paths is replaced by one stand-in. The report is also logged at debug level.
+    keys are unchanged), the call signature and the return values; a module the traced runtime
+    converts stays the same object, its class swapped for a traced subclass. A module reached
+    by two paths is converted once. The report is also logged at debug level.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -243,9 +257,10 @@ def fuse_attention(
     example_inputs=None,
 ) -> int:
     """:func:`fuse_attention_report`, returning how many submodules were replaced by the time it
-    returns. With ``example_inputs`` that is every conversion the call reaches. Without it, the
-    general path's conversions come later, at each watched module's first call, and are not in
-    the count (``fuse_attention_report(...).watching`` lists the modules still watched)."""
+    returns: every named layout's, thin matchers included. With ``example_inputs`` that is every
+    conversion the call reaches. Without it, the general path's other conversions come later,
+    at each watched module's first call, and are not in the count
+    (``fuse_attention_report(...).watching`` lists the modules still watched)."""
     report = fuse_attention_report(
         model,
         backend=backend,
