@@ -439,6 +439,45 @@ def test_coqui_through_the_general_path(name, dtype, monkeypatch):
         assert grads_b["attn.v.linear_layer.bias"].abs().sum() > 1e-6
 
 
+LOCATION_CASES = [
+    "espnet_att_loc",  # a Conv2d (1, K) over [B, 1, 1, T]
+    "speechbrain_location",  # the location dense layer has a bias
+    "fairseq_location",
+    "tacotron2_nvidia",
+    "tacotron2_torchaudio",
+    "coqui_location",
+]
+
+
+@requires_cpu_kernel
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", LOCATION_CASES)
+def test_location_families_through_the_general_path(name, dtype, monkeypatch):
+    """With the names off, every location-aware family's location term is formed inside the
+    kernels (the location-aware step op, never plain ops), and the steps match the original."""
+    from seq2seq_fast.ops.stepwise import LocationMemory
+
+    seen = []
+    attend = LocationMemory.attend
+    monkeypatch.setattr(
+        LocationMemory, "attend", lambda self, *a, **k: seen.append(1) or attend(self, *a, **k)
+    )
+    case = CASES[name]
+    torch.manual_seed(0)
+    plain = nn.ModuleDict({"attn": case.make()}).to(dtype)
+    fused = copy.deepcopy(plain)
+    report = fuse_attention_report(fused, named=False)
+    outs_a, grads_a = _run(case, plain, dtype, seed=2)
+    outs_b, grads_b = _run(case, fused, dtype, seed=2)
+    assert [r.layout.split(" ")[0] for r in report.replaced] == ["traced"], str(report)
+    assert len(seen) >= 3, f"{name}: the location-aware step op ran {len(seen)} times"
+    tol = dict(atol=1e-10, rtol=1e-9) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-4)
+    for i, (a, b) in enumerate(zip(outs_a, outs_b, strict=True)):
+        torch.testing.assert_close(b, a, **tol, msg=lambda m, i=i: f"output {i}: {m}")
+    for key, grad in grads_a.items():
+        torch.testing.assert_close(grads_b[key], grad, **tol, msg=lambda m, k=key: f"{k}: {m}")
+
+
 @requires_cpu_kernel
 def test_coqui_sigmoid_trains_through_the_location_step(monkeypatch):
     """Coqui's default (location-sensitive, sigmoid, score bias) trains through the location-aware

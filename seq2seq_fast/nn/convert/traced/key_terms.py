@@ -62,6 +62,8 @@ _PURE_FUNCTIONS = {
     torch.squeeze,
     F.conv1d,
     torch.conv1d,
+    F.conv2d,
+    torch.conv2d,
     torch.cat,
     torch.stack,
 }
@@ -154,14 +156,17 @@ class _LocationTerm:
     __slots__ = ("features", "conv_weight", "dense_weight")
 
     def __init__(self, features: Tensor, conv_weight: Tensor, dense_weight: Tensor) -> None:
+        if features.dim() == 4:  # a Conv2d's [B, Cin, 1, T] (its weight [C, Cin, 1, K] as it is)
+            features = features.squeeze(2)
         self.features, self.conv_weight, self.dense_weight = features, conv_weight, dense_weight
 
     def shape(self) -> tuple:
         return (self.features.shape[0], self.features.shape[2], self.dense_weight.shape[0])
 
     def value(self) -> Tensor:
-        width = self.conv_weight.shape[-1]
-        conv = F.conv1d(self.features, self.conv_weight, padding=width // 2)
+        weight = self.conv_weight
+        weight = weight.reshape(weight.shape[0], -1, weight.shape[-1])  # a Conv2d's: [C, Cin, K]
+        conv = F.conv1d(self.features, weight, padding=weight.shape[-1] // 2)
         return F.linear(conv.transpose(1, 2), self.dense_weight)
 
 

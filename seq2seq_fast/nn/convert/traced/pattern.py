@@ -63,7 +63,6 @@ from seq2seq_fast.nn.convert.traced.nodes import (
     _number,
     _same,
     _shape,
-    _single,
     _single_user,
     _size_hint,
     _terms,
@@ -401,6 +400,7 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Plan:
     if isinstance(memory_axis, tuple):
         raise NoMatch("the softmax runs over axes merged into one")
     queries, keys, biases, varies = _sorted_terms(terms, shape, hidden, memory_axis)
+    key_terms, biases = _key_terms_of(graph, keys, biases, split_nodes)
     if not keys or not (queries or pooled):
         raise NoMatch("no term of the sum varies along the softmax's axis, or none along another")
     batch_axes = sorted(set().union(*(varies[t] for t in keys)) - {memory_axis})
@@ -413,7 +413,7 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Plan:
     return Plan(
         terms=Terms(
             queries=tuple(queries),
-            keys=_key_terms_of(keys),
+            keys=key_terms,
             biases=tuple(biases),
             learned_query=not queries,
         ),
@@ -725,13 +725,26 @@ def _heads(scores: fx.Node, vector: fx.Node, shape: tuple, hidden: int, batch_ax
     return Heads(vector_axes=tuple(vector_axes))
 
 
-def _key_terms_of(keys: list[fx.Node]) -> tuple[KeyTerm, ...]:
-    """The key terms, each with its location source where the kernels can form it (only beside
-    one other key term: a memory projection plus a location term)."""
-    return tuple(
-        KeyTerm(node=key, location=_location_source(key) if len(keys) == 2 else None)
-        for key in keys
-    )
+def _key_terms_of(graph: fx.Graph, keys: list[fx.Node], biases: list, split_nodes: list):
+    """(the key terms, each with its location source where the kernels can form it (only beside
+    one other key term: a memory projection plus a location term), the bias terms). A location
+    term whose dense layer has a bias (SpeechBrain's ``mlp_loc``) is split: the bias joins the
+    sum's biases (the split's new node goes to ``split_nodes``)."""
+    if len(keys) != 2:
+        return tuple(KeyTerm(node=key) for key in keys), biases
+    terms = []
+    for key in keys:
+        source = _location_source(key, with_bias=True)
+        if source is not None and _arg(key, 2, "bias") is not None:
+            split = _split_linear_bias(graph, key)
+            if split is None:
+                source = None
+            else:
+                key, bias = split
+                split_nodes.append(key)
+                biases = [*biases, bias]
+        terms.append(KeyTerm(node=key, location=source))
+    return tuple(terms), biases
 
 
 def _check_mask(step: Mask, query_axes: list[int]) -> None:
@@ -747,9 +760,12 @@ def _check_mask(step: Mask, query_axes: list[int]) -> None:
             raise NoMatch("the mask varies along a query axis")
 
 
-def _location_source(term: fx.Node):
-    """The location source of ``term`` (see :class:`LocationSource`) where it is one; else None."""
-    if not _is(term, _LINEAR) or _arg(term, 2, "bias") is not None:
+def _location_source(term: fx.Node, with_bias: bool = False):
+    """The location source of ``term`` (see :class:`LocationSource`) where it is one; else None.
+    ``with_bias``: the dense layer may have a bias (the caller splits it off)."""
+    if not _is(term, _LINEAR):
+        return None
+    if _arg(term, 2, "bias") is not None and not with_bias:
         return None
     swap, dense = _arg(term, 0, "input"), _arg(term, 1, "weight")
     if _is(swap, {"transpose"}) and len(swap.args) == 3:
@@ -763,23 +779,59 @@ def _location_source(term: fx.Node):
     else:
         return None
     conv = swap.args[0]
-    if not _is(conv, {torch.conv1d, F.conv1d}) or len(swap.users) != 1 or len(conv.users) != 1:
+    if len(swap.users) != 1:
+        return None
+    if _is(conv, {"squeeze"}) and len(conv.users) == 1:  # a Conv2d over [B, Cin, 1, T]
+        return _conv2d_location(conv, dense)
+    if not _is(conv, {torch.conv1d, F.conv1d}) or len(conv.users) != 1:
         return None
     weight = _arg(conv, 1, "weight")
     shape = _shape(weight)
-    if _arg(conv, 2, "bias") is not None or shape is None or len(shape) != 3:
-        return None
-    width = shape[2]
-    padding = _arg(conv, 4, "padding", 0)
-    if not isinstance(width, int) or width % 2 == 0:
-        return None
-    if padding != "same" and _single(padding) != width // 2:
-        return None
-    if _single(_arg(conv, 3, "stride", 1)) != 1 or _single(_arg(conv, 5, "dilation", 1)) != 1:
-        return None
-    if _arg(conv, 6, "groups", 1) != 1:
+    if shape is None or len(shape) != 3 or not _same_padding(conv, shape[2], 0):
         return None
     return LocationSource(features=_arg(conv, 0, "input"), conv_weight=weight, dense_weight=dense)
+
+
+def _conv2d_location(squeeze: fx.Node, dense: fx.Node):
+    """ESPnet's form: linear(conv2d(features [B, Cin, 1, T], weight [C, Cin, 1, K], padding
+    (0, K // 2)).squeeze(2).transpose(1, 2)); the kernels take the Conv2d's weight as it is and
+    the features as [B, Cin, T] (:class:`~.key_terms._LocationTerm`)."""
+    if len(squeeze.args) != 2 or squeeze.args[1] not in (2, -2):
+        return None
+    conv = squeeze.args[0]
+    if not _is(conv, {torch.conv2d, F.conv2d}) or len(conv.users) != 1:
+        return None
+    weight, features = _arg(conv, 1, "weight"), _arg(conv, 0, "input")
+    shape, in_shape = _shape(weight), _shape(features)
+    if shape is None or len(shape) != 4 or shape[2] != 1:
+        return None
+    if in_shape is None or len(in_shape) != 4 or not _is_one(in_shape[2]):
+        return None
+    if not _same_padding(conv, shape[3], 1):
+        return None
+    return LocationSource(features=features, conv_weight=weight, dense_weight=dense)
+
+
+def _same_padding(conv: fx.Node, width, rows: int) -> bool:
+    """A bias-free conv of odd ``width`` with stride 1, dilation 1, one group and the output as
+    long as the input (a Conv2d: ``rows`` = 1, one row of height 1, no padding along it)."""
+    if _arg(conv, 2, "bias") is not None or not isinstance(width, int) or width % 2 == 0:
+        return False
+    if _arg(conv, 6, "groups", 1) != 1:
+        return False
+    ones = [1] * (rows + 1)
+
+    def along(value, fill: int):
+        value = [value] * (rows + 1) if isinstance(value, int) else list(value)
+        return value if len(value) == rows + 1 else [fill] * (rows + 2)
+
+    padding = _arg(conv, 4, "padding", 0)
+    if padding != "same" and along(padding, -1) != [0] * rows + [width // 2]:
+        return False
+    return (
+        along(_arg(conv, 3, "stride", 1), 0) == ones
+        and along(_arg(conv, 5, "dilation", 1), 0) == ones
+    )
 
 
 def find_matches(graph: fx.Graph) -> tuple[list[Plan], list[str]]:
