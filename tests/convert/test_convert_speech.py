@@ -453,9 +453,19 @@ LOCATION_CASES = [
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", LOCATION_CASES)
 def test_location_families_through_the_general_path(name, dtype, monkeypatch):
-    """With the names off, every location-aware family's location term is formed inside the
-    kernels (the location-aware step op, never plain ops), and the steps match the original."""
+    """With the names off, every location-aware family's location term and context are formed
+    inside the kernels (the location-aware step op, never plain ops), and the steps match the
+    original."""
+    from seq2seq_fast.nn.convert.traced import rewrite as traced_rewrite
     from seq2seq_fast.ops.stepwise import LocationMemory
+
+    took = []
+    real = traced_rewrite.traced_context
+    monkeypatch.setattr(
+        traced_rewrite,
+        "traced_context",
+        lambda form, ours, *a: took.append(ours is not None) or real(form, ours, *a),
+    )
 
     seen = []
     attend = LocationMemory.attend
@@ -471,6 +481,7 @@ def test_location_families_through_the_general_path(name, dtype, monkeypatch):
     outs_b, grads_b = _run(case, fused, dtype, seed=2)
     assert [r.layout.split(" ")[0] for r in report.replaced] == ["traced"], str(report)
     assert len(seen) >= 3, f"{name}: the location-aware step op ran {len(seen)} times"
+    assert took and all(took), f"{name}: the op's context taken {sum(took)} of {len(took)} times"
     tol = dict(atol=1e-10, rtol=1e-9) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-4)
     for i, (a, b) in enumerate(zip(outs_a, outs_b, strict=True)):
         torch.testing.assert_close(b, a, **tol, msg=lambda m, i=i: f"output {i}: {m}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import threading
 
 import torch
@@ -14,7 +15,7 @@ from torch import Tensor, fx
 
 from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert.traced.key_terms import _key_terms, _LocationTerm, _Plain
-from seq2seq_fast.nn.convert.traced.nodes import _NEW_FULL, MASK_FILL_MAX, _is
+from seq2seq_fast.nn.convert.traced.nodes import _MATMUL, _MUL, _NEW_FULL, _SUM, MASK_FILL_MAX, _is
 from seq2seq_fast.nn.convert.traced.plan import Layout, Mask, Plan, Scale, Shift, Site
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepwiseMemory
@@ -129,6 +130,20 @@ class _Rows:
         return weights
 
 
+def _values_fit(values, rows: _Rows, key: Tensor) -> bool:
+    """Whether the graph's context values are [B', S, Dv] over the op's rows (else the graph
+    forms the context itself)."""
+    return (
+        isinstance(values, Tensor)
+        and values.dim() == 3
+        and values.shape[0] == rows.batch
+        and values.shape[1] == rows.frames
+        and values.shape[2] > 0
+        and values.dtype == key.dtype
+        and values.device == key.device
+    )
+
+
 class TracedWeights:
     """The callable that replaces a match's sum ... softmax in the graph (see :func:`rewrite`):
     the weights in the projection's output layout (``Layout.scores_origin``). It reads the plan's
@@ -141,6 +156,8 @@ class TracedWeights:
     # to decide anything (recorded_runs does that, per thread)
     calls = 0
     description = ""
+    # the call also takes ``values`` and returns (weights, context or None): see traced_context
+    with_context = False
 
     def __init__(self, plan: Plan, backend: str) -> None:
         self.plan = plan
@@ -150,7 +167,7 @@ class TracedWeights:
         self.mask_cache = ProjectionCache()
         self.rows: dict[torch.Size, _Rows] = {}  # each call's geometry, by its broadcast shape
 
-    def __call__(self, queries, keys, biases, vector, scales, masks, fills, shifts=()):
+    def __call__(self, queries, keys, biases, vector, scales, masks, fills, shifts=(), values=None):
         TracedWeights.calls += 1
         for log in getattr(_RUNS, "logs", ()):
             log.append(self)
@@ -169,7 +186,10 @@ class TracedWeights:
             if len(self.rows) >= 64:
                 self.rows.clear()
             rows = self.rows[full] = _Rows(layout, full)
-        key, values, memory = self._keys(values_of_terms, raw, rows, location is not None)
+        if values is not None and not _values_fit(values, rows, raw[0]):
+            values = None  # the graph's own context (see traced_context)
+        values_given = values is not None
+        key, values, memory = self._keys(values_of_terms, raw, rows, location is not None, values)
         query = rows.query(queries, key)
         bias = None
         for t in biases:
@@ -193,14 +213,17 @@ class TracedWeights:
             key = key + location.value()  # [B, T, A] already: the op's layout
             location = None
         options = {} if options is None else options
+        context = None
         if plain:
             weights = self._plain(query, key, bias, v, scales, masks, fills, rows.full, shifts)
         elif location is not None:
-            weights = self._located(query, key, bias, location, values, v_eff, invalid, score_bias)
+            context, weights = self._located(
+                query, key, bias, location, values, v_eff, invalid, score_bias
+            )
         elif plan.heads.vector_axes:  # a score vector per head: the op once per head, over its rows
             weights = self._per_head(query, key, values, v_eff, bias, options, score_bias, groups)
         else:
-            _, weights = additive_attention(
+            context, weights = additive_attention(
                 query,
                 key,
                 values,
@@ -217,7 +240,10 @@ class TracedWeights:
             fixed = weights.detach()
             moved = fixed * shift
             weights = weights + moved - fixed * moved.sum(-1, keepdim=True)
-        return rows.back(weights)
+            context = None  # the graph's own, from these weights
+        if not self.with_context:
+            return rows.back(weights)
+        return rows.back(weights), (context if values_given else None)
 
     def _split_location(self, keys: list) -> tuple[list, _LocationTerm | None]:
         """(the key terms but the location term, the location term the kernels form, if any: only
@@ -234,19 +260,23 @@ class TracedWeights:
             location = None
         return [t for t in keys if t is not location], location
 
-    def _keys(self, values_of_terms: list, raw: list, rows: _Rows, located: bool) -> tuple:
-        """(keys [B', S, H], values placeholder [B', S, 1], StepwiseMemory or None)."""
+    def _keys(self, values_of_terms: list, raw: list, rows: _Rows, located: bool, given) -> tuple:
+        """(keys [B', S, H], values: ``given`` [B', S, Dv] where the op forms the context, else a
+        placeholder [B', S, 1]; StepwiseMemory or None)."""
         memory = values = None
         canonical = rows.canonical
         if located:  # the fixed part of the keys, kept while the memory is
-            key, values = self._fixed(values_of_terms[0], raw[0], canonical, rows.full)
+            key, values = self._fixed(values_of_terms[0], raw[0], canonical, rows.full, given)
         elif len(raw) == 1 and not self.plan.heads.vector_axes:
             # one key term: its layout and memory kept with it (a decoder's steps)
-            key, values, memory = self._memory(values_of_terms[0], raw[0], canonical, rows.full)
+            key, values, memory = self._memory(
+                values_of_terms[0], raw[0], canonical, rows.full, given
+            )
         else:
             key = canonical(raw[0])
             for t in raw[1:]:
                 key = key + canonical(t)
+            values = given
         if values is None:  # the graph forms the context: a placeholder
             values = key.new_zeros(rows.batch, rows.frames, 1)
         return key, values, memory
@@ -278,12 +308,13 @@ class TracedWeights:
             score_bias = None  # a softmax cancels it
         return v_eff, score_bias, plain
 
-    def _located(self, query, key, bias, location, values, v_eff, invalid, score_bias) -> Tensor:
-        """The location-aware steps: the location term formed inside the kernels."""
+    def _located(self, query, key, bias, location, values, v_eff, invalid, score_bias) -> tuple:
+        """The location-aware steps: the location term formed inside the kernels. (context
+        [B, 1, Dv], weights [B, 1, T])."""
         valid = None if invalid is None else ~invalid
         step_query = query[:, 0] if bias is None else query[:, 0] + bias
         parts = (location.features, location.conv_weight, location.dense_weight)
-        _, weights = attend_location(
+        context, weights = attend_location(
             self,
             self.backend,
             step_query,
@@ -295,7 +326,7 @@ class TracedWeights:
             self.plan.normalisation.kind,
             score_bias,
         )
-        return weights.unsqueeze(1)
+        return context.unsqueeze(1), weights.unsqueeze(1)
 
     def _per_head(self, query, key, values, v_eff, bias, options, score_bias, groups) -> Tensor:
         """A score vector per head: the op once per head, over its rows."""
@@ -353,29 +384,31 @@ class TracedWeights:
             masks[0], (tuple(full), *fill_values), compute, watch=lambda e: ()
         )
 
-    def _fixed(self, term: Tensor, raw: Tensor, canonical, full):
-        """(the keys' fixed part [B, T, A], a values placeholder [B, T, 1]) for location-aware
-        steps: the same objects while the term is (the step's location memory follows them)."""
+    def _fixed(self, term: Tensor, raw: Tensor, canonical, full, given):
+        """(the keys' fixed part [B, T, A], the values ``given`` or a placeholder [B, T, 1]) for
+        location-aware steps: the same objects while the term and values are (the step's
+        location memory follows them)."""
 
         def compute():
             key = canonical(raw).contiguous()
-            return key, key.new_zeros(key.shape[0], key.shape[1], 1)
+            return key, (key.new_zeros(key.shape[0], key.shape[1], 1) if given is None else given)
 
-        return self.fixed_cache.get(term, (tuple(full),), compute)
+        return self.fixed_cache.get(term, (tuple(full), given), compute)
 
-    def _memory(self, term: Tensor, raw: Tensor, canonical, full):
-        """(keys [B', S, H], values placeholder, StepwiseMemory or None) for one key term, kept
-        while the term is the same tensor (the steps of a decoder over one memory)."""
+    def _memory(self, term: Tensor, raw: Tensor, canonical, full, given):
+        """(keys [B', S, H], values (``given`` or a placeholder), StepwiseMemory or None) for one
+        key term, kept while the term and values are the same tensors (the steps of a decoder
+        over one memory)."""
 
         def compute():
             key = canonical(raw).contiguous()
-            values = key.new_zeros(key.shape[0], key.shape[1], 1)
+            values = key.new_zeros(key.shape[0], key.shape[1], 1) if given is None else given
             memory = StepwiseMemory.for_training(key, values, self.backend)
             if memory is None:
                 return key, values, None, key
             return memory.keys, memory.values, memory, key
 
-        entry = self.layout_cache.get(term, (tuple(full),), compute, watch=lambda e: e[3:])
+        entry = self.layout_cache.get(term, (tuple(full), given), compute, watch=lambda e: e[3:])
         return entry[:3]
 
     def _plain(self, query, key, bias, v, scales, masks, fills, full, shifts=()):
@@ -425,11 +458,12 @@ def rewrite(graph: fx.Graph, plan: Plan, backend: str) -> None:
         replacement = TracedWeights(plan, backend)
         replacement.description = plan.describe()
         arguments = (plan.terms.queries, key_terms, plan.terms.biases, plan.vector)
-        node = graph.call_function(replacement, (*arguments, scales, masks, fills, shifts))
-        node, sizes = _shape_ops_again(graph, site, node)
+        call = graph.call_function(replacement, (*arguments, scales, masks, fills, shifts))
+        node, sizes = _shape_ops_again(graph, site, call)
     site.output.replace_all_uses_with(node)
     graph.erase_node(site.output)
     _erase_the_original(graph, plan, sizes)
+    _form_the_context(graph, plan, call, node)
 
 
 def _shape_ops_again(graph: fx.Graph, site: Site, node: fx.Node) -> tuple[fx.Node, dict]:
@@ -472,3 +506,134 @@ def _erase_the_original(graph: fx.Graph, plan: Plan, sizes: dict) -> None:
     for helper, size in sizes.items():  # its other users come after the weights too
         helper.replace_all_uses_with(size)
         graph.erase_node(helper)
+
+
+# --- the context ----------------------------------------------------------------------------------
+
+# view-like ops that keep the elements' row-major order (what _row_major needs of the chain)
+_ORDER_KEEPING = {
+    "squeeze",
+    "unsqueeze",
+    "view",
+    "reshape",
+    "contiguous",
+    torch.squeeze,
+    torch.unsqueeze,
+    torch.reshape,
+}
+_BMM = {torch.bmm, "bmm", *_MATMUL}
+
+
+def _row_major(plan: Plan) -> bool:
+    """Whether the weights the graph receives hold the op's [B', T', S] weights in row-major
+    order (its rows' axes in order, the projection's axes in order, then only reshapes): then a
+    [B', T', S] (or [B', S, 1] for T' = 1) view of them is the op's weights, element for element."""
+    layout = plan.layout
+    if plan.heads.vector_axes:
+        return False
+    if layout.batch_axes + layout.query_axes + (layout.memory_axis,) != tuple(
+        range(layout.rank - 1)
+    ):
+        return False
+    origin = [a for a in layout.scores_origin if a is not None]
+    if not all(isinstance(a, int) for a in origin) or origin != sorted(origin):
+        return False
+    return all(_is(op, _ORDER_KEEPING) for op in plan.site.shape_ops)
+
+
+def _order_keeping_view(node: fx.Node, of: fx.Node) -> bool:
+    """``node`` is a view of ``of`` in the same row-major order (an unsqueeze, a view or reshape,
+    an index of full slices, ``None`` and ``...``)."""
+    if not isinstance(node, fx.Node) or not node.args or node.args[0] is not of:
+        return False
+    if _is(node, _ORDER_KEEPING):
+        return True
+    if _is(node, {operator.getitem}) and isinstance(node.args[1], tuple):
+        return all(i is None or i is Ellipsis or i == slice(None, None, None) for i in node.args[1])
+    return False
+
+
+def _context_site(weights: fx.Node) -> tuple | None:
+    """(form, the weights' view X, the values node, the context node) of the context the graph
+    forms from the weights: ``bmm(X, values)`` / ``X @ values`` ("bmm", X [B', T', S]) or
+    ``(X * values).sum(1)`` ("sum", X [B', S, 1]), X the weights or one order-keeping view of
+    them (the shapes are checked at run time by :func:`traced_context`); None if none."""
+    views = [weights] + [u for u in weights.users if _order_keeping_view(u, weights)]
+    for view in views:
+        for user in view.users:
+            if _is(user, _BMM) and len(user.args) == 2 and not user.kwargs:
+                if user.args[0] is view and isinstance(user.args[1], fx.Node):
+                    return "bmm", view, user.args[1], user
+            if _is(user, _MUL) and len(user.args) == 2 and not user.kwargs:
+                other = user.args[1] if user.args[0] is view else user.args[0]
+                if view not in user.args or not isinstance(other, fx.Node) or other is view:
+                    continue
+                total = next(iter(user.users)) if len(user.users) == 1 else None
+                if total is not None and _is(total, _SUM) and _sums_axis_one(total, user):
+                    return "sum", view, other, total
+    return None
+
+
+def _sums_axis_one(total: fx.Node, product: fx.Node) -> bool:
+    """``total`` is ``product.sum(1)`` (or dim=1 / -2 of a rank-3 product), nothing else."""
+    if total.args[:1] != (product,) or len(total.args) > 2:
+        return False
+    if set(total.kwargs) - {"dim", "keepdim"} or total.kwargs.get("keepdim", False):
+        return False
+    return _sum_dim(total) in (1, -2)
+
+
+def _product_name(product: fx.Node) -> str:
+    """The method that computes the graph's product (a callable cannot be a graph argument)."""
+    return "bmm" if _is(product, {torch.bmm, "bmm"}) else "matmul"
+
+
+def _sum_dim(total: fx.Node):
+    dim = total.args[1] if len(total.args) == 2 else total.kwargs.get("dim")
+    return dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+
+
+def _form_the_context(graph: fx.Graph, plan: Plan, call: fx.Node, weights: fx.Node) -> None:
+    """Where the graph forms the context from the weights in a form the op computes (see
+    :func:`_context_site`), the op forms it in the same call: the call takes the values and
+    returns (weights, context or None), and the context node becomes a :func:`traced_context`
+    (the op's context where the shapes are the op's, else the graph's own product)."""
+    found = _context_site(weights) if _row_major(plan) else None
+    if found is None:
+        return
+    form, view, values, context = found
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    if values.op != "placeholder" and order[values] > order[call]:
+        return  # the values come later in the graph than the weights' call
+    call.target.with_context = True
+    call.kwargs = {**call.kwargs, "values": values}
+    with graph.inserting_after(call):
+        ours = graph.call_function(operator.getitem, (call, 1))
+    with graph.inserting_after(call):
+        weights_only = graph.call_function(operator.getitem, (call, 0))
+    call.replace_all_uses_with(
+        weights_only, delete_user_cb=lambda user: user not in (weights_only, ours)
+    )
+    view = weights_only if view is call else view  # no shape ops: the call was the weights
+    with graph.inserting_before(context):
+        how = _product_name(context) if form == "bmm" else _sum_dim(context)
+        formed = graph.call_function(traced_context, (form, ours, view, values, how))
+    formed.meta.update(context.meta)
+    context.replace_all_uses_with(formed)
+    graph.erase_node(context)
+
+
+def traced_context(form: str, ours, view: Tensor, values: Tensor, how) -> Tensor:
+    """The context in the graph's layout: the op's (``ours``, [B', T', Dv]) where the graph's
+    weights view and values are the op's shapes (``bmm``: X [B', T', S]; ``sum``: X [B', S, 1],
+    T' = 1), else the graph's own product (``how``: the product's target as the graph had it,
+    or the sum's axis)."""
+    if ours is not None and values.dim() == 3 and values.shape[0] == ours.shape[0]:
+        batch, steps, frames = ours.shape[0], ours.shape[1], values.shape[1]
+        if form == "bmm" and view.shape == (batch, steps, frames):
+            return ours
+        if form == "sum" and steps == 1 and view.shape == (batch, frames, 1):
+            return ours[:, 0]
+    if form == "bmm":
+        return getattr(view, how)(values)
+    return (view * values).sum(how)
