@@ -33,6 +33,7 @@ PRIVATE_APIS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.config.patch", "seq2seq.models.compile_model (allow_rnn)"),
     ("torch._dynamo.config.allow_rnn", "seq2seq.models.compile_model"),
     ("torch._dynamo.config.recompile_limit", "nn.convert.traced (when a layout gives up)"),
+    ("torch._guards.CompileContext.current_compile_id", "nn.convert.traced (compiles per frame)"),
     ("torch._make_per_channel_quantized_tensor", "seq2seq.inference (int8 rows as a qint8 weight)"),
     ("torch.ops.mkldnn._reorder_linear_weight", "seq2seq.inference (weights packed once)"),
     ("torch.ops.mkldnn._linear_pointwise", "seq2seq.inference (products on packed weights)"),
@@ -77,6 +78,18 @@ def dynamo_config() -> Any:
     import torch._dynamo
 
     return torch._dynamo.config
+
+
+def compile_frame() -> tuple[int, int] | None:
+    """(frame id, how many times that frame was compiled before) of the graph TorchDynamo is
+    compiling now, or None outside a compile. Why private: TorchDynamo counts its recompiles per
+    frame (code object) and gives up on a frame at ``recompile_limit``; nothing public says which
+    frame a backend's graph comes from, and one call of a forward with graph breaks compiles
+    several frames (its resume functions, the functions it calls)."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    return None if compile_id is None else (compile_id.frame_id, compile_id.frame_compile_id)
 
 
 @contextlib.contextmanager

@@ -490,6 +490,59 @@ def test_location_families_through_the_general_path(name, dtype, monkeypatch):
 
 
 @requires_cpu_kernel
+@pytest.mark.parametrize("name", ["espnet_att_add", "espnet_att_loc"])
+def test_the_general_path_keeps_espnet_converted_over_utterances(name):
+    """ESPnet's forward has graph breaks (its padding mask, made at the first step of an
+    utterance): one call compiles several frames. Utterances of other sizes must not count as
+    the recompile limit of one frame: the module stays converted, and every step but each
+    utterance's first (scores and softmax in two graphs there) runs fused."""
+    from seq2seq_fast.nn.convert.traced.rewrite import TracedWeights
+
+    case = CASES[name]
+    torch.manual_seed(0)
+    fused = nn.ModuleDict({"attn": case.make()})
+    report = fuse_attention_report(fused, named=False)
+    for seed in range(3, 8):  # 2 utterances of 3 steps each, sizes (3, 7) and (2, 5)
+        calls = TracedWeights.calls
+        _run(case, fused, torch.float32, seed=seed)
+        # (4 of 6 here; 3 where a run's first utterance takes a new trace after other tests
+        # made TorchDynamo treat these sizes as dynamic)
+        assert TracedWeights.calls - calls >= 3, f"run {seed}: {TracedWeights.calls - calls}"
+    assert report.count == 1 and isinstance(fused["attn"], FusedStandIn), str(report)
+
+
+def _memory_products(case: Case, model: nn.Module) -> int:
+    """How many matrix products of the memory projection over the first utterance (its
+    flattened memory: 3 x 7 = 21 frames of 10 features in the drivers above) one run of the case
+    makes, forward and backward."""
+    from torch.profiler import profile
+
+    with profile(record_shapes=True) as prof:
+        _run(case, model, torch.float32, seed=4)
+    return sum(
+        any(len(s) == 2 and 21 in s for s in event.input_shapes)
+        and any(len(s) == 2 and 10 in s for s in event.input_shapes)
+        for event in prof.events()
+        if event.name in ("aten::mm", "aten::addmm")
+    )
+
+
+@requires_cpu_kernel
+@pytest.mark.parametrize("name", ["speechbrain_content", "espnet_att_add"])
+def test_the_general_path_projects_a_kept_memory_once(name):
+    """A memory projection the module keeps (SpeechBrain's precomputed_enc_h, made at the first
+    step): the general path uses the module's own, never a second projection of its own."""
+    case = CASES[name]
+    torch.manual_seed(0)
+    plain = nn.ModuleDict({"attn": case.make()})
+    fused = copy.deepcopy(plain)
+    report = fuse_attention_report(fused, named=False)
+    _run(case, fused, torch.float32, seed=3)  # converts
+    assert report.count == 1, str(report)
+    assert _memory_products(case, fused) == _memory_products(case, plain) == 3
+
+
+@requires_cpu_kernel
 def test_coqui_sigmoid_trains_through_the_location_step(monkeypatch):
     """Coqui's default (location-sensitive, sigmoid, score bias) trains through the location-aware
     step op (keys formed inside the kernels), its score bias's gradient from the op."""

@@ -15,9 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx
 
-from seq2seq_fast.nn.convert.traced.nodes import (
-    _ancestors,
-)
+from seq2seq_fast.nn.convert.traced.nodes import _ancestors
 from seq2seq_fast.nn.convert.traced.plan import Plan
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.ops._torch_private import nn_linear
@@ -181,7 +179,7 @@ def _key_terms(graph: fx.Graph, plan: Plan, before: fx.Node) -> list[fx.Node]:
     """One node per key term, inserted before ``before``: a location term the kernels form, a
     term computed from the graph's inputs by the replacement (and cached), or the graph's own
     value."""
-    terms = []
+    terms, on_the_path = [], None
     with graph.inserting_before(before):
         for key in plan.terms.keys:
             if key.location is not None:
@@ -189,7 +187,13 @@ def _key_terms(graph: fx.Graph, plan: Plan, before: fx.Node) -> list[fx.Node]:
                 parts = (location.features, location.conv_weight, location.dense_weight)
                 terms.append(graph.call_function(_location_term, parts))
                 continue
-            found = _key_function(graph, key.node)
+            # a term the graph keeps (stores on the module, returns, uses elsewhere) is computed
+            # by the graph anyway: computing it again here would make a second projection (and a
+            # second backward through it) where later steps read the graph's
+            if on_the_path is None:
+                on_the_path = set(_ancestors(plan.site.tanh))
+            escapes = any(user not in on_the_path for user in key.node.users)
+            found = None if escapes else _key_function(graph, key.node)
             if found is None:
                 terms.append(graph.call_function(_wrap_plain, (key.node,)))
             else:

@@ -52,7 +52,7 @@ from seq2seq_fast.nn.convert.traced.watching import (
     watching_now,
 )
 from seq2seq_fast.ops import fused_available
-from seq2seq_fast.ops._torch_private import dynamo_config, pytree
+from seq2seq_fast.ops._torch_private import compile_frame, dynamo_config, pytree
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +64,21 @@ class _Rewriter:
     def __init__(self, backend: str) -> None:
         self.backend = backend
         self.found: list[tuple[list[str], list[str]]] = []
+        # how many times each frame of this module's own was compiled (TorchDynamo gives up on
+        # a frame at its recompile limit; a forward with graph breaks compiles several frames
+        # per call). Its own: first compiled for it. A function it shares with other modules
+        # (a helper of their common class) counts their compiles too, and giving up there
+        # leaves this module's own frames fused.
+        self.frame_compiles: dict[int, int] = {}
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        frame = compile_frame()
+        if frame is not None:
+            frame_id, before = frame
+            if frame_id in self.frame_compiles or before == 0:
+                self.frame_compiles[frame_id] = max(
+                    self.frame_compiles.get(frame_id, 0), before + 1
+                )
         try:
             plans, misses = find_matches(gm.graph)
             described = []
@@ -129,9 +142,9 @@ def _put_back(module: nn.Module, original: type, traces: int) -> None:
     module.__class__ = original
     name = class_name(module)
     reason = (
-        f"converted, then put back: TorchDynamo stopped tracing its forward after {traces} traces "
-        "(its recompile limit) and ran it unfused; an argument changes structure from call to "
-        "call (a list that grows each step, say)"
+        f"converted, then put back: TorchDynamo stopped tracing its forward after {traces} "
+        "traces of one frame (its recompile limit) and ran it unfused; an argument changes "
+        "structure from call to call (a list that grows each step, say)"
     )
     report, path = (state.report, state.path) if state is not None else (None, "?")
     layout = state.layout if state is not None else LAYOUT
@@ -177,8 +190,9 @@ def traced_class(cls: type, backend: str) -> type:
                 out = state.compiled(self, *args, **kwargs)
             if not ran:  # this call ran unfused
                 traces = len(state.rewriter.found)
-                if traces >= dynamo_config().recompile_limit:
-                    _put_back(self, cls, traces)
+                compiles = max(state.rewriter.frame_compiles.values(), default=traces)
+                if compiles >= dynamo_config().recompile_limit:
+                    _put_back(self, cls, compiles)
                 elif traces > before:
                     _warn_unmatched(self, state, state.rewriter.found[before:])
             return out
