@@ -16,7 +16,7 @@ gives the gradients of the original (summed over the steps in another order). A 
 runs through the projection (between steps, with or without ``retain_graph``) drops the entry:
 the next step projects again, as the original does, so a later backward never meets a freed
 graph. With a :class:`~seq2seq_fast.ops.stepwise.StepwiseMemory` in the cached value (built by the
-``compute`` function, see ``traced.rewrite.TracedWeights._memory``), the values' and keys' gradients of all the
+``compute`` function, see ``FusedTutorialAttention``), the values' and keys' gradients of all the
 steps are gathered once per sequence.
 
 The one limit: a change that bypasses the version counters (``tensor.data.add_(...)``, or

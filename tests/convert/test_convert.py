@@ -15,41 +15,8 @@ from seq2seq_fast.nn import fuse_attention_report
 from seq2seq_fast.nn.convert import FusedStandIn, Layout, register, registered_layouts
 from seq2seq_fast.nn.convert._base import check_equivalent
 from seq2seq_fast.nn.convert.tutorial import LAYOUT as TUTORIAL
-from seq2seq_fast.ops.additive_attention import additive_attention
+from seq2seq_fast.nn.convert.tutorial import FusedTutorialAttention
 from tests.layouts import GNMTAttention, TutorialAttention
-
-# --- a stand-in layout for the framework's tests -------------------------------------------------
-# The tutorial's layout is a thin matcher (the traced runtime computes what the module computes, so
-# a look-alike of it converts exactly where the op can express it). The framework's check of a
-# stand-in is tested on this toy stand-in of the tutorial's attention instead, registered for
-# these tests only.
-
-
-class ToyStandIn(FusedStandIn):
-    """The tutorial's attention as a stand-in: the same Linears, the op for the rest."""
-
-    layout = "toy"
-
-    def __init__(self, module: nn.Module, backend: str) -> None:
-        super().__init__(backend)
-        self.Wa, self.Ua, self.Va = module.Wa, module.Ua, module.Va
-
-    def forward(self, query, keys):
-        return additive_attention(
-            self.Wa(query), self.Ua(keys), keys, self.Va.weight[0], backend=self.backend
-        )
-
-
-TOY = Layout("toy", TUTORIAL.match, ToyStandIn, TUTORIAL.example_call)
-
-
-@pytest.fixture
-def toy(monkeypatch):
-    """The toy stand-in in the tutorial's place among the registered layouts."""
-    others = [layout for layout in registered_layouts() if layout.name != "tutorial"]
-    monkeypatch.setattr("seq2seq_fast.nn.convert.registered_layouts", lambda: [TOY, *others])
-    return TOY
-
 
 # --- look-alikes: the same children and shapes, other math ---------------------------------------
 
@@ -102,7 +69,7 @@ LOOK_ALIKES = {
 
 
 @pytest.mark.parametrize("name", list(LOOK_ALIKES))
-def test_look_alikes_are_refused_and_untouched(name, toy):
+def test_look_alikes_are_refused_and_untouched(name):
     torch.manual_seed(0)
     model = nn.Sequential(LOOK_ALIKES[name]())
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -133,31 +100,10 @@ def test_a_thin_matcher_converts_a_scaled_subclass_exactly():
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["temperature", "subclass forward"])
-def test_the_tutorial_thin_matcher_converts_its_look_alikes_exactly(name):
-    """The tutorial's layout is a thin matcher: a look-alike the op can express (scores divided
-    by a temperature, the context over Ua(keys)) converts and computes what it computed."""
-    torch.manual_seed(0)
-    original = nn.Sequential(LOOK_ALIKES[name]()).double()
-    model = copy.deepcopy(original)
-    report = fuse_attention_report(model)
-    assert [(r.path, r.layout) for r in report.replaced] == [("0", "tutorial")], str(report)
-    query, keys = torch.randn(3, 1, 6).double(), torch.randn(3, 5, 6).double()
-    for got, want in zip(model[0](query, keys), original[0](query, keys), strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-
-
-def test_the_tutorial_thin_matcher_refuses_a_look_alike_without_tanh():
-    model = nn.Sequential(NoTanh(6))
-    report = fuse_attention_report(model)
-    assert report.count == 0 and type(model[0]) is NoTanh
-    assert report.skipped[0].layouts == ("tutorial",) and "tanh" in report.skipped[0].reason
-
-
-def test_check_false_trusts_the_structure(toy):
+def test_check_false_trusts_the_structure():
     model = nn.Sequential(Temperature(4))
     assert fuse_attention(model, check=False) == 1
-    assert isinstance(model[0], ToyStandIn)
+    assert isinstance(model[0], FusedTutorialAttention)
 
 
 def test_check_leaves_the_module_and_the_rng_alone():
@@ -175,30 +121,17 @@ def test_check_leaves_the_module_and_the_rng_alone():
 
 
 def test_check_names_the_difference():
-    reason = check_equivalent(Temperature(4), TOY, "auto")
+    reason = check_equivalent(Temperature(4), TUTORIAL, "auto")
     assert reason is not None and "output" in reason and "differ" in reason
-    assert check_equivalent(TutorialAttention(4), TOY, "auto") is None
+    assert check_equivalent(TutorialAttention(4), TUTORIAL, "auto") is None
 
 
-def test_modules_with_hooks_are_skipped(toy):
-    """A stand-in would drop the module's hooks: skipped."""
+def test_modules_with_hooks_are_skipped():
     attention = TutorialAttention(4)
     attention.register_forward_hook(lambda module, args, out: None)
     model = nn.Sequential(attention)
     report = fuse_attention_report(model)
     assert report.count == 0 and "hooks" in report.skipped[0].reason
-
-
-def test_a_thin_matcher_keeps_the_modules_hooks():
-    """A thin matcher converts the module in place: its hooks stay and run."""
-    attention = TutorialAttention(4)
-    seen = []
-    attention.register_forward_hook(lambda module, args, out: seen.append(type(module)))
-    model = nn.ModuleDict({"attn": attention})
-    assert fuse_attention(model) == 1 and model["attn"] is attention
-    seen.clear()
-    attention(torch.randn(2, 1, 4), torch.randn(2, 3, 4))
-    assert seen == [type(attention)] and isinstance(attention, FusedStandIn)
 
 
 # --- the walk and the report -----------------------------------------------------------------------
@@ -213,20 +146,20 @@ class Parent(nn.Module):
         self.other = Temperature(4)
 
 
-def test_report_lists_replaced_and_skipped(caplog, toy):
+def test_report_lists_replaced_and_skipped(caplog):
     model = Parent()
     gnmt = model.decoder["gnmt"]
     keys_before = list(model.state_dict())
     with caplog.at_level(logging.DEBUG, logger="seq2seq_fast.nn.convert"):
         report = fuse_attention_report(model)
     assert [(r.path, r.layout) for r in report.replaced] == [
-        ("encoder.1", "toy"),
+        ("encoder.1", "tutorial"),
         ("decoder.gnmt", "gnmt"),
     ]
-    assert [(s.path, s.layouts) for s in report.skipped] == [("other", ("toy",))]
+    assert [(s.path, s.layouts) for s in report.skipped] == [("other", ("tutorial",))]
     # one stand-in for the module reached by two paths
     assert model.encoder[1] is model.decoder["attn"]
-    assert isinstance(model.decoder["attn"], ToyStandIn)
+    assert isinstance(model.decoder["attn"], FusedTutorialAttention)
     # gnmt is a thin matcher: the same module, converted in place by the traced runtime
     assert model.decoder["gnmt"] is gnmt and isinstance(gnmt, FusedStandIn)
     assert type(gnmt).__mro__[1] is GNMTAttention
@@ -246,7 +179,7 @@ def test_stand_ins_keep_the_training_mode():
 def test_registry():
     assert {"tutorial", "gnmt"} <= {layout.name for layout in registered_layouts()}
     with pytest.raises(ValueError, match="already registered"):
-        register(Layout("tutorial", TOY.match, TOY.build, TOY.example_call))
+        register(Layout("tutorial", TUTORIAL.match, TUTORIAL.build, TUTORIAL.example_call))
     with pytest.raises(TypeError, match="Layout"):
         register("tutorial")
 
@@ -258,7 +191,7 @@ def test_a_failing_build_is_a_skip_not_an_error(monkeypatch):
     def build(module, backend):
         raise RuntimeError("cannot build this one")
 
-    broken = Layout("broken-test", TOY.match, build, TOY.example_call)
+    broken = Layout("broken-test", TUTORIAL.match, build, TUTORIAL.example_call)
     monkeypatch.setattr(
         "seq2seq_fast.nn.convert.registered_layouts", lambda: [broken], raising=True
     )

@@ -1,6 +1,5 @@
 """Thin matchers (``Layout(traced=True)``): a named layout without a stand-in of its own, whose
-modules the traced runtime converts at ``fuse_attention`` time (tutorial, gnmt and the concat
-layouts).
+modules the traced runtime converts at ``fuse_attention`` time (gnmt and the concat layouts).
 Each converts at once and is counted, the report names the layout and the traced runtime, the
 module (the same object, its class swapped) gives the original's outputs and gradients exactly,
 and a look-alike is refused with the probe's reason."""
@@ -27,7 +26,7 @@ pytestmark = pytest.mark.skipif(
     not fused_available("cpu", torch.float64), reason="the C++ extension is not built"
 )
 
-THIN = {"gnmt", "concat", "concat_batch_first", "chatbot_concat", "tutorial"}
+THIN = {"gnmt", "concat", "concat_batch_first", "chatbot_concat"}
 B, S = 3, 6
 
 

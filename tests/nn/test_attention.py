@@ -13,6 +13,7 @@ import seq2seq_fast
 from seq2seq_fast import BahdanauAttention, fuse_attention
 from seq2seq_fast.nn.convert import FusedStandIn, fuse_attention_report
 from seq2seq_fast.nn.convert.traced.rewrite import recorded_runs
+from seq2seq_fast.nn.convert.tutorial import FusedTutorialAttention
 from seq2seq_fast.ops import fused_available
 from tests.layouts import GNMTAttention, GNMTDecoderLayer, TutorialAttention, TutorialDecoder
 
@@ -159,8 +160,7 @@ def test_fuse_tutorial_decoder_same_outputs_and_grads():
     keys_before = list(fused.state_dict())
     params_before = {id(p) for p in fused.parameters()}
     assert fuse_attention(fused) == 1
-    # a thin matcher: the same module, converted in place by the traced runtime
-    assert isinstance(fused.attention, FusedStandIn) and fused.attention.layout == "traced"
+    assert isinstance(fused.attention, FusedTutorialAttention)
     assert list(fused.state_dict()) == keys_before
     assert {id(p) for p in fused.parameters()} == params_before  # optimisers keep working
 

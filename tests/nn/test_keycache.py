@@ -1,7 +1,6 @@
-"""The projected-key cache (nn/keycache.py) as a stand-in uses it (a stand-in of the tutorial's
-attention, kept here since the tutorial's layout became a thin matcher): reuse across a decoder's
-steps, what invalidates it, backward between steps, no-grad decoding, weak keys, torch.func,
-threads, copies."""
+"""The projected-key cache (nn/keycache.py) as the tutorial stand-in uses it: reuse across a
+decoder's steps, what invalidates it, backward between steps, no-grad decoding, weak keys,
+torch.func, threads, copies."""
 
 from __future__ import annotations
 
@@ -13,13 +12,11 @@ import threading
 import pytest
 import torch
 import torch.utils.checkpoint
-from torch import Tensor, nn
+from torch import nn
 
-from seq2seq_fast.nn.convert import FusedStandIn
+from seq2seq_fast import fuse_attention
 from seq2seq_fast.nn.keycache import ProjectionCache
-from seq2seq_fast.nn.stepwise import StepMemory, step_memory
 from seq2seq_fast.ops import fused_available
-from seq2seq_fast.ops.additive_attention import additive_attention
 from tests.layouts import TutorialAttention
 
 pytestmark = pytest.mark.skipif(
@@ -29,41 +26,12 @@ pytestmark = pytest.mark.skipif(
 B, S, H = 3, 7, 6
 
 
-class CachedTutorial(FusedStandIn):
-    """The tutorial's attention with Ua(keys) cached per keys tensor and, when training on the CPU
-    kernel, the steps' gradients gathered once per sequence (the same Linears)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__("auto")
-        self.Wa, self.Ua, self.Va = module.Wa, module.Ua, module.Va
-        self.key_cache = ProjectionCache()
-
-    def _memory(self, keys: Tensor) -> StepMemory:
-        own = keys.is_contiguous()
-        values = keys if own else keys.contiguous()
-        return step_memory(self.Ua(keys), values, self.backend, own_values=own)
-
-    def forward(self, query: Tensor, keys: Tensor):
-        ua = self.Ua
-        memory = self.key_cache.get(
-            keys, (ua.weight, ua.bias), lambda: self._memory(keys), watch=lambda m: (m.projection,)
-        )
-        values = keys if memory.values is None else memory.values
-        return additive_attention(
-            self.Wa(query),
-            memory.keys,
-            values,
-            self.Va.weight[0],
-            stepwise=memory.stepwise,
-            backend=self.backend,
-        )
-
-
 def _pair(dtype=torch.float64):
     torch.manual_seed(0)
-    plain = TutorialAttention(H).to(dtype)
-    fused = CachedTutorial(copy.deepcopy(plain))
-    return plain, fused
+    plain = nn.ModuleDict({"attn": TutorialAttention(H)}).to(dtype)
+    fused = copy.deepcopy(plain)
+    assert fuse_attention(fused) == 1
+    return plain["attn"], fused["attn"]
 
 
 def _inputs(dtype=torch.float64):

@@ -7,28 +7,77 @@ outputs every step)::
     scores = Va(tanh(Wa(query) + Ua(keys)))          # [B, S, 1] -> [B, 1, S]
     weights = softmax(scores, -1); context = weights @ keys
 
-Va's bias shifts every score of a row equally, so it cancels in the softmax (its gradient is zero
-either way). No mask.
-
-A thin matcher (``traced=True``): no stand-in of its own. The module is converted in place at
-``fuse_attention`` time by the traced runtime, with the example call below as its first call: the
-op forms the weights and the context (``weights @ keys``), ``Ua(keys)`` is computed once per keys
-tensor over a decoder's steps by the runtime's key cache, and the steps' gradients for the keys
-and the projected keys are gathered once per sequence. Other query shapes trace once more.
+Va's bias shifts every score of a row equally, so it cancels in the softmax and is left out of
+the kernel (its gradient is zero either way). No mask.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from seq2seq_fast.nn.convert._base import (
+    FusedStandIn,
     Layout,
     child_names,
     is_linear,
     own_parameter_names,
     register,
 )
+from seq2seq_fast.nn.keycache import ProjectionCache
+from seq2seq_fast.nn.stepwise import StepMemory, step_memory
+from seq2seq_fast.ops.additive_attention import additive_attention
+
+
+class FusedTutorialAttention(FusedStandIn):
+    """Fused stand-in for the tutorial's attention: the same ``Wa``, ``Ua``, ``Va`` Linears (the
+    very Parameter objects, same state_dict keys) and the same call.
+
+    ``Ua(keys)`` is computed once per keys tensor and reused by the following steps
+    (:class:`~seq2seq_fast.nn.keycache.ProjectionCache`); when training on the CPU kernel, the
+    steps' gradients for the keys and the projected keys are gathered once per sequence
+    (:class:`~seq2seq_fast.ops.stepwise.StepwiseMemory`). A query that is not [B, 1, Dq] (the
+    tutorial's only shape) runs the original's math in plain PyTorch.
+    """
+
+    layout = "tutorial"
+
+    def __init__(self, Wa: nn.Linear, Ua: nn.Linear, Va: nn.Linear, backend: str = "auto") -> None:  # noqa: N803
+        super().__init__(backend)
+        self.Wa, self.Ua, self.Va = Wa, Ua, Va
+        self.key_cache = ProjectionCache()
+
+    def _plain(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+        scores = self.Va(torch.tanh(self.Wa(query) + self.Ua(keys))).squeeze(2).unsqueeze(1)
+        weights = F.softmax(scores, dim=-1)
+        return torch.bmm(weights, keys), weights
+
+    def _memory(self, keys: Tensor) -> StepMemory:
+        """The steps' memory for one keys tensor: Ua(keys), and as values the call's own keys
+        (the cache holds them weakly) or, when they are a view such as nn.GRU(batch_first=True)'s
+        output, one contiguous copy for all the steps instead of one per step inside the op."""
+        own = keys.is_contiguous()
+        values = keys if own else keys.contiguous()
+        return step_memory(self.Ua(keys), values, self.backend, own_values=own)
+
+    def forward(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+        if query.dim() != 3 or keys.dim() != 3 or query.shape[1] != 1:
+            return self._plain(query, keys)
+        ua = self.Ua
+        memory = self.key_cache.get(
+            keys, (ua.weight, ua.bias), lambda: self._memory(keys), watch=lambda m: (m.projection,)
+        )
+        values = keys if memory.values is None else memory.values
+        context, weights = additive_attention(
+            self.Wa(query),
+            memory.keys,
+            values,
+            self.Va.weight[0],
+            stepwise=memory.stepwise,
+            backend=self.backend,
+        )
+        return context, weights
 
 
 def _match(module: nn.Module) -> bool:
@@ -42,6 +91,10 @@ def _match(module: nn.Module) -> bool:
     )
 
 
+def _build(module: nn.Module, backend: str) -> nn.Module:
+    return FusedTutorialAttention(module.Wa, module.Ua, module.Va, backend)
+
+
 def _example_call(module: nn.Module, dtype: torch.dtype) -> tuple[tuple, dict]:
     batch, num_keys = 3, 5
     query = torch.randn(batch, 1, module.Wa.in_features, dtype=dtype)
@@ -49,4 +102,4 @@ def _example_call(module: nn.Module, dtype: torch.dtype) -> tuple[tuple, dict]:
     return (query, keys), {}
 
 
-LAYOUT = register(Layout("tutorial", _match, None, _example_call, traced=True))
+LAYOUT = register(Layout("tutorial", _match, _build, _example_call))
