@@ -130,6 +130,22 @@ class _Rows:
         return weights
 
 
+def _broadcast(shapes: list) -> tuple:
+    """``torch.broadcast_shapes(*shapes)`` for shapes of one rank, in plain Python (torch's takes
+    ~80 us a call, a decoder step's attention calls it every step); torch's otherwise, and for
+    its error message."""
+    rank = len(shapes[0])
+    if any(len(shape) != rank for shape in shapes):
+        return tuple(torch.broadcast_shapes(*shapes))
+    full = []
+    for sizes in zip(*shapes, strict=True):
+        big = max(sizes)
+        if any(size not in (1, big) for size in sizes):
+            return tuple(torch.broadcast_shapes(*shapes))
+        full.append(big)
+    return tuple(full)
+
+
 def _values_fit(values, rows: _Rows, key: Tensor) -> bool:
     """Whether the graph's context values are [B', S, Dv] over the op's rows (else the graph
     forms the context itself)."""
@@ -180,7 +196,7 @@ class TracedWeights:
         shapes = [t.shape for t in queries + raw]
         if location is not None:
             shapes.append(location.shape())
-        full = torch.broadcast_shapes(*shapes)
+        full = _broadcast(shapes)
         rows = self.rows.get(full)
         if rows is None:  # (a few shapes in a run; kept bounded all the same)
             if len(self.rows) >= 64:
