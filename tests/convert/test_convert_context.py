@@ -109,3 +109,21 @@ def test_other_contexts_stay_the_graphs(form, dtype, monkeypatch):
     _assert_close(got[1], want[1], dtype, "gradients")
     assert not any(took)
     assert len(took) == (2 if form == "shared" else 0)  # asked at each of the 2 calls, or never
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        [(3, 1, 5), (3, 4, 5)],
+        [(1, 1, 7), (2, 6, 7), (2, 1, 7)],
+        [(4,), (1, 4)],  # ranks differ: torch's
+        [(0, 3), (1, 3)],
+    ],
+)
+def test_the_runtimes_broadcast_is_torchs(shapes):
+    assert traced_rewrite._broadcast(shapes) == tuple(torch.broadcast_shapes(*shapes))
+
+
+def test_the_runtimes_broadcast_raises_torchs_error():
+    with pytest.raises(RuntimeError, match="broadcast"):
+        traced_rewrite._broadcast([(3, 4), (2, 4)])
