@@ -99,7 +99,7 @@ def _arg(node: fx.Node, index: int, name: str, default=None):
 def _single_user(node: fx.Node, what: str) -> fx.Node:
     users = list(node.users)
     if len(users) != 1:
-        raise NoMatch(f"{what} is used {len(users)} times (the fused op gives only the weights)")
+        raise NoMatch(f"{what} is used {len(users)} times (the fused op gives no inner value)")
     return users[0]
 
 

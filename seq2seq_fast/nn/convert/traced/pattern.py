@@ -492,7 +492,7 @@ def _walk_to_normaliser(chain: _Chain) -> tuple[fx.Node, int, Normalisation]:
             return _sigmoid(chain, normalised)
         if len(users) - len(extra) != 1:
             raise NoMatch(
-                f"the scores are used {len(users)} times (the fused op gives only the weights)"
+                f"the scores are used {len(users)} times (the fused op gives the weights, not the scores)"
             )
         user = next(u for u in users if u not in extra)
         if _is(user, _SOFTMAX):

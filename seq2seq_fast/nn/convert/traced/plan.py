@@ -14,8 +14,9 @@ The op computes, over rows B' (the batch axes) and T' (the query axes) of a memo
     e' = the steps applied to e, in order                        (scales, shifts, masks)
     weights = softmax(e') or sigmoid(e') / sum sigmoid(e')       (the normalisation)
 
-The context (weights times values) stays the graph's own: the replacement gives the weights only,
-so a plan has no value term (the op gets a zero placeholder for its values).
+The context (weights times values) is not part of the plan: the rewrite looks for it after the
+normaliser (``rewrite._form_the_context``) and, where the graph forms it in a way the op computes,
+hands the values to the same call; otherwise the op gets a zero placeholder for its values.
 """
 
 from __future__ import annotations

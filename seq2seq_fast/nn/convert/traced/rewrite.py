@@ -1,7 +1,8 @@
 """The replacement: a match's sum ... softmax in the graph becomes one :class:`TracedWeights`
 call, which runs the fused op (or the original's math in plain ops where the op cannot give the
 original's result: a row with no valid frame, a float mask that is not a mask, a scale that is
-not positive)."""
+not positive). Where the graph then multiplies the weights by values in a form the op computes,
+the same call forms the context too (:func:`_form_the_context`, :func:`traced_context`)."""
 
 from __future__ import annotations
 
