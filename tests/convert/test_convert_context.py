@@ -73,9 +73,9 @@ def _spy(monkeypatch) -> list:
     return took
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("form", ["bmm", "matmul", "sum", "index"])
-def test_the_op_forms_the_context(form, dtype, monkeypatch):
+def _converted_steps_match(form: str, dtype, steps: int, monkeypatch) -> list:
+    """Convert the form's attention, run ``steps`` calls on one memory against the original's
+    (outputs and gradients must match); whether each traced_context call took the op's context."""
     took = _spy(monkeypatch)
     torch.manual_seed(0)
     original = _Additive(form).to(dtype)
@@ -84,9 +84,16 @@ def test_the_op_forms_the_context(form, dtype, monkeypatch):
     assert report.count == 1, str(report)
     took.clear()
     args = _args(3, 6, dtype)
-    got, want = _steps(model, args, 3), _steps(original, args, 3)
+    got, want = _steps(model, args, steps), _steps(original, args, steps)
     _assert_close(got[0], want[0], dtype, "outputs")
     _assert_close(got[1], want[1], dtype, "gradients")
+    return took
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("form", ["bmm", "matmul", "sum", "index"])
+def test_the_op_forms_the_context(form, dtype, monkeypatch):
+    took = _converted_steps_match(form, dtype, 3, monkeypatch)
     assert took and all(took), f"{form}: the op's context taken {sum(took)} of {len(took)} times"
 
 
@@ -96,17 +103,7 @@ def test_other_contexts_stay_the_graphs(form, dtype, monkeypatch):
     """Values that are not [B', S, Dv] over the op's rows (one [S, Dv] for every row: seen at
     run time), or a product the op does not form (the weights on the right): the graph's own
     product, exact."""
-    took = _spy(monkeypatch)
-    torch.manual_seed(0)
-    original = _Additive(form).to(dtype)
-    model = copy.deepcopy(original)
-    report = fuse_attention_report(model, example_inputs=_args(2, 4, dtype))
-    assert report.count == 1, str(report)
-    took.clear()
-    args = _args(3, 6, dtype)
-    got, want = _steps(model, args, 2), _steps(original, args, 2)
-    _assert_close(got[0], want[0], dtype, "outputs")
-    _assert_close(got[1], want[1], dtype, "gradients")
+    took = _converted_steps_match(form, dtype, 2, monkeypatch)
     assert not any(took)
     assert len(took) == (2 if form == "shared" else 0)  # asked at each of the 2 calls, or never
 
