@@ -123,9 +123,14 @@ def _traced_state(module: nn.Module, cls: type, backend: str) -> _TracedState:
     state = module.__dict__.get("_fuse_attention_traced")
     if state is None:
         fn = cls.forward
-        own = types.FunctionType(
-            fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-        )
+        # a name of its own: TorchDynamo keeps what it learnt of a function's sizes (which turned
+        # out to vary: compiled with dynamic sizes from then on) by file, line and name, so a
+        # copy under the same name would share it with every other instance of the class and with
+        # the probe's copy, whose call (a layout's example call) is of other sizes than the
+        # model's: the model's first call would compile with dynamic sizes. Two converted models
+        # share nothing this way either.
+        code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_fused_{id(module):x}")
+        own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         own.__kwdefaults__ = fn.__kwdefaults__
         rewriter = _Rewriter(backend)
         state = _TracedState(rewriter, torch.compile(own, backend=rewriter))
