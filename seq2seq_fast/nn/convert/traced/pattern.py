@@ -819,19 +819,23 @@ def _same_padding(conv: fx.Node, width, rows: int) -> bool:
         return False
     if _arg(conv, 6, "groups", 1) != 1:
         return False
-    ones = [1] * (rows + 1)
-
-    def along(value, fill: int):
-        value = [value] * (rows + 1) if isinstance(value, int) else list(value)
-        return value if len(value) == rows + 1 else [fill] * (rows + 2)
-
+    axes = rows + 1
     padding = _arg(conv, 4, "padding", 0)
-    if padding != "same" and along(padding, -1) != [0] * rows + [width // 2]:
+    if padding != "same" and _per_axis(padding, axes) != [0] * rows + [width // 2]:
         return False
+    ones = [1] * axes
     return (
-        along(_arg(conv, 3, "stride", 1), 0) == ones
-        and along(_arg(conv, 5, "dilation", 1), 0) == ones
+        _per_axis(_arg(conv, 3, "stride", 1), axes) == ones
+        and _per_axis(_arg(conv, 5, "dilation", 1), axes) == ones
     )
+
+
+def _per_axis(value, axes: int) -> list | None:
+    """A conv argument (one int, or one per axis) as a list of ``axes`` values; None if neither."""
+    if isinstance(value, int):
+        return [value] * axes
+    value = list(value) if isinstance(value, (list, tuple)) else []
+    return value if len(value) == axes else None
 
 
 def find_matches(graph: fx.Graph) -> tuple[list[Plan], list[str]]:

@@ -147,6 +147,11 @@ def _broadcast(shapes: list) -> tuple:
     return tuple(full)
 
 
+def _placeholder(key: Tensor) -> Tensor:
+    """The op's values [B', S, 1] where the graph forms the context: one column nobody reads."""
+    return key.new_zeros(key.shape[0], key.shape[1], 1)
+
+
 def _values_fit(values, rows: _Rows, key: Tensor) -> bool:
     """Whether the graph's context values are [B', S, Dv] over the op's rows (else the graph
     forms the context itself)."""
@@ -295,7 +300,7 @@ class TracedWeights:
                 key = key + canonical(t)
             values = given
         if values is None:  # the graph forms the context: a placeholder
-            values = key.new_zeros(rows.batch, rows.frames, 1)
+            values = _placeholder(key)
         return key, values, memory
 
     def _fold_steps(self, v: Tensor, scales, shifts) -> tuple:
@@ -408,7 +413,7 @@ class TracedWeights:
 
         def compute():
             key = canonical(raw).contiguous()
-            return key, (key.new_zeros(key.shape[0], key.shape[1], 1) if given is None else given)
+            return key, (_placeholder(key) if given is None else given)
 
         return self.fixed_cache.get(term, (tuple(full), given), compute)
 
@@ -419,7 +424,7 @@ class TracedWeights:
 
         def compute():
             key = canonical(raw).contiguous()
-            values = key.new_zeros(key.shape[0], key.shape[1], 1) if given is None else given
+            values = _placeholder(key) if given is None else given
             memory = StepwiseMemory.for_training(key, values, self.backend)
             if memory is None:
                 return key, values, None, key
