@@ -51,6 +51,47 @@ class _Additive(nn.Module):
         return context, w
 
 
+class _TimeMajor(nn.Module):
+    """fairseq's Berard MLP attention's layout: query [B, Dq] against memory [S, B, Dk] (time
+    major), padding [S, B]; weights [S, B] over axis 0, context summed over axis 0."""
+
+    def __init__(self, form: str, dq: int = 5, dk: int = 6, hidden: int = 7) -> None:
+        super().__init__()
+        self.form = form
+        self.q, self.k = nn.Linear(dq, hidden, bias=False), nn.Linear(dk, hidden)
+        self.v = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, query, memory, padding):
+        e = self.v(torch.tanh(self.q(query).unsqueeze(0) + self.k(memory))).squeeze(-1)
+        w = torch.softmax(e.masked_fill(padding, -1e9), dim=0)  # [S, B]
+        if self.form == "time_major":
+            context = (memory * w.unsqueeze(2)).sum(dim=0)
+        else:  # "time_major_index"
+            context = torch.sum(w[:, :, None] * memory, 0)
+        return context, w
+
+
+class _Dropped(nn.Module):
+    """d2l's form: the weights [B, 1, S] through an ``nn.Dropout`` before ``bmm`` with the
+    values."""
+
+    def __init__(self, p: float, dq: int = 5, dk: int = 6, hidden: int = 7) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(dq, hidden, bias=False), nn.Linear(dk, hidden)
+        self.v = nn.Linear(hidden, 1, bias=False)
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, query, memory, padding):
+        e = self.v(torch.tanh(self.q(query).unsqueeze(1) + self.k(memory))).squeeze(-1)
+        w = torch.softmax(e.masked_fill(padding, -1e9).unsqueeze(1), dim=-1)  # [B, 1, S]
+        return torch.bmm(self.dropout(w), memory).squeeze(1), w
+
+
+def _time_major_args(batch, frames, dtype):
+    query, memory, padding = _args(batch, frames, dtype)
+    return query, memory.transpose(0, 1).contiguous(), padding.t().contiguous()
+
+
 def _args(batch, frames, dtype):
     gen = torch.Generator().manual_seed(batch * 10 + frames)
     query = torch.randn(batch, 5, generator=gen, dtype=dtype)
@@ -124,3 +165,93 @@ def test_the_runtimes_broadcast_is_torchs(shapes):
 def test_the_runtimes_broadcast_raises_torchs_error():
     with pytest.raises(RuntimeError, match="broadcast"):
         traced_rewrite._broadcast([(3, 4), (2, 4)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("form", ["time_major", "time_major_index"])
+def test_the_op_forms_a_time_major_context(form, dtype, monkeypatch):
+    """Weights [S, B] over axis 0 and ``(values * w[..., None]).sum(0)`` with values [S, B, Dv]
+    (fairseq's Berard decoder): the op's context, from the values' transpose."""
+    took = _spy(monkeypatch)
+    torch.manual_seed(0)
+    original = _TimeMajor(form).to(dtype)
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model, example_inputs=_time_major_args(2, 4, dtype))
+    assert report.count == 1, str(report)
+    took.clear()
+    args = _time_major_args(3, 6, dtype)
+    got, want = _steps(model, args, 3), _steps(original, args, 3)
+    _assert_close(got[0], want[0], dtype, "outputs")
+    _assert_close(got[1], want[1], dtype, "gradients")
+    assert len(took) == 3 and all(took), took
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize(
+    "p, training, ours",
+    [(0.0, True, True), (0.4, False, True), (0.4, True, False)],
+    ids=["p0-train", "eval", "active"],
+)
+def test_dropout_on_the_weights(p, training, ours, dtype, monkeypatch):
+    """A dropout between the weights and the product that does nothing (p = 0, or eval mode):
+    the op's context; an active one: the graph's own product of the dropped weights, exact under
+    the same random state."""
+    took = _spy(monkeypatch)
+    torch.manual_seed(0)
+    original = _Dropped(p).to(dtype).train(training)
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model, example_inputs=_args(2, 4, dtype))
+    assert report.count == 1, str(report)
+    took.clear()
+    args = _args(3, 6, dtype)
+    torch.manual_seed(3)
+    got = _steps(model, args, 2)
+    torch.manual_seed(3)
+    want = _steps(original, args, 2)
+    _assert_close(got[0], want[0], dtype, "outputs")
+    _assert_close(got[1], want[1], dtype, "gradients")
+    if ours:
+        assert len(took) == 2 and all(took), took
+    else:
+        assert not any(took), took
+
+
+class _KeptMask(nn.Module):
+    """SpeechBrain's form: a 0/1 mask kept on the module, compared with 0 at every call (a new
+    bool tensor each step)."""
+
+    def __init__(self, dq: int = 5, dk: int = 6, hidden: int = 7) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(dq, hidden, bias=False), nn.Linear(dk, hidden)
+        self.v = nn.Linear(hidden, 1, bias=False)
+        self.mask = None
+
+    def forward(self, query, memory):
+        e = self.v(torch.tanh(self.q(query).unsqueeze(1) + self.k(memory))).squeeze(-1)
+        w = torch.softmax(e.masked_fill(self.mask == 0, float("-inf")), dim=-1)
+        return torch.bmm(w.unsqueeze(1), memory).squeeze(1), w
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_a_mask_made_at_each_call_is_found_once(dtype, monkeypatch):
+    """The mask's rows are found once while its content stays (not at every step), and found
+    again when the content changes; the results are the original's throughout."""
+    found = []
+    real = traced_rewrite._mask_to_rows
+    monkeypatch.setattr(traced_rewrite, "_mask_to_rows", lambda *a: found.append(1) or real(*a))
+    torch.manual_seed(0)
+    original = _KeptMask().to(dtype)
+    model = copy.deepcopy(original)
+    query, memory, padding = _args(2, 4, dtype)
+    model.mask = (~padding).to(dtype)
+    report = fuse_attention_report(model, example_inputs=(query, memory))
+    assert report.count == 1, str(report)
+    query, memory, padding = _args(3, 6, dtype)
+    for lengths in ([6, 5, 4], [6, 2, 3]):
+        keep = (torch.arange(6) < torch.tensor(lengths).unsqueeze(1)).to(dtype)
+        model.mask, original.mask = keep.clone(), keep.clone()
+        found.clear()
+        got, want = _steps(model, (query, memory), 4), _steps(original, (query, memory), 4)
+        _assert_close(got[0], want[0], dtype, "outputs")
+        _assert_close(got[1], want[1], dtype, "gradients")
+        assert len(found) == 1, f"the mask's rows found {len(found)} times over 4 steps"

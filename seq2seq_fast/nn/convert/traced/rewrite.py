@@ -18,7 +18,7 @@ from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert.traced.key_terms import _key_terms, _LocationTerm, _Plain
 from seq2seq_fast.nn.convert.traced.nodes import _MATMUL, _MUL, _NEW_FULL, _SUM, MASK_FILL_MAX, _is
 from seq2seq_fast.nn.convert.traced.plan import Layout, Mask, Plan, Scale, Shift, Site
-from seq2seq_fast.nn.keycache import ProjectionCache
+from seq2seq_fast.nn.keycache import MAX_THREADS, ProjectionCache, cache_bypassed
 from seq2seq_fast.nn.stepwise import StepwiseMemory
 from seq2seq_fast.ops._checks import masking
 from seq2seq_fast.ops.additive_attention import additive_attention
@@ -152,14 +152,25 @@ def _placeholder(key: Tensor) -> Tensor:
     return key.new_zeros(key.shape[0], key.shape[1], 1)
 
 
-def _values_fit(values, rows: _Rows, key: Tensor) -> bool:
-    """Whether the graph's context values are [B', S, Dv] over the op's rows (else the graph
-    forms the context itself)."""
+def _same_content(a: Tensor, b: Tensor) -> bool:
+    """Two masks with the same elements (shape, dtype and device too); neither wants gradients."""
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and not (a.requires_grad or b.requires_grad)
+        and torch.equal(a, b)
+    )
+
+
+def _values_fit(values, rows: _Rows, key: Tensor, memory_first: bool) -> bool:
+    """Whether the graph's context values are [B', S, Dv] over the op's rows ([S, B', Dv] where
+    the graph's memory axis comes first; else the graph forms the context itself)."""
+    leading = (rows.frames, rows.batch) if memory_first else (rows.batch, rows.frames)
     return (
         isinstance(values, Tensor)
         and values.dim() == 3
-        and values.shape[0] == rows.batch
-        and values.shape[1] == rows.frames
+        and values.shape[:2] == leading
         and values.shape[2] > 0
         and values.dtype == key.dtype
         and values.device == key.device
@@ -180,6 +191,8 @@ class TracedWeights:
     description = ""
     # the call also takes ``values`` and returns (weights, context or None): see traced_context
     with_context = False
+    # the values come memory axis first, [S, B', Dv] (a time-major graph's): see _op_values
+    values_memory_first = False
 
     def __init__(self, plan: Plan, backend: str) -> None:
         self.plan = plan
@@ -187,6 +200,7 @@ class TracedWeights:
         self.layout_cache = ProjectionCache()
         self.fixed_cache = ProjectionCache()
         self.mask_cache = ProjectionCache()
+        self.last_mask: dict[int, Tensor] = {}  # per thread: the last mask (see _masks)
         self.rows: dict[torch.Size, _Rows] = {}  # each call's geometry, by its broadcast shape
 
     def __call__(self, queries, keys, biases, vector, scales, masks, fills, shifts=(), values=None):
@@ -208,7 +222,7 @@ class TracedWeights:
             if len(self.rows) >= 64:
                 self.rows.clear()
             rows = self.rows[full] = _Rows(layout, full)
-        if values is not None and not _values_fit(values, rows, raw[0]):
+        if values is not None and not _values_fit(values, rows, raw[0], self.values_memory_first):
             values = None  # the graph's own context (see traced_context)
         values_given = values is not None
         key, values, memory = self._keys(values_of_terms, raw, rows, location is not None, values)
@@ -298,10 +312,16 @@ class TracedWeights:
             key = canonical(raw[0])
             for t in raw[1:]:
                 key = key + canonical(t)
-            values = given
+            values = self._op_values(given)
         if values is None:  # the graph forms the context: a placeholder
             values = _placeholder(key)
         return key, values, memory
+
+    def _op_values(self, given: Tensor | None) -> Tensor | None:
+        """The graph's context values as the op takes them, [B', S, Dv]."""
+        if given is None or not self.values_memory_first:
+            return given
+        return given.transpose(0, 1)
 
     def _fold_steps(self, v: Tensor, scales, shifts) -> tuple:
         """(v_eff, score_bias, whether the op cannot give the original's result): the scales and
@@ -402,9 +422,18 @@ class TracedWeights:
 
         if graded or len(masks) != 1 or not isinstance(masks[0], Tensor):
             return compute()
-        return self.mask_cache.get(
-            masks[0], (tuple(full), *fill_values), compute, watch=lambda e: ()
-        )
+        mask, params = masks[0], (tuple(full), *fill_values)
+        if not cache_bypassed():
+            # a mask the graph makes at each call (``self.mask == 0``) is a new tensor every
+            # step: one equal to the last one this thread saw stands for it (found from content)
+            thread = threading.get_ident()
+            last = self.last_mask.get(thread)
+            if last is not None and last is not mask and _same_content(last, mask):
+                mask = last
+            elif len(self.last_mask) >= MAX_THREADS and thread not in self.last_mask:
+                self.last_mask.clear()
+            self.last_mask[thread] = mask
+        return self.mask_cache.get(mask, params, compute, watch=lambda e: ())
 
     def _fixed(self, term: Tensor, raw: Tensor, canonical, full, given):
         """(the keys' fixed part [B, T, A], the values ``given`` or a placeholder [B, T, 1]) for
@@ -413,7 +442,7 @@ class TracedWeights:
 
         def compute():
             key = canonical(raw).contiguous()
-            return key, (_placeholder(key) if given is None else given)
+            return key, (_placeholder(key) if given is None else self._op_values(given))
 
         return self.fixed_cache.get(term, (tuple(full), given), compute)
 
@@ -424,7 +453,7 @@ class TracedWeights:
 
         def compute():
             key = canonical(raw).contiguous()
-            values = _placeholder(key) if given is None else given
+            values = _placeholder(key) if given is None else self._op_values(given).contiguous()
             memory = StepwiseMemory.for_training(key, values, self.backend)
             if memory is None:
                 return key, values, None, key
@@ -563,27 +592,55 @@ def _row_major(plan: Plan) -> bool:
     return all(_is(op, _ORDER_KEEPING) for op in plan.site.shape_ops)
 
 
+def _memory_first(plan: Plan) -> bool:
+    """Whether the weights the graph receives are [S, B] in row-major order (a time-major
+    graph's: pre-activation [S, B, H], one query per row, the projection's axes in order, then
+    only reshapes): then their context is ``(values * X).sum(0)`` with X [S, B, 1]."""
+    layout = plan.layout
+    if plan.heads.vector_axes or layout.query_axes or layout.rank != 3:
+        return False
+    if (layout.memory_axis, layout.batch_axes, layout.hidden_axis) != (0, (1,), 2):
+        return False
+    if [a for a in layout.scores_origin if a is not None] != [0, 1]:
+        return False
+    return all(_is(op, _ORDER_KEEPING) for op in plan.site.shape_ops)
+
+
 def _order_keeping_view(node: fx.Node, of: fx.Node) -> bool:
     """``node`` is a view of ``of`` in the same row-major order (an unsqueeze, a view or reshape,
-    an index of full slices, ``None`` and ``...``)."""
+    an index of full slices, ``None`` and ``...``, a dropout that does nothing)."""
     if not isinstance(node, fx.Node) or not node.args or node.args[0] is not of:
         return False
-    if _is(node, _ORDER_KEEPING):
+    if _is(node, _ORDER_KEEPING) or _inert_dropout(node):
         return True
     if _is(node, {operator.getitem}) and isinstance(node.args[1], tuple):
         return all(i is None or i is Ellipsis or i == slice(None, None, None) for i in node.args[1])
     return False
 
 
-def _context_site(weights: fx.Node) -> tuple | None:
+def _inert_dropout(node: fx.Node) -> bool:
+    """``F.dropout(x, p, training, inplace)`` that returns its input: p a constant 0 (TorchDynamo
+    specialises ``nn.Dropout(0.0)`` so; a p > 0 arrives as a tensor and is not inert) or training
+    a constant False (the module in eval mode). An active dropout keeps the graph's product."""
+    if not _is(node, {torch.nn.functional.dropout}):
+        return False
+    names = ("input", "p", "training", "inplace")
+    given = {**dict(zip(names, node.args, strict=False)), **node.kwargs}
+    p, training = given.get("p", 0.5), given.get("training", True)
+    return (isinstance(p, (int, float)) and p == 0) or training is False
+
+
+def _context_site(weights: fx.Node, memory_first: bool) -> tuple | None:
     """(form, the weights' view X, the values node, the context node) of the context the graph
     forms from the weights: ``bmm(X, values)`` / ``X @ values`` ("bmm", X [B', T', S]) or
-    ``(X * values).sum(1)`` ("sum", X [B', S, 1]), X the weights or one order-keeping view of
-    them (the shapes are checked at run time by :func:`traced_context`); None if none."""
+    ``(X * values).sum(1)`` ("sum", X [B', S, 1]); where the graph's memory axis comes first,
+    ``(X * values).sum(0)`` ("sum0", X [S, B', 1]). X is the weights or one order-keeping view
+    of them (the shapes are checked at run time by :func:`traced_context`); None if none."""
     views = [weights] + [u for u in weights.users if _order_keeping_view(u, weights)]
+    axes = (0,) if memory_first else (1, -2)
     for view in views:
         for user in view.users:
-            if _is(user, _BMM) and len(user.args) == 2 and not user.kwargs:
+            if _is(user, _BMM) and len(user.args) == 2 and not user.kwargs and not memory_first:
                 if user.args[0] is view and isinstance(user.args[1], fx.Node):
                     return "bmm", view, user.args[1], user
             if _is(user, _MUL) and len(user.args) == 2 and not user.kwargs:
@@ -591,18 +648,18 @@ def _context_site(weights: fx.Node) -> tuple | None:
                 if view not in user.args or not isinstance(other, fx.Node) or other is view:
                     continue
                 total = next(iter(user.users)) if len(user.users) == 1 else None
-                if total is not None and _is(total, _SUM) and _sums_axis_one(total, user):
-                    return "sum", view, other, total
+                if total is not None and _is(total, _SUM) and _sums_along(total, user, axes):
+                    return ("sum0" if memory_first else "sum"), view, other, total
     return None
 
 
-def _sums_axis_one(total: fx.Node, product: fx.Node) -> bool:
-    """``total`` is ``product.sum(1)`` (or dim=1 / -2 of a rank-3 product), nothing else."""
+def _sums_along(total: fx.Node, product: fx.Node, axes: tuple) -> bool:
+    """``total`` is ``product.sum(d)`` for d in ``axes`` (of a rank-3 product), nothing else."""
     if total.args[:1] != (product,) or len(total.args) > 2:
         return False
     if set(total.kwargs) - {"dim", "keepdim"} or total.kwargs.get("keepdim", False):
         return False
-    return _sum_dim(total) in (1, -2)
+    return _sum_dim(total) in axes
 
 
 def _product_name(product: fx.Node) -> str:
@@ -620,7 +677,10 @@ def _form_the_context(graph: fx.Graph, plan: Plan, call: fx.Node, weights: fx.No
     :func:`_context_site`), the op forms it in the same call: the call takes the values and
     returns (weights, context or None), and the context node becomes a :func:`traced_context`
     (the op's context where the shapes are the op's, else the graph's own product)."""
-    found = _context_site(weights) if _row_major(plan) else None
+    memory_first = not _row_major(plan)
+    if memory_first and not _memory_first(plan):
+        return
+    found = _context_site(weights, memory_first)
     if found is None:
         return
     form, view, values, context = found
@@ -628,6 +688,7 @@ def _form_the_context(graph: fx.Graph, plan: Plan, call: fx.Node, weights: fx.No
     if values.op != "placeholder" and order[values] > order[call]:
         return  # the values come later in the graph than the weights' call
     call.target.with_context = True
+    call.target.values_memory_first = memory_first
     call.kwargs = {**call.kwargs, "values": values}
     with graph.inserting_after(call):
         ours = graph.call_function(operator.getitem, (call, 1))
@@ -648,14 +709,16 @@ def _form_the_context(graph: fx.Graph, plan: Plan, call: fx.Node, weights: fx.No
 def traced_context(form: str, ours, view: Tensor, values: Tensor, how) -> Tensor:
     """The context in the graph's layout: the op's (``ours``, [B', T', Dv]) where the graph's
     weights view and values are the op's shapes (``bmm``: X [B', T', S]; ``sum``: X [B', S, 1],
-    T' = 1), else the graph's own product (``how``: the product's target as the graph had it,
-    or the sum's axis)."""
-    if ours is not None and values.dim() == 3 and values.shape[0] == ours.shape[0]:
-        batch, steps, frames = ours.shape[0], ours.shape[1], values.shape[1]
-        if form == "bmm" and view.shape == (batch, steps, frames):
+    T' = 1; ``sum0``: X [S, B', 1], values [S, B', Dv], T' = 1), else the graph's own product
+    (``how``: the product's target as the graph had it, or the sum's axis)."""
+    if ours is not None and values.dim() == 3:
+        batch, steps = ours.shape[0], ours.shape[1]
+        rows, frames = values.shape[:2] if form != "sum0" else reversed(values.shape[:2])
+        if rows == batch and form == "bmm" and view.shape == (batch, steps, frames):
             return ours
-        if form == "sum" and steps == 1 and view.shape == (batch, frames, 1):
-            return ours[:, 0]
+        if rows == batch and steps == 1 and form != "bmm":
+            if view.shape == ((batch, frames, 1) if form == "sum" else (frames, batch, 1)):
+                return ours[:, 0]
     if form == "bmm":
         return getattr(view, how)(values)
     return (view * values).sum(how)
