@@ -114,18 +114,23 @@ def _spy(monkeypatch) -> list:
     return took
 
 
-def _converted_steps_match(form: str, dtype, steps: int, monkeypatch) -> list:
-    """Convert the form's attention, run ``steps`` calls on one memory against the original's
-    (outputs and gradients must match); whether each traced_context call took the op's context."""
+def _converted_steps_match(make, dtype, steps: int, monkeypatch, args_of=None) -> list:
+    """Convert the attention ``make()`` builds (on ``args_of(2, 4, dtype)``), run ``steps``
+    calls on one memory against the original's under the same random state (outputs and
+    gradients must match); whether each traced_context call took the op's context."""
+    args_of = args_of or _args
     took = _spy(monkeypatch)
     torch.manual_seed(0)
-    original = _Additive(form).to(dtype)
+    original = make().to(dtype)
     model = copy.deepcopy(original)
-    report = fuse_attention_report(model, example_inputs=_args(2, 4, dtype))
+    report = fuse_attention_report(model, example_inputs=args_of(2, 4, dtype))
     assert report.count == 1, str(report)
     took.clear()
-    args = _args(3, 6, dtype)
-    got, want = _steps(model, args, steps), _steps(original, args, steps)
+    args = args_of(3, 6, dtype)
+    torch.manual_seed(3)
+    got = _steps(model, args, steps)
+    torch.manual_seed(3)
+    want = _steps(original, args, steps)
     _assert_close(got[0], want[0], dtype, "outputs")
     _assert_close(got[1], want[1], dtype, "gradients")
     return took
@@ -134,7 +139,7 @@ def _converted_steps_match(form: str, dtype, steps: int, monkeypatch) -> list:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("form", ["bmm", "matmul", "sum", "index"])
 def test_the_op_forms_the_context(form, dtype, monkeypatch):
-    took = _converted_steps_match(form, dtype, 3, monkeypatch)
+    took = _converted_steps_match(lambda: _Additive(form), dtype, 3, monkeypatch)
     assert took and all(took), f"{form}: the op's context taken {sum(took)} of {len(took)} times"
 
 
@@ -144,7 +149,7 @@ def test_other_contexts_stay_the_graphs(form, dtype, monkeypatch):
     """Values that are not [B', S, Dv] over the op's rows (one [S, Dv] for every row: seen at
     run time), or a product the op does not form (the weights on the right): the graph's own
     product, exact."""
-    took = _converted_steps_match(form, dtype, 2, monkeypatch)
+    took = _converted_steps_match(lambda: _Additive(form), dtype, 2, monkeypatch)
     assert not any(took)
     assert len(took) == (2 if form == "shared" else 0)  # asked at each of the 2 calls, or never
 
@@ -172,17 +177,9 @@ def test_the_runtimes_broadcast_raises_torchs_error():
 def test_the_op_forms_a_time_major_context(form, dtype, monkeypatch):
     """Weights [S, B] over axis 0 and ``(values * w[..., None]).sum(0)`` with values [S, B, Dv]
     (fairseq's Berard decoder): the op's context, from the values' transpose."""
-    took = _spy(monkeypatch)
-    torch.manual_seed(0)
-    original = _TimeMajor(form).to(dtype)
-    model = copy.deepcopy(original)
-    report = fuse_attention_report(model, example_inputs=_time_major_args(2, 4, dtype))
-    assert report.count == 1, str(report)
-    took.clear()
-    args = _time_major_args(3, 6, dtype)
-    got, want = _steps(model, args, 3), _steps(original, args, 3)
-    _assert_close(got[0], want[0], dtype, "outputs")
-    _assert_close(got[1], want[1], dtype, "gradients")
+    took = _converted_steps_match(
+        lambda: _TimeMajor(form), dtype, 3, monkeypatch, args_of=_time_major_args
+    )
     assert len(took) == 3 and all(took), took
 
 
@@ -196,20 +193,7 @@ def test_dropout_on_the_weights(p, training, ours, dtype, monkeypatch):
     """A dropout between the weights and the product that does nothing (p = 0, or eval mode):
     the op's context; an active one: the graph's own product of the dropped weights, exact under
     the same random state."""
-    took = _spy(monkeypatch)
-    torch.manual_seed(0)
-    original = _Dropped(p).to(dtype).train(training)
-    model = copy.deepcopy(original)
-    report = fuse_attention_report(model, example_inputs=_args(2, 4, dtype))
-    assert report.count == 1, str(report)
-    took.clear()
-    args = _args(3, 6, dtype)
-    torch.manual_seed(3)
-    got = _steps(model, args, 2)
-    torch.manual_seed(3)
-    want = _steps(original, args, 2)
-    _assert_close(got[0], want[0], dtype, "outputs")
-    _assert_close(got[1], want[1], dtype, "gradients")
+    took = _converted_steps_match(lambda: _Dropped(p).train(training), dtype, 2, monkeypatch)
     if ours:
         assert len(took) == 2 and all(took), took
     else:
