@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterable, Iterator
+from importlib.machinery import EXTENSION_SUFFIXES
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -28,12 +30,28 @@ LIBRARY = "seq2seq_fast"
 _CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 _CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+
+def _load_error(exc: ImportError, package: Path | None = None) -> str:
+    """Why ``_C`` did not load, in words a user can act on: a checkout where it was never built
+    (Python's own message then speaks of a "partially initialized module" and a "circular
+    import", which misleads), else the import's own error (built against another torch)."""
+    if package is None:  # the installed package's directory
+        package = Path(__file__).resolve().parent.parent
+    built = [package / f"_C{suffix}" for suffix in EXTENSION_SUFFIXES]
+    if not any(path.exists() for path in built):
+        return (
+            f"it is not built: no _C extension file in {package} (from a source checkout, build "
+            "it with `pip install --no-build-isolation -e .`)"
+        )
+    return f"{type(exc).__name__}: {exc}"
+
+
 try:  # the C++ extension registers the CPU kernels for the ops' schemas when it loads
     from seq2seq_fast import _C  # noqa: F401
 
     CPU_KERNEL_ERROR: str | None = None
 except ImportError as exc:  # not built, or built against another torch
-    CPU_KERNEL_ERROR = f"{type(exc).__name__}: {exc}"
+    CPU_KERNEL_ERROR = _load_error(exc)
 
 if CPU_KERNEL_ERROR is None:  # the extension's own library-wide op (csrc/extension.cpp)
 

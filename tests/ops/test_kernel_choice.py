@@ -286,3 +286,19 @@ def test_one_attention_call_checks_once_and_asks_once(monkeypatch):
     assert type(step).__name__ == "StepAttentionBackward"  # the memory's step ran
     context.sum().backward()
     assert keys.grad is not None and module.v.grad is not None
+
+
+def test_a_missing_extension_is_named_as_not_built(tmp_path):
+    # Python's own words for a missing _C ("partially initialized module ... circular import")
+    # send a user the wrong way: a directory without the built file says it is not built, and how
+    from importlib.machinery import EXTENSION_SUFFIXES
+
+    from seq2seq_fast.ops._library import _load_error
+
+    circular = ImportError("cannot import name '_C' from partially initialized module")
+    said = _load_error(circular, tmp_path)
+    assert "not built" in said and str(tmp_path) in said and "pip install" in said
+    assert "circular" not in said
+    (tmp_path / f"_C{EXTENSION_SUFFIXES[0]}").write_bytes(b"")  # built, but failed to load
+    said = _load_error(ImportError("undefined symbol: _ZN3c10"), tmp_path)
+    assert said == "ImportError: undefined symbol: _ZN3c10"
