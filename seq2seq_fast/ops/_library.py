@@ -14,9 +14,9 @@ torch. The dispatcher accepts ``_C``'s CPU kernels before those schemas are defi
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import warnings
 from collections.abc import Iterable, Iterator
-from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
 import torch
@@ -31,17 +31,16 @@ _CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 _CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _load_error(exc: ImportError, package: Path | None = None) -> str:
-    """Why ``_C`` did not load, in words a user can act on: a checkout where it was never built
-    (Python's own message then speaks of a "partially initialized module" and a "circular
-    import", which misleads), else the import's own error (built against another torch)."""
-    if package is None:  # the installed package's directory
-        package = Path(__file__).resolve().parent.parent
-    built = [package / f"_C{suffix}" for suffix in EXTENSION_SUFFIXES]
-    if not any(path.exists() for path in built):
+def _load_error(exc: ImportError, module: str = "seq2seq_fast._C") -> str:
+    """Why ``module`` (the extension) did not load, in words a user can act on: not found at all,
+    a checkout where it was never built (Python's own message then speaks of a "partially
+    initialized module" and a "circular import", which misleads), else the import's own error
+    (built against another torch). Asks Python's import system where the module would be, so an
+    editable install's own finder is heard too."""
+    if importlib.util.find_spec(module) is None:
         return (
-            f"it is not built: no _C extension file in {package} (from a source checkout, build "
-            "it with `pip install --no-build-isolation -e .`)"
+            f"it is not built: Python finds no {module} beside {Path(__file__).parents[1]} (from "
+            "a source checkout, build it with `pip install --no-build-isolation -e .`)"
         )
     return f"{type(exc).__name__}: {exc}"
 
