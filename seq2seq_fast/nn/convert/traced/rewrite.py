@@ -12,10 +12,10 @@ import operator
 import threading
 
 import torch
-from torch import Tensor, fx
+from torch import Tensor, fx, nn
 
 from seq2seq_fast.nn.convert._location import attend_location
-from seq2seq_fast.nn.convert.traced.key_terms import _key_terms, _LocationTerm, _Plain
+from seq2seq_fast.nn.convert.traced.key_terms import _BoundTerm, _key_terms, _LocationTerm, _Plain
 from seq2seq_fast.nn.convert.traced.nodes import _MATMUL, _MUL, _NEW_FULL, _SUM, MASK_FILL_MAX, _is
 from seq2seq_fast.nn.convert.traced.plan import Layout, Mask, Plan, Scale, Shift, Site
 from seq2seq_fast.nn.keycache import MAX_THREADS, ProjectionCache, cache_bypassed
@@ -87,7 +87,19 @@ class _Rows:
     """One call's geometry: the broadcast shape ``full`` of the terms (hidden axis last) and the
     op's rows in it: B' (batch axes) x T' (query axes) queries over S (memory axis) frames."""
 
-    __slots__ = ("layout", "full", "width", "order", "batch", "steps_q", "frames", "key_shape")
+    __slots__ = (
+        "layout",
+        "full",
+        "width",
+        "order",
+        "batch",
+        "steps_q",
+        "frames",
+        "key_shape",
+        "query_shape",
+        "in_order",
+        "back_shape",
+    )
 
     def __init__(self, layout: Layout, full) -> None:
         rank = layout.rank
@@ -97,6 +109,17 @@ class _Rows:
         self.steps_q = math.prod(full[a] for a in layout.query_axes)
         self.frames = full[layout.memory_axis]
         self.key_shape = [1 if a in layout.query_axes else full[a] for a in range(rank)]
+        self.query_shape = [1 if a == layout.memory_axis else full[a] for a in range(rank)]
+        # the terms' axes in the op's order already: a query is a reshape of its sum
+        self.in_order = self.order == tuple(range(rank))
+        # where the projection's axes come in the op's order, its weights are a reshape of the
+        # op's [B', T', S] (its added 1-axes included): that shape, else None
+        self.back_shape = None
+        origin = [a for a in layout.scores_origin if a is not None]
+        if sorted(origin, key=str) == list(range(rank - 1)):  # each leading axis once
+            moved = [self.order.index(a) for a in origin]
+            if moved == sorted(moved):
+                self.back_shape = [1 if a is None else full[a] for a in layout.scores_origin]
 
     def canonical(self, t: Tensor) -> Tensor:
         """A key term -> [B', S, H]."""
@@ -114,12 +137,15 @@ class _Rows:
         query = queries[0]
         for t in queries[1:]:
             query = query + t
-        layout = self.layout
-        shape = [1 if a == layout.memory_axis else self.full[a] for a in range(layout.rank)]
-        return query.expand(shape).permute(self.order).reshape(self.batch, self.steps_q, self.width)
+        if self.in_order and list(query.shape) == self.query_shape:
+            return query.reshape(self.batch, self.steps_q, self.width)  # in the op's order
+        query = query.expand(self.query_shape).permute(self.order)
+        return query.reshape(self.batch, self.steps_q, self.width)
 
     def back(self, weights: Tensor) -> Tensor:
         """Weights [B', T', S] -> the projection's output layout (``Layout.scores_origin``)."""
+        if self.back_shape is not None:
+            return weights.reshape(self.back_shape)
         layout = self.layout
         weights = weights.reshape(
             [self.full[a] for a in layout.batch_axes + layout.query_axes] + [self.frames]
@@ -177,6 +203,41 @@ def _values_fit(values, rows: _Rows, key: Tensor, memory_first: bool) -> bool:
     )
 
 
+class _Step:
+    """What one call derives from its arguments but the queries (see
+    :meth:`TracedWeights._step_memo`)."""
+
+    __slots__ = (
+        "rows",
+        "values_given",
+        "key",
+        "values",
+        "memory",
+        "bias",
+        "v",
+        "v_eff",
+        "score_bias",
+        "plain",
+        "graded",
+        "options",
+        "located",
+        "valid",
+        "watch",
+    )
+
+    def __init__(self, rows: _Rows, values_given: bool) -> None:
+        self.rows, self.values_given = rows, values_given
+        self.key = self.values = self.memory = self.bias = self.v = self.v_eff = None
+        self.score_bias = self.valid = None
+        self.plain = self.located = False
+        self.graded, self.options, self.watch = [], {}, []
+
+    @staticmethod
+    def watched(step: _Step) -> list:
+        """The tensors a backward runs through when it reaches the step's graph."""
+        return step.watch
+
+
 class TracedWeights:
     """The callable that replaces a match's sum ... softmax in the graph (see :func:`rewrite`):
     the weights in the projection's output layout (``Layout.scores_origin``). It reads the plan's
@@ -200,6 +261,8 @@ class TracedWeights:
         self.layout_cache = ProjectionCache()
         self.fixed_cache = ProjectionCache()
         self.mask_cache = ProjectionCache()
+        self.step_cache = ProjectionCache()  # see _step_memo
+        self.located_plan = any(key.location is not None for key in plan.terms.keys)
         self.last_mask: dict[int, Tensor] = {}  # per thread: the last mask (see _masks)
         self.rows: dict[torch.Size, _Rows] = {}  # each call's geometry, by its broadcast shape
 
@@ -208,11 +271,81 @@ class TracedWeights:
         for log in getattr(_RUNS, "logs", ()):
             log.append(self)
         plan, layout = self.plan, self.plan.layout
-        rank, hidden = layout.rank, layout.hidden_axis
-        queries = [_pad(t, rank).movedim(hidden, -1) for t in queries]
+        if layout.hidden_axis != layout.rank - 1:
+            queries = [_pad(t, layout.rank).movedim(layout.hidden_axis, -1) for t in queries]
+        else:
+            queries = [_pad(t, layout.rank) for t in queries]
         keys, location = self._split_location(keys)
+        masks = self._last_mask(masks)
+        given = (biases, vector, scales, masks, fills, shifts, values)
+        step = self._step_memo(queries, keys, location, given)
+        rows, key, values, plain, graded = step.rows, step.key, step.values, step.plain, step.graded
+        query = rows.query(queries, key)
+        if location is not None and not step.located:
+            key = key + location.value()  # [B, T, A] already: the op's layout
+        context = None
+        if plain:
+            weights = self._plain(query, key, step, scales, masks, fills, shifts)
+        elif step.located:
+            context, weights = self._located(query, key, step, location)
+        elif plan.heads.vector_axes:  # a score vector per head: the op once per head, over its rows
+            weights = self._per_head(query, key, values, step)
+        else:
+            context, weights = additive_attention(
+                query,
+                key,
+                values,
+                step.v_eff,
+                step.bias,
+                **step.options,
+                stepwise=step.memory,
+                normalize=plan.normalisation.kind,
+                backend=self.backend,
+                score_bias=step.score_bias,
+            )
+        if graded and not plain:  # a float mask's gradient: the softmax's Jacobian, by a term
+            shift = sum(m - m.detach() for m in graded).unsqueeze(1)  # worth zero
+            fixed = weights.detach()
+            moved = fixed * shift
+            weights = weights + moved - fixed * moved.sum(-1, keepdim=True)
+            context = None  # the graph's own, from these weights
+        if not self.with_context:
+            return rows.back(weights)
+        return rows.back(weights), (context if step.values_given else None)
+
+    def _step_memo(self, queries: list, keys: list, location, given: tuple) -> _Step:
+        """What a call derives from its arguments but the queries and the location features (the
+        geometry, the keys in the op's layout, the folded scales and shifts, the mask's rows):
+        kept while the same tensors come in at the same versions and the same shapes (a decoder's
+        steps over one memory), as the named stand-ins keep theirs in their attributes. Dropped
+        when a backward runs through it (see ProjectionCache); not kept for a float mask that
+        wants gradients."""
+        inputs = []
+        for term in keys:
+            inputs.extend(term.args if isinstance(term, _BoundTerm) else (term.value(),))
+        anchor = next(
+            (t for t in inputs if isinstance(t, Tensor) and not isinstance(t, nn.Parameter)), None
+        )
+        masks = given[3]
+        if anchor is None or any(isinstance(m, Tensor) and m.requires_grad for m in masks):
+            return self._step(queries, keys, location, given)
+        shapes = tuple(t.shape for t in queries)
+        if location is not None:
+            parts = (location.conv_weight, location.dense_weight, location.features.shape)
+        else:
+            parts = ()
+        flat = (*inputs, *parts, shapes, *given[0], given[1], *given[2], *masks, *given[4])
+        flat = (*flat, *given[5], given[6])
+        return self.step_cache.get(
+            anchor, flat, lambda: self._step(queries, keys, location, given), watch=_Step.watched
+        )
+
+    def _step(self, queries: list, keys: list, location, given: tuple) -> _Step:
+        """The :class:`_Step` of one call (see :meth:`_step_memo`)."""
+        biases, vector, scales, masks, fills, shifts, values = given
+        plan, layout = self.plan, self.plan.layout
         values_of_terms = [term.value() for term in keys]  # the same objects while cached
-        raw = [_pad(t, rank).movedim(hidden, -1) for t in values_of_terms]
+        raw = [_pad(t, layout.rank).movedim(layout.hidden_axis, -1) for t in values_of_terms]
         shapes = [t.shape for t in queries + raw]
         if location is not None:
             shapes.append(location.shape())
@@ -224,67 +357,44 @@ class TracedWeights:
             rows = self.rows[full] = _Rows(layout, full)
         if values is not None and not _values_fit(values, rows, raw[0], self.values_memory_first):
             values = None  # the graph's own context (see traced_context)
-        values_given = values is not None
-        key, values, memory = self._keys(values_of_terms, raw, rows, location is not None, values)
-        query = rows.query(queries, key)
-        bias = None
+        step = _Step(rows, values is not None)
+        step.key, step.values, step.memory = self._keys(
+            values_of_terms, raw, rows, location is not None, values
+        )
         for t in biases:
             t = t.reshape(rows.width)
-            bias = t if bias is None else bias + t
-        groups = math.prod(rows.full[a] for a in plan.heads.vector_axes)
+            step.bias = t if step.bias is None else step.bias + t
         if plan.heads.vector_axes:
-            v = vector.reshape(groups, rows.width)
+            groups = math.prod(rows.full[a] for a in plan.heads.vector_axes)
+            step.v = vector.reshape(groups, rows.width)
         else:
-            v = vector.reshape(rows.width)
-        v_eff, score_bias, plain = self._fold_steps(v, scales, shifts)
-        invalid = options = None
-        graded = [m for m in masks if isinstance(m, Tensor) and m.requires_grad]
+            step.v = vector.reshape(rows.width)
+        step.v_eff, step.score_bias, step.plain = self._fold_steps(step.v, scales, shifts)
+        step.graded = [m for m in masks if isinstance(m, Tensor) and m.requires_grad]
+        invalid = None
         if masks:
             fill_values = tuple(_fill_value(f) for f in fills)
-            invalid, not_exact, options, graded = self._masks(masks, fill_values, rows.full, graded)
-            plain |= not_exact
+            invalid, not_exact, options, step.graded = self._masks(
+                masks, fill_values, rows.full, step.graded
+            )
+            step.plain |= not_exact
+            step.options = {} if options is None else options
         # (the Jacobian of a graded mask below is the softmax's)
-        plain |= bool(graded) and plan.normalisation.kind != "softmax"
-        if location is not None and (plain or graded or rows.steps_q != 1):
-            key = key + location.value()  # [B, T, A] already: the op's layout
-            location = None
-        options = {} if options is None else options
-        context = None
-        if plain:
-            weights = self._plain(query, key, bias, v, scales, masks, fills, rows.full, shifts)
-        elif location is not None:
-            context, weights = self._located(
-                query, key, bias, location, values, v_eff, invalid, score_bias
-            )
-        elif plan.heads.vector_axes:  # a score vector per head: the op once per head, over its rows
-            weights = self._per_head(query, key, values, v_eff, bias, options, score_bias, groups)
-        else:
-            context, weights = additive_attention(
-                query,
-                key,
-                values,
-                v_eff,
-                bias,
-                **options,
-                stepwise=memory,
-                normalize=plan.normalisation.kind,
-                backend=self.backend,
-                score_bias=score_bias,
-            )
-        if graded and not plain:  # a float mask's gradient: the softmax's Jacobian, by a term
-            shift = sum(m - m.detach() for m in graded).unsqueeze(1)  # worth zero
-            fixed = weights.detach()
-            moved = fixed * shift
-            weights = weights + moved - fixed * moved.sum(-1, keepdim=True)
-            context = None  # the graph's own, from these weights
-        if not self.with_context:
-            return rows.back(weights)
-        return rows.back(weights), (context if values_given else None)
+        step.plain |= bool(step.graded) and plan.normalisation.kind != "softmax"
+        if location is not None and not (step.plain or step.graded or rows.steps_q != 1):
+            step.located = True
+            step.valid = None if invalid is None else ~invalid
+        step.watch = [
+            t for t in (*raw, step.key, step.values, step.bias, step.v_eff) if t is not None
+        ]
+        return step
 
     def _split_location(self, keys: list) -> tuple[list, _LocationTerm | None]:
         """(the key terms but the location term, the location term the kernels form, if any: only
         for keys [B, T, A] in that layout; else it is computed like any other term)."""
         layout = self.plan.layout
+        if not self.located_plan:
+            return keys, None
         location = next((t for t in keys if isinstance(t, _LocationTerm)), None)
         if location is not None and not (
             layout.rank == 3
@@ -350,11 +460,10 @@ class TracedWeights:
             score_bias = None  # a softmax cancels it
         return v_eff, score_bias, plain
 
-    def _located(self, query, key, bias, location, values, v_eff, invalid, score_bias) -> tuple:
+    def _located(self, query, key, step: _Step, location: _LocationTerm) -> tuple:
         """The location-aware steps: the location term formed inside the kernels. (context
         [B, 1, Dv], weights [B, 1, T])."""
-        valid = None if invalid is None else ~invalid
-        step_query = query[:, 0] if bias is None else query[:, 0] + bias
+        step_query = query[:, 0] if step.bias is None else query[:, 0] + step.bias
         parts = (location.features, location.conv_weight, location.dense_weight)
         context, weights = attend_location(
             self,
@@ -362,16 +471,17 @@ class TracedWeights:
             step_query,
             key,
             parts,
-            values,
-            v_eff,
-            valid,
+            step.values,
+            step.v_eff,
+            step.valid,
             self.plan.normalisation.kind,
-            score_bias,
+            step.score_bias,
         )
         return context.unsqueeze(1), weights.unsqueeze(1)
 
-    def _per_head(self, query, key, values, v_eff, bias, options, score_bias, groups) -> Tensor:
+    def _per_head(self, query, key, values, step: _Step) -> Tensor:
         """A score vector per head: the op once per head, over its rows."""
+        groups = step.v_eff.shape[0]
         rows_per = query.shape[0] // groups
         parts = []
         for g in range(groups):
@@ -380,12 +490,12 @@ class TracedWeights:
                 query[part],
                 key[part],
                 values[part],
-                v_eff[g],
-                bias,
-                **{name: t if t is None else t[part] for name, t in options.items()},
+                step.v_eff[g],
+                step.bias,
+                **{name: t if t is None else t[part] for name, t in step.options.items()},
                 normalize=self.plan.normalisation.kind,
                 backend=self.backend,
-                score_bias=score_bias,
+                score_bias=step.score_bias,
             )
             parts.append(w)
         return torch.cat(parts)
@@ -423,17 +533,22 @@ class TracedWeights:
         if graded or len(masks) != 1 or not isinstance(masks[0], Tensor):
             return compute()
         mask, params = masks[0], (tuple(full), *fill_values)
-        if not cache_bypassed():
-            # a mask the graph makes at each call (``self.mask == 0``) is a new tensor every
-            # step: one equal to the last one this thread saw stands for it (found from content)
-            thread = threading.get_ident()
-            last = self.last_mask.get(thread)
-            if last is not None and last is not mask and _same_content(last, mask):
-                mask = last
-            elif len(self.last_mask) >= MAX_THREADS and thread not in self.last_mask:
-                self.last_mask.clear()
-            self.last_mask[thread] = mask
         return self.mask_cache.get(mask, params, compute, watch=lambda e: ())
+
+    def _last_mask(self, masks: list) -> list:
+        """``masks``, where a single mask equal to the last one this thread passed (shape, dtype,
+        device and elements) is that last one: a mask the graph makes at each call
+        (``self.mask == 0``) is a new tensor every step, and the caches go by identity."""
+        if len(masks) != 1 or not isinstance(masks[0], Tensor) or cache_bypassed():
+            return masks
+        mask, thread = masks[0], threading.get_ident()
+        last = self.last_mask.get(thread)
+        if last is not None and last is not mask and _same_content(last, mask):
+            return [last]
+        if len(self.last_mask) >= MAX_THREADS and thread not in self.last_mask:
+            self.last_mask.clear()
+        self.last_mask[thread] = mask
+        return masks
 
     def _fixed(self, term: Tensor, raw: Tensor, canonical, full, given):
         """(the keys' fixed part [B, T, A], the values ``given`` or a placeholder [B, T, 1]) for
@@ -462,11 +577,11 @@ class TracedWeights:
         entry = self.layout_cache.get(term, (tuple(full), given), compute, watch=lambda e: e[3:])
         return entry[:3]
 
-    def _plain(self, query, key, bias, v, scales, masks, fills, full, shifts=()):
+    def _plain(self, query, key, step: _Step, scales, masks, fills, shifts=()):
         """The original's math in the op's layout, step by step (a row without a valid frame, a
         float mask that is not a mask, a scale that is not positive)."""
-        plan = self.plan
-        scores = _plain_scores(query, key, bias, v)  # [B', T', S]
+        plan, full = self.plan, step.rows.full
+        scores = _plain_scores(query, key, step.bias, step.v)  # [B', T', S]
         scale_index, mask_index, fill_index, shift_index = 0, 0, 0, 0
         for step in plan.steps:
             if isinstance(step, Scale):
