@@ -33,6 +33,10 @@ PRIVATE_APIS: tuple[tuple[str, str], ...] = (
     ("torch._dynamo.config.patch", "seq2seq.models.compile_model (allow_rnn)"),
     ("torch._dynamo.config.allow_rnn", "seq2seq.models.compile_model"),
     ("torch._dynamo.config.recompile_limit", "nn.convert.traced (when a layout gives up)"),
+    (
+        "torch._dynamo.config.capture_scalar_outputs",
+        "nn.convert.traced (a mask built from int(lengths.max()) inside the trace)",
+    ),
     ("torch._guards.CompileContext.current_compile_id", "nn.convert.traced (compiles per frame)"),
     ("torch._make_per_channel_quantized_tensor", "seq2seq.inference (int8 rows as a qint8 weight)"),
     ("torch.ops.mkldnn._reorder_linear_weight", "seq2seq.inference (weights packed once)"),
@@ -90,6 +94,23 @@ def compile_frame() -> tuple[int, int] | None:
 
     compile_id = CompileContext.current_compile_id()
     return None if compile_id is None else (compile_id.frame_id, compile_id.frame_compile_id)
+
+
+@contextlib.contextmanager
+def dynamo_capture_scalars() -> Iterator[None]:
+    """TorchDynamo traces ``tensor.item()`` and ``int(tensor)`` into the graph inside the block
+    (``capture_scalar_outputs``; torch keeps its config per thread: other threads are not
+    affected), restored after. Why private: without it such a call ends TorchDynamo's graph, and
+    a module that builds its pad mask from ``int(lengths.max())`` between its scores and its
+    softmax (ESPnet's ``make_pad_mask``) splits the attention into two graphs, neither of which
+    holds the whole pattern. There is no per-compile switch for it."""
+    config = dynamo_config()
+    before = config.capture_scalar_outputs
+    config.capture_scalar_outputs = True
+    try:
+        yield
+    finally:
+        config.capture_scalar_outputs = before
 
 
 @contextlib.contextmanager

@@ -97,3 +97,28 @@ def test_the_finder_sees_what_it_must(tmp_path):
         "x = torch._C._nn.linear\ny = torch.nn.functional.linear\nz = torch.__version__\n"
     )
     assert len(_private_uses(probe)) == 3
+
+
+def test_scalar_capture_is_on_inside_for_this_thread_and_restored_after():
+    import threading
+
+    config = _torch_private.dynamo_config()
+    assert not config.capture_scalar_outputs
+    seen = []
+    with _torch_private.dynamo_capture_scalars():
+        assert config.capture_scalar_outputs
+        with _torch_private.dynamo_capture_scalars():  # nested
+            pass
+        assert config.capture_scalar_outputs
+        thread = threading.Thread(target=lambda: seen.append(config.capture_scalar_outputs))
+        thread.start()
+        thread.join()
+    assert seen == [False], "torch's config is no longer per thread: see dynamo_capture_scalars"
+    assert not config.capture_scalar_outputs
+    config.capture_scalar_outputs = True  # the user's own setting is left as it is
+    try:
+        with _torch_private.dynamo_capture_scalars():
+            pass
+        assert config.capture_scalar_outputs
+    finally:
+        config.capture_scalar_outputs = False

@@ -56,6 +56,12 @@ class NoMatch(Exception):
     """The graph around a tanh is not the op's form; the message says where it differs."""
 
 
+# the miss of a graph that ends between the scores and the normaliser (TorchDynamo stopped there:
+# a graph break, e.g. at ``int(lengths.max())``); the runtime traces such a module again with
+# scalars captured (see runtime.py)
+SCORES_LEAVE_THE_GRAPH = "the scores go into 'output' before any softmax"
+
+
 def _is(node: object, targets: set) -> bool:
     if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
         return False

@@ -54,6 +54,7 @@ from seq2seq_fast.nn.convert.traced.nodes import (
     _WHERE,
     MASK_FILL_MAX,
     ROUNDED_SCORES,
+    SCORES_LEAVE_THE_GRAPH,
     NoMatch,
     _ancestors,
     _arg,
@@ -578,6 +579,8 @@ def _chain_step(chain: _Chain, user: fx.Node) -> None:
         _add_step(chain, user)
     elif (_is(user, _DIV) or _is(user, _MUL)) and len(user.args) == 2 and not user.kwargs:
         _scale_step(chain, user)
+    elif user.op == "output":
+        raise NoMatch(SCORES_LEAVE_THE_GRAPH)
     else:
         raise NoMatch(f"the scores go into {user.target!r} before any softmax")
 

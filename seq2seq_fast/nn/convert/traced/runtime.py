@@ -42,7 +42,7 @@ from seq2seq_fast.nn.convert._base import (
     _gradients,
     class_name,
 )
-from seq2seq_fast.nn.convert.traced.nodes import ROUNDED_SCORES
+from seq2seq_fast.nn.convert.traced.nodes import ROUNDED_SCORES, SCORES_LEAVE_THE_GRAPH
 from seq2seq_fast.nn.convert.traced.pattern import find_matches
 from seq2seq_fast.nn.convert.traced.rewrite import recorded_runs, rewrite
 from seq2seq_fast.nn.convert.traced.watching import (
@@ -52,7 +52,12 @@ from seq2seq_fast.nn.convert.traced.watching import (
     watching_now,
 )
 from seq2seq_fast.ops import fused_available
-from seq2seq_fast.ops._torch_private import compile_frame, dynamo_config, pytree
+from seq2seq_fast.ops._torch_private import (
+    compile_frame,
+    dynamo_capture_scalars,
+    dynamo_config,
+    pytree,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +112,8 @@ class _TracedState:
     path: str = "?"
     layout: str = LAYOUT  # what the report names it as: "traced", or a thin matcher's name
     warned: bool = False
+    # traced with TorchDynamo's scalars captured (see _retrace_capturing_scalars)
+    capture_scalars: bool = False
 
     def __deepcopy__(self, memo):
         return None  # a copy traces anew
@@ -129,13 +136,28 @@ def _traced_state(module: nn.Module, cls: type, backend: str) -> _TracedState:
         # the probe's copy, whose call (a layout's example call) is of other sizes than the
         # model's: the model's first call would compile with dynamic sizes. Two converted models
         # share nothing this way either.
-        code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_fused_{id(module):x}")
-        own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        own.__kwdefaults__ = fn.__kwdefaults__
         rewriter = _Rewriter(backend)
-        state = _TracedState(rewriter, torch.compile(own, backend=rewriter))
+        state = _TracedState(rewriter, _compiled(fn, f"_fused_{id(module):x}", rewriter))
         module.__dict__["_fuse_attention_traced"] = state
     return state
+
+
+def _compiled(fn, suffix: str, rewriter: _Rewriter):
+    """``fn`` under a code object of its own (named with ``suffix``), compiled with ``rewriter``."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}{suffix}")
+    own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    own.__kwdefaults__ = fn.__kwdefaults__
+    return torch.compile(own, backend=rewriter)
+
+
+def _retrace_capturing_scalars(module: nn.Module, state: _TracedState, cls: type) -> None:
+    """The module's forward under a new code object (nothing of the old traces kept), traced from
+    its next call on with TorchDynamo's scalars captured: a forward whose graph ended between the
+    scores and the softmax (a pad mask built from ``int(lengths.max())`` there, as ESPnet's
+    attentions do on an utterance's first step) then traces whole."""
+    suffix = f"_fused_{id(module):x}_scalars"
+    state.compiled = _compiled(cls.forward, suffix, state.rewriter)
+    state.capture_scalars = True
 
 
 def _put_back(module: nn.Module, original: type, traces: int) -> None:
@@ -192,14 +214,23 @@ def traced_class(cls: type, backend: str) -> type:
                 return cls.forward(self, *args, **kwargs)
             before = len(state.rewriter.found)
             with recorded_runs() as ran:
-                out = state.compiled(self, *args, **kwargs)
+                if state.capture_scalars:
+                    with dynamo_capture_scalars():
+                        out = state.compiled(self, *args, **kwargs)
+                else:
+                    out = state.compiled(self, *args, **kwargs)
             if not ran:  # this call ran unfused
                 traces = len(state.rewriter.found)
                 compiles = max(state.rewriter.frame_compiles.values(), default=traces)
+                found = state.rewriter.found[before:]
                 if compiles >= dynamo_config().recompile_limit:
                     _put_back(self, cls, compiles)
+                elif not state.capture_scalars and any(
+                    SCORES_LEAVE_THE_GRAPH in missed for _, missed in found
+                ):
+                    _retrace_capturing_scalars(self, state, cls)
                 elif traces > before:
-                    _warn_unmatched(self, state, state.rewriter.found[before:])
+                    _warn_unmatched(self, state, found)
             return out
 
         def __reduce_ex__(self, protocol):
