@@ -25,7 +25,8 @@ assigning through ``.data`` to the keys in place) is not seen; call :meth:`clear
 Bypassed (``compute`` runs every call): under torch.compile / torch.jit tracing or scripting and
 inside torch.func transforms, whose graphs must not capture Python-side state, and under
 saved-tensor hooks (``torch.utils.checkpoint`` without reentrance re-runs the forward in the
-backward and checks that it saves the same tensors; ``save_on_cpu``). Beam search that
+backward and checks that it saves the same tensors; ``save_on_cpu``), and for inference tensors
+(made under ``torch.inference_mode``), which keep no version counter. Beam search that
 reorders or expands the memory passes a new tensor: a miss, so it projects again (correct, and
 the cache then serves the following steps over that tensor).
 
@@ -76,26 +77,34 @@ def cache_bypassed() -> bool:
     )
 
 
-def _param_state(param: object) -> tuple:
-    """A tensor by identity, version, storage and requires_grad; anything else by value."""
+def _param_state(param: object) -> tuple | None:
+    """A tensor by identity, version, storage and requires_grad; anything else by value. None
+    for an inference tensor: it has no version counter, so a change in place cannot be seen."""
     if not isinstance(param, Tensor):
         return (None, param)
+    if param.is_inference():
+        return None
     return (param, param._version, param.data_ptr(), param.requires_grad)
 
 
 class _Entry:
-    __slots__ = ("keys_ref", "state", "value", "token")
+    __slots__ = ("keys_ref", "state", "value", "token", "watched")
 
-    def __init__(self, keys_ref, state, value, token) -> None:
+    def __init__(self, keys_ref, state, value, token, watched: frozenset) -> None:
         self.keys_ref, self.state, self.value, self.token = keys_ref, state, value, token
+        self.watched = watched  # ids of the tensors whose gradient drops the entry
 
 
 class ProjectionCache:
     """One cached projection per calling thread (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # (reentrant: a weak reference's callback may run while this thread holds it)
+        self._lock = threading.RLock()
         self._entries: dict[int, _Entry] = {}
+        # the tensors that carry this cache's gradient hook, by id: one hook each, however many
+        # entries watch them (a memo that misses at every step over the same keys)
+        self._hooked: dict[int, weakref.ref] = {}
         self.hits = 0  # counters for tests and benchmarks
         self.misses = 0
 
@@ -123,8 +132,8 @@ class ProjectionCache:
         (compared by equality). ``watch(value)``: the tensors
         of the value whose gradient a backward computes when it runs through the cached graph
         (default: every tensor in the value); the entry is dropped when one gets its gradient."""
-        if cache_bypassed() or not isinstance(keys, Tensor):
-            return compute()
+        if cache_bypassed() or not isinstance(keys, Tensor) or keys.is_inference():
+            return compute()  # (an inference tensor has no version counter to watch)
         state = (
             keys._version,
             keys.requires_grad,
@@ -133,6 +142,8 @@ class ProjectionCache:
             autocast_dtype(keys.device),
             *(_param_state(p) for p in params),
         )
+        if None in state[5:]:
+            return compute()
         thread = threading.get_ident()
         entry = self._entries.get(thread)
         if entry is not None and entry.keys_ref() is keys and _same(entry.state, state):
@@ -157,19 +168,48 @@ class ProjectionCache:
             keys_ref = weakref.ref(keys, drop)
         except TypeError:  # not weak-referenceable: nothing cached
             return
-        for tensor in watched:
-            if isinstance(tensor, Tensor) and tensor.grad_fn is not None:
-                tensor.register_hook(lambda grad: drop())  # a backward reached it
+        graded = [t for t in watched if isinstance(t, Tensor) and t.grad_fn is not None]
         with self._lock:
+            for tensor in graded:
+                self._hook(tensor)
             self._entries.pop(thread, None)
             while len(self._entries) >= MAX_THREADS:
                 self._entries.pop(next(iter(self._entries)))
-            self._entries[thread] = _Entry(keys_ref, state, value, token)
+            watching = frozenset(id(t) for t in graded)
+            self._entries[thread] = _Entry(keys_ref, state, value, token, watching)
+
+    def _hook(self, tensor: Tensor) -> None:
+        """Have a backward that reaches ``tensor`` drop every entry watching it (once per
+        tensor; under the lock)."""
+        key = id(tensor)
+        known = self._hooked.get(key)
+        if known is not None and known() is tensor:
+            return
+        this = weakref.ref(self)
+
+        def reached(grad, key=key) -> None:
+            cache = this()
+            if cache is not None:
+                cache._drop_watching(key)
+
+        def died(ref, key=key) -> None:
+            cache = this()
+            if cache is not None and cache._hooked.get(key) is ref:
+                del cache._hooked[key]
+
+        tensor.register_hook(reached)
+        self._hooked[key] = weakref.ref(tensor, died)
 
     def _drop(self, token: object) -> None:
         with self._lock:
             for thread, entry in list(self._entries.items()):
                 if entry.token is token:
+                    del self._entries[thread]
+
+    def _drop_watching(self, key: int) -> None:
+        with self._lock:
+            for thread, entry in list(self._entries.items()):
+                if key in entry.watched:
                     del self._entries[thread]
 
 

@@ -60,14 +60,21 @@ def _as_lengths(lengths: object, batch: int, num_keys: int, device: torch.device
 _checked_lengths: dict[int, tuple] = {}
 
 
+def _check_range_now(lengths: Tensor, num_keys: int) -> None:
+    low, high = int(lengths.min()), int(lengths.max())
+    if low < 0 or high > num_keys:
+        raise ValueError(f"lengths must lie in [0, Tk={num_keys}], got values from {low} to {high}")
+
+
 def _check_lengths_range(lengths: Tensor, num_keys: int) -> None:
+    if lengths.is_inference():  # (made under inference_mode: no version counter to watch)
+        _check_range_now(lengths, num_keys)
+        return
     key = id(lengths)
     entry = _checked_lengths.get(key)
     if entry is not None and entry[0]() is lengths and entry[1:] == (lengths._version, num_keys):
         return
-    low, high = int(lengths.min()), int(lengths.max())
-    if low < 0 or high > num_keys:
-        raise ValueError(f"lengths must lie in [0, Tk={num_keys}], got values from {low} to {high}")
+    _check_range_now(lengths, num_keys)
     try:
         ref = weakref.ref(lengths, lambda _, key=key: _checked_lengths.pop(key, None))
     except TypeError:  # not weak-referenceable: check every time

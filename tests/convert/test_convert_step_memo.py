@@ -143,3 +143,67 @@ def test_training_iterations_reuse_nothing_a_backward_freed():
             torch.testing.assert_close(
                 got, want, rtol=1e-9, atol=1e-12, msg=f"iteration {iteration}"
             )
+
+
+def test_a_memo_that_misses_every_step_hooks_each_tensor_once():
+    """A buffer replaced at every step (a fresh temperature) makes the memo derive its
+    arguments again each step over the same keys: the keys' projection, shared by the steps,
+    carries one gradient hook however many steps stored an entry watching it, and the
+    gradients stay the original's."""
+    plain, fused = _pair()
+    memory, valid = _inputs()
+    memory.requires_grad_()
+    outputs = {}
+    for name, model in (("plain", plain), ("fused", fused)):
+        total = 0
+        for t in range(6):
+            model.att.temperature = torch.tensor(1.0 + 0.25 * t, dtype=torch.float64)
+            with recorded_runs() as ran:
+                total = total + model(_query(t), memory, valid)[0].pow(2).sum()
+            if name == "fused":
+                replacement = ran[0]
+                key = replacement.step_cache._entries[next(iter(replacement.step_cache._entries))]
+                watched = [x for x in _step_of(replacement).watch if x.grad_fn is not None]
+                assert watched, "the step watches no graded tensor"
+                for tensor in watched:
+                    assert len(tensor._backward_hooks or {}) <= 1, (t, tensor.shape)
+                assert key.watched
+        total.backward()
+        # (a score bias a softmax cancels: zero in the original, no gradient in the fused)
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()]
+        outputs[name] = [memory.grad.clone(), *grads]
+        memory.grad = None
+    for got, want in zip(outputs["fused"], outputs["plain"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def _step_of(replacement: TracedWeights):
+    entries = replacement.step_cache._entries
+    return entries[next(iter(entries))].value
+
+
+def test_the_memo_holds_its_anchor_weakly():
+    """The step memo's state names its anchor (the first non-parameter key input) only through
+    the weak reference: the memory dies with its last user reference, and the entry with it."""
+    import gc
+    import weakref
+
+    plain, fused = _pair()
+    memory, valid = _inputs()
+    with torch.no_grad():
+        for t in range(2):
+            fused(_query(t), memory, valid)
+        with recorded_runs() as ran:
+            fused(_query(2), memory, valid)
+    cache = ran[0].step_cache
+    entry = cache._entries[next(iter(cache._entries))]
+    assert entry.keys_ref() is memory
+    for part in entry.state:
+        assert not (isinstance(part, tuple) and part and part[0] is memory), "held strongly"
+    ref = weakref.ref(memory)
+    step = entry.value
+    held_by_value = any(t is memory or t._base is memory for t in step.watch if t is not None)
+    del memory, entry, step
+    gc.collect()
+    if not held_by_value:
+        assert ref() is None and not cache._entries

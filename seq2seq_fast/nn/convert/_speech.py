@@ -142,7 +142,9 @@ class _Derived:
 def derived(owner: nn.Module, name: str, tensors: tuple, compute):
     """``compute()``, kept in ``owner.<name>`` and reused while the same ``tensors`` (the same
     objects at the same versions) come in the same grad mode: a value an utterance's steps share
-    (e.g. the fixed part of location-aware keys)."""
+    (e.g. the fixed part of location-aware keys). Computed every time for inference tensors."""
+    if any(t.is_inference() for t in tensors):  # no version counter: nothing to watch
+        return compute()
     key = (torch.is_grad_enabled(), *((t, t._version) for t in tensors))
     cached = getattr(owner, name, None)
     if (

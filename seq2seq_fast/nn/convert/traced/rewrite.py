@@ -335,7 +335,8 @@ class TracedWeights:
         else:
             parts = ()
         flat = (*inputs, *parts, shapes, *given[0], given[1], *given[2], *masks, *given[4])
-        flat = (*flat, *given[5], given[6])
+        # (the anchor is watched by a weak reference: a strong one in the state would keep it)
+        flat = tuple(None if p is anchor else p for p in (*flat, *given[5], given[6]))
         return self.step_cache.get(
             anchor, flat, lambda: self._step(queries, keys, location, given), watch=_Step.watched
         )
@@ -384,9 +385,8 @@ class TracedWeights:
         if location is not None and not (step.plain or step.graded or rows.steps_q != 1):
             step.located = True
             step.valid = None if invalid is None else ~invalid
-        step.watch = [
-            t for t in (*raw, step.key, step.values, step.bias, step.v_eff) if t is not None
-        ]
+        derived = (step.key, step.values, step.bias, step.v, step.v_eff, step.score_bias)
+        step.watch = [t for t in (*raw, *derived) if isinstance(t, Tensor)]
         return step
 
     def _split_location(self, keys: list) -> tuple[list, _LocationTerm | None]:
@@ -541,6 +541,8 @@ class TracedWeights:
         (``self.mask == 0``) is a new tensor every step, and the caches go by identity."""
         if len(masks) != 1 or not isinstance(masks[0], Tensor) or cache_bypassed():
             return masks
+        if masks[0].requires_grad:  # (its own graph: another tensor's would lose the gradient)
+            return masks
         mask, thread = masks[0], threading.get_ident()
         last = self.last_mask.get(thread)
         if last is not None and last is not mask and _same_content(last, mask):
@@ -583,24 +585,24 @@ class TracedWeights:
         plan, full = self.plan, step.rows.full
         scores = _plain_scores(query, key, step.bias, step.v)  # [B', T', S]
         scale_index, mask_index, fill_index, shift_index = 0, 0, 0, 0
-        for step in plan.steps:
-            if isinstance(step, Scale):
+        for op in plan.steps:
+            if isinstance(op, Scale):
                 factor = scales[scale_index]
                 scale_index += 1
-                scores = scores * factor if step.op == "mul" else scores / factor
-            elif isinstance(step, Shift):
+                scores = scores * factor if op.op == "mul" else scores / factor
+            elif isinstance(op, Shift):
                 shift = shifts[shift_index]
                 shift_index += 1
                 shift = shift.reshape(()) if isinstance(shift, Tensor) else shift
-                scores = scores + shift if step.sign == "+" else scores - shift
+                scores = scores + shift if op.sign == "+" else scores - shift
             else:
-                mask = _mask_to_rows(masks[mask_index], step.origin, plan.layout, full).unsqueeze(1)
+                mask = _mask_to_rows(masks[mask_index], op.origin, plan.layout, full).unsqueeze(1)
                 mask_index += 1
-                if step.kind == "add":
+                if op.kind == "add":
                     scores = scores + mask
                 else:
                     mask = mask.to(torch.bool)
-                    mask = mask if step.kind == "fill" else ~mask
+                    mask = mask if op.kind == "fill" else ~mask
                     scores = scores.masked_fill(mask, _fill_value(fills[fill_index]))
                     fill_index += 1
         if plan.normalisation.kind == "sigmoid":
