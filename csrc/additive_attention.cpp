@@ -1071,9 +1071,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> checked_backward(
   const KeyValidity kv = key_validity(op, lengths, mask, n.Tk);
   if (grad_shift != nullptr) *grad_shift = 0.0;
   if (n.B == 0 || n.Tq == 0) {  // no rows: every gradient is zero
-    return {at::zeros_like(query), dkeys_acc.defined() ? dkeys_acc : at::zeros_like(keys),
-            want_dvalues ? at::zeros_like(values) : Tensor(), at::zeros_like(v),
-            at::zeros_like(bias)};
+    // (contiguous, as every output: zeros_like would keep a transposed input's strides)
+    const auto zeros = [](const Tensor& t) { return at::zeros(t.sizes(), t.options()); };
+    return {zeros(query), dkeys_acc.defined() ? dkeys_acc : zeros(keys),
+            want_dvalues ? zeros(values) : Tensor(), zeros(v), zeros(bias)};
   }
   if (is_bf16(query)) {  // bfloat16 rows, float32 arithmetic; dkeys rows float32 or bfloat16
     const bool float_dkeys = make_plan(n.B, n.Tq, n.Tk, n.H).blocks_per_row > 1 ||

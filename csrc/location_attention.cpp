@@ -211,8 +211,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> checked_location_bwd(
   const KeyValidity kv = key_validity(op, lengths, mask, n.Tk);
   if (grad_shift != nullptr) *grad_shift = 0.0;
   if (n.B == 0) {
-    return {at::zeros_like(query), at::empty({0, C}, query.options()), at::zeros_like(weight),
-            at::zeros_like(v), at::zeros_like(bias)};
+    const auto zeros = [](const Tensor& t) { return at::zeros(t.sizes(), t.options()); };
+    return {zeros(query), at::empty({0, C}, query.options()), zeros(weight), zeros(v),
+            zeros(bias)};
   }
   const Plan plan = make_plan(n.B, n.Tq, n.Tk, n.H);
   TORCH_CHECK(plan.blocks_per_row == 1, op, ": internal: a step's batch row split over items");

@@ -130,8 +130,8 @@ std::tuple<Tensor, Tensor> location_conv_bwd(const Tensor& grad_in, const Tensor
               op, ": grad must be [B*T, C]=[", n.B * n.T, ", ", n.C, "] of the features' dtype, got ",
               grad_in.sizes(), " ", grad_in.scalar_type());
   const Tensor x = features.contiguous(), w = weight.contiguous(), g = grad_in.contiguous();
-  Tensor dx = need_features ? at::zeros_like(x) : at::empty({0}, x.options());
-  Tensor dw = need_weight ? at::zeros_like(w) : at::empty({0}, x.options());
+  Tensor dx = need_features ? at::zeros(x.sizes(), x.options()) : at::empty({0}, x.options());
+  Tensor dw = need_weight ? at::zeros(w.sizes(), w.options()) : at::empty({0}, x.options());
   if (n.B * n.T == 0 || n.C == 0 || !(need_features || need_weight)) return {dx, dw};
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "_location_conv_bwd", [&] {
     const auto& kt = runtime_kernels<scalar_t>();

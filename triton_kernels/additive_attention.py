@@ -800,7 +800,8 @@ def _bwd_impl(grad_context, grad_weights, query, keys, values, v, bias, lengths,
     if bias is None:
         bias = query.new_zeros(hidden)
     inputs = (query, keys, values, v, bias) + (() if score_bias is None else (score_bias,))
-    grads = tuple(torch.empty_like(t) for t in inputs)
+    # contiguous whatever the inputs' strides, as the CPU kernels' and the fake kernels' outputs
+    grads = tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs)
     grad_query, grad_keys, grad_values, grad_v, grad_bias = grads[:5]
     if batch * num_queries * num_keys == 0:  # no (query, key) pair: every gradient is zero
         for grad in grads:

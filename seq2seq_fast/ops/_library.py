@@ -31,6 +31,13 @@ _CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 _CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def new_output_like(t: Tensor) -> Tensor:
+    """An uninitialised contiguous tensor of ``t``'s shape, dtype and device: the fake kernels'
+    outputs, like the kernels', are contiguous whatever the inputs' strides (``empty_like``
+    would keep a transposed input's strides, and torch.compile's inductor checks them)."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
 def _load_error(exc: ImportError, module: str = "seq2seq_fast._C") -> str:
     """Why ``module`` (the extension) did not load, in words a user can act on: not found at all,
     a checkout where it was never built (Python's own message then speaks of a "partially
@@ -56,7 +63,7 @@ if CPU_KERNEL_ERROR is None:  # the extension's own library-wide op (csrc/extens
 
     @torch.library.register_fake("seq2seq_fast::_fast_tanh")
     def _fast_tanh_fake(x, y, path):
-        return torch.empty_like(x)
+        return new_output_like(x)
 
     if hasattr(torch.ops.seq2seq_fast, "_topk_rows"):  # the searches' top-k (csrc/topk.cpp)
 

@@ -46,6 +46,7 @@ from seq2seq_fast.ops._library import (
     LIBRARY,
     forced_reference,
     kernel_unavailable_reason,
+    new_output_like,
     warn_fallback_once,
 )
 
@@ -120,18 +121,18 @@ def _bwd_fake(
     normalize="softmax",
 ):
     return (
-        torch.empty_like(query),
-        torch.empty_like(keys),
-        torch.empty_like(values),
-        torch.empty_like(v),
-        torch.empty_like(bias),
+        new_output_like(query),
+        new_output_like(keys),
+        new_output_like(values),
+        new_output_like(v),
+        new_output_like(bias),
     )
 
 
 @torch.library.register_fake(f"{BWD_NAME}.score_bias")
 def _bwd_score_bias_fake(*args):
     *rest, score_bias = args
-    return (*_bwd_fake(*rest), torch.empty_like(score_bias))
+    return (*_bwd_fake(*rest), new_output_like(score_bias))
 
 
 # --- fake kernels of the ops the extension defines -------------------------------------------------
@@ -143,7 +144,7 @@ if CPU_KERNEL_ERROR is None:  # fake kernels of the ops that the extension defin
         grad_context, grad_weights, query, keys, values, v, bias, lengths, mask, weights, grad_keys
     ):
         # grad_keys is updated in place; (grad_query, grad_v, grad_bias) are new
-        return torch.empty_like(query), torch.empty_like(v), torch.empty_like(bias)
+        return new_output_like(query), new_output_like(v), new_output_like(bias)
 
 
 # --- autograd --------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from seq2seq_fast.ops._autograd import guard_double_backward, traced_or_transformed
-from seq2seq_fast.ops._library import CPU_KERNEL_ERROR, kernel_serves
+from seq2seq_fast.ops._library import CPU_KERNEL_ERROR, kernel_serves, new_output_like
 
 if CPU_KERNEL_ERROR is None:  # shapes for torch.compile / FakeTensor tracing of the ops
 
@@ -60,17 +60,17 @@ if CPU_KERNEL_ERROR is None:  # shapes for torch.compile / FakeTensor tracing of
     ):
         # grad_projected is updated in place; (dquery, dconv, dweight, dv, dbias) are new
         return (
-            torch.empty_like(query),
-            torch.empty_like(conv),
-            torch.empty_like(weight),
-            torch.empty_like(v),
-            torch.empty_like(bias),
+            new_output_like(query),
+            new_output_like(conv),
+            new_output_like(weight),
+            new_output_like(v),
+            new_output_like(bias),
         )
 
     @torch.library.register_fake("seq2seq_fast::_location_attention_bwd.score_bias")
     def _location_attention_bwd_score_bias_fake(*args):
         *rest, score_bias = args
-        return (*_location_attention_bwd_fake(*rest), torch.empty_like(score_bias))
+        return (*_location_attention_bwd_fake(*rest), new_output_like(score_bias))
 
     @torch.library.register_fake("seq2seq_fast::_location_conv_fwd")
     def _location_conv_fwd_fake(features, weight):
@@ -79,8 +79,8 @@ if CPU_KERNEL_ERROR is None:  # shapes for torch.compile / FakeTensor tracing of
     @torch.library.register_fake("seq2seq_fast::_location_conv_bwd")
     def _location_conv_bwd_fake(grad, features, weight, need_features, need_weight):
         return (
-            torch.empty_like(features) if need_features else features.new_empty(0),
-            torch.empty_like(weight) if need_weight else weight.new_empty(0),
+            new_output_like(features) if need_features else features.new_empty(0),
+            new_output_like(weight) if need_weight else weight.new_empty(0),
         )
 
 

@@ -139,6 +139,22 @@ def test_opcheck(name):
     torch.library.opcheck(op, args)
 
 
+@pytest.mark.parametrize("batch", [3, 0])
+def test_opcheck_backward_of_time_major_views(batch):
+    """Keys and values that are views of time-major tensors, and an empty batch: the backward's
+    gradients are contiguous in the kernel and the fake kernel alike."""
+    query, keys, values, v, bias = make_inputs(batch, 2, 6, 8, 4, torch.float32)
+    keys, values = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (keys, values))
+    assert not keys.is_contiguous() or batch == 0
+    context, weights, lse = OPS.additive_attention_fwd(
+        query, keys, values, v, bias, None, None, True
+    )
+    args = (torch.randn_like(context), None, query, keys, values, v, bias, None, None)
+    torch.library.opcheck(OPS.additive_attention_bwd.default, (*args, context, lse, weights))
+    grads = OPS.additive_attention_bwd(*args, context, lse, weights)
+    assert all(g.is_contiguous() for g in grads)
+
+
 @pytest.mark.parametrize("acc_dtype", [torch.float32, torch.bfloat16], ids=["f32-acc", "bf16-acc"])
 def test_opcheck_location_step_in_bf16(acc_dtype):
     """The location-aware step ops on bfloat16 tensors (grad_projected float32 or bfloat16)."""

@@ -372,9 +372,16 @@ def test_lse_contract():
     torch.testing.assert_close(lse[2], torch.logsumexp(scores[2, :, :2], -1).float())
 
 
+@pytest.mark.parametrize("time_major", [False, True], ids=["batch-major", "time-major"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_torch_compile_fullgraph_with_backward(backend):
+def test_torch_compile_fullgraph_with_backward(backend, time_major):
+    """Also with keys and values that are views of time-major tensors: inductor checks the
+    backward's outputs against the fake kernel's strides (contiguous, as the kernels')."""
     inputs = make_inputs(2, 5, 7, 16, 4, torch.float32)
+    if time_major:
+        query, keys, values, v, bias = inputs
+        keys, values = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (keys, values))
+        inputs = (query, keys, values, v, bias)
     lengths = torch.tensor([7, 3])
 
     def loss_fn(query, keys, values, v, bias):
@@ -383,8 +390,8 @@ def test_torch_compile_fullgraph_with_backward(backend):
 
     torch._dynamo.reset()
     compiled = torch.compile(loss_fn, fullgraph=True, backend=backend)
-    eager_leaves = [t.clone().requires_grad_(True) for t in inputs]
-    compiled_leaves = [t.clone().requires_grad_(True) for t in inputs]
+    eager_leaves = [_copy(t).requires_grad_(True) for t in inputs]
+    compiled_leaves = [_copy(t).requires_grad_(True) for t in inputs]
     eager_loss = loss_fn(*eager_leaves)
     compiled_loss = compiled(*compiled_leaves)
     torch.testing.assert_close(compiled_loss, eager_loss)
@@ -392,6 +399,13 @@ def test_torch_compile_fullgraph_with_backward(backend):
     compiled_loss.backward()
     for name, a, b in zip(GRAD_NAMES, compiled_leaves, eager_leaves, strict=True):
         torch.testing.assert_close(a.grad, b.grad, msg=lambda m, n=name: f"grad {n}: {m}")
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy with ``t``'s strides (``clone`` keeps them only for dense layouts, as here)."""
+    copy = t.clone()
+    assert copy.stride() == t.stride()
+    return copy
 
 
 # --- determinism, NaN ------------------------------------------------------------------------
