@@ -38,10 +38,22 @@ PRIVATE_APIS: tuple[tuple[str, str], ...] = (
         "nn.convert.traced (a mask built from int(lengths.max()) inside the trace)",
     ),
     ("torch._guards.CompileContext.current_compile_id", "nn.convert.traced (compiles per frame)"),
+    ("torch._dynamo.eval_frame.OptimizedModule", "nn.convert (a model torch.compile wrapped)"),
     ("torch._make_per_channel_quantized_tensor", "seq2seq.inference (int8 rows as a qint8 weight)"),
     ("torch.ops.mkldnn._reorder_linear_weight", "seq2seq.inference (weights packed once)"),
     ("torch.ops.mkldnn._linear_pointwise", "seq2seq.inference (products on packed weights)"),
 )
+
+
+def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a ``torch.compile(module)`` wrapper holds (``module`` itself if it is none).
+    Why private: torch names the wrapper's class and its ``_orig_mod`` only privately; the
+    converter calls the original eagerly, outside the user's compiled region."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    while isinstance(module, OptimizedModule):
+        module = module._orig_mod
+    return module
 
 
 def functorch_transforms_active() -> bool:

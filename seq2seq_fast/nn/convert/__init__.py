@@ -47,6 +47,7 @@ from seq2seq_fast.nn.convert._base import (
 )
 from seq2seq_fast.nn.convert.traced import watch_model
 from seq2seq_fast.nn.convert.traced.runtime import convert_now
+from seq2seq_fast.ops._torch_private import uncompiled
 
 __all__ = [
     "ConversionReport",
@@ -209,8 +210,8 @@ def fuse_attention_report(
                 setattr(parent, name, fused)
     if traced:
         watch_model(model, report, backend)
-        if example_inputs is not None:
-            _call_once(model, example_inputs)
+        if example_inputs is not None:  # (eagerly: the general path runs outside torch.compile)
+            _call_once(uncompiled(model), example_inputs)
     logger.debug("%s", report)
     return report
 

@@ -126,6 +126,14 @@ def _none() -> None:
     return None
 
 
+INSIDE_COMPILE = (
+    "fuse_attention: {} ({}) was converted by the general path, which runs outside "
+    "torch.compile: called inside a compiled model it runs its own code, unfused (your backend "
+    "compiles it). Leave it out of the compiled region (torch.compiler.disable on its forward) "
+    "to run the fused replacement; the named layouts' stand-ins run fused inside torch.compile"
+)
+
+
 def _traced_state(module: nn.Module, cls: type, backend: str) -> _TracedState:
     state = module.__dict__.get("_fuse_attention_traced")
     if state is None:
@@ -209,6 +217,10 @@ def traced_class(cls: type, backend: str) -> type:
         def forward(self, *args, **kwargs):
             state = _traced_state(self, cls, backend)
             if torch.compiler.is_compiling():  # inside the user's own torch.compile
+                # TorchDynamo inlines this forward into the user's graph: the module's own code
+                # (the user's backend compiles it), unfused. Said at each trace that reaches it
+                # (the warning is replayed at its graph's calls; Python's filter says it once).
+                warnings.warn(INSIDE_COMPILE.format(state.path, class_name(self)), stacklevel=2)
                 return state.compiled(self, *args, **kwargs)
             if watching_now():  # inside a caller's watched first call: this call runs unfused
                 return cls.forward(self, *args, **kwargs)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 
 import torch
 from torch import Tensor, nn
@@ -218,6 +219,9 @@ def _pre_hook(module: nn.Module, args, kwargs):
     watch = _watch_of(module)
     if watch is None or watch.done:
         return None
+    if torch.compiler.is_compiling():  # a trace of the user's: the watch waits for an eager call
+        warnings.warn(FIRST_CALL_COMPILED.format(watch.path, class_name(module)), stacklevel=2)
+        return None
     watch.done = True
     module._forward_pre_hooks.pop(watch.hook_ids[0], None)
     call = _current()
@@ -232,6 +236,14 @@ def _pre_hook(module: nn.Module, args, kwargs):
     if fresh:
         call.start()
     return None
+
+
+FIRST_CALL_COMPILED = (
+    "fuse_attention: {} ({}) is watched by the general path, which runs outside torch.compile: "
+    "called inside a compiled model it runs its own code, unfused, and is not converted. Leave it "
+    "out of the compiled region (torch.compiler.disable on its forward) to have it converted and "
+    "fused; the named layouts' stand-ins run fused inside torch.compile"
+)
 
 
 def _post_hook(module: nn.Module, args, kwargs, output):
