@@ -38,6 +38,16 @@ def _beam(text: str) -> int:
     return value
 
 
+def _penalty_weight(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def _positive_factor(text: str) -> float:
     try:
         value = float(text)
@@ -110,10 +120,14 @@ def _add_decode_options(p) -> None:
     # No defaults here: DecodeOptions holds them (and builds the options from those given).
     p.add_argument("--beam", type=_beam, help=f"beam size (default {DecodeOptions.beam}: greedy)")
     p.add_argument(
-        "--alpha", type=float, help=f"length normalisation exponent (default {DecodeOptions.alpha})"
+        "--alpha",
+        type=_penalty_weight,
+        help=f"length normalisation exponent (default {DecodeOptions.alpha})",
     )
     p.add_argument(
-        "--beta", type=float, help=f"coverage penalty weight (default {DecodeOptions.beta})"
+        "--beta",
+        type=_penalty_weight,
+        help=f"coverage penalty weight (default {DecodeOptions.beta})",
     )
     p.add_argument(
         "--max-len-factor",
@@ -180,9 +194,11 @@ def _add_export(sub) -> None:
         "--checkpoint",
         required=True,
         nargs="+",
+        action="extend",  # (--checkpoint A B and --checkpoint A --checkpoint B alike)
         metavar="PATH",
         help="model.pt written by seq2seq-fast train; several (e.g. the model.epoch*.pt "
-        "of train --keep-checkpoints): their weights averaged",
+        "of train --keep-checkpoints, after one --checkpoint or each after its own): their "
+        "weights averaged",
     )
     p.add_argument("-o", "--output", required=True, help="file to write, e.g. model.infer.pt")
     p.add_argument(
@@ -438,6 +454,13 @@ def _translate(args) -> int:
         return 0
     if args.sentence is not None and args.input is not None:
         raise ValueError("give either a sentence or --input FILE, not both")
+    _check_output(args)  # before the model loads and the lines decode
+    sentence = args.sentence
+    if sentence is not None and sentence.endswith((".pt", ".pth")) and os.path.isfile(sentence):
+        raise ValueError(
+            f"the sentence to translate, {sentence!r}, is a checkpoint file: for an ensemble "
+            "give --checkpoint before each checkpoint"
+        )
     translator = _translator(
         args,
         batch_size=args.batch_size,
@@ -450,9 +473,16 @@ def _translate(args) -> int:
             raise ValueError("the input sentence is empty")
         if result.warning:
             _warn(args, result.warning.replace("line 1: ", ""))
-        print("\n".join(_output_lines(result, args.n_best)), flush=True)
+        text = "\n".join(_output_lines(result, args.n_best))
+        if args.output is None:
+            print(text, flush=True)
+        else:
+            from seq2seq_fast.seq2seq.atomic import atomic_write
+
+            atomic_write(args.output, (text + "\n").encode("utf-8"))
         return 0
-    if args.input is None and sys.stdin.isatty():  # typed: translate each line as it comes
+    if args.input is None and args.output is None and sys.stdin.isatty():
+        # typed, answered on the terminal: each line as it comes (with -o: the lines below)
         for line in sys.stdin:
             result = translator.translate([line.rstrip("\n")])[0]
             print("\n".join(_output_lines(result, args.n_best)), flush=True)
@@ -463,6 +493,29 @@ def _translate(args) -> int:
     return _translate_lines(
         args, translator, iter_chunks(args.input, int(chunk) if chunk else CHUNK_LINES)
     )
+
+
+def _check_output(args) -> None:
+    """-o FILE: a file that can be written, and not the input file (ValueError naming both)."""
+    import os
+
+    if args.output is None:
+        return
+    target = os.path.abspath(args.output)
+    folder = os.path.dirname(target)
+    if os.path.isdir(target):
+        raise ValueError(f"-o {args.output}: is a folder; give the path of a file to write")
+    if not os.path.isdir(folder):
+        raise ValueError(f"-o {args.output}: its folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"-o {args.output}: cannot write in its folder {folder}")
+    given = getattr(args, "input", None)
+    same = given is not None and os.path.exists(given) and os.path.exists(target)
+    if same and os.path.samefile(given, target):
+        raise ValueError(
+            f"-o {args.output} is the input file (-i {given}): its lines would be replaced by "
+            "their translations; write to another file"
+        )
 
 
 def _translate_lines(args, translator, chunks) -> int:

@@ -63,9 +63,21 @@ def read_config_file(
             raise ConfigFileError(f"--config {path}: unknown key {key!r}{hint}")
         try:
             values[name] = value if action is None else convert_value(value, action)
+            if _negating(action, spelled) and values[name] is not None:
+                values[name] = not values[name]  # no-heatmap: true is heatmap: false
         except ValueError as exc:
             raise ConfigFileError(f"--config {path}: key {key!r}: {exc}") from None
     return values
+
+
+def _negating(action: Any, spelled: str) -> bool:
+    """The key is a store_false flag's spelling (``no-heatmap``), not its field's name."""
+    return (
+        action is not None
+        and action.const is False
+        and action.nargs == 0
+        and spelled.replace("-", "_") != action.dest
+    )
 
 
 def _actions_by_name(actions: Iterable[Any], allowed: list[str]) -> dict[str, Any]:

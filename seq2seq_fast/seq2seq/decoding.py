@@ -64,6 +64,12 @@ class DecodeOptions:
             raise ValueError(f"n_best must be an int >= 1, got {self.n_best!r}")
         if self.n_best > self.beam:
             raise ValueError(f"n_best {self.n_best} needs beam >= {self.n_best}, got {self.beam}")
+        for name in ("alpha", "beta"):  # GNMT's penalties: weights >= 0
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
         if not (math.isfinite(self.max_len_factor) and self.max_len_factor > 0):
             raise ValueError(f"max_len_factor must be finite and > 0, got {self.max_len_factor!r}")
         if self.max_len is not None and (not isinstance(self.max_len, int) or self.max_len < 1):

@@ -489,9 +489,10 @@ def run_files(folder: Path) -> list[Path]:
     return found + snapshots(folder)
 
 
-def claim_run_folder(config: TrainConfig, overwrite: bool, ctx: Dist) -> None:
+def claim_run_folder(config: TrainConfig, overwrite: bool, ctx: Dist) -> list[Path]:
     """Before a new run writes anything: refuse a folder that holds another run (TrainError
-    naming its files and the way out), or with ``overwrite`` remove those files (rank 0)."""
+    naming its files and the way out); with ``overwrite``, the files that
+    :func:`clear_run_folder` removes once the run has shown it can start."""
     found = run_files(config.out_dir)
     if found and not overwrite:
         names = ", ".join(p.name for p in found[:6]) + (" ..." if len(found) > 6 else "")
@@ -499,6 +500,12 @@ def claim_run_folder(config: TrainConfig, overwrite: bool, ctx: Dist) -> None:
             f"--out {config.out_dir} holds another run ({names}): pass --overwrite to replace "
             f"it, --resume {config.out_dir / 'model.pt'} to continue it, or another --out"
         )
+    return found
+
+
+def clear_run_folder(found: list[Path], ctx: Dist) -> None:
+    """Remove the earlier run's files (rank 0), after the new run's data and model are built:
+    a run that cannot start (a typo in a path, a bad option) keeps the earlier one."""
     if ctx.enabled:  # every rank has looked before rank 0 removes or writes anything
         dist.barrier()
     if found and ctx.is_main:
@@ -591,11 +598,12 @@ def _train(
     config = replace(config, out=str(config.out_dir))  # resolved: config.yaml names the folder
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    if resume is None:
-        claim_run_folder(config, overwrite, ctx)
+    earlier = claim_run_folder(config, overwrite, ctx) if resume is None else []
     init = load_init(config.init_from) if config.init_from and payload is None else None
-    # the job first (data, model): a run that cannot start leaves no file in its folder
+    # the job first (data, model): a run that cannot start leaves its folder as it was
     job = build_job(config, ctx, payload, started, init)
+    if resume is None:
+        clear_run_folder(earlier, ctx)
     metrics_log = job.metrics_log = MetricsLog(
         config.out_dir,
         started=started,

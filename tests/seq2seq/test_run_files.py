@@ -164,6 +164,25 @@ def test_a_flag_equal_to_its_default_still_beats_the_file(tmp_path, capsys):
     assert resolved["alpha"] == 0.6 and resolved["checkpoint"] == "x.pt"
 
 
+@pytest.mark.parametrize(
+    ("text", "heatmap", "progress"),
+    [
+        ("no-heatmap: true\nno_progress: true\n", False, False),
+        ("no-heatmap: false\n", True, True),
+        ("heatmap: false\nprogress: false\n", False, False),
+        ("heatmap: true\n", True, True),
+    ],
+)
+def test_a_negating_flag_spelled_in_a_config_file_means_what_the_flag_means(
+    tmp_path, capsys, text, heatmap, progress
+):
+    path = tmp_path / "flags.yaml"
+    path.write_text(text, encoding="utf-8")
+    assert main(["train", "--config", str(path), "--dump-config"]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert (resolved["heatmap"], resolved["progress"]) == (heatmap, progress)
+
+
 @pytest.mark.parametrize("command", ["train", "translate"])
 def test_an_unknown_key_names_the_key_and_the_file(tmp_path, capsys, command):
     path = tmp_path / "bad.yaml"

@@ -56,6 +56,24 @@ def test_overwrite_replaces_the_earlier_run(run, tmp_path, capsys):
     assert "give one" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--task", "translate", "--data", "no-such-corpus.tsv"],
+        ["--hidden-size", "24", "--embed-size", "24", "--tie-embeddings"],
+    ],
+    ids=["missing corpus", "impossible model"],
+)
+def test_overwrite_keeps_the_earlier_run_when_the_new_one_cannot_start(run, tmp_path, capsys, bad):
+    out = _copy_run(run, tmp_path)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    code = main(["train", *TINY, "--epochs", "1", *bad, "--out", str(out), "--overwrite"])
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    assert "removed the earlier run" not in captured.out
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_a_folder_without_a_run_is_used_as_it_is(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     assert main(["train", *TINY, "--epochs", "1", "--out", str(tmp_path)]) == 0

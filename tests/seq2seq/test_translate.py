@@ -511,6 +511,56 @@ def test_export_averages_several_checkpoints(tmp_path, capsys):
     assert code == 0 and len(out.splitlines()) == 1, err
 
 
+def test_export_averages_checkpoints_given_each_after_its_own_flag(tmp_path, capsys):
+    paths = []
+    for seed in range(2):
+        model, vocab = _model("auto", seed=seed, decoder="gnmt")
+        paths.append(_checkpoint_of(model, vocab, tmp_path / f"model.epoch{seed + 1}.pt"))
+    together, apart = tmp_path / "together.pt", tmp_path / "apart.pt"
+    assert _run(capsys, "export", "--checkpoint", *paths, "-o", together)[0] == 0
+    argv = ["export", "--checkpoint", paths[0], "--checkpoint", paths[1], "-o", apart]
+    code, out, err = _run(capsys, *argv)
+    assert code == 0 and "the average of 2 checkpoints" in out, err
+    first, second = load_checkpoint(together)["model"], load_checkpoint(apart)["model"]
+    for name, tensor in first.items():
+        assert torch.equal(tensor, second[name]), name
+
+
+def test_translate_output_options_are_checked_before_decoding(checkpoint, tmp_path, capsys):
+    """-o: the single sentence goes to the file; the input file itself, a folder, a missing
+    folder, or a checkpoint given as the sentence: an error naming what was given, and the
+    input left as it was."""
+    target = tmp_path / "one.txt"
+    code, out, err = _run(capsys, "translate", "--checkpoint", checkpoint, "a b c", "-o", target)
+    assert code == 0 and out == "", err
+    assert len(target.read_text().splitlines()) == 1
+    source = tmp_path / "in.txt"
+    source.write_text("a b c\nd e\n")
+    cases = {
+        "is the input file": ["-i", source, "-o", source],
+        "is a folder": ["-i", source, "-o", tmp_path],
+        "does not exist": ["-i", source, "-o", tmp_path / "nowhere" / "out.txt"],
+        "is a checkpoint file": [checkpoint],
+    }
+    for message, extra in cases.items():
+        code, out, err = _run(capsys, "translate", "--checkpoint", checkpoint, *extra)
+        assert code == 2 and message in err and "Traceback" not in err, (message, err)
+        assert out == ""
+    assert source.read_text() == "a b c\nd e\n"
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--alpha", "nan"), ("--alpha", "inf"), ("--beta", "inf"), ("--beta", "-1")]
+)
+def test_translate_refuses_penalties_that_are_not_finite_weights(checkpoint, capsys, flag, value):
+    with pytest.raises(SystemExit) as stop:  # argparse's own error
+        main(["translate", "--checkpoint", str(checkpoint), flag, value, "a b"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and flag in err and "finite number >= 0" in err
+    with pytest.raises(ValueError, match=flag.lstrip("-")):
+        DecodeOptions(beam=2, **{flag.lstrip("-"): float(value)})
+
+
 def test_export_refuses_to_average_different_models(tmp_path, capsys):
     model, vocab = _model("auto", decoder="gnmt")
     first = _checkpoint_of(model, vocab, tmp_path / "a.pt")
