@@ -374,9 +374,12 @@ def test_lse_contract():
 
 @pytest.mark.parametrize("time_major", [False, True], ids=["batch-major", "time-major"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_torch_compile_fullgraph_with_backward(backend, time_major):
+def test_torch_compile_fullgraph_with_backward(backend, time_major, tmp_path, monkeypatch):
     """Also with keys and values that are views of time-major tensors: inductor checks the
     backward's outputs against the fake kernel's strides (contiguous, as the kernels')."""
+    # a cache of its own: inductor's graph cache does not know the fake kernels' code, and a
+    # graph compiled with another version of them would be reused
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     inputs = make_inputs(2, 5, 7, 16, 4, torch.float32)
     if time_major:
         query, keys, values, v, bias = inputs
