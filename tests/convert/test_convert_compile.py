@@ -97,18 +97,3 @@ def test_a_watched_module_first_called_inside_torch_compile_waits_and_says_so():
     with recorded_runs():
         model(*_inputs())  # an eager call decides
     assert report.count == 1, report
-
-
-def test_the_probe_leaves_the_process_wide_default_dtype_alone(monkeypatch):
-    """Another thread sees torch's default dtype: converting a module whose forward runs on
-    float64 copies as they are never sets it to float64."""
-    calls = []
-    real = torch.set_default_dtype
-    monkeypatch.setattr(torch, "set_default_dtype", lambda d: (calls.append(d), real(d)))
-    torch.manual_seed(0)
-    model = Model()
-    report = fuse_attention_report(model, named=False)
-    model(*_inputs())
-    assert report.count == 1, report
-    assert torch.float64 not in calls, calls
-    assert torch.get_default_dtype() == torch.float32

@@ -296,9 +296,8 @@ class _OriginalFailed(Exception):
     """The original module itself could not run on the probe's float64 copies."""
 
 
-# Where a module's forward fails on float64 copies alone (tensors it makes itself in float32), the
-# probe sets torch's default dtype, which is process-wide, not per thread: probes run one at a
-# time (once per converted module), and the others leave the default alone.
+# The probe sets torch's default dtype (tensors the forward makes itself, in the probe's dtype),
+# which is process-wide, not per thread: probes run one at a time (once per converted module).
 _PROBE_LOCK = threading.RLock()
 
 
@@ -318,10 +317,7 @@ def _probe_unlocked(module: nn.Module, recording, backend: str) -> tuple[str | N
     }
     with torch.inference_mode(False), torch.enable_grad():
         try:
-            try:  # the process-wide default dtype left alone: other threads keep theirs
-                reason, found = _probe_copies(module, recording, backend, torch.float64, False)
-            except Exception:  # tensors its forward makes (zeros for a state) in float32
-                reason, found = _probe_copies(module, recording, backend, torch.float64)
+            reason, found = _probe_copies(module, recording, backend, torch.float64)
         except _OriginalFailed as failed:
             # a module that casts to float32 itself (ESPnet's `.float()` masks) cannot run in
             # float64: where its own call ran in float32, the probe runs in float32
@@ -339,13 +335,7 @@ def _probe_unlocked(module: nn.Module, recording, backend: str) -> tuple[str | N
         return reason, found
 
 
-def _probe_copies(
-    module: nn.Module, recording, backend: str, dtype: torch.dtype, set_default: bool = True
-):
-    """(None or why not, what was found) from a copy of ``module`` in ``dtype`` and one traced.
-    ``set_default``: the tensors the forward makes without a dtype are in ``dtype`` too (the
-    default dtype is process-wide: other threads see it while this runs)."""
-
+def _probe_copies(module: nn.Module, recording, backend: str, dtype: torch.dtype):
     def cast_state(value):
         if isinstance(value, Tensor) and value.is_floating_point():
             return value.detach().to("cpu", dtype)
@@ -372,8 +362,7 @@ def _probe_copies(
     with torch.enable_grad(), torch.inference_mode(False), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # tensors the forward makes itself (zeros for a state, a mask) in the probe's dtype too
-        if set_default:
-            torch.set_default_dtype(dtype)
+        torch.set_default_dtype(dtype)
         ran: list = []
         try:
             for mod in (original, candidate):
