@@ -38,24 +38,23 @@ def _beam(text: str) -> int:
     return value
 
 
-def _penalty_weight(text: str) -> float:
+def _finite_number(text: str, zero_allowed: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    if not (math.isfinite(value) and (value > 0 or (zero_allowed and value == 0))):
+        bound = ">= 0" if zero_allowed else "> 0"
+        raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text!r}")
     return value
 
 
 def _positive_factor(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
+    return _finite_number(text, zero_allowed=False)
+
+
+def _penalty_weight(text: str) -> float:
+    return _finite_number(text, zero_allowed=True)
 
 
 def _add_config_options(p) -> None:
