@@ -23,6 +23,7 @@ trace cache, the report it belongs to), which copies and pickles drop: a copy tr
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import types
@@ -143,11 +144,15 @@ def _traced_state(module: nn.Module, cls: type, backend: str) -> _TracedState:
         # copy under the same name would share it with every other instance of the class and with
         # the probe's copy, whose call (a layout's example call) is of other sizes than the
         # model's: the model's first call would compile with dynamic sizes. Two converted models
-        # share nothing this way either.
+        # share nothing this way either, nor does a module made later at a freed one's address
+        # (a number drawn once per name, not the module's id).
         rewriter = _Rewriter(backend)
-        state = _TracedState(rewriter, _compiled(fn, f"_fused_{id(module):x}", rewriter))
+        state = _TracedState(rewriter, _compiled(fn, f"_fused_{next(_NAMES)}", rewriter))
         module.__dict__["_fuse_attention_traced"] = state
     return state
+
+
+_NAMES = itertools.count()  # the code names' numbers: never one twice in a process
 
 
 def _compiled(fn, suffix: str, rewriter: _Rewriter):
@@ -163,7 +168,7 @@ def _retrace_capturing_scalars(module: nn.Module, state: _TracedState, cls: type
     its next call on with TorchDynamo's scalars captured: a forward whose graph ended between the
     scores and the softmax (a pad mask built from ``int(lengths.max())`` there, as ESPnet's
     attentions do on an utterance's first step) then traces whole."""
-    suffix = f"_fused_{id(module):x}_scalars"
+    suffix = f"_fused_{next(_NAMES)}_scalars"
     state.compiled = _compiled(cls.forward, suffix, state.rewriter)
     state.capture_scalars = True
 
