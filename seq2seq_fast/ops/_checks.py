@@ -106,8 +106,12 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 def prefix_lengths(valid: Tensor | None) -> Tensor | None:
     """int64 [B]: each row's number of valid keys when they are a prefix of the row (a padding
-    mask, True = valid), else None. The fused op then scores only those keys."""
+    mask, True = valid), else None. The fused op then scores only those keys. None while tracing
+    (torch.compile, torch.func, torch.jit.trace): the choice reads the mask's values, which a
+    trace would freeze, so a later mask with holes would be read as lengths."""
     if valid is None or valid.dim() != 2 or valid.dtype != torch.bool:
+        return None
+    if torch.jit.is_tracing() or traced_or_transformed():
         return None
     lengths = valid.sum(1)
     prefix = torch.arange(valid.shape[1], device=valid.device) < lengths.unsqueeze(1)
@@ -120,7 +124,7 @@ def masking(valid: Tensor | None) -> dict[str, Tensor | None]:
     the one difference: a non-finite value in the padding does not reach the context), else
     ``mask``. Elsewhere the mask as given (reading it would wait for the device), and never while
     tracing."""
-    if valid is not None and valid.device.type == "cpu" and not traced_or_transformed():
+    if valid is not None and valid.device.type == "cpu":
         lengths = prefix_lengths(valid)
         if lengths is not None:
             return {"lengths": lengths}

@@ -652,6 +652,24 @@ def test_fixed_memory_projected_once_and_reordering_projects_again(name):
 
 
 @requires_cpu_kernel
+def test_jit_trace_keeps_the_mask_a_mask():
+    """torch.jit.trace of a converted attention traced with a padding mask, then called with a
+    mask with holes: the trace must not have frozen the choice of lengths over the mask (it read
+    the first mask's values), which gave other weights than the original's."""
+    plain, fused = _pair(CASES["allennlp_additive"], torch.float32)
+    gen = torch.Generator().manual_seed(8)
+    vector, matrix = _rand(gen, torch.float32, 3, 6), _rand(gen, torch.float32, 3, 5, 10)
+    padding = torch.arange(5) < torch.tensor([5, 3, 2]).unsqueeze(1)
+    holes = torch.tensor([[1, 0, 1, 1, 1], [1, 1, 0, 1, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.trace's deprecation and tracer warnings
+        traced = torch.jit.trace(fused["attn"], (vector, matrix, padding), check_trace=False)
+        for mask in (padding, holes):
+            want = plain["attn"](vector, matrix, mask)
+            torch.testing.assert_close(traced(vector, matrix, mask), want)
+
+
+@requires_cpu_kernel
 def test_converted_location_attention_compiles_as_one_graph():
     """torch.compile of two Tacotron 2 steps through the stand-in: one graph, same results."""
     case = CASES["tacotron2_torchaudio"]
