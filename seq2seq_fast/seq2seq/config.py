@@ -479,6 +479,28 @@ def _check_optimisation(config: TrainConfig) -> None:
         raise TrainError(f"label_smoothing must be in [0, 1), got {config.label_smoothing}")
     if not (math.isfinite(config.clip_norm) and config.clip_norm >= 0):
         raise TrainError(f"clip_norm must be finite and >= 0 (0 = off), got {config.clip_norm}")
+    _check_schedule(config)
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def _check_schedule(config: TrainConfig) -> None:
+    """The learning rate and its schedule, and the time budget (None: the task's default or no
+    budget)."""
+    if config.lr is not None and not (_finite(config.lr) and config.lr >= 0):
+        raise TrainError(f"lr must be finite and >= 0 (0: the weights stay), got {config.lr}")
+    if not (_finite(config.weight_decay) and config.weight_decay >= 0):
+        raise TrainError(f"weight_decay must be finite and >= 0, got {config.weight_decay}")
+    if config.warmup_steps is not None and config.warmup_steps < 0:
+        raise TrainError(f"warmup_steps must be >= 0 (0: none), got {config.warmup_steps}")
+    ratio = config.min_lr_ratio
+    if ratio is not None and not (_finite(ratio) and 0.0 <= ratio <= 1.0):
+        raise TrainError(f"min_lr_ratio must be in [0, 1] (of lr, the schedule's end), got {ratio}")
+    budget = config.time_budget_min
+    if budget is not None and not (_finite(budget) and budget > 0):
+        raise TrainError(f"time_budget_min must be finite and > 0 (minutes), got {budget}")
 
 
 def _check_data(config: TrainConfig) -> None:

@@ -67,3 +67,29 @@ def test_compile_is_a_flag_and_backend_compile_an_alias():
 def test_an_unknown_task_is_named():
     with pytest.raises(TrainError, match="'summarise'"):
         TrainConfig(task="summarise")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "match"),
+    [
+        ("--lr", "-0.001", r"lr must be finite and >= 0 \(0: the weights stay\), got -0.001"),
+        ("--lr", "nan", "lr must be finite and >= 0.*got nan"),
+        ("--lr", "inf", "lr must be finite and >= 0.*got inf"),
+        ("--weight-decay", "-1", "weight_decay must be finite and >= 0, got -1.0"),
+        ("--warmup-steps", "-5", r"warmup_steps must be >= 0 \(0: none\), got -5"),
+        ("--min-lr-ratio", "1.5", r"min_lr_ratio must be in \[0, 1\].*got 1.5"),
+        ("--min-lr-ratio", "-0.1", r"min_lr_ratio must be in \[0, 1\].*got -0.1"),
+        ("--time-budget-min", "-3", "time_budget_min must be finite and > 0.*got -3.0"),
+        ("--time-budget-min", "0", "time_budget_min must be finite and > 0.*got 0.0"),
+    ],
+)
+def test_a_bad_schedule_value_is_named(flag, value, match):
+    """Each was taken before: a negative warmup or a ratio above 1 ran a schedule nobody asked
+    for, a negative budget stopped at once, all without a word; a negative lr got torch's words."""
+    with pytest.raises(TrainError, match=match):
+        cli_config(flag, value)
+
+
+def test_the_schedule_edges_are_allowed():
+    config = cli_config("--warmup-steps", "0", "--min-lr-ratio", "1", "--min-lr-ratio", "0")
+    assert (config.warmup_steps, config.min_lr_ratio) == (0, 0.0)
