@@ -4,6 +4,8 @@ the modules still watched."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -72,3 +74,30 @@ def test_a_failing_example_call_names_example_inputs():
     model = _Holder(Pointer())
     with pytest.raises(ValueError, match="example_inputs: calling _Holder with them failed"):
         fuse_attention(model, example_inputs=(torch.randn(2, 3),))
+
+
+class _KeepsItsLastOutput(nn.Module):
+    """A model that keeps its last attention output on itself, as ESPnet's decoders keep their
+    attention weights between calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.att = Pointer()
+        self.last = None
+
+    def forward(self, memory, query, pad):
+        self.last = self.att(memory, query, pad)
+        return self.last
+
+
+def test_example_inputs_leave_no_autograd_graph_on_the_model():
+    """The example call ran with gradients: what the model kept of it held that call's graph,
+    which kept its memory alive and made copy.deepcopy(model) fail ("graph leaves")."""
+    torch.manual_seed(0)
+    model = _KeepsItsLastOutput()
+    args = _pointer_call(4, 6, torch.float32)
+    assert fuse_attention(model, example_inputs=args) == 1
+    kept = model.last if isinstance(model.last, (tuple, list)) else (model.last,)
+    assert all(t.grad_fn is None for t in kept if isinstance(t, torch.Tensor))
+    twin = copy.deepcopy(model)
+    torch.testing.assert_close(twin(*args), model(*args))

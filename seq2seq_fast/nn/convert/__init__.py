@@ -164,7 +164,9 @@ def fuse_attention_report(
             the general path at first calls (to compare the two).
         example_inputs: a call's arguments (a tuple, a dict of keyword arguments, or a
             ``(args, kwargs)`` pair of a tuple and a dict; a single tensor is one argument):
-            ``model`` is called with them once before this returns, so the general path decides
+            ``model`` is called with them once, under ``torch.no_grad()``, before this returns
+            (what a model keeps of its calls then holds no autograd graph), so the general path
+            decides
             now and the report (and ``fuse_attention``'s count) is complete for every module
             that call reaches. The call's outputs are dropped and the model's buffers (e.g.
             batch-norm statistics) are put back as they were. Without it, watched modules
@@ -217,8 +219,9 @@ def fuse_attention_report(
 
 
 def _call_once(model: nn.Module, example_inputs) -> None:
-    """``model(*args, **kwargs)`` for ``example_inputs`` (see fuse_attention_report), its buffers
-    restored afterwards; a failing call raises ValueError naming example_inputs."""
+    """``model(*args, **kwargs)`` for ``example_inputs`` (see fuse_attention_report), without
+    gradients, its buffers restored afterwards; a failing call raises ValueError naming
+    example_inputs."""
     import torch
 
     if isinstance(example_inputs, dict):
@@ -236,7 +239,11 @@ def _call_once(model: nn.Module, example_inputs) -> None:
         args, kwargs = (example_inputs,), {}
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
-        model(*args, **kwargs)
+        # without gradients: what the model keeps of the call on itself (the last weights, a
+        # decoder's state) then holds no autograd graph, which would keep the call's memory
+        # alive and make copy.deepcopy(model) fail ("graph leaves")
+        with torch.no_grad():
+            model(*args, **kwargs)
     except Exception as exc:
         raise ValueError(
             f"example_inputs: calling {type(model).__name__} with them failed "
