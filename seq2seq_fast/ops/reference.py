@@ -23,9 +23,9 @@ def valid_key_mask(
     """Bool [B, Tk] (True = may attend) from ``lengths`` [B] or ``mask`` [B, Tk]; None = all valid."""
     if mask is not None:
         return mask.to(device=device, dtype=torch.bool)
-    if lengths is not None:
+    if lengths is not None:  # a tensor or, as the fused op takes it, a sequence of ints
         positions = torch.arange(num_keys, device=device)
-        return positions.unsqueeze(0) < lengths.to(device).reshape(batch, 1)
+        return positions.unsqueeze(0) < torch.as_tensor(lengths, device=device).reshape(batch, 1)
     return None
 
 
@@ -36,7 +36,7 @@ def additive_attention_ref(
     v: Tensor,
     bias: Tensor | None = None,
     *,
-    lengths: Tensor | None = None,
+    lengths: Tensor | list[int] | tuple[int, ...] | None = None,
     mask: Tensor | None = None,
     return_weights: bool = True,
     upcast: bool = False,
@@ -51,7 +51,8 @@ def additive_attention_ref(
         values: [B, Tk, Dv].
         v: [H] score vector.
         bias: [H] or None, added inside the tanh.
-        lengths: integer [B], valid key positions per row (0 <= length <= Tk), or None.
+        lengths: integer [B] (a tensor or a sequence of ints), valid key positions per row
+            (0 <= length <= Tk), or None.
         mask: bool [B, Tk], True = may attend, or None. Not together with ``lengths``.
         return_weights: return the [B, Tq, Tk] weights too (else None).
         upcast: compute in float32 when the inputs are float16/bfloat16, return the input dtype.

@@ -490,7 +490,9 @@ def _check_schedule(config: TrainConfig) -> None:
     """The learning rate and its schedule, and the time budget (None: the task's default or no
     budget)."""
     if config.lr is not None and not (_finite(config.lr) and config.lr >= 0):
-        raise TrainError(f"lr must be finite and >= 0 (0: the weights stay), got {config.lr}")
+        raise TrainError(
+            f"lr (the learning rate) must be finite and >= 0 (0: the weights stay), got {config.lr}"
+        )
     if not (_finite(config.weight_decay) and config.weight_decay >= 0):
         raise TrainError(f"weight_decay must be finite and >= 0, got {config.weight_decay}")
     if config.warmup_steps is not None and config.warmup_steps < 0:

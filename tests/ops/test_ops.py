@@ -143,6 +143,19 @@ def test_matches_reference(shape, kind, dtype):
     assert_matches_reference(inputs, lengths, mask)
 
 
+@pytest.mark.parametrize("form", [list, tuple])
+def test_the_reference_takes_lengths_as_the_op_does(form):
+    """The op takes lengths as a sequence of ints; its reference took tensors only."""
+    inputs = make_inputs(3, 2, 5, 8, 4, torch.float64)
+    lengths = form([5, 0, 2])
+    want = additive_attention_ref(*inputs, lengths=torch.tensor([5, 0, 2]))
+    for got in (
+        additive_attention_ref(*inputs, lengths=lengths),
+        additive_attention(*inputs, lengths=lengths),
+    ):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 def test_single_step_query(dtype):
     query, keys, values, v, bias = make_inputs(4, 1, 9, 24, 6, dtype)

@@ -121,8 +121,6 @@ def forward_backward(
             continue
         t = t.detach()
         leaves.append((t.to(dtype) if dtype is not None else t.clone()).requires_grad_(True))
-    if fn.__name__ == "additive_attention_ref" and isinstance(lengths, list):
-        lengths = torch.tensor(lengths)  # the reference takes tensors only
     context, weights = fn(*leaves, lengths=lengths, mask=mask, return_weights=return_weights)
     gen = torch.Generator().manual_seed(0)
     if grad_context is None:

@@ -72,9 +72,13 @@ def test_an_unknown_task_is_named():
 @pytest.mark.parametrize(
     ("flag", "value", "match"),
     [
-        ("--lr", "-0.001", r"lr must be finite and >= 0 \(0: the weights stay\), got -0.001"),
-        ("--lr", "nan", "lr must be finite and >= 0.*got nan"),
-        ("--lr", "inf", "lr must be finite and >= 0.*got inf"),
+        (
+            "--lr",
+            "-0.001",
+            r"lr \(the learning rate\) must be finite and >= 0 \(0: the weights stay\), got -0.001",
+        ),
+        ("--lr", "nan", "learning rate\\) must be finite and >= 0.*got nan"),
+        ("--lr", "inf", "learning rate\\) must be finite and >= 0.*got inf"),
         ("--weight-decay", "-1", "weight_decay must be finite and >= 0, got -1.0"),
         ("--warmup-steps", "-5", r"warmup_steps must be >= 0 \(0: none\), got -5"),
         ("--min-lr-ratio", "1.5", r"min_lr_ratio must be in \[0, 1\].*got 1.5"),
