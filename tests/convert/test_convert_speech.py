@@ -302,6 +302,24 @@ def test_converted_matches_recreation(name, dtype):
 
 
 @requires_cpu_kernel
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_parameter_the_original_trains_gets_a_gradient(name):
+    """A score layer's bias that a softmax cancels got no gradient at all after conversion (None,
+    where the original's is 0 up to rounding): DistributedDataParallel then stops at its next step
+    (a parameter that took no part), and AdamW skips it (no weight decay). It gets a zero
+    gradient now."""
+    case = CASES[name]
+    missing = []
+    for model in _pair(case, torch.float64):
+        gen = torch.Generator().manual_seed(5)
+        torch.manual_seed(5)
+        outs = case.drive(model["attn"], torch.float64, gen, [])
+        sum(o.sum() for o in outs if o.requires_grad).backward()
+        missing.append({n for n, p in model.named_parameters() if p.grad is None})
+    assert missing[1] == missing[0], f"no gradient after conversion: {missing[1] - missing[0]}"
+
+
+@requires_cpu_kernel
 @pytest.mark.parametrize(
     "name",
     [

@@ -179,6 +179,29 @@ def forward_defined_in(module: nn.Module, *class_names: str) -> bool:
     return qualname.rsplit(".", 1)[0].split(".")[-1] in class_names
 
 
+def with_cancelled(v: Tensor, *cancelled: Tensor | None) -> Tensor:
+    """The score vector ``v`` as the op takes it, with the parameters a softmax cancels (a score
+    layer's bias, a shift of every score) joined in with a zero factor where they want gradients.
+    They then get a zero gradient, as in the original (where it is zero up to rounding), not
+    none: DistributedDataParallel takes a parameter without a gradient for an unused one (an
+    error at its next step), and AdamW skips it (no weight decay). One op per call, in training
+    only; the value is ``v``'s (NaN where a cancelled parameter is not finite, as the original's
+    scores are then)."""
+    if not torch.is_grad_enabled():
+        return v
+    for extra in cancelled:
+        if isinstance(extra, Tensor) and extra.requires_grad:
+            v = torch.add(v, extra.reshape(()) if extra.numel() == 1 else extra.sum(), alpha=0)
+    return v
+
+
+def score_row(linear: nn.Module, softmax: bool = True) -> Tensor:
+    """A score layer Linear(A, 1)'s weight row [A] (the op's v); under a softmax its bias, which
+    cancels, joined in (:func:`with_cancelled`)."""
+    row = linear.weight[0]
+    return with_cancelled(row, linear.bias) if softmax else row
+
+
 def is_linear(
     module: object,
     *,

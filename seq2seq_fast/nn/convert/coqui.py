@@ -42,6 +42,7 @@ from seq2seq_fast.nn.convert._base import (
     child_names,
     own_parameter_names,
     register,
+    score_row,
 )
 from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert._speech import (
@@ -95,9 +96,9 @@ class FusedCoquiOriginalAttention(FusedStandIn):
                 f"seq2seq_fast: this converted OriginalAttention cannot run: {reason}"
             )
         score = linear_of(self.v)
-        v = score.weight[0]
         # under the sigmoid the score layer's bias stays (sigmoid(e + b)); a softmax cancels it
         normalize = "sigmoid" if self.norm == "sigmoid" else "softmax"
+        v = score_row(score, softmax=normalize == "softmax")
         score_bias = score.bias if normalize == "sigmoid" else None
         if self.location_attention:  # keys = processed_inputs + location_layer(previous)
             previous = torch.cat(

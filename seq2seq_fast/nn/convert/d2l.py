@@ -37,6 +37,7 @@ from seq2seq_fast.nn.convert._base import (
     is_linear,
     own_parameter_names,
     register,
+    score_row,
 )
 from seq2seq_fast.nn.convert._speech import adopt
 from seq2seq_fast.nn.keycache import ProjectionCache
@@ -85,7 +86,7 @@ class FusedD2LAdditiveAttention(FusedStandIn):
             self.W_q(queries),
             memory.keys,
             memory.values,
-            self.w_v.weight[0],
+            score_row(self.w_v),
             lengths=valid_lens,
             stepwise=None if dropping else memory.stepwise,
             backend=self.backend,

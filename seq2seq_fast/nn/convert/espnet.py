@@ -39,6 +39,7 @@ from seq2seq_fast.nn.convert._base import (
     is_linear,
     own_parameter_names,
     register,
+    score_row,
 )
 from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert._speech import adopt, same_padding_conv, scaled
@@ -103,7 +104,7 @@ class FusedEspnetAttAdd(FusedStandIn):
         return ~self.mask
 
     def _attend(self, query, keys, valid, scaling) -> tuple[Tensor, Tensor]:
-        v_eff = scaled(self.gvec.weight[0], scaling)
+        v_eff = scaled(score_row(self.gvec), scaling)
         stepwise = getattr(self, "_stepwise", None)
         return additive_attention(
             query,
@@ -157,7 +158,7 @@ class FusedEspnetAttLoc(FusedEspnetAttAdd):
             self.loc_conv.weight,
             self.mlp_att.weight,
         )
-        v_eff = scaled(self.gvec.weight[0], scaling)
+        v_eff = scaled(score_row(self.gvec), scaling)
         return attend_location(
             self, self.backend, query, self.pre_compute_enc_h, location, self.enc_h, v_eff, valid
         )

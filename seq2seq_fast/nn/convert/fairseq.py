@@ -45,6 +45,7 @@ from seq2seq_fast.nn.convert._base import (
     is_linear,
     own_parameter_names,
     register,
+    score_row,
 )
 from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert._speech import (
@@ -88,7 +89,7 @@ class FusedFairseqLocationAttention(FusedStandIn):
             self.proj_enc_out = self.proj_enc(encoder_out)
         if decoder_h is None:
             decoder_h = encoder_out.new_zeros(bsz, self.decoder_dim)
-        v_eff = scaled(self.proj_out[1].weight[0], self.scaling)
+        v_eff = scaled(score_row(self.proj_out[1]), self.scaling)
         location = (attn_state, self.conv.weight, self.proj_attn.weight)  # keys: + proj_attn(conv)
         return attend_location(
             self,
@@ -185,7 +186,7 @@ class FusedFairseqMLPAttention(FusedStandIn):
             self.decoder_proj(decoder_state),
             memory.keys,
             memory.values,
-            self.to_scores.weight[0],
+            score_row(self.to_scores),
             stepwise=memory.stepwise,
             **masking(valid),
             backend=self.backend,

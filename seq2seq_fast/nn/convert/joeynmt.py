@@ -32,6 +32,7 @@ from seq2seq_fast.nn.convert._base import (
     is_linear,
     own_parameter_names,
     register,
+    score_row,
 )
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepMemory, step_memory
@@ -88,7 +89,7 @@ class FusedJoeyBahdanauAttention(FusedStandIn):
             self.proj_query,
             memory.keys,
             values_in,
-            self.energy_layer.weight[0],
+            score_row(self.energy_layer),
             mask=(mask > 0).squeeze(1),
             stepwise=memory.stepwise,
             backend=self.backend,

@@ -32,6 +32,7 @@ from seq2seq_fast.nn.convert._base import (
     forward_defined_in,
     is_linear,
     register,
+    score_row,
 )
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepMemory, step_memory
@@ -88,7 +89,7 @@ class FusedGlobalAttention(FusedStandIn):
             self.linear_query(source3),
             memory.keys,
             values,
-            self.v.weight[0],
+            score_row(self.v),
             lengths=lengths,
             stepwise=memory.stepwise,
             backend=self.backend,

@@ -38,6 +38,7 @@ from seq2seq_fast.nn.convert._base import (
     is_linear,
     own_parameter_names,
     register,
+    score_row,
 )
 from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert._speech import (
@@ -95,7 +96,7 @@ class FusedContentBasedAttention(FusedStandIn):
     def _finish(
         self, dec_states: Tensor, keys: Tensor, enc_states: Tensor, location: tuple | None = None
     ) -> tuple[Tensor, Tensor]:
-        v_eff = scaled(self.mlp_attn.weight[0], self.scaling)
+        v_eff = scaled(score_row(self.mlp_attn), self.scaling)
         query = self.mlp_dec(dec_states)
         if location is not None:  # location-aware: keys = keys + the location term
             context, weights = attend_location(

@@ -35,6 +35,7 @@ from seq2seq_fast.nn.convert._base import (
     child_names,
     own_parameter_names,
     register,
+    score_row,
 )
 from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert._speech import (
@@ -73,7 +74,7 @@ class FusedTacotron2Attention(FusedStandIn):
             conv1d_of(layer.location_conv).weight,
             linear_of(layer.location_dense).weight,
         )
-        v = linear_of(self.v).weight[0]
+        v = score_row(linear_of(self.v))
         return attend_location(
             self,
             self.backend,

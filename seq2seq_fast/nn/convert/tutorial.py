@@ -8,7 +8,7 @@ outputs every step)::
     weights = softmax(scores, -1); context = weights @ keys
 
 Va's bias shifts every score of a row equally, so it cancels in the softmax and is left out of
-the kernel (its gradient is zero either way). No mask.
+the kernel; it still gets its gradient, zero (``_base.with_cancelled``). No mask.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from seq2seq_fast.nn.convert._base import (
     is_linear,
     own_parameter_names,
     register,
+    score_row,
 )
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepMemory, step_memory
@@ -73,7 +74,7 @@ class FusedTutorialAttention(FusedStandIn):
             self.Wa(query),
             memory.keys,
             values,
-            self.Va.weight[0],
+            score_row(self.Va),
             stepwise=memory.stepwise,
             backend=self.backend,
         )

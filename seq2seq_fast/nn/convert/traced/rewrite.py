@@ -14,6 +14,7 @@ import threading
 import torch
 from torch import Tensor, fx, nn
 
+from seq2seq_fast.nn.convert._base import with_cancelled
 from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert.traced.key_terms import _BoundTerm, _key_terms, _LocationTerm, _Plain
 from seq2seq_fast.nn.convert.traced.nodes import _MATMUL, _MUL, _NEW_FULL, _SUM, MASK_FILL_MAX, _is
@@ -456,8 +457,9 @@ class TracedWeights:
                 shift = shift.reshape(()) if isinstance(shift, Tensor) else float(shift)
                 shift = -shift if step.sign == "-" else shift
                 score_bias = shift if score_bias is None else score_bias + shift
-        if self.plan.normalisation.kind == "softmax":
-            score_bias = None  # a softmax cancels it
+        if self.plan.normalisation.kind == "softmax":  # a softmax cancels the shifts
+            v_eff = with_cancelled(v_eff, *(s for s in shifts if isinstance(s, Tensor)))
+            score_bias = None
         return v_eff, score_bias, plain
 
     def _located(self, query, key, step: _Step, location: _LocationTerm) -> tuple:
