@@ -101,3 +101,25 @@ def test_example_inputs_leave_no_autograd_graph_on_the_model():
     assert all(t.grad_fn is None for t in kept if isinstance(t, torch.Tensor))
     twin = copy.deepcopy(model)
     torch.testing.assert_close(twin(*args), model(*args))
+
+
+def test_a_first_call_with_one_key_waits_for_the_next():
+    """A memory of one key cannot show which axis is the memory's: such a first call decided
+    "not the fused op's form" for good. The module is watched again instead, and converts at its
+    next call with more keys; after three calls of one key each it is left, saying why."""
+    torch.manual_seed(0)
+    model = _Holder(Pointer())
+    report = fuse_attention_report(model)
+    want = copy.deepcopy(model)
+    for frames in (1, 6):
+        args = _pointer_call(4, frames, torch.float32)
+        torch.testing.assert_close(model(*args), want(*args))
+        if frames == 1:
+            assert report.count == 0 and "att" in report.watching and not report.skipped
+    assert report.count == 1 and isinstance(model.att, FusedStandIn), str(report)
+    stubborn = _Holder(Pointer())
+    report = fuse_attention_report(stubborn)
+    for _ in range(3):
+        stubborn(*_pointer_call(4, 1, torch.float32))
+    assert report.count == 0 and report.watching == [], str(report)
+    assert "in each of its first 3 calls: one key" in report.skipped[0].reason

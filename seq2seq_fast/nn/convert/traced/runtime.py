@@ -49,6 +49,7 @@ from seq2seq_fast.nn.convert.traced.rewrite import recorded_runs, rewrite
 from seq2seq_fast.nn.convert.traced.watching import (
     LAYOUT,
     Recording,
+    rearm,
     strip_watches,
     watching_now,
 )
@@ -407,10 +408,23 @@ def _probe_copies(module: nn.Module, recording, backend: str, dtype: torch.dtype
     return None, "; ".join(matched)
 
 
+# A first call whose memory has one key: its trace cannot tell the memory's axis (size 1) from
+# others, so the module is watched again at its next calls, up to this many in all.
+ONE_KEY = "the softmax runs over an axis of size 1"
+UNDECIDED_CALLS = 3
+
+
 def convert(recording, watch) -> None:
     """Probe the traced version of ``recording.module`` on its first call's input; convert it in
-    place when it agrees, and say either in ``watch.report``."""
+    place when it agrees, and say either in ``watch.report``. A first call with one key decides
+    nothing: the module's next call is watched instead (up to UNDECIDED_CALLS calls)."""
     reason = _probe_and_swap(recording, watch.report, watch.backend, LAYOUT, recording.module)
+    if reason is not None and ONE_KEY in reason:
+        watch.undecided_calls += 1
+        if watch.undecided_calls < UNDECIDED_CALLS:
+            rearm(recording.module)
+            return
+        reason += f" (in each of its first {UNDECIDED_CALLS} calls: one key)"
     if reason is not None:
         name = class_name(recording.module)
         watch.report.skipped.append(Skipped(recording.path, (LAYOUT,), name, reason))

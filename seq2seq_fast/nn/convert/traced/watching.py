@@ -302,6 +302,7 @@ class _Watch:
         self.done = False  # its first call has begun
         self.decided = False  # it took its attention: tanh events in its later calls are its
         self.recording: Recording | None = None
+        self.undecided_calls = 0  # first calls that could not decide (one key), watched again
 
     def __deepcopy__(self, memo):
         return None  # a copy of the module is not watched
@@ -323,6 +324,18 @@ def _unhook(module: nn.Module) -> None:
     module._forward_hooks.pop(post, None)
     module._forward_hooks_with_kwargs.pop(post, None)
     module._forward_hooks_always_called.pop(post, None)
+
+
+def rearm(module: nn.Module) -> None:
+    """Watch ``module``'s next call as if it were its first (the last one could not decide)."""
+    watch = _watch_of(module)
+    if watch is None:
+        return
+    pre = module.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+    post = module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
+    watch.hook_ids = (pre.id, post.id)
+    watch.done = watch.decided = False
+    watch.report.watching.append(watch.path)
 
 
 def strip_watches(module: nn.Module) -> None:
