@@ -23,10 +23,10 @@ trace cache, the report it belongs to), which copies and pickles drop: a copy tr
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import types
+import uuid
 import warnings
 from dataclasses import dataclass
 
@@ -146,14 +146,11 @@ def _traced_state(module: nn.Module, cls: type, backend: str) -> _TracedState:
         # the probe's copy, whose call (a layout's example call) is of other sizes than the
         # model's: the model's first call would compile with dynamic sizes. Two converted models
         # share nothing this way either, nor does a module made later at a freed one's address
-        # (a number drawn once per name, not the module's id).
+        # (a random name, not the module's id).
         rewriter = _Rewriter(backend)
-        state = _TracedState(rewriter, _compiled(fn, f"_fused_{next(_NAMES)}", rewriter))
+        state = _TracedState(rewriter, _compiled(fn, f"_fused_{uuid.uuid4().hex}", rewriter))
         module.__dict__["_fuse_attention_traced"] = state
     return state
-
-
-_NAMES = itertools.count()  # the code names' numbers: never one twice in a process
 
 
 def _compiled(fn, suffix: str, rewriter: _Rewriter):
@@ -169,7 +166,7 @@ def _retrace_capturing_scalars(module: nn.Module, state: _TracedState, cls: type
     its next call on with TorchDynamo's scalars captured: a forward whose graph ended between the
     scores and the softmax (a pad mask built from ``int(lengths.max())`` there, as ESPnet's
     attentions do on an utterance's first step) then traces whole."""
-    suffix = f"_fused_{next(_NAMES)}_scalars"
+    suffix = f"_fused_{uuid.uuid4().hex}_scalars"
     state.compiled = _compiled(cls.forward, suffix, state.rewriter)
     state.capture_scalars = True
 
