@@ -123,3 +123,22 @@ def test_a_first_call_with_one_key_waits_for_the_next():
         stubborn(*_pointer_call(4, 1, torch.float32))
     assert report.count == 0 and report.watching == [], str(report)
     assert "in each of its first 3 calls: one key" in report.skipped[0].reason
+
+
+def test_conversions_made_under_autocast():
+    """The safety check and the probe compare in float64; a caller's autocast region made their
+    outputs bfloat16, and every conversion there a refusal ("differs ... torch.float64 vs
+    torch.bfloat16"): fuse_attention inside autocast, or a watched module first called in a
+    bfloat16 training loop, converted nothing."""
+    from tests.layouts import TutorialDecoder
+
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = fuse_attention_report(TutorialDecoder(8, 13))
+    assert report.count == 1 and not report.skipped, str(report)
+    model = _Holder(Pointer())
+    report = fuse_attention_report(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(*_pointer_call(2, 5, torch.float32))
+    assert report.count == 1 and not report.skipped, str(report)
+    assert isinstance(model.att, FusedStandIn)

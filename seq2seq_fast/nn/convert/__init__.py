@@ -44,6 +44,7 @@ from seq2seq_fast.nn.convert._base import (
     class_name,
     register,
     registered_layouts,
+    without_autocast,
 )
 from seq2seq_fast.nn.convert.traced import watch_model
 from seq2seq_fast.nn.convert.traced.runtime import convert_now
@@ -118,7 +119,8 @@ def _stand_in_refused(module: nn.Module, layout: Layout, backend: str, check: bo
     if not check:
         return None
     try:
-        reason = check_equivalent(module, layout, backend)
+        with without_autocast():
+            reason = check_equivalent(module, layout, backend)
     except Exception as exc:  # noqa: BLE001 - any failure refuses the conversion
         # (the module is not called as the layout calls it: not a difference found)
         return (

@@ -42,6 +42,7 @@ from seq2seq_fast.nn.convert._base import (
     _first_difference,
     _gradients,
     class_name,
+    without_autocast,
 )
 from seq2seq_fast.nn.convert.traced.nodes import ROUNDED_SCORES, SCORES_LEAVE_THE_GRAPH
 from seq2seq_fast.nn.convert.traced.pattern import find_matches
@@ -306,7 +307,7 @@ _PROBE_LOCK = threading.RLock()
 
 def _probe(module: nn.Module, recording, backend: str) -> tuple[str | None, str]:
     """(None or why not, what was found) for the traced version of ``module``."""
-    with _PROBE_LOCK:
+    with _PROBE_LOCK, without_autocast():
         return _probe_unlocked(module, recording, backend)
 
 
