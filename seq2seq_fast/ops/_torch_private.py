@@ -25,7 +25,10 @@ PRIVATE_APIS: tuple[tuple[str, str], ...] = (
     ("torch._C._are_functorch_transforms_active", "ops._autograd.traced_or_transformed"),
     ("torch._C._current_graph_task_id", "ops._autograd.StepGradients (per backward pass)"),
     ("torch._C._functions.DelayedError", "ops._autograd.guard_double_backward"),
-    ("torch._C._autograd._top_saved_tensors_default_hooks", "nn.keycache.cache_bypassed"),
+    (
+        "torch._C._autograd._top_saved_tensors_default_hooks",
+        "nn.keycache.cache_bypassed, nn.convert.traced (a first call under checkpointing)",
+    ),
     ("torch._C._nn.linear", "nn.convert (F.linear as FX graphs record it)"),
     ("torch.utils._pytree.tree_leaves", "nn.keycache, nn.convert (nested inputs' tensors)"),
     ("torch.utils._pytree.tree_map", "nn.convert (copies of nested inputs)"),

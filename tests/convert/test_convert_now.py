@@ -142,3 +142,33 @@ def test_conversions_made_under_autocast():
         model(*_pointer_call(2, 5, torch.float32))
     assert report.count == 1 and not report.skipped, str(report)
     assert isinstance(model.att, FusedStandIn)
+
+
+def test_a_first_call_under_checkpointing_waits_for_a_call_outside():
+    """Converted at the end of its first call inside torch.utils.checkpoint(use_reentrant=False),
+    a watched module's recomputation in the backward ran the fused code where its forward had run
+    its own: "A different number of tensors was saved during the original forward and
+    recomputation". It now waits (with a warning) for a call outside the saved-tensor hooks."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = _Holder(Pointer())
+    original = copy.deepcopy(model)
+    report = fuse_attention_report(model)
+    args = _pointer_call(2, 5, torch.float32)
+
+    def loss_and_grads(net):
+        net.zero_grad()
+        probs, pointed = checkpoint(net, *args, use_reentrant=False)
+        (probs.sum() + pointed.pow(2).sum()).backward()
+        return [p.grad.clone() for p in net.parameters()]
+
+    with pytest.warns(UserWarning, match="saved-tensor hooks"):
+        got = loss_and_grads(model)
+    assert report.count == 0 and "att" in report.watching
+    for g, w in zip(got, loss_and_grads(original), strict=True):
+        torch.testing.assert_close(g, w)
+    model(*args)  # outside: converts
+    assert report.count == 1 and isinstance(model.att, FusedStandIn), str(report)
+    for g, w in zip(loss_and_grads(model), loss_and_grads(original), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

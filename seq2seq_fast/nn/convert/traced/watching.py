@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from seq2seq_fast.nn.convert._base import ConversionReport, FusedStandIn, Skipped, class_name
-from seq2seq_fast.ops._torch_private import pytree
+from seq2seq_fast.ops._torch_private import pytree, saved_tensors_hooks_active
 
 LAYOUT = "traced"
 _ADD_NAMES = {"add", "__add__", "__radd__", "add_", "__iadd__"}
@@ -222,6 +222,11 @@ def _pre_hook(module: nn.Module, args, kwargs):
     if torch.compiler.is_compiling():  # a trace of the user's: the watch waits for an eager call
         warnings.warn(FIRST_CALL_COMPILED.format(watch.path, class_name(module)), stacklevel=2)
         return None
+    if saved_tensors_hooks_active():  # checkpointing: the watch waits for a call outside it
+        if not watch.warned_hooks:
+            watch.warned_hooks = True
+            warnings.warn(FIRST_CALL_HOOKED.format(watch.path, class_name(module)), stacklevel=2)
+        return None
     watch.done = True
     module._forward_pre_hooks.pop(watch.hook_ids[0], None)
     call = _current()
@@ -243,6 +248,15 @@ FIRST_CALL_COMPILED = (
     "called inside a compiled model it runs its own code, unfused, and is not converted. Leave it "
     "out of the compiled region (torch.compiler.disable on its forward) to have it converted and "
     "fused; the named layouts' stand-ins run fused inside torch.compile"
+)
+
+
+FIRST_CALL_HOOKED = (
+    "fuse_attention: {} ({}) is watched by the general path and called under saved-tensor hooks "
+    "(torch.utils.checkpoint without reentrant, or save_on_cpu): converted at the end of such a "
+    "call, its recomputation in the backward would run other code than its forward did, which "
+    "non-reentrant checkpointing refuses. It runs its own code, unfused, until a call outside "
+    "them; pass example_inputs to fuse_attention to convert it before the training loop"
 )
 
 
@@ -303,6 +317,7 @@ class _Watch:
         self.decided = False  # it took its attention: tanh events in its later calls are its
         self.recording: Recording | None = None
         self.undecided_calls = 0  # first calls that could not decide (one key), watched again
+        self.warned_hooks = False  # said once: calls under saved-tensor hooks wait
 
     def __deepcopy__(self, memo):
         return None  # a copy of the module is not watched
