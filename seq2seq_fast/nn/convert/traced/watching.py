@@ -296,8 +296,10 @@ def _decide(call: _CallWatch, recording: Recording, watch: _Watch) -> None:
                 recording.path,
                 (LAYOUT,),
                 class_name(recording.module),
-                "computes a tanh over a sum but no softmax over it in its own call "
-                "(converted with its caller if the caller holds the softmax)",
+                "computes a tanh over a sum, but no softmax over it was followed in its own "
+                "call: the caller holds the softmax (then it converts with its caller), or "
+                "the scores reach it through ops the watch does not follow (torch.mm, torch.cat "
+                "of per-step scores in a Python loop)",
             )
         )
         return
