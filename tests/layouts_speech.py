@@ -135,6 +135,61 @@ class AttLoc(AttAdd):
         return c, w
 
 
+def _espnet_uniform(enc_hs_len, like: Tensor) -> Tensor:
+    valid = (~espnet_pad_mask(enc_hs_len)).to(device=like.device, dtype=like.dtype)
+    return valid / valid.new_tensor(enc_hs_len).unsqueeze(-1)
+
+
+class AttCovLoc(AttLoc):
+    """ESPnet's coverage + location attention: AttLoc's parts; the location convolution reads the
+    coverage, the sum of the list of all previous steps' weights (uniform first); the call appends
+    this step's weights to the list and returns (context, the list)."""
+
+    def forward(self, enc_hs_pad, enc_hs_len, dec_z, att_prev_list, scaling=2.0):
+        batch = len(enc_hs_pad)
+        self._memory(enc_hs_pad)
+        query = self._query(enc_hs_pad, dec_z)
+        if att_prev_list is None:
+            att_prev_list = [_espnet_uniform(enc_hs_len, query)]
+        cov_vec = sum(att_prev_list)  # [B, T]
+        conv = self.loc_conv(cov_vec.view(batch, 1, 1, self.h_length))  # [B, C, 1, T]
+        location = self.mlp_att(conv.squeeze(2).transpose(1, 2))  # [B, T, att_dim]
+        e = self.gvec(torch.tanh(location + self.pre_compute_enc_h + query)).squeeze(2)
+        w = self._normalise(e, enc_hs_len, scaling)
+        att_prev_list += [w]
+        c = torch.sum(self.enc_h * w.view(batch, self.h_length, 1), dim=1)
+        return c, att_prev_list
+
+
+class AttCov(AttAdd):
+    """ESPnet's coverage attention: e = gvec(tanh(wvec(coverage) + mlp_enc(h) + mlp_dec(s))),
+    wvec a Linear(1, att_dim) over each frame's coverage (the sum of all previous steps'
+    weights); the call appends this step's weights to the list and returns (context, the list)."""
+
+    def __init__(self, eprojs, dunits, att_dim, han_mode=False):
+        nn.Module.__init__(self)  # children in ESPnet's order
+        self.mlp_enc = nn.Linear(eprojs, att_dim)
+        self.mlp_dec = nn.Linear(dunits, att_dim, bias=False)
+        self.wvec = nn.Linear(1, att_dim)
+        self.gvec = nn.Linear(att_dim, 1)
+        self.dunits, self.eprojs, self.att_dim = dunits, eprojs, att_dim
+        self.han_mode = han_mode
+        self.reset()
+
+    def forward(self, enc_hs_pad, enc_hs_len, dec_z, att_prev_list, scaling=2.0):
+        batch = len(enc_hs_pad)
+        self._memory(enc_hs_pad)
+        query = self._query(enc_hs_pad, dec_z)
+        if att_prev_list is None:
+            att_prev_list = [_espnet_uniform(enc_hs_len, query)]
+        cov_vec = self.wvec(sum(att_prev_list).unsqueeze(-1))  # [B, T, att_dim]
+        e = self.gvec(torch.tanh(cov_vec + self.pre_compute_enc_h + query)).squeeze(2)
+        w = self._normalise(e, enc_hs_len, scaling)
+        att_prev_list += [w]
+        c = torch.sum(self.enc_h * w.view(batch, self.h_length, 1), dim=1)
+        return c, att_prev_list
+
+
 # --- SpeechBrain ----------------------------------------------------------------------------------
 
 

@@ -48,6 +48,23 @@ def drive_espnet(module, dtype, gen, inputs):
     return outs
 
 
+def drive_espnet_coverage(module, dtype, gen, inputs):
+    """ESPnet's coverage attentions: the list of previous weights passed back each step, the
+    call appending to it."""
+    outs = []
+    for batch, frames in ((3, 7), (2, 5)):
+        module.reset()
+        enc = _rand(gen, dtype, batch, frames, module.eprojs).requires_grad_()
+        inputs.append(enc)
+        lengths, previous = _lengths(batch, frames), None
+        for _ in range(3):
+            dec_z = _rand(gen, dtype, batch, module.dunits)
+            c, previous = module(enc, lengths, dec_z, previous, scaling=1.7)
+            outs += [c, previous[-1]]
+        assert len(previous) == 4  # the uniform start and one per step
+    return outs
+
+
 def drive_speechbrain(module, dtype, gen, inputs):
     outs = []
     for batch, frames in ((3, 7), (2, 5)):
@@ -182,6 +199,10 @@ class Case:
 CASES = {
     "espnet_att_add": Case(lambda: L.AttAdd(10, 6, 8), drive_espnet, "espnet_att_add"),
     "espnet_att_loc": Case(lambda: L.AttLoc(10, 6, 8, 4, 2), drive_espnet, "espnet_att_loc"),
+    "espnet_att_cov": Case(lambda: L.AttCov(10, 6, 8), drive_espnet_coverage, "espnet_att_cov"),
+    "espnet_att_cov_loc": Case(
+        lambda: L.AttCovLoc(10, 6, 8, 4, 2), drive_espnet_coverage, "espnet_att_cov_loc"
+    ),
     "speechbrain_content": Case(
         lambda: L.ContentBasedAttention(10, 6, 8, 5, scaling=1.3),
         drive_speechbrain,
@@ -595,22 +616,13 @@ def test_coqui_sigmoid_trains_through_the_location_step(monkeypatch):
     assert grads_b["attn.v.linear_layer.bias"].abs().sum() > 1e-6
 
 
-class AttCovLoc(L.AttLoc):
-    """ESPnet's coverage + location attention: AttLoc's parts, but the location convolution reads
-    the sum of the list of all previous steps' weights."""
-
-    def forward(self, enc_hs_pad, enc_hs_len, dec_z, att_prev_list, scaling=2.0):
-        coverage = None if att_prev_list is None else sum(att_prev_list)
-        return super().forward(enc_hs_pad, enc_hs_len, dec_z, coverage, scaling=scaling)
-
-
-def test_espnet_coverage_is_skipped_with_the_reason():
-    attn = AttCovLoc(10, 6, 8, 4, 2)
-    model = nn.ModuleDict({"attn": attn})
-    report = fuse_attention_report(model)
-    assert report.count == 0 and model["attn"] is attn
-    assert report.skipped[0].layouts == ("espnet_att_loc",)
-    assert "coverage" in report.skipped[0].reason and "differs" not in report.skipped[0].reason
+def test_espnet_attloc_is_not_taken_for_coverage():
+    """AttCovLoc has AttLoc's parts: only its own layout takes it (its location convolution reads
+    the sum of a list of weights), and AttLoc's does not take AttCovLoc."""
+    report = fuse_attention_report(nn.ModuleDict({"a": L.AttCovLoc(10, 6, 8, 4, 2)}))
+    assert [r.layout for r in report.replaced] == ["espnet_att_cov_loc"], str(report)
+    report = fuse_attention_report(nn.ModuleDict({"a": L.AttLoc(10, 6, 8, 4, 2)}))
+    assert [r.layout for r in report.replaced] == ["espnet_att_loc"], str(report)
 
 
 @requires_cpu_kernel

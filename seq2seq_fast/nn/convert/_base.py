@@ -270,12 +270,14 @@ def _run(module: nn.Module, layout: Layout, args: tuple, kwargs: dict, seed: int
     )
     if layout.prepare is not None:
         layout.prepare(module, args, kwargs)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        out = module(*args, **kwargs)
+    # the leaves before the call: a call may append to a list it was given (ESPnet's coverage
+    # attentions append their weights to att_prev_list)
     inputs = [
         t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor) and t.requires_grad
     ]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        out = module(*args, **kwargs)
     return out, inputs
 
 

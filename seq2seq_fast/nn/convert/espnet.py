@@ -1,4 +1,5 @@
-"""ESPnet's ``AttAdd`` and ``AttLoc`` (espnet/nets/pytorch_backend/rnn/attentions.py).
+"""ESPnet's ``AttAdd``, ``AttLoc``, ``AttCov`` and ``AttCovLoc``
+(espnet/nets/pytorch_backend/rnn/attentions.py).
 
 Original parameters: ``mlp_enc`` (eprojs -> att_dim, with bias), ``mlp_dec`` (dunits -> att_dim,
 no bias), ``gvec`` (att_dim -> 1, with bias); AttLoc adds ``mlp_att`` (aconv_chans -> att_dim, no
@@ -14,6 +15,13 @@ memory, computed at the first step of an utterance, or every step with ``han_mod
                                                       over the valid frames)
     e = gvec(tanh(keys + mlp_dec(dec_z))); e[mask] = -inf; w = softmax(scaling * e)
     context = sum_t w_t enc_h_t
+
+The coverage attentions take ``att_prev_list`` (a list of [B, T] weights, None at the first step:
+[uniform]) instead of ``att_prev``, append ``w`` to it and return (context, att_prev_list); with
+coverage = sum(att_prev_list), AttCov's keys are pre_compute_enc_h + wvec(coverage) (``wvec``:
+Linear(1, att_dim) per frame, with bias) and AttCovLoc's are AttLoc's with the convolution over
+the coverage. Both run as the location-aware step (AttCov: one channel, no convolution, wvec's
+bias in the query).
 
 AttLoc's ``forward`` also takes ``last_attended_idx``, ``backward_window``, ``forward_window`` (the
 monotonic constraint of TTS decoding, batch of one): frames outside the window are masked like
@@ -164,6 +172,63 @@ class FusedEspnetAttLoc(FusedEspnetAttAdd):
         )
 
 
+def _uniform(enc_hs_pad: Tensor, enc_hs_len, dtype: torch.dtype) -> Tensor:
+    """ESPnet's first previous weights: uniform over each utterance's valid frames [B, T]."""
+    frames = (~_padding_mask(enc_hs_len, enc_hs_pad.device)).to(dtype)
+    return frames / frames.new_tensor(enc_hs_len).unsqueeze(-1)
+
+
+class FusedEspnetAttCovLoc(FusedEspnetAttLoc):
+    """Fused stand-in for ESPnet's AttCovLoc (coverage + location): AttLoc's step with the
+    location convolution over the coverage, the sum of the list of all the previous steps'
+    weights. As the original, the call appends this step's weights to that list and returns it:
+    (context, att_prev_list)."""
+
+    layout = "espnet_att_cov_loc"
+
+    def forward(  # type: ignore[override]
+        self, enc_hs_pad: Tensor, enc_hs_len, dec_z: Tensor | None, att_prev_list, scaling=2.0
+    ) -> tuple[Tensor, list]:
+        if att_prev_list is None:
+            att_prev_list = [_uniform(enc_hs_pad, enc_hs_len, self.mlp_enc.weight.dtype)]
+        coverage = sum(att_prev_list)
+        context, weights = FusedEspnetAttLoc.forward(
+            self, enc_hs_pad, enc_hs_len, dec_z, coverage, scaling
+        )
+        att_prev_list += [weights]
+        return context, att_prev_list
+
+
+class FusedEspnetAttCov(FusedEspnetAttAdd):
+    """Fused stand-in for ESPnet's AttCov (coverage): keys_t = mlp_enc(h) + wvec(coverage_t) per
+    frame, coverage the sum of the list of all the previous steps' weights: the location-aware
+    step with one channel, no convolution (a 1-tap identity) and wvec's weight [A, 1] as the
+    dense layer; wvec's bias, the same for every frame, joins the query. The call appends this
+    step's weights to the list and returns it, as the original."""
+
+    layout = "espnet_att_cov"
+    gather_steps = False  # the keys change every step
+
+    def forward(  # type: ignore[override]
+        self, enc_hs_pad: Tensor, enc_hs_len, dec_z: Tensor | None, att_prev_list, scaling=2.0
+    ) -> tuple[Tensor, list]:
+        batch = len(enc_hs_pad)
+        self._remember(enc_hs_pad)
+        query = self._query(enc_hs_pad, dec_z) + self.wvec.bias
+        if att_prev_list is None:
+            att_prev_list = [_uniform(enc_hs_pad, enc_hs_len, query.dtype)]
+        coverage = sum(att_prev_list).view(batch, 1, self.h_length)
+        identity = coverage.new_ones(1, 1, 1)  # conv_weight [C=1, Cin=1, K=1]
+        location = (coverage, identity, self.wvec.weight)
+        v_eff = scaled(score_row(self.gvec), scaling)
+        valid = self._valid(enc_hs_len, enc_hs_pad.device)
+        context, weights = attend_location(
+            self, self.backend, query, self.pre_compute_enc_h, location, self.enc_h, v_eff, valid
+        )
+        att_prev_list += [weights]
+        return context, att_prev_list
+
+
 def _window(valid: Tensor, last: int, backward: int, forward: int) -> Tensor:
     """ESPnet's monotonic constraint as a mask: frames before last - backward (when > 0) and
     from last + forward on are excluded. Batch of one, as there."""
@@ -217,14 +282,24 @@ def _match_loc(module: nn.Module) -> bool:
     )
 
 
-def _unsupported_loc(module: nn.Module) -> str | None:
-    if forward_defined_in(module, "AttCovLoc"):
-        return (
-            "coverage (ESPnet's AttCovLoc): its location convolution reads the sum of all the "
-            "previous steps' weights, passed as a list; the stand-in takes AttLoc's previous "
-            "step's weights"
-        )
-    return None
+def _match_loc_only(module: nn.Module) -> bool:
+    return _match_loc(module) and not forward_defined_in(module, "AttCovLoc")
+
+
+def _match_cov_loc(module: nn.Module) -> bool:
+    return _match_loc(module) and forward_defined_in(module, "AttCovLoc")
+
+
+def _match_cov(module: nn.Module) -> bool:
+    if not _common(module, {"wvec"}) or not forward_defined_in(module, "AttCov"):
+        return False
+    return is_linear(module.wvec, bias=True, in_features=1, out_features=module.att_dim)
+
+
+def _example_call_cov(module: nn.Module, dtype: torch.dtype) -> tuple[tuple, dict]:
+    (enc, lengths, dec_z, att_prev), kwargs = _example_call(module, dtype)
+    earlier = torch.softmax(torch.randn(att_prev.shape, dtype=dtype), dim=1)
+    return (enc, lengths, dec_z, [earlier, att_prev]), kwargs
 
 
 def _example_call(module: nn.Module, dtype: torch.dtype) -> tuple[tuple, dict]:
@@ -252,10 +327,27 @@ LAYOUT_ADD = register(
 LAYOUT_LOC = register(
     Layout(
         "espnet_att_loc",
-        _match_loc,
+        _match_loc_only,
         lambda module, backend: FusedEspnetAttLoc(module, backend),
         _example_call,
         prepare=_prepare,
-        unsupported=_unsupported_loc,
+    )
+)
+LAYOUT_COV_LOC = register(
+    Layout(
+        "espnet_att_cov_loc",
+        _match_cov_loc,
+        lambda module, backend: FusedEspnetAttCovLoc(module, backend),
+        _example_call_cov,
+        prepare=_prepare,
+    )
+)
+LAYOUT_COV = register(
+    Layout(
+        "espnet_att_cov",
+        _match_cov,
+        lambda module, backend: FusedEspnetAttCov(module, backend),
+        _example_call_cov,
+        prepare=_prepare,
     )
 )
