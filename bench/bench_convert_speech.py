@@ -162,6 +162,11 @@ def _families() -> dict[str, _Family]:
         "espnet AttLoc": _Family(
             lambda s: L.AttLoc(w(s), w(s), w(s), *conv(s)), _espnet_start, _espnet_step
         ),
+        # coverage: the previous weights as a list, appended to each step (the same step call)
+        "espnet AttCov": _Family(lambda s: L.AttCov(w(s), w(s), w(s)), _espnet_start, _espnet_step),
+        "espnet AttCovLoc": _Family(
+            lambda s: L.AttCovLoc(w(s), w(s), w(s), *conv(s)), _espnet_start, _espnet_step
+        ),
         "speechbrain content": _Family(
             lambda s: L.ContentBasedAttention(w(s), w(s), w(s), w(s)),
             _speechbrain_start,
