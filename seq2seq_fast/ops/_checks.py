@@ -3,8 +3,9 @@ masks, with errors that name the argument and what it got, before any kernel run
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -102,6 +103,18 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return None
+
+
+@contextlib.contextmanager
+def without_autocast() -> Iterator[None]:
+    """Autocast off (CPU, and CUDA where there is one) inside the block: for the converter's own
+    calls, the safety check and the probe, which compare in float64 and which a caller's autocast
+    region would turn into bfloat16 (and every conversion made there into a refusal)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autocast("cpu", enabled=False))
+        if torch.cuda.is_available():
+            stack.enter_context(torch.autocast("cuda", enabled=False))
+        yield
 
 
 def prefix_lengths(valid: Tensor | None) -> Tensor | None:

@@ -44,10 +44,10 @@ from seq2seq_fast.nn.convert._base import (
     class_name,
     register,
     registered_layouts,
-    without_autocast,
 )
 from seq2seq_fast.nn.convert.traced import watch_model
 from seq2seq_fast.nn.convert.traced.runtime import convert_now
+from seq2seq_fast.ops._checks import without_autocast
 from seq2seq_fast.ops._torch_private import uncompiled
 
 __all__ = [

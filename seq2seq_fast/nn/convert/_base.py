@@ -46,10 +46,9 @@ Stand-ins whose client re-projects a fixed memory at every step use
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -178,18 +177,6 @@ def forward_defined_in(module: nn.Module, *class_names: str) -> bool:
     forward = getattr(type(module), "forward", None)
     qualname = getattr(forward, "__qualname__", "")
     return qualname.rsplit(".", 1)[0].split(".")[-1] in class_names
-
-
-@contextlib.contextmanager
-def without_autocast() -> Iterator[None]:
-    """Autocast off (CPU, and CUDA where there is one) for the converter's own calls: the safety
-    check and the probe compare in float64, which a caller's autocast region would turn into
-    bfloat16 (and every conversion made there into a refusal)."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.autocast("cpu", enabled=False))
-        if torch.cuda.is_available():
-            stack.enter_context(torch.autocast("cuda", enabled=False))
-        yield
 
 
 def with_cancelled(v: Tensor, *cancelled: Tensor | None) -> Tensor:

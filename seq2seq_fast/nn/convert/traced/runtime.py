@@ -42,7 +42,6 @@ from seq2seq_fast.nn.convert._base import (
     _first_difference,
     _gradients,
     class_name,
-    without_autocast,
 )
 from seq2seq_fast.nn.convert.traced.nodes import ROUNDED_SCORES, SCORES_LEAVE_THE_GRAPH
 from seq2seq_fast.nn.convert.traced.pattern import find_matches
@@ -55,6 +54,7 @@ from seq2seq_fast.nn.convert.traced.watching import (
     watching_now,
 )
 from seq2seq_fast.ops import fused_available
+from seq2seq_fast.ops._checks import without_autocast
 from seq2seq_fast.ops._torch_private import (
     compile_frame,
     dynamo_capture_scalars,
