@@ -99,3 +99,92 @@ def test_converted_layouts_run_the_fused_op_not_a_fallback(case, monkeypatch):
             "outputs",
         )
     assert [r.path for r in report.replaced] == [case.converts], str(report)
+
+
+class _Smoothed(torch.nn.Module):
+    """Sigmoid normalisation spelled as kospeech and ClovaCall spell it (the sum's axis put back
+    by unsqueeze or an index, not keepdim); ``wrong_axis``: put back at another axis, which is
+    not the normalisation (a [B, 1, T]-shaped query row times [B, T, 1]: left alone)."""
+
+    def __init__(self, spelling: str) -> None:
+        super().__init__()
+        self.spelling = spelling
+        self.q = torch.nn.Linear(6, 6, bias=False)
+        self.k = torch.nn.Linear(6, 6, bias=False)
+        self.v = torch.nn.Linear(6, 1)
+
+    def forward(self, query, memory, valid):
+        e = self.v(torch.tanh(self.q(query) + self.k(memory))).squeeze(-1)
+        e = torch.sigmoid(e.masked_fill(~valid, -1e4))
+        total = {
+            "keepdim": lambda: e.sum(-1, keepdim=True),
+            "unsqueeze": lambda: e.sum(-1).unsqueeze(-1),
+            "unsqueeze1": lambda: e.sum(1).unsqueeze(1),
+            "index": lambda: e.sum(-1)[:, None],
+            "wrong_axis": lambda: e.sum(-1)[None, :],
+        }[self.spelling]()
+        w = torch.div(e, total)
+        return torch.bmm(w.unsqueeze(1), memory).squeeze(1), w
+
+
+def _smoothed_call(batch: int, frames: int):
+    gen = torch.Generator().manual_seed(batch + frames)
+    query = torch.randn(batch, 1, 6, generator=gen, dtype=torch.float64)
+    memory = torch.randn(batch, frames, 6, generator=gen, dtype=torch.float64)
+    lengths = torch.tensor([frames] + [max(1, frames - 2)] * (batch - 1))
+    return query, memory, torch.arange(frames) < lengths.unsqueeze(1)
+
+
+@pytest.mark.parametrize("spelling", ["keepdim", "unsqueeze", "unsqueeze1", "index", "wrong_axis"])
+def test_sigmoid_normalisation_in_its_spellings(spelling):
+    """sigmoid(e) / sigmoid(e).sum(-1).unsqueeze(-1) (kospeech, ClovaCall) was refused: only
+    keepdim=True was taken. Each spelling converts and matches; the wrong axis does not."""
+    torch.manual_seed(0)
+    original = torch.nn.ModuleDict({"att": _Smoothed(spelling)}).double()
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model)
+    if spelling == "wrong_axis":  # [B, T] / [1, B]: broadcasts only when B == T
+        args = _smoothed_call(4, 4)
+        _assert_close(model["att"](*args), original["att"](*args), torch.float64, "look-alike")
+        assert report.count == 0, str(report)
+        return
+    for batch, frames in ((3, 5), (2, 7)):
+        args = _smoothed_call(batch, frames)
+        _assert_close(model["att"](*args), original["att"](*args), torch.float64, "outputs")
+    assert report.count == 1 and "sigmoid-normalised" in str(report), str(report)
+
+
+class _FlattenedPooling(torch.nn.Module):
+    """Keys-only attention pooling whose [B, T, 1] scores are flattened (an nn.Sequential ending
+    in nn.Flatten, as some text classifiers write it); ``merged``: [B, n, T] scores flattened
+    to [B, n * T] before the softmax, which is not the op (left alone)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.score = torch.nn.Sequential(
+            torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1), torch.nn.Flatten()
+        )
+
+    def forward(self, x):  # x [B, T, 6] (merged: [B, n, T, 6])
+        if self.how == "merged":
+            e = torch.flatten(self.score[:3](x), 1)  # [B, n * T]
+            w = torch.softmax(e, -1).view(x.shape[:3])
+            return (x * w.unsqueeze(-1)).sum(2)
+        e = self.score(x) if self.how == "module" else torch.flatten(self.score[:3](x), 1)
+        return (x * torch.softmax(e, -1).unsqueeze(2)).sum(1)
+
+
+@pytest.mark.parametrize("how", ["module", "function", "merged"])
+def test_scores_flattened_before_the_softmax(how):
+    """torch.flatten / nn.Flatten of [B, T, 1] scores is a reshape like squeeze(-1): it was refused
+    ("the scores go into flatten")."""
+    torch.manual_seed(0)
+    original = torch.nn.ModuleDict({"att": _FlattenedPooling(how)}).double()
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model)
+    gen = torch.Generator().manual_seed(2)
+    for shape in ((3, 5, 6), (2, 7, 6)) if how != "merged" else ((3, 2, 5, 6),):
+        x = torch.randn(shape, generator=gen, dtype=torch.float64)
+        _assert_close([model["att"](x)], [original["att"](x)], torch.float64, "outputs")
+    assert report.count == (0 if how == "merged" else 1), str(report)

@@ -37,6 +37,8 @@ _SHAPE_OPS = {
     "reshape",
     "contiguous",
     "t",
+    "flatten",
+    torch.flatten,
     torch.squeeze,
     torch.unsqueeze,
     torch.transpose,

@@ -349,9 +349,10 @@ def _from_call_inputs(node: fx.Node) -> bool:
 
 
 def _sigmoid_normalisation(node: fx.Node, users: list[fx.Node]):
-    """(division, dim, [sum, sigmoids]) where ``users`` of the scores ``node`` are one or two
-    sigmoid(node) whose only uses are sigmoid(node) / sigmoid(node).sum(dim, keepdim=True) (the
-    "smoothing" normalisation); None otherwise."""
+    """(division, dim, [the sum's nodes, sigmoids]) where ``users`` of the scores ``node`` are one
+    or two sigmoid(node) whose only uses are sigmoid(node) / sigmoid(node).sum(dim, keepdim=True)
+    (the "smoothing" normalisation; the sum's dim also restored by ``.unsqueeze(dim)`` or
+    ``[:, None]``, as kospeech and ClovaCall write it); None otherwise."""
     if not users or len(users) > 2:
         return None
     if not all(_is(u, _SIGMOID) and u.args and u.args[0] is node for u in users):
@@ -363,23 +364,50 @@ def _sigmoid_normalisation(node: fx.Node, users: list[fx.Node]):
     if len(sums) != 1 or len(sums[0].users) != 1:
         return None
     total = sums[0]
-    division = next(iter(total.users))
+    dim = _arg(total, 1, "dim")
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    if not isinstance(dim, int) or _arg(total, 3, "dtype") is not None or len(total.args) > 3:
+        return None
+    summed = total if _arg(total, 2, "keepdim") is True else _dim_restored(total, dim, users[0])
+    if summed is None or len(summed.users) != 1:
+        return None
+    division = next(iter(summed.users))
     if not (_is(division, _DIV) and len(division.args) == 2 and not division.kwargs):
         return None
-    if division.args[1] is not total or division.args[0] not in users:
+    if division.args[1] is not summed or division.args[0] not in users:
         return None
     if total.args[0] not in users or uses != {total, division}:
         return None
     if any(set(u.users) - {total, division} for u in users):
         return None
-    dim = _arg(total, 1, "dim")
-    if isinstance(dim, (list, tuple)) and len(dim) == 1:
-        dim = dim[0]
-    if not isinstance(dim, int) or _arg(total, 2, "keepdim") is not True:
+    return division, dim, [*([summed] if summed is not total else []), total, *users]
+
+
+def _dim_restored(total: fx.Node, dim: int, summed_over: fx.Node) -> fx.Node | None:
+    """The one user of ``total`` (a sum over ``dim`` without keepdim) that puts the summed axis
+    back as size 1: ``.unsqueeze(dim)`` or an index of full slices with None at ``dim``."""
+    if _arg(total, 2, "keepdim") not in (None, False) or len(total.users) != 1:
         return None
-    if _arg(total, 3, "dtype") is not None or len(total.args) > 3:
+    shape = _shape(summed_over)
+    if shape is None:
         return None
-    return division, dim, [total, *users]
+    rank = len(shape)
+    axis = dim % rank
+    user = next(iter(total.users))
+    if _is(user, {"unsqueeze", torch.unsqueeze}) and user.args and user.args[0] is total:
+        at = _arg(user, 1, "dim")
+        return user if isinstance(at, int) and at % rank == axis and not user.kwargs else None
+    if user.target is operator.getitem and len(user.args) == 2 and user.args[0] is total:
+        index = user.args[1] if isinstance(user.args[1], tuple) else (user.args[1],)
+        full = slice(None, None, None)
+        if (
+            len(index) <= rank
+            and index[axis : axis + 1] == (None,)
+            and all(i == full for k, i in enumerate(index) if k != axis)
+        ):
+            return user
+    return None
 
 
 def _match_at(graph: fx.Graph, tanh: fx.Node) -> Plan:
