@@ -140,31 +140,40 @@ def _espnet_uniform(enc_hs_len, like: Tensor) -> Tensor:
     return valid / valid.new_tensor(enc_hs_len).unsqueeze(-1)
 
 
+def _coverage_step(att, term, enc_hs_pad, enc_hs_len, dec_z, att_prev_list, scaling):
+    """ESPnet's coverage attentions' step: e = gvec(tanh(term(coverage) + mlp_enc(h) + query)),
+    coverage the sum of the list of all previous steps' weights (uniform first); this step's
+    weights are appended to the list, returned with the context."""
+    batch = len(enc_hs_pad)
+    att._memory(enc_hs_pad)
+    query = att._query(enc_hs_pad, dec_z)
+    if att_prev_list is None:
+        att_prev_list = [_espnet_uniform(enc_hs_len, query)]
+    cov_vec = sum(att_prev_list)  # [B, T]
+    e = att.gvec(torch.tanh(term(cov_vec) + att.pre_compute_enc_h + query)).squeeze(2)
+    w = att._normalise(e, enc_hs_len, scaling)
+    att_prev_list += [w]
+    c = torch.sum(att.enc_h * w.view(batch, att.h_length, 1), dim=1)
+    return c, att_prev_list
+
+
 class AttCovLoc(AttLoc):
-    """ESPnet's coverage + location attention: AttLoc's parts; the location convolution reads the
-    coverage, the sum of the list of all previous steps' weights (uniform first); the call appends
-    this step's weights to the list and returns (context, the list)."""
+    """ESPnet's coverage + location attention: AttLoc's parts, the location convolution over the
+    coverage; the call appends this step's weights to the list and returns (context, the list)."""
+
+    def _location(self, cov_vec):
+        conv = self.loc_conv(cov_vec.view(cov_vec.shape[0], 1, 1, -1))  # [B, C, 1, T]
+        return self.mlp_att(conv.squeeze(2).transpose(1, 2))  # [B, T, att_dim]
 
     def forward(self, enc_hs_pad, enc_hs_len, dec_z, att_prev_list, scaling=2.0):
-        batch = len(enc_hs_pad)
-        self._memory(enc_hs_pad)
-        query = self._query(enc_hs_pad, dec_z)
-        if att_prev_list is None:
-            att_prev_list = [_espnet_uniform(enc_hs_len, query)]
-        cov_vec = sum(att_prev_list)  # [B, T]
-        conv = self.loc_conv(cov_vec.view(batch, 1, 1, self.h_length))  # [B, C, 1, T]
-        location = self.mlp_att(conv.squeeze(2).transpose(1, 2))  # [B, T, att_dim]
-        e = self.gvec(torch.tanh(location + self.pre_compute_enc_h + query)).squeeze(2)
-        w = self._normalise(e, enc_hs_len, scaling)
-        att_prev_list += [w]
-        c = torch.sum(self.enc_h * w.view(batch, self.h_length, 1), dim=1)
-        return c, att_prev_list
+        args = (enc_hs_pad, enc_hs_len, dec_z, att_prev_list, scaling)
+        return _coverage_step(self, self._location, *args)
 
 
 class AttCov(AttAdd):
     """ESPnet's coverage attention: e = gvec(tanh(wvec(coverage) + mlp_enc(h) + mlp_dec(s))),
-    wvec a Linear(1, att_dim) over each frame's coverage (the sum of all previous steps'
-    weights); the call appends this step's weights to the list and returns (context, the list)."""
+    wvec a Linear(1, att_dim) over each frame's coverage; the call appends this step's weights
+    to the list and returns (context, the list)."""
 
     def __init__(self, eprojs, dunits, att_dim, han_mode=False):
         nn.Module.__init__(self)  # children in ESPnet's order
@@ -177,17 +186,8 @@ class AttCov(AttAdd):
         self.reset()
 
     def forward(self, enc_hs_pad, enc_hs_len, dec_z, att_prev_list, scaling=2.0):
-        batch = len(enc_hs_pad)
-        self._memory(enc_hs_pad)
-        query = self._query(enc_hs_pad, dec_z)
-        if att_prev_list is None:
-            att_prev_list = [_espnet_uniform(enc_hs_len, query)]
-        cov_vec = self.wvec(sum(att_prev_list).unsqueeze(-1))  # [B, T, att_dim]
-        e = self.gvec(torch.tanh(cov_vec + self.pre_compute_enc_h + query)).squeeze(2)
-        w = self._normalise(e, enc_hs_len, scaling)
-        att_prev_list += [w]
-        c = torch.sum(self.enc_h * w.view(batch, self.h_length, 1), dim=1)
-        return c, att_prev_list
+        args = (enc_hs_pad, enc_hs_len, dec_z, att_prev_list, scaling)
+        return _coverage_step(self, lambda cov: self.wvec(cov.unsqueeze(-1)), *args)
 
 
 # --- SpeechBrain ----------------------------------------------------------------------------------

@@ -477,7 +477,7 @@ def _check_optimisation(config: TrainConfig) -> None:
             raise TrainError(f"batch_tokens must be >= 1, got {config.batch_tokens}")
     if not 0.0 <= config.label_smoothing < 1.0:  # also rejects nan
         raise TrainError(f"label_smoothing must be in [0, 1), got {config.label_smoothing}")
-    if not (math.isfinite(config.clip_norm) and config.clip_norm >= 0):
+    if not (_finite(config.clip_norm) and config.clip_norm >= 0):
         raise TrainError(f"clip_norm must be finite and >= 0 (0 = off), got {config.clip_norm}")
     _check_schedule(config)
 

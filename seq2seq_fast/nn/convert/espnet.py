@@ -154,9 +154,8 @@ class FusedEspnetAttLoc(FusedEspnetAttAdd):
         batch = len(enc_hs_pad)
         self._remember(enc_hs_pad)
         query = self._query(enc_hs_pad, dec_z)
-        if att_prev is None:  # uniform over the valid frames
-            frames = (~_padding_mask(enc_hs_len, query.device)).to(query.dtype)
-            att_prev = frames / frames.new_tensor(enc_hs_len).unsqueeze(-1)
+        if att_prev is None:
+            att_prev = _uniform(enc_hs_pad, enc_hs_len, query.dtype)
         valid = self._valid(enc_hs_len, enc_hs_pad.device)
         if last_attended_idx is not None:
             valid = _window(valid, last_attended_idx, backward_window, forward_window)
@@ -178,6 +177,13 @@ def _uniform(enc_hs_pad: Tensor, enc_hs_len, dtype: torch.dtype) -> Tensor:
     return frames / frames.new_tensor(enc_hs_len).unsqueeze(-1)
 
 
+def _coverage(att_prev_list, enc_hs_pad: Tensor, enc_hs_len, dtype: torch.dtype):
+    """(the list of previous weights, [uniform] at the first step; their sum [B, T])."""
+    if att_prev_list is None:
+        att_prev_list = [_uniform(enc_hs_pad, enc_hs_len, dtype)]
+    return att_prev_list, sum(att_prev_list)
+
+
 class FusedEspnetAttCovLoc(FusedEspnetAttLoc):
     """Fused stand-in for ESPnet's AttCovLoc (coverage + location): AttLoc's step with the
     location convolution over the coverage, the sum of the list of all the previous steps'
@@ -189,9 +195,8 @@ class FusedEspnetAttCovLoc(FusedEspnetAttLoc):
     def forward(  # type: ignore[override]
         self, enc_hs_pad: Tensor, enc_hs_len, dec_z: Tensor | None, att_prev_list, scaling=2.0
     ) -> tuple[Tensor, list]:
-        if att_prev_list is None:
-            att_prev_list = [_uniform(enc_hs_pad, enc_hs_len, self.mlp_enc.weight.dtype)]
-        coverage = sum(att_prev_list)
+        dtype = self.mlp_enc.weight.dtype
+        att_prev_list, coverage = _coverage(att_prev_list, enc_hs_pad, enc_hs_len, dtype)
         context, weights = FusedEspnetAttLoc.forward(
             self, enc_hs_pad, enc_hs_len, dec_z, coverage, scaling
         )
@@ -215,9 +220,8 @@ class FusedEspnetAttCov(FusedEspnetAttAdd):
         batch = len(enc_hs_pad)
         self._remember(enc_hs_pad)
         query = self._query(enc_hs_pad, dec_z) + self.wvec.bias
-        if att_prev_list is None:
-            att_prev_list = [_uniform(enc_hs_pad, enc_hs_len, query.dtype)]
-        coverage = sum(att_prev_list).view(batch, 1, self.h_length)
+        att_prev_list, coverage = _coverage(att_prev_list, enc_hs_pad, enc_hs_len, query.dtype)
+        coverage = coverage.view(batch, 1, self.h_length)
         identity = coverage.new_ones(1, 1, 1)  # conv_weight [C=1, Cin=1, K=1]
         location = (coverage, identity, self.wvec.weight)
         v_eff = scaled(score_row(self.gvec), scaling)
@@ -315,39 +319,14 @@ def _prepare(module: nn.Module, args: tuple, kwargs: dict) -> None:
     module.reset()  # a module converted mid-utterance carries another batch's cache
 
 
-LAYOUT_ADD = register(
-    Layout(
-        "espnet_att_add",
-        _match_add,
-        lambda module, backend: FusedEspnetAttAdd(module, backend),
-        _example_call,
-        prepare=_prepare,
-    )
+def _layout(name: str, match, stand_in: type, example_call) -> Layout:
+    """An ESPnet layout: its stand-in class built from (module, backend), the cache reset first."""
+    return register(Layout(name, match, stand_in, example_call, prepare=_prepare))
+
+
+LAYOUT_ADD = _layout("espnet_att_add", _match_add, FusedEspnetAttAdd, _example_call)
+LAYOUT_LOC = _layout("espnet_att_loc", _match_loc_only, FusedEspnetAttLoc, _example_call)
+LAYOUT_COV_LOC = _layout(
+    "espnet_att_cov_loc", _match_cov_loc, FusedEspnetAttCovLoc, _example_call_cov
 )
-LAYOUT_LOC = register(
-    Layout(
-        "espnet_att_loc",
-        _match_loc_only,
-        lambda module, backend: FusedEspnetAttLoc(module, backend),
-        _example_call,
-        prepare=_prepare,
-    )
-)
-LAYOUT_COV_LOC = register(
-    Layout(
-        "espnet_att_cov_loc",
-        _match_cov_loc,
-        lambda module, backend: FusedEspnetAttCovLoc(module, backend),
-        _example_call_cov,
-        prepare=_prepare,
-    )
-)
-LAYOUT_COV = register(
-    Layout(
-        "espnet_att_cov",
-        _match_cov,
-        lambda module, backend: FusedEspnetAttCov(module, backend),
-        _example_call_cov,
-        prepare=_prepare,
-    )
-)
+LAYOUT_COV = _layout("espnet_att_cov", _match_cov, FusedEspnetAttCov, _example_call_cov)
