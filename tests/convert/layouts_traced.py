@@ -1396,3 +1396,42 @@ CASES += [
     Case("location_from_this_step", _wrap(LocationFromThisStep), _smooth_call, None),
     Case("heads_per_position", _wrap(HeadsPerPosition), _heads_call, None),
 ]
+
+
+# --- the concat form's children, called otherwise (keon's seq2seq) ---------------------------------
+
+
+class ConcatChildrenOwnCall(nn.Module):
+    """keon/seq2seq's attention: the concat form's ``attn`` Linear(2A, A) and ``v`` vector, called
+    with (hidden [B, A], encoder_outputs [T, B, A]) and returning the weights [B, 1, T]: the named
+    concat layouts' call does not fit it, so the general path takes it at its first call."""
+
+    def __init__(self, activation=torch.tanh) -> None:
+        super().__init__()
+        self.attn = nn.Linear(2 * A, A)
+        self.v = nn.Parameter(torch.rand(A) - 0.5)
+        self.activation = activation
+
+    def forward(self, hidden, encoder_outputs):
+        steps = encoder_outputs.size(0)
+        h = hidden.repeat(steps, 1, 1).transpose(0, 1)
+        memory = encoder_outputs.transpose(0, 1)
+        energy = self.activation(self.attn(torch.cat([h, memory], 2))).transpose(1, 2)
+        v = self.v.repeat(memory.size(0), 1).unsqueeze(1)
+        return F.softmax(torch.bmm(v, energy).squeeze(1), dim=1).unsqueeze(1)
+
+
+def _time_major_pair_call(b, t, dtype):
+    return (_rand(b, A, dtype=dtype), _rand(t, b, A, dtype=dtype))
+
+
+CASES += [
+    Case("concat_children_own_call", _wrap(ConcatChildrenOwnCall), _time_major_pair_call, "att"),
+    # its ReLU version (keon's own): a look-alike
+    Case(
+        "concat_children_own_call_relu",
+        _wrap(lambda: ConcatChildrenOwnCall(F.relu)),
+        _time_major_pair_call,
+        None,
+    ),
+]

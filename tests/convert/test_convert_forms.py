@@ -188,3 +188,37 @@ def test_scores_flattened_before_the_softmax(how):
         x = torch.randn(shape, generator=gen, dtype=torch.float64)
         _assert_close([model["att"](x)], [original["att"](x)], torch.float64, "outputs")
     assert report.count == (0 if how == "merged" else 1), str(report)
+
+
+@pytest.mark.parametrize("relu", [False, True], ids=["tanh", "relu"])
+def test_a_layouts_children_called_otherwise_go_to_the_general_path(relu):
+    """A module with the concat layout's children and a call of its own (keon's seq2seq) is not
+    refused for the layout's call ("TypeError: forward() takes 3 positional arguments"): the
+    general path sees its real first call and converts it (tanh) or leaves it alone (ReLU)."""
+    torch.manual_seed(0)
+    make = (
+        (lambda: T.ConcatChildrenOwnCall(torch.nn.functional.relu))
+        if relu
+        else T.ConcatChildrenOwnCall
+    )
+    model = T._Holder(make()).double()
+    report = fuse_attention_report(model)
+    assert report.skipped == [] and "att" in report.watching, str(report)
+    args = T._time_major_pair_call(3, 5, torch.float64)
+    model(*args)
+    assert report.skipped == [], str(report)
+    assert [r.path for r in report.replaced] == ([] if relu else ["att"]), str(report)
+    # the attention itself given to fuse_attention is not "a recognised attention module"
+    fuse_attention_report(make())
+
+
+def test_refusal_reasons_name_the_call_and_the_number():
+    """A pointer's clipped logits C * tanh(u) are refused, and the reason names the call and the
+    factor as a reader knows them (not "<built-in method tanh ...>" or "a tensor of shape None")."""
+    model = T._Holder(T.ConvPointer(10.0)).double()
+    report = fuse_attention_report(model)
+    model(*T._pointer_conv_call(3, 5, torch.float64))
+    (skipped,) = report.skipped
+    assert "the scores go into 'tanh' before any softmax" in skipped.reason, skipped.reason
+    assert "multiplied by the number 10.0" in skipped.reason, skipped.reason
+    assert "built-in" not in skipped.reason and "None" not in skipped.reason, skipped.reason

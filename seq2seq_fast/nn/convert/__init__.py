@@ -27,10 +27,12 @@ memory gradients once per sequence (:mod:`seq2seq_fast.nn.stepwise`).
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import pkgutil
 from collections import deque
 
+import torch
 from torch import nn
 
 from seq2seq_fast.nn.attention import BahdanauAttention, check_backend
@@ -86,7 +88,11 @@ def _convert_one(module: nn.Module, path: str, backend: str, check: bool, report
     ``module`` itself converted in place by a thin matcher (``Layout.traced``); or None."""
     if isinstance(module, (FusedStandIn, BahdanauAttention)):
         return None
-    matched = [layout for layout in registered_layouts() if _matches(layout, module)]
+    matched = [
+        layout
+        for layout in registered_layouts()
+        if _matches(layout, module) and _takes_example_call(layout, module)
+    ]
     if not matched:
         return None
     reasons = []
@@ -135,6 +141,22 @@ def _matches(layout: Layout, module: nn.Module) -> bool:
         return bool(layout.match(module))
     except Exception:  # noqa: BLE001 - a matcher that trips over a foreign module: no match
         return False
+
+
+def _takes_example_call(layout: Layout, module: nn.Module) -> bool:
+    """Whether ``module.forward`` accepts the call ``layout`` makes (its arguments' number and
+    names). A module that has a layout's children but another call is not that layout (keon's
+    seq2seq has the concat form's ``attn`` and ``v``, and a call of its own): it is left to the
+    general path, which sees its real first call, rather than skipped for a TypeError."""
+    try:
+        with torch.random.fork_rng(devices=[]):
+            args, kwargs = layout.example_call(module, torch.float64)
+        inspect.signature(module.forward).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    except Exception:  # noqa: BLE001 - not a question of the call: the layout's check decides
+        return True
+    return True
 
 
 def fuse_attention_report(
@@ -189,7 +211,10 @@ def fuse_attention_report(
             raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
     if (
         named
-        and any(_matches(layout, model) for layout in registered_layouts())
+        and any(
+            _matches(layout, model) and _takes_example_call(layout, model)
+            for layout in registered_layouts()
+        )
         and not isinstance(model, FusedStandIn)
     ):
         raise ValueError(
@@ -224,8 +249,6 @@ def _call_once(model: nn.Module, example_inputs) -> None:
     """``model(*args, **kwargs)`` for ``example_inputs`` (see fuse_attention_report), without
     gradients, its buffers restored afterwards; a failing call raises ValueError naming
     example_inputs."""
-    import torch
-
     if isinstance(example_inputs, dict):
         args, kwargs = (), example_inputs
     elif (

@@ -73,6 +73,29 @@ def _is(node: object, targets: set) -> bool:
         return False
 
 
+def op_name(node: fx.Node) -> str:
+    """A node's call as a reader knows it ('tanh', 'torch.nn.functional.relu', 'mul'), not the
+    repr of a builtin ('<built-in method tanh of type object at 0x...>')."""
+    target = node.target
+    if isinstance(target, str):
+        return target
+    name = getattr(target, "__name__", None)
+    if name is None:
+        return repr(target)
+    owner = getattr(target, "__module__", None) or ""
+    return f"{owner}.{name}" if owner.startswith("torch.") else name
+
+
+def _described(value: object) -> str:
+    """A multiplier or operand for a message: a tensor's shape, else the number or object."""
+    shape = _shape(value)
+    if shape is not None:
+        return f"a tensor of shape {shape}"
+    if isinstance(value, (int, float)):
+        return f"the number {value}"
+    return f"{type(value).__name__} {value}"
+
+
 def _value(node: object):
     return node.meta.get("example_value") if isinstance(node, fx.Node) else node
 

@@ -23,6 +23,7 @@ from seq2seq_fast.nn.convert.traced.nodes import (
     _size_hint,
     _terms,
     _value,
+    op_name,
 )
 
 # --- in-place arithmetic ---------------------------------------------------------------------------
@@ -111,7 +112,7 @@ def _check_not_written(tanh: fx.Node) -> None:
                     continue
                 if order[user] < order[tanh]:
                     raise NoMatch(
-                        f"{node.name} is written in place ({user.target}) before the tanh reads it"
+                        f"{node.name} is written in place ({op_name(user)}) before the tanh reads it"
                     )
 
 

@@ -58,6 +58,7 @@ from seq2seq_fast.nn.convert.traced.nodes import (
     NoMatch,
     _ancestors,
     _arg,
+    _described,
     _hint,
     _is,
     _is_one,
@@ -68,6 +69,7 @@ from seq2seq_fast.nn.convert.traced.nodes import (
     _size_hint,
     _terms,
     _value,
+    op_name,
 )
 from seq2seq_fast.nn.convert.traced.passes import (
     _check_not_written,
@@ -109,6 +111,36 @@ def _peel_repeat(node: fx.Node, kept_from_end: int = 0) -> fx.Node:
             break
         node = node.args[0]
     return node
+
+
+def _peel_swapped_repeat(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """:func:`_peel_repeat`, also through a transpose of leading axes after the repeat
+    (``hidden.repeat(T, 1, 1).transpose(0, 1)``, keon's seq2seq and its copies): the source,
+    given the repeat's rank with sizes 1 where it repeats, transposed alike (new nodes inserted
+    at the graph's insertion point). The node itself where neither applies."""
+    if not (_is(node, {"transpose", torch.transpose}) and len(node.args) == 3 and not node.kwargs):
+        return _peel_repeat(node)
+    inner, first, second = node.args
+    shape = _shape(inner)
+    if (
+        not isinstance(inner, fx.Node)
+        or shape is None
+        or not all(isinstance(d, int) for d in (first, second))
+    ):
+        return node
+    rank = len(shape)
+    if rank - 1 in (first % rank, second % rank):  # the width axis stays last
+        return node
+    source = _peel_repeat(inner)
+    source_shape = _shape(source)
+    if source is inner or source_shape is None:
+        return node
+    for _ in range(rank - len(source_shape)):  # (no sizes in the graph: they may be symbols)
+        source = graph.call_method("unsqueeze", (source, 0))
+        source.meta["example_value"] = _value(source.args[0]).unsqueeze(0)
+    swapped = graph.call_method("transpose", (source, first, second))
+    swapped.meta["example_value"] = _value(source).transpose(first, second)
+    return swapped
 
 
 def _split_linear_bias(graph: fx.Graph, node: fx.Node) -> list[fx.Node] | None:
@@ -157,7 +189,7 @@ def _split_concat_linear(graph: fx.Graph, node: fx.Node) -> list[fx.Node] | None
                 operator.getitem, (weight, (slice(None), slice(start, end)))
             )
             columns.meta["example_value"] = _value(weight)[:, hint_start : hint_start + hint]
-            peeled = _peel_repeat(part)
+            peeled = _peel_swapped_repeat(graph, part)
             term = graph.call_function(nn_linear(), (peeled, columns))
             term.meta["example_value"] = F.linear(_value(peeled), _value(columns))
             terms.append(term)
@@ -255,10 +287,13 @@ def _projection(tanh: fx.Node, shape: tuple, rank: int):
     if _is(user, _MUL) and len(user.args) == 2 and tanh in user.args:
         vector = user.args[1] if user.args[0] is tanh else user.args[0]
         shape = _shape(vector)
-        if shape is None or not _same(shape[-1], width) or len(shape) > rank:
-            raise NoMatch(f"the tanh is multiplied by a tensor of shape {shape}, not a vector")
-        if not all(map(_is_one, shape[:-1])) and not isinstance(vector, fx.Node):
-            raise NoMatch(f"the tanh is multiplied by a tensor of shape {shape}, not a vector")
+        if (
+            shape is None
+            or not _same(shape[-1], width)
+            or len(shape) > rank
+            or (not all(map(_is_one, shape[:-1])) and not isinstance(vector, fx.Node))
+        ):
+            raise NoMatch(f"the tanh is multiplied by {_described(vector)}, not a vector")
         # (a vector per head, [heads, H]: its axes must be batch axes, checked by the caller)
         total = _single_user(user, "the product with the vector")
         dim = _arg(total, 1, "dim")
@@ -269,7 +304,7 @@ def _projection(tanh: fx.Node, shape: tuple, rank: int):
             raise NoMatch("the sum over the hidden axis changes the dtype")
         keepdim = bool(_arg(total, 2, "keepdim", False))
         return total, vector, leading + ((None,) if keepdim else ()), rank - 1
-    raise NoMatch(f"the tanh goes into {user.target!r}, not a projection onto a vector")
+    raise NoMatch(f"the tanh goes into {op_name(user)!r}, not a projection onto a vector")
 
 
 def _permuted(origin: tuple, dims: list[int]) -> tuple:
@@ -610,7 +645,7 @@ def _chain_step(chain: _Chain, user: fx.Node) -> None:
     elif user.op == "output":
         raise NoMatch(SCORES_LEAVE_THE_GRAPH)
     else:
-        raise NoMatch(f"the scores go into {user.target!r} before any softmax")
+        raise NoMatch(f"the scores go into {op_name(user)!r} before any softmax")
 
 
 def _check_cast(node: fx.Node, user: fx.Node) -> None:
