@@ -1435,3 +1435,51 @@ CASES += [
         None,
     ),
 ]
+
+
+# --- a decoder whose output layer has a tanh (openspeech's LSTMAttentionDecoder) ------------------
+
+
+class AdditiveWithBias(nn.Module):
+    """openspeech's AdditiveAttention: forward(query [B, 1, D], key [B, T, D], value [B, T, D])
+    -> (context [B, 1, D] plus the query, weights [B, T]), a bias inside the tanh."""
+
+    def __init__(self, dim: int = A) -> None:
+        super().__init__()
+        self.query_proj = nn.Linear(dim, dim, bias=False)
+        self.key_proj = nn.Linear(dim, dim, bias=False)
+        self.score_proj = nn.Linear(dim, 1)
+        self.bias = nn.Parameter(torch.rand(dim).uniform_(-0.1, 0.1))
+
+    def forward(self, query, key, value):
+        pre = self.key_proj(key) + self.query_proj(query) + self.bias
+        score = self.score_proj(torch.tanh(pre)).squeeze(-1)
+        attn = F.softmax(score, dim=-1)
+        context = torch.bmm(attn.unsqueeze(1), value)
+        context += query
+        return context, attn
+
+
+class TanhOutputDecoder(nn.Module):
+    """A decoder stepping an RNN and the attention, its output layer Linear, tanh, Linear to the
+    vocabulary, log_softmax (openspeech's LSTMAttentionDecoder): only the attention converts,
+    not the decoder around it. forward(encoder_outputs [B, T, A], targets [B, steps] ints)."""
+
+    def __init__(self, vocab: int = 11) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, A)
+        self.rnn = nn.GRU(A, A, batch_first=True)
+        self.attention = AdditiveWithBias()
+        self.fc = nn.Sequential(nn.Linear(2 * A, A), nn.Tanh(), nn.Linear(A, vocab))
+
+    def forward(self, encoder_outputs, targets):
+        hidden, logits = None, []
+        for step in range(targets.size(1)):
+            out, hidden = self.rnn(self.embedding(targets[:, step : step + 1]), hidden)
+            context, _ = self.attention(out, encoder_outputs, encoder_outputs)
+            logits.append(self.fc(torch.cat((out, context), dim=2)).log_softmax(dim=-1))
+        return torch.cat(logits, 1)
+
+
+def tanh_output_decoder_call(b, t, dtype):
+    return (_rand(b, t, A, dtype=dtype), torch.randint(0, 11, (b, 3)))

@@ -6,6 +6,7 @@ and that the fused op (not a plain fallback) computed the weights."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -120,6 +121,7 @@ class _Smoothed(torch.nn.Module):
             "keepdim": lambda: e.sum(-1, keepdim=True),
             "unsqueeze": lambda: e.sum(-1).unsqueeze(-1),
             "unsqueeze1": lambda: e.sum(1).unsqueeze(1),
+            "unsqueeze_keyword": lambda: e.sum(dim=-1).unsqueeze(dim=-1),  # openspeech
             "index": lambda: e.sum(-1)[:, None],
             "wrong_axis": lambda: e.sum(-1)[None, :],
         }[self.spelling]()
@@ -135,7 +137,9 @@ def _smoothed_call(batch: int, frames: int):
     return query, memory, torch.arange(frames) < lengths.unsqueeze(1)
 
 
-@pytest.mark.parametrize("spelling", ["keepdim", "unsqueeze", "unsqueeze1", "index", "wrong_axis"])
+@pytest.mark.parametrize(
+    "spelling", ["keepdim", "unsqueeze", "unsqueeze1", "unsqueeze_keyword", "index", "wrong_axis"]
+)
 def test_sigmoid_normalisation_in_its_spellings(spelling):
     """sigmoid(e) / sigmoid(e).sum(-1).unsqueeze(-1) (kospeech, ClovaCall) was refused: only
     keepdim=True was taken. Each spelling converts and matches; the wrong axis does not."""
@@ -222,3 +226,32 @@ def test_refusal_reasons_name_the_call_and_the_number():
     assert "the scores go into 'tanh' before any softmax" in skipped.reason, skipped.reason
     assert "multiplied by the number 10.0" in skipped.reason, skipped.reason
     assert "built-in" not in skipped.reason and "None" not in skipped.reason, skipped.reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_a_decoder_around_an_attention_is_not_converted_too(dtype):
+    """A decoder whose output layer is Linear, tanh, Linear to the vocabulary, log_softmax
+    (openspeech's) around a converted attention: only the attention converts. Before, the
+    decoder was converted as well (counted twice, run through TorchDynamo, a warning about a
+    compiled model at each call)."""
+    torch.manual_seed(0)
+    original = T.TanhOutputDecoder().to(dtype)
+    model = copy.deepcopy(original)
+    args = T.tanh_output_decoder_call(3, 7, dtype)
+    report = fuse_attention_report(model, example_inputs=args)
+    assert [r.path for r in report.replaced] == ["attention"], str(report)
+    assert report.skipped == [], str(report)
+    assert type(model) is T.TanhOutputDecoder
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch, frames in ((3, 7), (2, 5)):
+            call = T.tanh_output_decoder_call(batch, frames, dtype)
+            want, got = original(*call), model(*call)
+            _assert_close(got, want, dtype, "outputs")
+            grads = [
+                torch.autograd.grad(out.exp().sum(), list(m.parameters()))
+                for m, out in ((original, want), (model, got))
+            ]
+            _assert_close(grads[1], grads[0], dtype, "gradients")
+    ours = [str(w.message) for w in caught if "fuse_attention" in str(w.message)]
+    assert ours == [], ours

@@ -432,7 +432,8 @@ def _dim_restored(total: fx.Node, dim: int, summed_over: fx.Node) -> fx.Node | N
     user = next(iter(total.users))
     if _is(user, {"unsqueeze", torch.unsqueeze}) and user.args and user.args[0] is total:
         at = _arg(user, 1, "dim")
-        return user if isinstance(at, int) and at % rank == axis and not user.kwargs else None
+        restores = isinstance(at, int) and at % rank == axis
+        return user if restores and set(user.kwargs) <= {"dim"} else None
     if user.target is operator.getitem and len(user.args) == 2 and user.args[0] is total:
         index = user.args[1] if isinstance(user.args[1], tuple) else (user.args[1],)
         full = slice(None, None, None)

@@ -94,6 +94,8 @@ class _CallWatch:
         # tanh events over one Linear's output (attention pooling's energies, if a softmax
         # follows; a plain tanh layer's, if none does: those go unreported)
         self.affine: set[int] = set()
+        # tanh events whose values went into a Linear to several outputs (see _Watcher)
+        self.not_scores: set[int] = set()
         self.mode = _Watcher(self)
         self.global_hooks = ()
 
@@ -193,7 +195,13 @@ class _Watcher(TorchFunctionMode):
                 recording.softmaxed |= events
             events = frozenset()
         else:
-            if name not in _CARRIES:
+            if name == "linear" and not _onto_one(args, kwargs):
+                # a Linear to several outputs (a decoder's output layer: tanh, then Linear to
+                # the vocabulary, then log_softmax): not scores (an attention's are a projection
+                # onto one vector), and nothing to report if no softmax follows
+                call.not_scores |= events
+                events = frozenset()
+            elif name not in _CARRIES:
                 events = frozenset()  # e.g. an RNN over a tanh's output: no longer its energies
             if name in _ADD_NAMES and len(inputs) >= 2:
                 kind = "sum"
@@ -206,6 +214,12 @@ class _Watcher(TorchFunctionMode):
         if isinstance(out, Tensor) and (events or kind):
             self.marks[id(out)] = (out, events, kind)
         return out
+
+
+def _onto_one(args, kwargs) -> bool:
+    """Is this F.linear's weight one row (a projection onto a vector)?"""
+    weight = args[1] if len(args) > 1 else kwargs.get("weight")
+    return not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] == 1
 
 
 def _floating_copy(value):
@@ -289,7 +303,7 @@ def _decide(call: _CallWatch, recording: Recording, watch: _Watch) -> None:
     if not mine:
         return
     if not recording.softmaxed & mine:
-        if mine <= call.affine:  # a tanh layer, no attention: nothing to report
+        if mine <= call.affine | call.not_scores:  # a tanh layer, no attention: nothing to report
             return
         watch.report.skipped.append(
             Skipped(
