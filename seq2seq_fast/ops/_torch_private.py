@@ -41,11 +41,30 @@ PRIVATE_APIS: tuple[tuple[str, str], ...] = (
         "nn.convert.traced (a mask built from int(lengths.max()) inside the trace)",
     ),
     ("torch._guards.CompileContext.current_compile_id", "nn.convert.traced (compiles per frame)"),
+    ("torch._subclasses.fake_tensor", "nn.convert.traced (its log quiet while the probe traces)"),
     ("torch._dynamo.eval_frame.OptimizedModule", "nn.convert (a model torch.compile wrapped)"),
     ("torch._make_per_channel_quantized_tensor", "seq2seq.inference (int8 rows as a qint8 weight)"),
     ("torch.ops.mkldnn._reorder_linear_weight", "seq2seq.inference (weights packed once)"),
     ("torch.ops.mkldnn._linear_pointwise", "seq2seq.inference (products on packed weights)"),
 )
+
+
+@contextlib.contextmanager
+def quiet_trace_errors() -> Iterator[None]:
+    """The fake-tensor log of TorchDynamo quiet (errors only at CRITICAL) for the block. Why:
+    when the converter's own trace of a module fails (the module does what fake tensors cannot
+    follow), torch logs every failed op's traceback at ERROR (170 lines for one module) before
+    raising; the converter catches the error and says in one line why it left the module. The
+    logger's name is torch's private module's."""
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def uncompiled(module: torch.nn.Module) -> torch.nn.Module:

@@ -1483,3 +1483,134 @@ class TanhOutputDecoder(nn.Module):
 
 def tanh_output_decoder_call(b, t, dtype):
     return (_rand(b, t, A, dtype=dtype), torch.randint(0, 11, (b, 3)))
+
+
+# --- image captioning's attention, the projection run on flat rows (self-critical.pytorch) --------
+
+
+class FlatRowsCaptioning(nn.Module):
+    """self-critical.pytorch's ``Attention`` (and the UpDown / AoANet copies of it): the keys'
+    projection given precomputed, the query's expanded over the regions, the tanh viewed flat to
+    [B*T, A] for the score Linear and the scores viewed back to [B, T]; a float mask applied
+    after the softmax, the weights renormalised. forward(h [B, Q], feats [B, T, K],
+    projected [B, T, A], masks [B, T]) -> context [B, K]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h2att = nn.Linear(Q, A)
+        self.alpha_net = nn.Linear(A, 1)
+
+    def forward(self, h, feats, projected, masks=None):
+        regions = feats.numel() // feats.size(0) // feats.size(-1)
+        keys = projected.view(-1, regions, A)
+        dot = torch.tanh(keys + self.h2att(h).unsqueeze(1).expand_as(keys))
+        dot = self.alpha_net(dot.view(-1, A)).view(-1, regions)
+        weight = F.softmax(dot, dim=1)
+        if masks is not None:
+            weight = weight * masks.view(-1, regions).to(weight)
+            weight = weight / weight.sum(1, keepdim=True)
+        return torch.bmm(weight.unsqueeze(1), feats.view(-1, regions, feats.size(-1))).squeeze(1)
+
+
+def _captioning_call(b, t, dtype):
+    masks = lengths_mask(b, t).to(dtype)
+    return (
+        _rand(b, Q, dtype=dtype),
+        _rand(b, t, K, dtype=dtype),
+        _rand(b, t, A, dtype=dtype),
+        masks,
+    )
+
+
+CASES += [Case("captioning_flat_rows", _wrap(FlatRowsCaptioning), _captioning_call, "att")]
+
+
+class FlatRowsRegrouped(FlatRowsCaptioning):
+    """The flat scores viewed back with the axes the other way round ([T, B], then transposed):
+    each row mixes scores of other rows, not attention over its own regions (left alone)."""
+
+    def forward(self, h, feats, projected, masks=None):
+        regions = feats.size(1)
+        dot = torch.tanh(projected + self.h2att(h).unsqueeze(1))
+        dot = self.alpha_net(dot.view(-1, A)).view(regions, -1).t()
+        weight = F.softmax(dot, dim=1)
+        return torch.bmm(weight.unsqueeze(1), feats).squeeze(1)
+
+
+CASES += [Case("captioning_regrouped", _wrap(FlatRowsRegrouped), _captioning_call, None)]
+
+
+# --- intra-decoder attention over the decoder's own past states (a summariser's) ------------------
+
+
+class IntraDecoderAttention(nn.Module):
+    """Attention over the decoder's previous states, which grow by one each step; at the first
+    step there are none, so its first call computes no tanh. forward(state [B, Q], past [B, n, Q]
+    or None) -> (context [B, Q], past with state appended)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.W_prev = nn.Linear(Q, A, bias=False)
+        self.W_s = nn.Linear(Q, A)
+        self.v = nn.Linear(A, 1, bias=False)
+
+    def forward(self, state, past):
+        if past is None:
+            return torch.zeros_like(state), state.unsqueeze(1)
+        energy = torch.tanh(self.W_prev(past) + self.W_s(state).unsqueeze(1))
+        weights = F.softmax(self.v(energy).squeeze(2), dim=1)
+        context = torch.bmm(weights.unsqueeze(1), past).squeeze(1)
+        return context, torch.cat([past, state.unsqueeze(1)], dim=1)
+
+
+class IntraDecoder(nn.Module):
+    """Steps IntraDecoderAttention over states [B, steps, Q]; returns the contexts [B, steps, Q]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.att = IntraDecoderAttention()
+        self.mix = nn.Linear(2 * Q, Q)
+
+    def forward(self, states):
+        past, outs = None, []
+        for step in range(states.size(1)):
+            context, past = self.att(states[:, step], past)
+            outs.append(torch.tanh(self.mix(torch.cat([states[:, step], context], 1))))
+        return torch.stack(outs, 1)
+
+
+class TemporalAttention(nn.Module):
+    """Intra-temporal attention (a summariser's): exp of the scores divided by the sum of those
+    of the earlier steps, not a softmax (left alone, reported once). forward(state [B, Q],
+    memory [B, T, K], past_sum [B, T] or None) -> (context [B, K], new past_sum)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.W_h = nn.Linear(K, A, bias=False)
+        self.W_s = nn.Linear(Q, A)
+        self.v = nn.Linear(A, 1, bias=False)
+
+    def forward(self, state, memory, past_sum):
+        e = self.v(torch.tanh(self.W_h(memory) + self.W_s(state).unsqueeze(1))).squeeze(2)
+        exp_e = torch.exp(e)
+        if past_sum is None:
+            weights, past_sum = exp_e, exp_e + 1e-10
+        else:
+            weights, past_sum = exp_e / past_sum, past_sum + exp_e
+        weights = weights / weights.sum(1, keepdim=True)
+        return torch.bmm(weights.unsqueeze(1), memory).squeeze(1), past_sum
+
+
+class TemporalDecoder(nn.Module):
+    """Steps TemporalAttention over states [B, steps, Q] and a memory [B, T, K]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.att = TemporalAttention()
+
+    def forward(self, states, memory):
+        past, outs = None, []
+        for step in range(states.size(1)):
+            context, past = self.att(states[:, step], memory, past)
+            outs.append(context)
+        return torch.stack(outs, 1)

@@ -255,3 +255,43 @@ def test_a_decoder_around_an_attention_is_not_converted_too(dtype):
             _assert_close(grads[1], grads[0], dtype, "gradients")
     ours = [str(w.message) for w in caught if "fuse_attention" in str(w.message)]
     assert ours == [], ours
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_an_attention_whose_first_call_has_none_is_watched_on(dtype):
+    """An intra-decoder attention attends to nothing at the first step (its first call computes
+    no tanh). It was dropped from the watch (in neither replaced nor skipped) and its caller was
+    converted with it inside. Now its next calls are watched and it converts itself."""
+    torch.manual_seed(0)
+    original = T.IntraDecoder().to(dtype)
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model)
+    for call in range(3):
+        states = torch.randn(3, 5, T.Q, dtype=dtype)
+        want, got = original(states), model(states)
+        _assert_close(got, want, dtype, f"outputs of call {call}")
+        grads = [
+            torch.autograd.grad((out * out).sum(), list(m.parameters()))
+            for m, out in ((original, want), (model, got))
+        ]
+        _assert_close(grads[1], grads[0], dtype, f"gradients of call {call}")
+    assert [r.path for r in report.replaced] == ["att"], str(report)
+    assert report.skipped == [] and report.watching == [], str(report)
+    assert type(model) is T.IntraDecoder
+
+
+def test_a_skipped_attention_is_reported_once_not_again_for_its_caller():
+    """An attention normalised otherwise than by a softmax (intra-temporal: exp over the sum of
+    the earlier steps'), stepped by a decoder: reported once, at itself. Its later steps' tanh
+    (in the decoder's first call) were taken for the decoder's, which was reported too."""
+    torch.manual_seed(0)
+    original = T.TemporalDecoder().double()
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model)
+    args = (
+        torch.randn(3, 4, T.Q, dtype=torch.float64),
+        torch.randn(3, 6, T.K, dtype=torch.float64),
+    )
+    _assert_close(model(*args), original(*args), torch.float64, "outputs")
+    assert report.replaced == [], str(report)
+    assert [s.path for s in report.skipped] == ["att"], str(report)

@@ -61,7 +61,10 @@ class NoMatch(Exception):
 # the miss of a graph that ends between the scores and the normaliser (TorchDynamo stopped there:
 # a graph break, e.g. at ``int(lengths.max())``); the runtime traces such a module again with
 # scalars captured (see runtime.py)
-SCORES_LEAVE_THE_GRAPH = "the scores go into 'output' before any softmax"
+SCORES_LEAVE_THE_GRAPH = (
+    "the traced graph ends between the scores and the softmax (TorchDynamo stopped there: a graph "
+    "break in the forward, such as a Python loop or an if over a tensor's values, or a .item())"
+)
 
 
 def _is(node: object, targets: set) -> bool:

@@ -201,3 +201,52 @@ def _unflatten_rows(graph: fx.Graph) -> None:
         for node in (projection, tanh):  # the flat forms, dead now
             if not node.users:
                 graph.erase_node(node)
+
+
+def _unflatten_projection(graph: fx.Graph) -> None:
+    """tanh [B, T, A] viewed flat to [B*T, A], projected onto one vector, and viewed back to
+    [B, T] (self-critical.pytorch's ``Attention`` and its many copies:
+    ``alpha_net(dot.view(-1, A)).view(-1, T)``): the projection made on the tanh itself and
+    squeezed, the back view's readers reading that. Row-major views, so the same rows; anything
+    else (another grouping, a projection to several outputs) is left as it is."""
+    for tanh in [n for n in graph.nodes if _is(n, _TANH)]:
+        shape = _shape(tanh)
+        if shape is None or len(shape) < 3 or len(tanh.users) != 1:
+            continue
+        flat = next(iter(tanh.users))
+        flat_shape = _shape(flat)
+        if not _is(flat, _FLAT_VIEWS) or flat.args[0] is not tanh or flat.kwargs:
+            continue
+        if flat_shape is None or len(flat_shape) != 2 or not _same(flat_shape[1], shape[-1]):
+            continue
+        if len(flat.users) != 1:
+            continue
+        projection = next(iter(flat.users))
+        weight = _arg(projection, 1, "weight")
+        weight_shape = _shape(weight)
+        if not (_is(projection, _LINEAR) and _arg(projection, 0, "input") is flat):
+            continue
+        if weight_shape is None or len(weight_shape) != 2 or not _is_one(weight_shape[0]):
+            continue
+        if len(projection.users) != 1:
+            continue
+        back = next(iter(projection.users))
+        out = _shape(back)
+        if not _is(back, _FLAT_VIEWS) or back.args[0] is not projection or back.kwargs:
+            continue
+        if out is None or len(out) != len(shape) - 1:
+            continue
+        if not all(_same(a, b) for a, b in zip(out, shape[:-1], strict=True)):
+            continue
+        with graph.inserting_before(back):
+            args = (tanh, *projection.args[1:])
+            scores = graph.call_function(projection.target, args, dict(projection.kwargs))
+            scores.meta["example_value"] = projection.target(
+                *[_value(a) if isinstance(a, fx.Node) else a for a in args]
+            )
+            squeezed = graph.call_method("squeeze", (scores, -1))
+            squeezed.meta["example_value"] = _value(scores).squeeze(-1)
+        back.replace_all_uses_with(squeezed)
+        graph.erase_node(back)
+        graph.erase_node(projection)
+        graph.erase_node(flat)

@@ -51,6 +51,7 @@ from seq2seq_fast.nn.convert.traced.watching import (
     Recording,
     rearm,
     strip_watches,
+    unwatch_inside,
     watching_now,
 )
 from seq2seq_fast.ops import fused_available
@@ -60,6 +61,7 @@ from seq2seq_fast.ops._torch_private import (
     dynamo_capture_scalars,
     dynamo_config,
     pytree,
+    quiet_trace_errors,
 )
 
 logger = logging.getLogger(__name__)
@@ -98,7 +100,7 @@ class _Rewriter:
             gm.recompile()
             self.found.append((described, misses))
         except Exception as exc:  # noqa: BLE001 - an unexpected graph: leave it as it is
-            self.found.append(([], [f"the graph could not be rewritten ({exc})"]))
+            self.found.append(([], [f"the graph could not be rewritten ({_one_line(exc)})"]))
         return gm.forward
 
 
@@ -195,11 +197,15 @@ def _put_back(module: nn.Module, original: type, traces: int) -> None:
 
 def _warn_unmatched(module: nn.Module, state: _TracedState, found: list) -> None:
     """A new trace of a converted module's forward (other sizes, another grad mode) without the
-    pattern: those calls run its own code. Said once per module."""
-    if state.warned:
+    pattern: those calls run its own code. Said once per module; not said for a trace without
+    any tanh (a branch of the forward that attends to nothing, such as an intra-decoder
+    attention's first step) or with one key (its weights are all 1: nothing to fuse)."""
+    misses = "; ".join(
+        dict.fromkeys(m for _, missed in found for m in missed if not m.startswith(ONE_KEY))
+    )
+    if state.warned or not misses:
         return
     state.warned = True
-    misses = "; ".join(dict.fromkeys(m for _, missed in found for m in missed)) or "no tanh"
     warnings.warn(
         f"fuse_attention: {state.path} ({class_name(module)}): a new trace of its forward did not "
         f"match ({misses}); calls that take that trace run its own code, unfused",
@@ -307,8 +313,15 @@ _PROBE_LOCK = threading.RLock()
 
 def _probe(module: nn.Module, recording, backend: str) -> tuple[str | None, str]:
     """(None or why not, what was found) for the traced version of ``module``."""
-    with _PROBE_LOCK, without_autocast():
+    with _PROBE_LOCK, without_autocast(), quiet_trace_errors():
         return _probe_unlocked(module, recording, backend)
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error as a reason: its type and first line (TorchDynamo's run to many lines)."""
+    lines = str(exc).strip().splitlines()
+    first = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {first[:300]}"
 
 
 def _probe_unlocked(module: nn.Module, recording, backend: str) -> tuple[str | None, str]:
@@ -456,12 +469,13 @@ def _probe_and_swap(recording, report, backend: str, layout: str, probed: nn.Mod
     try:
         reason, found = _probe(probed, recording, backend)
     except Exception as exc:  # noqa: BLE001 - any failure refuses the conversion
-        reason, found = f"the trace or the probe could not run ({type(exc).__name__}: {exc})", ""
+        reason, found = f"the trace or the probe could not run ({_one_line(exc)})", ""
     if reason is not None:
         return reason
     name = class_name(module)
     original = type(module)
     module.__class__ = traced_class(original, backend)
+    unwatch_inside(module)
     state = _traced_state(module, original, backend)
     state.report, state.path, state.layout = report, recording.path, layout
     if layout == LAYOUT:

@@ -75,6 +75,9 @@ _CARRIES = {
     "dropout",
     "new_full",
 }
+# A module whose first call computed no tanh is watched at its next calls too, up to this many
+# calls in all (a decoder's intra-attention attends to nothing at the first step)
+NO_TANH_CALLS = 3
 # The calling thread's _CallWatch while one of its watched first calls runs (else none).
 _THREAD = threading.local()
 
@@ -91,11 +94,14 @@ class _CallWatch:
         self.calls: list[nn.Module] = []
         self.events = itertools.count()
         self.claimed: set[int] = set()
-        # tanh events over one Linear's output (attention pooling's energies, if a softmax
-        # follows; a plain tanh layer's, if none does: those go unreported)
+        # tanh events over one Linear's output, or a Linear of a concatenation (attention
+        # pooling's or the concat form's energies, if a softmax follows; a plain tanh layer's,
+        # such as a Luong decoder's output layer, if none does: those go unreported)
         self.affine: set[int] = set()
         # tanh events whose values went into a Linear to several outputs (see _Watcher)
         self.not_scores: set[int] = set()
+        # tanh events a module has been reported for already (its caller does not repeat it)
+        self.reported: set[int] = set()
         self.mode = _Watcher(self)
         self.global_hooks = ()
 
@@ -130,6 +136,11 @@ class _CallWatch:
             isinstance(module, FusedStandIn) or _watch_of(module, "decided")
             for module in self.calls
         )
+
+    def inside_reported_module(self) -> bool:
+        """Is a module reported already (a tanh over a sum, no softmax followed) among the calls
+        open now? Its later calls' energies are its own: the caller says nothing more of them."""
+        return any(_watch_of(module, "reported") for module in self.calls)
 
 
 def _current() -> _CallWatch | None:
@@ -181,13 +192,15 @@ class _Watcher(TorchFunctionMode):
         first = self.marks.get(id(inputs[0])) if inputs else None
         first_kind = first[2] if first is not None and first[0] is inputs[0] else None
         call = self.call
-        if name in ("tanh", "tanh_") and first_kind in ("sum", "affine"):
+        if name in ("tanh", "tanh_") and first_kind in ("sum", "affine", "joined_linear"):
             event = next(call.events)
             events = frozenset({event})  # an energy of its own (not of what made its inputs)
-            if first_kind == "affine":
+            if first_kind in ("affine", "joined_linear"):
                 call.affine.add(event)
             if call.inside_decided_module():
                 call.claimed.add(event)  # inside a module that has taken its attention already
+            elif call.inside_reported_module():
+                call.reported.add(event)
             for recording in call.stack:
                 recording.events.add(event)
         elif name in _SOFTMAX_NAMES and events:
@@ -208,9 +221,15 @@ class _Watcher(TorchFunctionMode):
             elif name in _CAT_NAMES and len(inputs) >= 2:
                 kind = "joined"
             elif name == "linear":
-                kind = "sum" if first_kind == "joined" else "affine"
-            elif first_kind == "sum" and isinstance(out, Tensor) and out.shape == inputs[0].shape:
-                kind = "sum"  # e.g. a sum scaled or dropped out before the tanh: still reported
+                # (the concat form's sum; as a plain tanh layer's, unreported without a softmax:
+                # a Luong decoder's tanh(W [h; context]) output layer)
+                kind = "joined_linear" if first_kind == "joined" else "affine"
+            elif (
+                first_kind in ("sum", "joined_linear")
+                and isinstance(out, Tensor)
+                and out.shape == inputs[0].shape
+            ):
+                kind = first_kind  # e.g. a sum scaled or dropped out before the tanh
         if isinstance(out, Tensor) and (events or kind):
             self.marks[id(out)] = (out, events, kind)
         return out
@@ -234,7 +253,8 @@ def _pre_hook(module: nn.Module, args, kwargs):
     if watch is None or watch.done:
         return None
     if torch.compiler.is_compiling():  # a trace of the user's: the watch waits for an eager call
-        warnings.warn(FIRST_CALL_COMPILED.format(watch.path, class_name(module)), stacklevel=2)
+        if not watch.quiet_calls:  # (one whose first call had no tanh: said nothing of it)
+            warnings.warn(FIRST_CALL_COMPILED.format(watch.path, class_name(module)), stacklevel=2)
         return None
     if saved_tensors_hooks_active():  # checkpointing: the watch waits for a call outside it
         if not watch.warned_hooks:
@@ -298,13 +318,19 @@ def _post_hook(module: nn.Module, args, kwargs, output):
 def _decide(call: _CallWatch, recording: Recording, watch: _Watch) -> None:
     """After a watched module's first call: report it or queue its conversion."""
     if not recording.events:
+        # no tanh at all: nothing to decide, unless a later call computes its attention (a
+        # decoder's intra-attention has nothing to attend to at the first step): its next calls
+        # are watched too, quietly (it is not listed as watching), up to NO_TANH_CALLS in all
+        watch.quiet_calls += 1
+        if watch.quiet_calls < NO_TANH_CALLS:
+            rearm(recording.module, listed=False)
         return
     mine = recording.events - call.claimed
     if not mine:
         return
     if not recording.softmaxed & mine:
-        if mine <= call.affine | call.not_scores:  # a tanh layer, no attention: nothing to report
-            return
+        if mine <= call.affine | call.not_scores | call.reported:
+            return  # a tanh layer, no attention, or reported for a module it calls already
         watch.report.skipped.append(
             Skipped(
                 recording.path,
@@ -316,6 +342,8 @@ def _decide(call: _CallWatch, recording: Recording, watch: _Watch) -> None:
                 "of per-step scores in a Python loop)",
             )
         )
+        call.reported |= mine
+        watch.reported = True
         return
     call.claimed.update(mine)
     watch.decided = True
@@ -334,6 +362,8 @@ class _Watch:
         self.recording: Recording | None = None
         self.undecided_calls = 0  # first calls that could not decide (one key), watched again
         self.warned_hooks = False  # said once: calls under saved-tensor hooks wait
+        self.quiet_calls = 0  # first calls without any tanh, watched again (see _decide)
+        self.reported = False  # skipped at its first call (its caller does not repeat it)
 
     def __deepcopy__(self, memo):
         return None  # a copy of the module is not watched
@@ -357,8 +387,9 @@ def _unhook(module: nn.Module) -> None:
     module._forward_hooks_always_called.pop(post, None)
 
 
-def rearm(module: nn.Module) -> None:
-    """Watch ``module``'s next call as if it were its first (the last one could not decide)."""
+def rearm(module: nn.Module, listed: bool = True) -> None:
+    """Watch ``module``'s next call as if it were its first (the last one could not decide);
+    ``listed``: in the report's ``watching`` until then."""
     watch = _watch_of(module)
     if watch is None:
         return
@@ -366,7 +397,21 @@ def rearm(module: nn.Module) -> None:
     post = module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
     watch.hook_ids = (pre.id, post.id)
     watch.done = watch.decided = False
-    watch.report.watching.append(watch.path)
+    if listed:
+        watch.report.watching.append(watch.path)
+
+
+def unwatch_inside(module: nn.Module) -> None:
+    """Stop watching the modules inside ``module``, converted now: their calls are part of its
+    traced forward (a watch hook there would break TorchDynamo's graph of it)."""
+    for sub in module.modules():
+        watch = _watch_of(sub)
+        if sub is module or watch is None:
+            continue
+        _unhook(sub)
+        watch.done = True
+        if watch.path in watch.report.watching:
+            watch.report.watching.remove(watch.path)
 
 
 def strip_watches(module: nn.Module) -> None:
