@@ -709,6 +709,13 @@ struct BackwardPass {
   // factor (sigmoid normalisation, p = softmax of log sigmoid(e)): de times factor =
   // 1 - sigmoid(e), the derivative of log sigmoid(e); that is sigmoid'(e) / S (dp - sum_s p dp),
   // S = sum sigmoid.
+  //
+  // p is renormalised here (in double: p / sum p, the mean of dp under it): bfloat16 weights (the
+  // forward's, saved rounded) sum to 1 only within ~2^-9, and a peaked row's top weight rounds to
+  // 1 (1 - p_top, which its score's gradient is proportional to, is lost). With sum p = 1 again,
+  // the top score's gradient becomes p_top sum_{s != top} p_s (dp_top - dp_s) of the smaller
+  // weights, which bfloat16 keeps to 2^-9 relative, and the row's score gradients sum to 0 as the
+  // softmax's do; float32 / float64 weights are changed by their own rounding only. O(Tk) a row.
   double score_grads(const T* p_rows, const T* dps, int64_t nq, int64_t nk, const bool* valid,
                      T* de, const T* factor = nullptr) const {
     double sum_de = 0;
@@ -716,12 +723,17 @@ struct BackwardPass {
       const T* p = p_rows + t * n.Tk;
       const T* g = dps + t * n.Tk;
       T* d = de + t * n.Tk;
-      double dot = 0;
+      double dot = 0, total = 0;
       for (int64_t s = 0; s < nk; ++s) {
-        if (!valid || valid[s]) dot += double(p[s]) * double(g[s]);
+        if (!valid || valid[s]) {
+          dot += double(p[s]) * double(g[s]);
+          total += double(p[s]);
+        }
       }
+      // (a row with no valid key, or all its weights 0: de = 0)
+      const double inv = total > 0 ? 1.0 / total : 0.0, mean = dot * inv;
       for (int64_t s = 0; s < nk; ++s) {
-        d[s] = (!valid || valid[s]) ? p[s] * (g[s] - T(dot)) : T(0);
+        d[s] = (!valid || valid[s]) ? T(double(p[s]) * inv * (double(g[s]) - mean)) : T(0);
         if (factor != nullptr) d[s] *= factor[t * n.Tk + s];
         sum_de += d[s];
       }

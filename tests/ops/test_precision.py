@@ -1,0 +1,141 @@
+"""Accuracy of the fused CPU attention where its shortcuts could lose it: bfloat16 gradients of
+peaked rows (the backward reads the forward's weights rounded to bfloat16), and the float32
+product path (tanh(a + b) from e^{2a} e^{2b}) with small pre-activations.
+
+The truth is the float64 reference on the same (rounded) inputs; the bar is what the reference
+computing in float32 meets (bfloat16: ``additive_attention_ref(..., upcast=True)``), so that input
+rounding does not count and only the kernels' own arithmetic does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import seq2seq_fast
+from seq2seq_fast import additive_attention
+from seq2seq_fast.ops.stepwise import StepwiseMemory
+from seq2seq_fast.reference import additive_attention_ref
+
+pytestmark = pytest.mark.skipif(
+    not seq2seq_fast.fused_available("cpu", torch.float32),
+    reason="the C++ extension seq2seq_fast._C is not built",
+)
+
+BF16 = torch.bfloat16
+ISAS = ("portable", "avx2", "avx512")
+LEAVES = ("query", "keys", "values", "v", "bias")
+
+
+def _use_isa(isa: str, monkeypatch) -> None:
+    monkeypatch.setenv("SEQ2SEQ_FAST_ISA", isa)
+    if torch.ops.seq2seq_fast._cpu_isa() != isa:
+        pytest.skip(f"this CPU has no {isa}")
+
+
+def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| (normwise)."""
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+# --- bfloat16: peaked rows ------------------------------------------------------------------------
+
+
+def _peaked_inputs(max_weight: float, num_queries: int, seed: int = 0):
+    """bfloat16-representable float64 inputs whose every row's largest weight is about
+    ``max_weight`` (v scaled by bisection), and the output gradients."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rounded(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(BF16).double()
+
+    batch, num_keys, hidden, value_dim = 2, 7, 32, 8
+    query, keys = rounded(batch, num_queries, hidden), rounded(batch, num_keys, hidden)
+    values, v0, bias = (
+        rounded(batch, num_keys, value_dim),
+        rounded(hidden),
+        rounded(hidden, scale=0.1),
+    )
+
+    def least_max_weight(scale: float) -> float:
+        v = (v0 * scale).to(BF16).double()
+        return additive_attention_ref(query, keys, values, v, bias)[1].amax(-1).min().item()
+
+    low, high = 0.0, 1.0
+    while least_max_weight(high) < max_weight:
+        high *= 2
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if least_max_weight(mid) < max_weight else (low, mid)
+    v = (v0 * high).to(BF16).double()
+    grad_context = rounded(batch, num_queries, value_dim)
+    grad_weights = rounded(batch, num_queries, num_keys)
+    return (query, keys, values, v, bias), grad_context, grad_weights
+
+
+def _outputs_and_grads(fn, inputs, grad_context, grad_weights, dtype, stepwise=False):
+    leaves = [t.to(dtype).requires_grad_() for t in inputs]
+    query, keys, values, v, bias = leaves
+    extra = {}
+    if stepwise:
+        memory = StepwiseMemory.for_training(keys, values, "fused")
+        assert memory is not None
+        keys, values, extra = memory.keys, memory.values, {"stepwise": memory}
+    context, weights = fn(query, keys, values, v, bias, **extra)
+    loss = (context.double() * grad_context).sum() + (weights.double() * grad_weights).sum()
+    return [context, weights, *torch.autograd.grad(loss, leaves)]
+
+
+MAX_WEIGHTS = [0.5, 0.9, 0.99, 1 - 1e-3, 1 - 1e-4, 1 - 1e-5, 1 - 1e-6, 1 - 1e-7]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("path", ["plain", "stepwise"])
+@pytest.mark.parametrize("max_weight", MAX_WEIGHTS, ids=lambda w: f"{w:.7f}")
+def test_bf16_gradients_of_peaked_rows(max_weight, path, isa, monkeypatch):
+    """Every output and gradient in bfloat16 errs at most twice as much as the reference computing
+    in float32 (then rounded to bfloat16), plus one bfloat16 eps, normwise, however peaked the
+    rows: from a largest weight of 0.5 to one within 1e-7 of 1, whose bfloat16 rounding is 1.
+    Three queries a row: the product path (a decoding step's bfloat16 tanh is tested below)."""
+    _use_isa(isa, monkeypatch)
+    inputs, grad_context, grad_weights = _peaked_inputs(max_weight, num_queries=3)
+    truth = _outputs_and_grads(
+        additive_attention_ref, inputs, grad_context, grad_weights, torch.float64
+    )
+
+    def upcast(*args, **kwargs):
+        return additive_attention_ref(*args, upcast=True, **kwargs)
+
+    floor = _outputs_and_grads(upcast, inputs, grad_context, grad_weights, BF16)
+    fused = _outputs_and_grads(
+        additive_attention, inputs, grad_context, grad_weights, BF16, stepwise=path == "stepwise"
+    )
+    names = ("context", "weights", *(f"grad {n}" for n in LEAVES))
+    for name, got, base, want in zip(names, fused, floor, truth, strict=True):
+        assert got.dtype == BF16, name
+        allowed = 2 * _rel_error(base, want) + torch.finfo(BF16).eps
+        err = _rel_error(got, want)
+        assert err <= allowed, f"{name}: rel error {err:.3e} > allowed {allowed:.3e}"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("max_weight", [0.9, 1 - 1e-4, 1 - 1e-6], ids=lambda w: f"{w:.7f}")
+def test_bf16_step_backward_from_saved_weights_matches_recomputed(max_weight, isa, monkeypatch):
+    """A decoding step (one query): the backward given the forward's bfloat16 weights is as
+    accurate as the one that recomputes them in float32 (it was off by the gradients' own size
+    where the top weight rounds to 1)."""
+    _use_isa(isa, monkeypatch)
+    inputs, grad_context, grad_weights = _peaked_inputs(max_weight, num_queries=1)
+    truth = _outputs_and_grads(
+        additive_attention_ref, inputs, grad_context, grad_weights, torch.float64
+    )
+    args = [t.to(BF16) for t in inputs]
+    gc, gw = grad_context.to(BF16), grad_weights.to(BF16)
+    ops = torch.ops.seq2seq_fast
+    context, weights, lse = ops.additive_attention_fwd(*args, None, None, True)
+    saved = ops.additive_attention_bwd(gc, gw, *args, None, None, context, lse, weights)
+    recomputed = ops.additive_attention_bwd(gc, gw, *args, None, None, context, lse, None)
+    for name, got, base, want in zip(LEAVES, saved, recomputed, truth[2:], strict=True):
+        allowed = 1.5 * _rel_error(base, want) + torch.finfo(BF16).eps / 4
+        err = _rel_error(got, want)
+        assert err <= allowed, f"grad {name}: rel error {err:.3e} > allowed {allowed:.3e}"
