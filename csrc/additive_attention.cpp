@@ -51,10 +51,12 @@ struct ProductRange;  // the product path's limits (csrc/kernels/kernels.h)
 template <>
 struct ProductRange<float> {
   static constexpr float limit = kProductLimitFloat, safe_sum = kProductSafeSumFloat;
+  static constexpr float min_sum = kProductMinSumFloat;
 };
 template <>
 struct ProductRange<double> {
   static constexpr double limit = kProductLimitDouble, safe_sum = kProductSafeSumDouble;
+  static constexpr double min_sum = kProductMinSumDouble;
 };
 
 // The product path pays exp() on every packed query and key element (about 14 vector operations
@@ -317,7 +319,9 @@ ItemKeys<T, M> pack_item(const KernelTable<T>& kt, const M* q_rows, int64_t nq, 
     return {path, kbuf, nullptr};
   }
   const T k_max = pack_rows_of(kt, k_rows, nk, H, static_cast<const T*>(nullptr), kbuf, Hp);
-  if (q_max <= ProductRange<T>::limit && k_max <= ProductRange<T>::limit) {
+  // (small pre-activations: the rational path, accurate relative to tanh near 0; kernels.h)
+  if (q_max <= ProductRange<T>::limit && k_max <= ProductRange<T>::limit &&
+      q_max + k_max >= ProductRange<T>::min_sum) {
     kt.exp_inplace(qbuf, nq * Hp, T(2));
     kt.exp_inplace(kbuf, nk * Hp, T(2));
     return {q_max + k_max <= ProductRange<T>::safe_sum ? kProduct : kProductCapped, kbuf, nullptr};

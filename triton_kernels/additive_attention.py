@@ -59,6 +59,7 @@ from .tanh import (
     is_interpreted,
     pair_clamp_may_matter,
     pair_factors,
+    product_too_coarse,
     resolve_tanh,
     tanh,
     tanh_override,
@@ -160,9 +161,11 @@ def _score_tile(q_rows, k_rows, v_ptr, b_ptr, q_in, k_in, H, sq_h, sk_h, s_v, s_
             max_abs_k = tl.maximum(max_abs_k, tl.max(tl.abs(k), axis=1))
         scores = tl.sum(v_total, axis=0) - 2.0 * tl.sum(acc, axis=2)
         clamp_matters = pair_clamp_may_matter(tl.max(max_abs_q), tl.max(max_abs_k))
+        too_coarse = product_too_coarse(tl.max(max_abs_q), tl.max(max_abs_k))
         # sum_h v could overflow where sum_h v tanh does not (|v| ~ 1e37): take the direct path.
-        if clamp_matters | (tl.sum(v_abs_total, axis=0) > SUM_ABS_V_LIMIT):
-            # Pre-activations past +-34 on both sides, or a huge v (never on sane data): exact.
+        if clamp_matters | too_coarse | (tl.sum(v_abs_total, axis=0) > SUM_ABS_V_LIMIT):
+            # Pre-activations past +-34 on both sides, all of them small (the product's absolute
+            # error against tanh ~ x), or a huge v (never on sane data): exact.
             scores = _score_tile_direct(q_rows, k_rows, v_ptr, b_ptr, q_in, k_in, H,
                                         sq_h, sk_h, s_v, s_b, 0, FAST_RCP, INT64,
                                         BLOCK_Q, BLOCK_K, BLOCK_H)  # fmt: skip
@@ -545,7 +548,10 @@ def _bwd_grad_kernel(
         # The product path, unless its clamp could matter here (never on sane data): exact tanh.
         exact = False
         if TANH_MODE == 2:
-            exact = pair_clamp_may_matter(max_abs_q, tl.max(tl.abs(k)))
+            max_abs_k = tl.max(tl.abs(k))
+            exact = pair_clamp_may_matter(max_abs_q, max_abs_k) | product_too_coarse(
+                max_abs_q, max_abs_k
+            )
         if exact:
             grad_k_acc, grad_v_part = _grad_key_tile(
                 q_batch, ds_batch, gq_batch, k, v, bias, h_in, offs_k, idx_k, Tq, key_end,

@@ -7,7 +7,8 @@
                sum_h v - 2 sum_h v r. Operands are clamped to +-43 before exponentiation (finite,
                nonzero factors: no inf * 0); a tile whose operands exceed +-34 on both sides,
                where the clamp could change a result, is recomputed with the "exp" path (never
-               on sane data; tested on crafted inputs). Error: a few float32 ulps of 1, absolute.
+               on sane data; tested on crafted inputs). Error: a few float32 ulps of 1, absolute:
+               a tile whose operands all lie within max |a| + max |b| < 2 takes "exp" too.
                At BLOCK_Q = 1 (the decoding step) the key exponentials cost one MUFU op per tanh.
     "approx"   PTX tanh.approx.f32: one MUFU op per tanh, CUDA only. Maximum relative error
                2^-10.987 (~4.9e-4) per the PTX ISA; bench/gpu_check.py measures it.
@@ -53,6 +54,10 @@ TANH_CODES = {"exp": 0, "approx": 1, "product": 2, "packed": 3}  # the kernels' 
 PAIR_CLAMP = tl.constexpr(43.0)
 PAIR_SAFE_OTHER = tl.constexpr(34.0)
 SUM_ABS_V_LIMIT = tl.constexpr(1.0e37)  # FLT_MAX / 34: sum_h v - 2 sum_h v r cannot overflow
+# Smallest max |a| + max |b| of a tile for the product path (the C++ kernels' kProductMinSum,
+# csrc/kernels/kernels.h): its error is absolute (a few ulps of 1) while tanh(x) ~ x near 0, so a
+# tile whose pre-activations all lie within +-2 takes the "exp" path (relative near 0).
+PRODUCT_MIN_SUM = tl.constexpr(2.0)
 
 _OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "seq2seq_fast_tanh", default=None
@@ -126,6 +131,13 @@ def pair_factors(a, b, FAST_RCP: tl.constexpr):
     ea = tl.exp(_clamp_pair_operand(2.0 * a))
     eb = tl.exp(_clamp_pair_operand(2.0 * b))
     return rcp(ea[:, None, :] * eb[None, :, :] + 1.0, FAST_RCP)
+
+
+@triton.jit
+def product_too_coarse(max_abs_a, max_abs_b):
+    """Whether the product path's absolute error is too coarse for pre-activations this small
+    (every |a + b| below PRODUCT_MIN_SUM): the caller then takes the "exp" path."""
+    return max_abs_a + max_abs_b < PRODUCT_MIN_SUM
 
 
 @triton.jit

@@ -14,6 +14,8 @@
 //              and A B over- or underflows only where tanh(a + b) rounds to +-1 anyway. NaN
 //              stays on this path (it poisons exactly its own row); +-inf takes the rational one.
 //              Used as it is when max |a| + max |b| <= kProductSafeSum (A B stays below 2^126).
+//              Not used when max |a| + max |b| < kProductMinSum: its absolute error would be
+//              large relative to tanh(a + b) ~ a + b there.
 //   kProductCapped: the same with 1 + A B capped at 2^120 before the reciprocal (one min more),
 //              for items within the limit whose A B could overflow to inf: a SIMD reciprocal's
 //              Newton step turns 1 / inf into NaN (this was the NaN of 0.1.0 for a + b in
@@ -138,6 +140,17 @@ constexpr double kProductLimitDouble = 150.0;
 // the exp is within a few ulp). In double e^(2 * 300) is far from overflow: never capped.
 constexpr float kProductSafeSumFloat = 43.0f;
 constexpr double kProductSafeSumDouble = 300.0;
+// Smallest max |a| + max |b| for the product path. Its tanh errs by up to 3.2e-7 absolute
+// (tanh_coeffs.h) however small a + b is, while tanh(x) ~ x near 0: an item whose pre-activations
+// all lie within +-M has tanh relative errors of 3.2e-7 / M and more, and a large v turns them
+// into score errors (0.1.0: 1e-2 in the weights at |a|, |b| ~ 1e-5). Computing in float32 at all
+// rounds the sum a + b by up to 2^-24 M (6e-8 M), so from M = 2 on (1.2e-7) the product path's
+// error is within a small factor (<= 3) of that rounding; below it the rational path, accurate
+// relative to tanh near 0, is taken (it costs ~3x per element, but pre-activations whose maxima
+// over a whole item stay under 2 are rare). The same bound serves float64 (its product path errs
+// by ~1e-15 absolute against 2^-53 M).
+constexpr float kProductMinSumFloat = 2.0f;
+constexpr double kProductMinSumDouble = 2.0;
 // Rows are padded to a multiple of this many elements (the widest vector, 16 floats).
 constexpr int64_t kPadTo = 16;
 

@@ -35,7 +35,7 @@ def _use_isa(isa: str, monkeypatch) -> None:
 
 def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """max |got - want| / max |want| (normwise)."""
-    return ((got.double() - want).abs().max() / want.abs().max()).item()
+    return ((got.detach().double().cpu() - want).abs().max() / want.abs().max()).item()
 
 
 # --- bfloat16: peaked rows ------------------------------------------------------------------------
@@ -139,3 +139,84 @@ def test_bf16_step_backward_from_saved_weights_matches_recomputed(max_weight, is
         allowed = 1.5 * _rel_error(base, want) + torch.finfo(BF16).eps / 4
         err = _rel_error(got, want)
         assert err <= allowed, f"grad {name}: rel error {err:.3e} > allowed {allowed:.3e}"
+
+
+# --- float32: the product path with small pre-activations -----------------------------------------
+
+MAGNITUDES = [1e-7, 1e-5, 1e-3, 1e-1, 0.5, 1.0, 3.0, 10.0, 30.0]
+
+
+def _small_preactivation_inputs(magnitude: float, seed: int = 0):
+    """float64 inputs of query, keys and bias ~ magnitude (four queries a row: the product path
+    unless it is ruled out) and v scaled so that the scores spread over about +-10."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, num_queries, num_keys, hidden, value_dim = 2, 4, 8, 32, 4
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).float().double()
+
+    query = rand(batch, num_queries, hidden, scale=magnitude)
+    keys = rand(batch, num_keys, hidden, scale=magnitude)
+    values, bias = rand(batch, num_keys, value_dim), rand(hidden, scale=magnitude)
+    tanh_scale = min(magnitude, 1.0)
+    v = rand(hidden, scale=10.0 / (tanh_scale * hidden**0.5))
+    inputs = (query, keys, values, v, bias)
+    grad_context = rand(batch, num_queries, value_dim)
+    grad_weights = rand(batch, num_queries, num_keys)
+    return inputs, grad_context, grad_weights
+
+
+def _float32_against_reference(fn, magnitude):
+    """(name, fused error, float32 reference error) normwise against float64, every output."""
+    inputs, grad_context, grad_weights = _small_preactivation_inputs(magnitude)
+    truth = _outputs_and_grads(
+        additive_attention_ref, inputs, grad_context, grad_weights, torch.float64
+    )
+    plain = _outputs_and_grads(
+        additive_attention_ref, inputs, grad_context, grad_weights, torch.float32
+    )
+    fused = _outputs_and_grads(fn, inputs, grad_context, grad_weights, torch.float32)
+    names = ("context", "weights", *(f"grad {n}" for n in LEAVES))
+    for name, got, base, want in zip(names, fused, plain, truth, strict=True):
+        yield name, _rel_error(got, want), _rel_error(base, want)
+
+
+def _assert_float32_accuracy(fn, magnitude, factor=8):
+    for name, err, base in _float32_against_reference(fn, magnitude):
+        if base > 1e-3:
+            # float32 cannot resolve it at all (tiny pre-activations: sech^2 ~ 1, and the query's
+            # and bias's gradients v sum_s de_s sech^2 cancel to ~x^2 while sum_s de_s = 0)
+            continue
+        # float32 math: a few times the plain float32 reference's error, at least 1e-6 normwise
+        allowed = max(factor * base, 1e-6)
+        assert err <= allowed, f"{name}: rel error {err:.3e} > allowed {allowed:.3e}"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("magnitude", MAGNITUDES)
+def test_float32_small_preactivations_with_large_v(magnitude, isa, monkeypatch):
+    """From |q|, |k|, |bias| ~ 1e-7 to 1e2 with a v that spreads the scores over +-10: float32
+    accuracy on every output (the product path's absolute tanh error, ~1e-7, was 1e-2 of the
+    weights at 1e-5)."""
+    _use_isa(isa, monkeypatch)
+    _assert_float32_accuracy(additive_attention, magnitude)
+
+
+@pytest.mark.parametrize("magnitude", [1e-5, 1e-3, 1.0, 10.0])
+def test_triton_float32_small_preactivations_with_large_v(magnitude):
+    """The same on the Triton kernels' product path (under the interpreter without a GPU)."""
+    tk = pytest.importorskip("seq2seq_fast._triton.additive_attention")
+    if not torch.cuda.is_available() and not tk.is_interpreted():
+        pytest.skip("no CUDA and the Triton kernels were imported without TRITON_INTERPRET=1")
+    from seq2seq_fast.ops.additive_attention import attention_function
+
+    function = attention_function(tk.additive_attention_fwd, tk.additive_attention_bwd)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def fused(query, keys, values, v, bias):
+        args = [t.to(device) for t in (query, keys, values, v, bias)]
+        context, weights, _ = function.apply(*args, None, None, True, "softmax")
+        return context, weights
+
+    with tk.tanh_override("product"):  # (the "exp" fallback sums in another order: 16x)
+        _assert_float32_accuracy(fused, magnitude, factor=16)
