@@ -25,8 +25,12 @@
 //              would bind to its ~16 vector operations per element): A = 2 log2(e) a packed, B the
 //              rows as they are, r = 1 / (1 + 2^{A + 2 log2(e) B}) with a degree-3 2^f and a
 //              14-bit reciprocal (about 9 operations); y = r as on the product path (tanh = 1 - 2r,
-//              u = r - r^2). Its error (<= 1e-4 in tanh, tanh_coeffs.h) is below the inputs' own
-//              rounding (2^-9 relative). Any input: +-inf give +-1, NaN stays NaN.
+//              u = r - r^2). Its error (<= 1e-4 in tanh, absolute, tanh_coeffs.h) is below the
+//              effect of the inputs' own rounding (2^-9 |x| sech^2 x) only for |x| >~ 0.05;
+//              nearer 0 it is coarser than that (a blend of x - x^3/3 there would cost the step
+//              ~5 more operations per element on ~9). Scores err by up to 1e-4 sum_h |v_h|, so
+//              a large v (peaked rows) makes the step's weights err by several times the
+//              bfloat16 rounding. Any input: +-inf give +-1, NaN stays NaN.
 #pragma once
 
 #include <cstdint>
