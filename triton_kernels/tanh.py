@@ -56,8 +56,8 @@ PAIR_SAFE_OTHER = tl.constexpr(34.0)
 SUM_ABS_V_LIMIT = tl.constexpr(1.0e37)  # FLT_MAX / 34: sum_h v - 2 sum_h v r cannot overflow
 # Smallest max |a| + max |b| of a tile for the product path (the C++ kernels' kProductMinSum,
 # csrc/kernels/kernels.h): its error is absolute (a few ulps of 1) while tanh(x) ~ x near 0, so a
-# tile whose pre-activations all lie within +-2 takes the "exp" path (relative near 0).
-PRODUCT_MIN_SUM = tl.constexpr(2.0)
+# tile whose pre-activations all lie within +-1/4 takes the "exp" path (relative near 0).
+PRODUCT_MIN_SUM = tl.constexpr(0.25)
 
 _OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "seq2seq_fast_tanh", default=None

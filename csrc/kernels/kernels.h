@@ -147,14 +147,15 @@ constexpr double kProductSafeSumDouble = 300.0;
 // Smallest max |a| + max |b| for the product path. Its tanh errs by up to 3.2e-7 absolute
 // (tanh_coeffs.h) however small a + b is, while tanh(x) ~ x near 0: an item whose pre-activations
 // all lie within +-M has tanh relative errors of 3.2e-7 / M and more, and a large v turns them
-// into score errors (0.1.0: 1e-2 in the weights at |a|, |b| ~ 1e-5). Computing in float32 at all
-// rounds the sum a + b by up to 2^-24 M (6e-8 M), so from M = 2 on (1.2e-7) the product path's
-// error is within a small factor (<= 3) of that rounding; below it the rational path, accurate
-// relative to tanh near 0, is taken (it costs ~3x per element, but pre-activations whose maxima
-// over a whole item stay under 2 are rare). The same bound serves float64 (its product path errs
-// by ~1e-15 absolute against 2^-53 M).
-constexpr float kProductMinSumFloat = 2.0f;
-constexpr double kProductMinSumDouble = 2.0;
+// into score errors (0.1.0: 1e-2 in the weights at |a|, |b| ~ 1e-5). Below M = 1/4 the rational
+// path, accurate relative to tanh near 0, is taken: there the product's error would pass 1.3e-6
+// of the largest pre-activation. Not higher: the rational path costs ~3x per element (the whole
+// op 1.5x), and projections early in training have maxima of about 0.5 to 2 over an item (a
+// threshold of 2 slowed such calls by 50%). Between 1/4 and 2 the product path's error is 3 to
+// 20 times float32's own rounding of a + b (2^-24 M), 1e-6 of the scores' scale at most.
+// The same bound serves float64 (its product path errs by ~1e-15 absolute).
+constexpr float kProductMinSumFloat = 0.25f;
+constexpr double kProductMinSumDouble = 0.25;
 // Rows are padded to a multiple of this many elements (the widest vector, 16 floats).
 constexpr int64_t kPadTo = 16;
 
