@@ -91,7 +91,7 @@ def _read_corpus(config: TrainConfig, ctx: Dist, payload: dict[str, Any] | None)
         corpus = TranslationData.load(
             config.data,
             swap=config.direction == "2-1",
-            max_words=config.max_words,
+            max_words=config.max_words or None,  # (0: every pair)
             max_pairs=config.max_pairs,
             vocab_size=config.spm_vocab_size,
             normalization=config.normalization,

@@ -658,8 +658,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointError, CorpusError, TrainError, ValueError, OSError) as exc:
         print(f"seq2seq-fast {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # (training's says where its checkpoint is)
+        print(str(exc) or "interrupted", file=sys.stderr)
         return 130
     finally:  # main() called in-process (tests, notebooks) leaves torch's threads as they were
         torch.set_num_threads(threads)

@@ -225,7 +225,12 @@ class TrainConfig:
         "1-2: column 1 -> column 2 (default); 2-1: the other way",
         choices=("1-2", "2-1"),
     )
-    max_words: int | None = opt(None, "data", "drop pairs with a longer side (default: all)")
+    max_words: int | None = opt(
+        256,
+        "data",
+        "drop pairs with a side longer than this many words (default 256: one very long line "
+        "makes a batch's memory grow with its length; 0 keeps every pair)",
+    )
     max_pairs: int | None = opt(None, "data", "use a fixed-seed random subset of the pairs")
     spm_vocab_size: int = opt(4000, "data", "sentencepiece vocabulary per side")
     normalization: str = opt("NFKC", "data", choices=("NFKC", "NFC"))
@@ -449,6 +454,8 @@ def _check_run(config: TrainConfig) -> None:
         )
     if config.backend not in BACKENDS:
         raise TrainError(f"backend must be one of {BACKENDS}, got {config.backend!r}")
+    if config.save_every < 0:
+        raise TrainError(f"save_every must be >= 0 (0: off), got {config.save_every}")
     if config.keep_checkpoints < 0:
         raise TrainError(f"keep_checkpoints must be >= 0, got {config.keep_checkpoints}")
     if config.threads is not None and config.threads < 1:
@@ -505,6 +512,11 @@ def _check_schedule(config: TrainConfig) -> None:
         raise TrainError(f"time_budget_min must be finite and > 0 (minutes), got {budget}")
 
 
+# the smallest --spm-vocab-size taken (sentencepiece refuses fewer pieces than the corpus's
+# characters with an error of its own, which the vocabulary's training names the flag in)
+MIN_SPM_VOCAB = 8
+
+
 def _check_data(config: TrainConfig) -> None:
     if config.task == "translate" and not (config.data or config.src or config.tgt):
         raise TrainError(
@@ -525,6 +537,21 @@ def _check_data(config: TrainConfig) -> None:
         raise TrainError(f"direction must be '1-2' or '2-1', got {config.direction!r}")
     if config.heldout_size < 1:
         raise TrainError(f"heldout_size must be >= 1, got {config.heldout_size}")
+    if config.max_words is not None and config.max_words < 0:
+        raise TrainError(f"max_words must be >= 0 (0: keep every pair), got {config.max_words}")
+    if config.max_pairs is not None and config.max_pairs < 1:
+        raise TrainError(f"max_pairs must be >= 1 (leave it out for all), got {config.max_pairs}")
+    if config.spm_vocab_size < MIN_SPM_VOCAB:
+        raise TrainError(
+            f"spm_vocab_size must be >= {MIN_SPM_VOCAB} (sentencepiece needs room for its 4 "
+            f"special pieces and the corpus's characters), got {config.spm_vocab_size}"
+        )
+    fractions = (config.valid_fraction, config.test_fraction)
+    if not all(_finite(f) and 0.0 <= f < 1.0 for f in fractions) or sum(fractions) >= 1.0:
+        raise TrainError(
+            "valid_fraction and test_fraction must each be in [0, 1) and sum to less than 1 "
+            f"(the rest is trained on), got {fractions[0]} and {fractions[1]}"
+        )
 
 
 def _check_evaluation(config: TrainConfig) -> None:
@@ -600,6 +627,12 @@ def init_shape(payload: dict[str, Any], given: dict[str, Any], source: str) -> d
     model_config = dict(payload.get("model_config") or {})
     trained = dict(payload.get("train_config") or {})
     same_task = trained.get("task") == given.get("task", "reverse")
+    if trained.get("task") is not None and not same_task:
+        raise TrainError(
+            f"--init-from {source}: a --task {trained['task']} checkpoint cannot start a "
+            f"--task {given.get('task', 'reverse')} job (its vocabularies are that task's); "
+            "fine-tune it on the same task"
+        )
     taken, refused = {}, []
     for f in fields(TrainConfig):
         if not option_of(f).shape:

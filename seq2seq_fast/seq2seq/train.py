@@ -131,6 +131,7 @@ class Job:
     nonfinite_steps: int = 0  # steps in a row skipped for a non-finite gradient norm
     ddp: Any = None  # the DistributedDataParallel wrapper under DDP (for no_sync)
     metrics_log: MetricsLog | None = None  # metrics.jsonl (and TensorBoard), rank 0
+    interrupted: bool = False  # Ctrl-C: stop after this step, checkpointed (_interrupts_deferred)
 
     @property
     def canary(self) -> bool:
@@ -347,6 +348,8 @@ def _should_stop(job: Job) -> bool:
     """Stop (and checkpoint) now: ``stop_after_steps`` reached or the time budget spent."""
     if job.config.stop_after_steps is not None and job.step >= job.config.stop_after_steps:
         return True
+    if job.interrupted:
+        return True
     if job.clock.expired:
         log(f"time budget of {job.config.time_budget_min} min reached at step {job.step}", job.ctx)
         return True
@@ -503,6 +506,46 @@ def claim_run_folder(config: TrainConfig, overwrite: bool, ctx: Dist) -> list[Pa
     return found
 
 
+LOCK_FILE = ".seq2seq-fast.lock"
+
+
+@contextlib.contextmanager
+def run_folder_lock(folder: Path, ctx: Dist):
+    """Hold ``folder`` (made if new) for one training at a time: two runs into one --out mixed
+    their checkpoints, config.yaml and metrics, and the second crashed. An advisory lock
+    (``fcntl.flock`` on a hidden file, which the system releases when the process ends, so a
+    killed run leaves none behind, and a refused one changes nothing in the folder); rank 0
+    holds it for a DDP run. TrainError naming --out when another training holds it."""
+    if folder.exists() and not folder.is_dir():
+        raise TrainError(f"--out {folder} is a file, not a folder: pass a folder for the run")
+    try:
+        import fcntl
+    except ImportError:  # (not POSIX: no lock)
+        yield
+        return
+    if not ctx.is_main:
+        yield
+        return
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / LOCK_FILE, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise TrainError(
+                f"--out {folder} is in use by another training running now: wait for it to "
+                "end, or pass another --out"
+            ) from None
+        try:
+            yield
+        finally:
+            # a run that could not start leaves no folder it made (only the lock in it)
+            if created and [p.name for p in folder.iterdir()] == [LOCK_FILE]:
+                (folder / LOCK_FILE).unlink()
+                folder.rmdir()
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def clear_run_folder(found: list[Path], ctx: Dist) -> None:
     """Remove the earlier run's files (rank 0), after the new run's data and model are built:
     a run that cannot start (a typo in a path, a bad option) keeps the earlier one."""
@@ -598,13 +641,26 @@ def _train(
     config = replace(config, out=str(config.out_dir))  # resolved: config.yaml names the folder
     if config.threads is not None:
         torch.set_num_threads(config.threads)
+    with run_folder_lock(config.out_dir, ctx):
+        return _train_in_folder(config, payload, resume, overwrite, ctx, started)
+
+
+def _train_in_folder(
+    config: TrainConfig,
+    payload: dict[str, Any] | None,
+    resume: str | Path | None,
+    overwrite: bool,
+    ctx: Dist,
+    started: float,
+) -> TrainResult:
+    """The run itself, its output folder held (:func:`run_folder_lock`)."""
     earlier = claim_run_folder(config, overwrite, ctx) if resume is None else []
     init = load_init(config.init_from) if config.init_from and payload is None else None
     # the job first (data, model): a run that cannot start leaves its folder as it was
     job = build_job(config, ctx, payload, started, init)
     if resume is None:
         clear_run_folder(earlier, ctx)
-    metrics_log = job.metrics_log = MetricsLog(
+    job.metrics_log = MetricsLog(
         config.out_dir,
         started=started,
         tensorboard_dir=config.tensorboard,
@@ -624,6 +680,65 @@ def _train(
             ctx,
         )
     stopped_early = False
+    with _interrupts_deferred(job):
+        stopped_early = _run_epochs(job, started)
+    if job.interrupted:
+        raise TrainInterrupted(job)
+    if job.clock.expired and job.best_score is not None and job.scored_step != job.step:
+        # The budget ran out between evaluations: score the last model too, or the final
+        # evaluation would take an older best.pt over a better, never scored, last state.
+        _evaluate_now(job)
+        save_job(job)
+    return finish(job, payload, stopped_early)
+
+
+class TrainInterrupted(KeyboardInterrupt):
+    """Ctrl-C during training: the run stopped after its step, checkpointed; says how to go on."""
+
+    def __init__(self, job: Job) -> None:
+        path = job.checkpoint_path
+        super().__init__(
+            f"interrupted at step {job.step} (epoch {job.epoch + 1}, batch {job.batch_in_epoch}): "
+            f"the run is saved in {path}; go on with: seq2seq-fast train --resume {path}"
+        )
+
+
+@contextlib.contextmanager
+def _interrupts_deferred(job: Job):
+    """A first Ctrl-C (SIGINT) stops the training after the step it falls in, which is then
+    checkpointed (model.pt, as at an epoch's end); a second one stops at once, as before. Only
+    where Python lets a handler be set (the main thread) and in one process (under DDP every
+    rank would have to stop at the same step)."""
+    import signal
+    import threading
+
+    if job.ctx.enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def stop_after_this_step(signum, frame):
+        job.interrupted = True
+        signal.signal(signal.SIGINT, previous)  # the next Ctrl-C: at once
+        print(
+            "\nCtrl-C: stopping after this step, with a checkpoint (Ctrl-C again to stop at "
+            "once, losing the steps since the last checkpoint)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    signal.signal(signal.SIGINT, stop_after_this_step)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _run_epochs(job: Job, started: float) -> bool:
+    """The epochs from the job's position, each ended by an evaluation and a checkpoint, or
+    stopped early (checkpointed where it stopped); -> whether stopped early."""
+    config, ctx, metrics_log = job.config, job.ctx, job.metrics_log
+    stopped_early = False
     while job.epoch < config.epochs and not stopped_early:
         stopped_early = run_epoch(job)
         if job.batch_in_epoch >= job.task.steps_per_epoch:
@@ -641,12 +756,7 @@ def _train(
             save_snapshot(job)
         else:
             save_job(job)
-    if job.clock.expired and job.best_score is not None and job.scored_step != job.step:
-        # The budget ran out between evaluations: score the last model too, or the final
-        # evaluation would take an older best.pt over a better, never scored, last state.
-        _evaluate_now(job)
-        save_job(job)
-    return finish(job, payload, stopped_early)
+    return stopped_early
 
 
 @dataclass

@@ -97,3 +97,34 @@ def test_a_bad_schedule_value_is_named(flag, value, match):
 def test_the_schedule_edges_are_allowed():
     config = cli_config("--warmup-steps", "0", "--min-lr-ratio", "1", "--min-lr-ratio", "0")
     assert (config.warmup_steps, config.min_lr_ratio) == (0, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("--max-pairs", "0"), r"max_pairs must be >= 1 \(leave it out for all\), got 0"),
+        (("--max-pairs", "-1"), "max_pairs must be >= 1.*got -1"),
+        (("--max-words", "-2"), r"max_words must be >= 0 \(0: keep every pair\), got -2"),
+        (("--spm-vocab-size", "0"), "spm_vocab_size must be >= 8.*got 0"),
+        (("--spm-vocab-size", "5"), "spm_vocab_size must be >= 8.*got 5"),
+        (("--valid-fraction", "1.5"), "must each be in \\[0, 1\\).*got 1.5 and 0.03"),
+        (("--valid-fraction", "-0.1"), "must each be in \\[0, 1\\).*got -0.1"),
+        (("--test-fraction", "1"), "must each be in \\[0, 1\\).*got 0.02 and 1.0"),
+        (("--valid-fraction", "0.6", "--test-fraction", "0.4"), "sum to less than 1.*0.6 and 0.4"),
+        (("--valid-fraction", "nan"), "must each be in \\[0, 1\\).*got nan"),
+        (("--save-every", "-3"), r"save_every must be >= 0 \(0: off\), got -3"),
+    ],
+)
+def test_a_bad_data_or_run_value_is_named(args, match):
+    """Each was taken before: --max-pairs 0 and -1 ended in an IndexError and a negative
+    dimension, fractions of 1 and more trained on one pair with exit status 0, a tiny
+    sentencepiece vocabulary in sentencepiece's own traceback, --save-every -3 silently."""
+    with pytest.raises(TrainError, match=match):
+        cli_config("--task", "translate", "--data", "corpus.tsv", *args)
+
+
+def test_long_pairs_are_dropped_by_default_and_zero_keeps_them():
+    """A very long line in a training corpus (20,000 words) grew a run past 24 GB: pairs longer
+    than 256 words are dropped by default (and counted in the log); --max-words 0 keeps all."""
+    assert cli_config("--task", "translate", "--data", "c.tsv").max_words == 256
+    assert cli_config("--task", "translate", "--data", "c.tsv", "--max-words", "0").max_words == 0

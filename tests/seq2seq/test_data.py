@@ -221,3 +221,13 @@ def test_fra_eng_corpus_reads_cleanly():
     assert report.pairs + report.too_long == report.lines
     assert all("\u202f" not in tgt for _, tgt in pairs)
     assert pairs[0] == ("Go.", "Va !")
+
+
+def test_a_sentencepiece_vocabulary_too_small_names_the_flag():
+    """sentencepiece's own error (fewer pieces than the corpus's characters) came as its
+    traceback; it names --spm-vocab-size now, as a ValueError the command line reports."""
+    from seq2seq_fast.seq2seq.data.vocab import SentencePieceVocab
+
+    sentences = ["the quick brown fox jumps over the lazy dog"] * 20
+    with pytest.raises(ValueError, match=r"--spm-vocab-size 9: sentencepiece could not train"):
+        SentencePieceVocab.train(sentences, vocab_size=9)

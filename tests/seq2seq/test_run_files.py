@@ -270,6 +270,18 @@ def test_init_from_a_different_shape_says_what_differs(run, tmp_path, capsys):
     assert code == 2 and "--hidden-size 48 (checkpoint: 32)" in capsys.readouterr().err
 
 
+def test_init_from_another_task_is_refused_by_name(run, tmp_path, capsys):
+    """A reversal checkpoint given to a translation job ended in an AttributeError (its symbol
+    vocabulary has no sentencepiece batch encoder)."""
+    corpus = tmp_path / "c.tsv"
+    corpus.write_text("".join(f"a{i} b\tc d{i}\n" for i in range(40)))
+    argv = ["train", "--task", "translate", "--data", str(corpus), "--out", str(tmp_path / "o")]
+    code = main([*argv, "--init-from", str(run.checkpoint), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert "a --task reverse checkpoint cannot start a --task translate job" in err, err
+
+
 def test_init_from_a_missing_file_is_a_clean_error(tmp_path, capsys):
     code = main(["train", "--out", str(tmp_path), "--init-from", str(tmp_path / "nope.pt")])
     assert code == 2 and "nope.pt" in capsys.readouterr().err

@@ -159,3 +159,26 @@ def test_a_run_that_cannot_start_leaves_no_run_behind(tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
     assert not out.exists() or not any(out.iterdir())
     assert main(["train", *TINY, "--epochs", "1", "--out", str(out)]) == 0  # not refused
+
+
+def test_a_second_training_into_a_folder_in_use_is_refused(tmp_path, capsys):
+    """Two trainings into one --out mixed their files (model.pt of one, config.yaml of the
+    other, both in metrics.jsonl) and the second crashed on a size mismatch. While one holds
+    the folder, another is refused by name and touches nothing."""
+    from seq2seq_fast.seq2seq.distributed import setup_distributed
+    from seq2seq_fast.seq2seq.train import run_folder_lock
+
+    out = tmp_path / "run"
+    with run_folder_lock(out, setup_distributed()):  # the first training, running
+        assert main(["train", *TINY, "--epochs", "1", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out} is in use by another training" in err and "Traceback" not in err
+        assert [p.name for p in out.iterdir()] == [".seq2seq-fast.lock"]
+    assert main(["train", *TINY, "--epochs", "1", "--out", str(out)]) == 0  # then it may
+
+
+def test_an_out_that_is_a_file_is_named(tmp_path, capsys):
+    out = tmp_path / "a-file"
+    out.write_text("not a folder")
+    assert main(["train", *TINY, "--epochs", "1", "--out", str(out)]) == 2
+    assert f"--out {out} is a file, not a folder" in capsys.readouterr().err

@@ -286,3 +286,35 @@ def test_python_dash_m_entry_point():
         timeout=120,
     )
     assert proc.returncode == 0 and "train" in proc.stdout and "plot-attention" in proc.stdout
+
+
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint(tmp_path, monkeypatch):
+    """A Ctrl-C mid-epoch saved nothing (everything since the epoch's start was lost) and said
+    only "interrupted". The step it falls in now finishes, model.pt is written at that step, the
+    error says how to resume, and the resumed run ends as an uninterrupted one."""
+    import signal
+
+    import seq2seq_fast.seq2seq.train as training
+    from seq2seq_fast.seq2seq.train import TrainInterrupted
+
+    config = tiny_config(tmp_path / "full", epochs=2, steps_per_epoch=6)
+    full = train(config)
+    real_step, calls = training.train_step, []
+
+    def step_with_ctrl_c(job, batch):
+        calls.append(job.step)
+        if len(calls) == 4:
+            os.kill(os.getpid(), signal.SIGINT)  # (Python runs the handler before returning)
+        return real_step(job, batch)
+
+    monkeypatch.setattr(training, "train_step", step_with_ctrl_c)
+    with pytest.raises(TrainInterrupted, match=r"interrupted at step 4 .*--resume .*model\.pt"):
+        train(replace(config, out=str(tmp_path / "part")))
+    monkeypatch.setattr(training, "train_step", real_step)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert load_checkpoint(tmp_path / "part/model.pt")["step"] == 4
+    resumed = train(
+        TrainConfig(out=str(tmp_path / "part"), progress=False), resume=tmp_path / "part/model.pt"
+    )
+    assert resumed.step == 12
+    assert resumed.losses == pytest.approx(full.losses[4:], rel=SAME, abs=0)

@@ -154,7 +154,7 @@ def open_store_corpus(
     test = pair(config.test_src, config.test_tgt) if config.test_src else (config.test_data, None)
     options = Options(
         normalization=config.normalization,
-        max_words=config.max_words,
+        max_words=config.max_words or None,  # (0: every pair)
         max_pairs=config.max_pairs,
         seed=config.seed,
         valid_fraction=config.valid_fraction,

@@ -100,20 +100,14 @@ class SentencePieceVocab:
         import sentencepiece as spm
 
         model = io.BytesIO()
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sentences),
-            model_writer=model,
-            vocab_size=vocab_size,
-            model_type="unigram",
-            character_coverage=1.0,
-            pad_id=PAD_ID,
-            unk_id=UNK_ID,
-            bos_id=BOS_ID,
-            eos_id=EOS_ID,
-            hard_vocab_limit=False,  # small corpora get a smaller vocabulary instead of an error
-            num_threads=1,  # deterministic: the same corpus gives the same vocabulary
-            minloglevel=2,
-        )
+        try:
+            _train_sentencepiece(spm, sentences, model, vocab_size)
+        except RuntimeError as exc:  # e.g. fewer pieces than the corpus has characters
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise ValueError(
+                f"--spm-vocab-size {vocab_size}: sentencepiece could not train a vocabulary of "
+                f"that size on this corpus ({first[:300]})"
+            ) from None
         return cls(model.getvalue())
 
     def __len__(self) -> int:
@@ -325,3 +319,21 @@ def shared_vocab(holder) -> bool:
     or the same content (a checkpoint's, read back as two)."""
     src, tgt = holder.src_vocab, holder.tgt_vocab
     return src is tgt or src.to_state() == tgt.to_state()
+
+
+def _train_sentencepiece(spm, sentences: Iterable[str], model, vocab_size: int) -> None:
+    """SentencePiece's unigram training on ``sentences`` into ``model`` (a BytesIO)."""
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type="unigram",
+        character_coverage=1.0,
+        pad_id=PAD_ID,
+        unk_id=UNK_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        hard_vocab_limit=False,  # small corpora get a smaller vocabulary instead of an error
+        num_threads=1,  # deterministic: the same corpus gives the same vocabulary
+        minloglevel=2,
+    )
