@@ -155,8 +155,8 @@ def _add_translate(sub) -> argparse.ArgumentParser:
     _add_decode_options(p)
     _add_config_options(p)
     add = p.add_argument
-    add("-i", "--input", help="file of sentences, one a line, UTF-8 (default: stdin)")
-    add("-o", "--output", help="write translations here (default: stdout)")
+    add("-i", "--input", help="file of sentences, one a line, UTF-8 (default or -: stdin)")
+    add("-o", "--output", help="write translations here (default or -: stdout)")
     add(
         "--n-best",
         type=_positive_int,
@@ -254,10 +254,20 @@ def _cache(args) -> int:
     return 0
 
 
+def _version_line() -> str:
+    """What --version prints: this package's version and the torch it runs on (for bug reports)."""
+    import torch
+
+    from seq2seq_fast import __version__
+
+    return f"seq2seq-fast {__version__} (torch {torch.__version__})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="seq2seq-fast", description="Attention seq2seq models on fused Bahdanau attention."
     )
+    parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser.set_defaults(commands={"train": _add_train(sub), "translate": _add_translate(sub)})
     p = sub.add_parser("plot-attention", help="draw the attention heatmap of one sentence")
@@ -451,6 +461,9 @@ def _translate(args) -> int:
 
         sys.stdout.write(dump_config(translate_settings(args)))
         return 0
+    # "-": the standard streams, as most command-line tools read it
+    args.input = None if args.input == "-" else args.input
+    args.output = None if args.output == "-" else args.output
     if args.sentence is not None and args.input is not None:
         raise ValueError("give either a sentence or --input FILE, not both")
     _check_output(args)  # before the model loads and the lines decode
@@ -590,8 +603,12 @@ def _translate_lines(args, translator, chunks) -> int:
 
 
 def _plot(args) -> int:
-    from seq2seq_fast.seq2seq.plot import plot_result
+    from seq2seq_fast.seq2seq.plot import image_path, plot_result
 
+    try:  # before the model loads
+        image_path(args.output)
+    except ValueError as exc:
+        raise ValueError(f"-o {exc}") from None
     translator = _translator(args)
     if args.sentence is not None:
         text = args.sentence

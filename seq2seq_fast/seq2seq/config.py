@@ -211,7 +211,11 @@ class TrainConfig:
         choices=PRECISIONS,
     )
     time_budget_min: float | None = opt(
-        None, "optimisation", "stop training after this many minutes", resume=CHANGE
+        None,
+        "optimisation",
+        "stop training after this many minutes; the learning rate's cosine decay then follows "
+        "the elapsed time or the steps, whichever is further along, so the run ends at a low rate",
+        resume=CHANGE,
     )
     # -- data: the reversal task's
     vocab_size: int = opt(32, "data", "reverse task: number of symbols (default 32)", shape=True)

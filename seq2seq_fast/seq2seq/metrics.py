@@ -1,6 +1,7 @@
 """The run's metrics as a file: ``metrics.jsonl`` in the run folder, and TensorBoard events.
 
-One JSON object a line, appended as training goes (a resumed run appends to its file):
+One JSON object a line, appended as training goes (a resumed run appends to its file, after
+dropping the records of steps after its checkpoint, which it trains again):
 
     {"kind": "train", "step": 10, "time": 1796246679.1, "elapsed_s": 4.2, "loss": 2.31,
      "lr": 0.0003, "tokens_per_s": 51234.0}
@@ -34,6 +35,7 @@ class MetricsLog:
         started: float,
         tensorboard_dir: str | Path | None = None,
         fresh: bool = True,
+        resumed_at: int | None = None,
         enabled: bool = True,
     ) -> None:
         self.path = Path(folder) / METRICS_FILE
@@ -45,8 +47,21 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if fresh:
             self.path.write_text("", encoding="utf-8")
+        elif resumed_at is not None and self.path.exists():
+            self._drop_after(resumed_at)
         if tensorboard_dir is not None:
             self.writer = tensorboard_writer(tensorboard_dir)
+
+    def _drop_after(self, step: int) -> None:
+        """Drop the records of steps after ``step``, the checkpoint a resumed run goes on from:
+        the run trains those steps again and writes their records anew (kept, they would be
+        there twice, the first time from a run whose later steps were lost)."""
+        from seq2seq_fast.seq2seq.atomic import atomic_write
+
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if _step_of(line) <= step]
+        if len(kept) < len(lines):
+            atomic_write(self.path, "".join(kept).encode("utf-8"))
 
     def write(self, kind: str, step: int, values: dict[str, Any]) -> None:
         """One record: ``values`` (numbers) of ``kind`` ("train", "valid", "final") at ``step``."""
@@ -71,6 +86,14 @@ class MetricsLog:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+def _step_of(line: str) -> float:
+    """A metrics.jsonl line's step; -inf for a line that is not a record (kept as it is)."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return -math.inf
 
 
 def read_metrics(folder: str | Path) -> list[dict[str, Any]]:

@@ -13,6 +13,24 @@ from seq2seq_fast.seq2seq.models import Seq2Seq
 from seq2seq_fast.seq2seq.translate import Translation, Translator
 
 
+def image_path(path: str | Path) -> Path:
+    """``path`` as the heatmap is written: ".png" added to a path without an ending (matplotlib
+    would add it itself, and the path reported be wrong); an ending no format has refused
+    (ValueError naming it and the endings there are)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    path = Path(path)
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
+    kinds = FigureCanvasAgg.get_supported_filetypes()
+    if path.suffix[1:].lower() not in kinds:
+        raise ValueError(
+            f"{path}: no image format has the ending {path.suffix!r}; give one of "
+            + ", ".join(f".{kind}" for kind in sorted(kinds))
+        )
+    return path
+
+
 def plot_attention(
     weights: Tensor,
     source_tokens: Sequence[str],
@@ -21,13 +39,15 @@ def plot_attention(
     *,
     title: str | None = None,
 ) -> Path:
-    """Save a heatmap of ``weights`` [len(target_tokens), len(source_tokens)] to ``path`` (PNG...).
+    """Save a heatmap of ``weights`` [len(target_tokens), len(source_tokens)] to ``path``, in the
+    format its ending names (.png, .pdf, .svg, ...; none: .png is added). Returns the path written.
 
     Rows are output tokens (y axis), columns source tokens (x axis).
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    path = image_path(path)
     weights = torch.as_tensor(weights, dtype=torch.float32).cpu()
     rows, cols = len(target_tokens), len(source_tokens)
     if weights.shape != (rows, cols):
@@ -50,7 +70,6 @@ def plot_attention(
         axes.set_title(title, fontsize=9)
     figure.colorbar(image, ax=axes, fraction=0.046, pad=0.04)
     figure.tight_layout()
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
     return path

@@ -129,6 +129,7 @@ class Job:
     evals_since_best: int = 0
     scored_step: int | None = None  # the step whose model track_best scored last
     nonfinite_steps: int = 0  # steps in a row skipped for a non-finite gradient norm
+    skipped_steps: list[int] = field(default_factory=list)  # every such step (this process's run)
     ddp: Any = None  # the DistributedDataParallel wrapper under DDP (for no_sync)
     metrics_log: MetricsLog | None = None  # metrics.jsonl (and TensorBoard), rank 0
     interrupted: bool = False  # Ctrl-C: stop after this step, checkpointed (_interrupts_deferred)
@@ -316,6 +317,7 @@ def _skip_nonfinite_step(job: Job, loss: float, reference: canary.Rerun | None =
     ``reference``: the canary's plain-PyTorch re-run of the step (None: fused kernels were not
     in use, --backend reference)."""
     job.nonfinite_steps += 1
+    job.skipped_steps.append(job.step + 1)
     config = job.config
     if reference is None:
         cause = "the model itself diverged (on the reference attention backend: no re-run)"
@@ -665,6 +667,7 @@ def _train_in_folder(
         started=started,
         tensorboard_dir=config.tensorboard,
         fresh=resume is None,
+        resumed_at=job.step,
         enabled=ctx.is_main,
     )
     if ctx.is_main:  # the resolved configuration, beside the checkpoint (which stores it too)
@@ -689,7 +692,29 @@ def _train_in_folder(
         # evaluation would take an older best.pt over a better, never scored, last state.
         _evaluate_now(job)
         save_job(job)
+    _report_skipped_steps(job)
     return finish(job, payload, stopped_early)
+
+
+def _report_skipped_steps(job: Job) -> None:
+    """Say at the end how many updates were skipped for a non-finite gradient (each streak's
+    first step was logged as it came; a run that ends inside one has diverged without reaching
+    MAX_NONFINITE_STEPS, and says so)."""
+    skipped = job.skipped_steps
+    if not skipped:
+        return
+    steps = ", ".join(str(s) for s in skipped[:5]) + (", ..." if len(skipped) > 5 else "")
+    message = (
+        f"warning: {len(skipped)} of the run's updates were skipped for a non-finite gradient "
+        f"(steps {steps})"
+    )
+    if job.nonfinite_steps:
+        message += (
+            f"; the last {job.nonfinite_steps} steps all were: the run ended diverging, and its "
+            f"checkpoint holds the weights of step {job.step - job.nonfinite_steps} (lower --lr "
+            f"or turn --clip-norm on)"
+        )
+    log(message, job.ctx)
 
 
 class TrainInterrupted(KeyboardInterrupt):

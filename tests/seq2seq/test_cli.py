@@ -89,6 +89,39 @@ def test_plot_attention_writes_png(checkpoint, tmp_path, capsys):
     assert str(target) in capsys.readouterr().out
 
 
+def test_plot_attention_without_an_ending_writes_and_names_png(checkpoint, tmp_path, capsys):
+    target = tmp_path / "heat"
+    assert main(["plot-attention", "--checkpoint", str(checkpoint), "abcd", "-o", str(target)]) == 0
+    written = tmp_path / "heat.png"
+    assert written.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"attention heatmap: {written}" in capsys.readouterr().out
+
+
+def test_plot_attention_with_an_unknown_ending_is_named(checkpoint, tmp_path, capsys):
+    target = tmp_path / "heat.pgn"
+    assert main(["plot-attention", "--checkpoint", str(checkpoint), "abcd", "-o", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert f"-o {target}: no image format has the ending '.pgn'" in err and ".png" in err
+    assert not target.exists()
+
+
+def test_dash_means_the_standard_streams(checkpoint, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("a b c\n"))
+    assert main(["translate", "--checkpoint", str(checkpoint), "-i", "-", "-o", "-"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["c b a"]
+
+
+def test_version_names_the_package_and_torch(capsys):
+    from seq2seq_fast import __version__
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert (
+        capsys.readouterr().out.strip() == f"seq2seq-fast {__version__} (torch {torch.__version__})"
+    )
+
+
 @pytest.mark.parametrize("kind", ["missing", "garbage", "truncated", "foreign"])
 def test_bad_checkpoints_give_one_error_line(checkpoint, tmp_path, capsys, kind):
     path = tmp_path / f"{kind}.pt"

@@ -80,6 +80,22 @@ def test_a_resumed_run_appends_and_a_new_one_starts_afresh(tmp_path):
     assert fresh[0]["step"] == 10 and max(r["step"] for r in fresh) == 12
 
 
+def test_a_resumed_run_drops_the_records_of_the_steps_it_trains_again(tmp_path):
+    # A run killed at step 20 after its last checkpoint at step 10: the records of steps 11-20
+    # are in metrics.jsonl, and the resumed run trains those steps again.
+    config = TrainConfig(**TINY, out=str(tmp_path))
+    train(TrainConfig(**asdict(config) | {"stop_after_steps": 10}))
+    first = read_metrics(tmp_path)
+    lost = {"kind": "train", "step": 20, "time": 0.0, "elapsed_s": 0.0, "loss": 9.9}
+    with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(lost) + "\n")
+    train(config, resume=tmp_path / "model.pt")
+    resumed = read_metrics(tmp_path)
+    assert resumed[: len(first)] == first and lost not in resumed
+    steps = [r["step"] for r in resumed if r["kind"] == "train"]
+    assert steps == [10, 12, 20, 24]
+
+
 def test_tensorboard_events_hold_the_same_values(tmp_path):
     event_accumulator = pytest.importorskip(
         "tensorboard.backend.event_processing.event_accumulator"

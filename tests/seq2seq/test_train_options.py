@@ -196,13 +196,29 @@ def _nonfinite_norm_at(monkeypatch, bad_calls: set[int]):
 def test_a_nonfinite_gradient_skips_the_update(tmp_path, monkeypatch, capsys, clip_norm):
     _nonfinite_norm_at(monkeypatch, {4, 5, 6})
     result = train(TrainConfig(**TINY, out=str(tmp_path), clip_norm=clip_norm))
-    assert "step 4: non-finite gradient" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "step 4: non-finite gradient" in out
+    summary = (
+        "warning: 3 of the run's updates were skipped for a non-finite gradient (steps 4, 5, 6)"
+    )
+    assert summary + "\n" in out  # said again at the end, and the run did not end diverging
     payload = load_checkpoint(result.checkpoint)
     assert payload["step"] == TINY["steps_per_epoch"]
     # the optimiser updated on the other steps only, and the weights stayed finite
     adam_steps = {float(s["step"]) for s in payload["optimizer"]["state"].values()}
     assert adam_steps == {TINY["steps_per_epoch"] - 3.0}
     assert all(torch.isfinite(w).all() for w in payload["model"].values())
+
+
+def test_a_run_that_ends_diverging_says_so(tmp_path, monkeypatch, capsys):
+    last = TINY["steps_per_epoch"]
+    _nonfinite_norm_at(monkeypatch, {last - 2, last - 1, last})
+    train(TrainConfig(**TINY | {"epochs": 1}, out=str(tmp_path)))
+    out = capsys.readouterr().out
+    assert (
+        f"(steps {last - 2}, {last - 1}, {last}); the last 3 steps all were: the run ended "
+        f"diverging, and its checkpoint holds the weights of step {last - 3}"
+    ) in out
 
 
 def test_a_diverged_run_stops_with_a_clear_error_and_finite_weights(tmp_path, monkeypatch):
