@@ -53,6 +53,21 @@ class ReluBeforeTanh(ShowAttendRelu):
         return (features * alpha.unsqueeze(2)).sum(1), alpha
 
 
+class GatedTanh(ShowAttendRelu):
+    """Gated attention (multiple-instance learning's): the tanh times a sigmoid gate of its own
+    shape, then the score layer: w . (tanh(V h) * sigmoid(U h)), a gate the op has no term for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(self.encoder_proj.in_features, self.encoder_proj.out_features)
+
+    def forward(self, features, hidden):
+        pre = self.encoder_proj(features) + self.decoder_proj(hidden).unsqueeze(1)
+        gated = torch.tanh(pre) * torch.sigmoid(self.gate(features))
+        alpha = F.softmax(self.full(gated).squeeze(2), dim=1)
+        return (features * alpha.unsqueeze(2)).sum(1), alpha
+
+
 def _masked_feature_call(b, t, dtype):
     features, hidden = _feature_call(b, t, dtype)
     return (features, hidden, lengths_mask(b, t).to(dtype))
@@ -63,4 +78,5 @@ LOOKALIKES = [
     Case("softmax_over_batch", _wrap(SoftmaxOverBatch), _feature_call, None),
     Case("tanh_of_product", _wrap(TanhOfProduct), _feature_call, None),
     Case("relu_before_tanh", _wrap(ReluBeforeTanh), _feature_call, None),
+    Case("gated_tanh", _wrap(GatedTanh), _feature_call, None),
 ]

@@ -1614,3 +1614,43 @@ class TemporalDecoder(nn.Module):
             context, past = self.att(states[:, step], memory, past)
             outs.append(context)
         return torch.stack(outs, 1)
+
+
+# --- the padding of TensorFlow ports: where(mask, scores, ones_like(scores) * -big) -----------------
+
+
+class LikeFilledPooling(nn.Module):
+    """Attention pooling of a behaviour sequence [B, T, K] by a candidate [B, Q] whose padded
+    positions are filled through a tensor made like the scores (DeepCTR-Torch's sequence pooling
+    with a tanh activation, and other TensorFlow ports): ``torch.where(valid, scores,
+    torch.ones_like(scores) * (-2**32 + 1))``, or ``full_like``. ``fill``: the fill value (0
+    makes a look-alike: the padded positions keep a weight)."""
+
+    def __init__(self, spelling: str = "ones_like", fill: float = -(2**32) + 1) -> None:
+        super().__init__()
+        self.spelling, self.fill = spelling, fill
+        self.query = nn.Linear(Q, A)
+        self.keys = nn.Linear(K, A, bias=False)
+        self.score = nn.Linear(A, 1)
+
+    def forward(self, candidate, behaviours, valid):
+        hidden = torch.tanh(self.query(candidate).unsqueeze(1) + self.keys(behaviours))
+        scores = self.score(hidden).transpose(1, 2)  # [B, 1, T]
+        if self.spelling == "ones_like":
+            paddings = torch.ones_like(scores) * self.fill
+        else:
+            paddings = torch.full_like(scores, self.fill)
+        scores = torch.where(valid.unsqueeze(1), scores, paddings)
+        return torch.matmul(torch.softmax(scores, dim=-1), behaviours).squeeze(1)
+
+
+def _pooling_call(b, t, dtype):
+    return (_rand(b, Q, dtype=dtype), _rand(b, t, K, dtype=dtype), lengths_mask(b, t))
+
+
+CASES += [
+    Case("like_filled_ones", lambda: _Holder(LikeFilledPooling()), _pooling_call, "att"),
+    Case("like_filled_full", lambda: _Holder(LikeFilledPooling("full_like")), _pooling_call, "att"),
+    # a fill of 0 is not a mask: the padded positions keep exp(0) of the weight
+    Case("like_filled_zero", lambda: _Holder(LikeFilledPooling(fill=0.0)), _pooling_call, None),
+]

@@ -228,6 +228,30 @@ def test_refusal_reasons_name_the_call_and_the_number():
     assert "built-in" not in skipped.reason and "None" not in skipped.reason, skipped.reason
 
 
+def test_a_softmax_over_the_batch_is_refused_saying_so():
+    """A softmax over the batch axis (a copied decoder's dim=0): every term varies along it, and
+    the reason says that, with the axis and the shape, not that no term does."""
+    from tests.convert import layouts_lookalikes as L
+
+    model = T._Holder(L.SoftmaxOverBatch()).double()
+    report = fuse_attention_report(model)
+    model(*T._feature_call(3, 5, torch.float64))
+    (skipped,) = report.skipped
+    assert "every term of the sum varies along the softmax's axis (axis 0 of" in skipped.reason
+    assert "the softmax runs over the batch's axis" in skipped.reason, skipped.reason
+
+
+def test_a_gated_tanh_is_refused_naming_the_gate():
+    from tests.convert import layouts_lookalikes as L
+
+    model = T._Holder(L.GatedTanh()).double()
+    report = fuse_attention_report(model)
+    model(*T._feature_call(3, 5, torch.float64))
+    (skipped,) = report.skipped
+    assert "the tanh is multiplied by a tensor of shape (3, 5, " in skipped.reason, skipped.reason
+    assert "(made by 'sigmoid'), and the product goes into" in skipped.reason, skipped.reason
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_a_decoder_around_an_attention_is_not_converted_too(dtype):
     """A decoder whose output layer is Linear, tanh, Linear to the vocabulary, log_softmax
@@ -295,3 +319,5 @@ def test_a_skipped_attention_is_reported_once_not_again_for_its_caller():
     _assert_close(model(*args), original(*args), torch.float64, "outputs")
     assert report.replaced == [], str(report)
     assert [s.path for s in report.skipped] == ["att"], str(report)
+    # the reason names where the scores went instead of a softmax
+    assert "(its values went into 'exp'; the fused op normalises by" in report.skipped[0].reason

@@ -78,6 +78,52 @@ def test_two_models_convert_in_two_threads_each_with_its_own_report():
         assert isinstance(model.get_submodule(path), FusedStandIn)
 
 
+def test_a_watched_call_adds_no_process_wide_module_hooks():
+    """The watch follows the module calls of a first call through hooks on the watched module's
+    own tree. Process-wide hooks, there while the call ran, were seen by another thread's
+    TorchDynamo trace, which guarded on them and failed when they were gone
+    (InternalTorchDynamoError: KeyError), so a model converting in one thread broke the first
+    call of another model in another."""
+    from torch.nn.modules import module as module_globals
+
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            seen.append(
+                (
+                    len(module_globals._global_forward_pre_hooks),
+                    len(module_globals._global_forward_hooks),
+                )
+            )
+            return x
+
+    case = _case()
+    torch.manual_seed(0)
+    model = case.make().double()
+    fuse_attention_report(model)
+    model.probe = Probe()
+    model.register_forward_pre_hook(lambda module, args: [module.probe(args[0])] and None)
+    model(*case.inputs(3, 5, torch.float64))  # the watched first call
+    assert seen and all(counts == (0, 0) for counts in seen), seen
+
+
+def test_an_error_in_a_watched_first_call_reaches_the_user_as_it_is():
+    """A first call that raises (a wrong input) gives the user's error, not one of the watch's,
+    in the watched module and in one inside it; the next good call converts."""
+    case = _case()
+    torch.manual_seed(0)
+    model = case.make().double()
+    report = fuse_attention_report(model)
+    args = case.inputs(3, 5, torch.float64)
+    wrong = tuple(a[..., :-1] if a.is_floating_point() else a for a in args)
+    with pytest.raises(RuntimeError) as caught:
+        model(*wrong)
+    assert "mutated during iteration" not in str(caught.value), caught.value
+    model(*args)
+    assert [r.path for r in report.replaced] == [case.converts_at(torch.float64)], str(report)
+
+
 def test_a_thread_sees_only_its_own_fused_runs():
     case = _case()
     torch.manual_seed(0)

@@ -50,6 +50,8 @@ _MASKED_FILL = {"masked_fill", torch.masked_fill}
 _REPEATS = {"repeat", "expand", "expand_as"}
 _WHERE = {torch.where}
 _NEW_FULL = {"new_full"}
+# made from the scores' shape, dtype and device only (a fill of the scores' shape for a where)
+_LIKE = {torch.ones_like, torch.full_like, torch.zeros_like}
 _CASTS = {"float", "double", "half", "bfloat16", "to", "type_as"}
 _SIZES = {"size", "dim"}
 

@@ -38,6 +38,7 @@ from seq2seq_fast.nn.convert.traced.nodes import (
     _CASTS,
     _CAT,
     _DIV,
+    _LIKE,
     _LINEAR,
     _MASKED_FILL,
     _MATMUL,
@@ -299,7 +300,13 @@ def _projection(tanh: fx.Node, shape: tuple, rank: int):
         total = _single_user(user, "the product with the vector")
         dim = _arg(total, 1, "dim")
         dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
-        if not _is(total, _SUM) or dim not in (-1, rank - 1):
+        if not _is(total, _SUM):
+            made = f" (made by {op_name(vector)!r})" if isinstance(vector, fx.Node) else ""
+            raise NoMatch(
+                f"the tanh is multiplied by {_described(vector)}{made}, and the product goes "
+                f"into {op_name(total)!r}, not a sum over the last axis"
+            )
+        if dim not in (-1, rank - 1):
             raise NoMatch("the product with the vector is not summed over the last axis")
         if _arg(total, 3, "dtype") is not None:
             raise NoMatch("the sum over the hidden axis changes the dtype")
@@ -467,8 +474,14 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Plan:
         raise NoMatch("the softmax runs over axes merged into one")
     queries, keys, biases, varies = _sorted_terms(terms, shape, hidden, memory_axis)
     key_terms, biases = _key_terms_of(graph, keys, biases, split_nodes)
-    if not keys or not (queries or pooled):
-        raise NoMatch("no term of the sum varies along the softmax's axis, or none along another")
+    where = f"axis {memory_axis} of the tanh's input {list(shape)}"
+    if not keys:
+        raise NoMatch(f"no term of the sum varies along the softmax's axis ({where})")
+    if not (queries or pooled):
+        raise NoMatch(
+            f"every term of the sum varies along the softmax's axis ({where}): none is a "
+            "query, the same along it (as where the softmax runs over the batch's axis)"
+        )
     batch_axes = sorted(set().union(*(varies[t] for t in keys)) - {memory_axis})
     query_axes = [a for a in range(rank - 1) if a != memory_axis and a not in batch_axes]
     heads = _heads(scores, vector, shape, hidden, batch_axes)
@@ -613,14 +626,38 @@ def _take_dtype_and_size_users(chain: _Chain, users: list[fx.Node]) -> list[fx.N
         if (_is(u, _NEW_FULL) and u.args[0] is node)
         or (_is(u, {"type_as"}) and len(u.args) == 2 and u.args[1] is node)
     ]
+    # ones_like(scores) * c for a where's fill (DeepCTR, TensorFlow ports): reads no score;
+    # not a helper (the where's fill, dead once the op takes the mask)
+    extra += [u for u in users if _is(u, _LIKE) and u.args[0] is node and _fill_of_like(u, node)]
     # `shape = scores.shape` (d2l's masked_softmax, to reshape back): asked of the weights
     # after the same shape ops
     for u in users:
         if _is(u, _SIZES) and u.args[0] is node:
             extra.append(u)
             chain.sizes.append((u, len(chain.shape_ops)))
-    chain.helpers += extra
+    chain.helpers += [u for u in extra if not _is(u, _LIKE)]
     return extra
+
+
+def _fill_of_like(like: fx.Node, node: fx.Node) -> object | None:
+    """The number a ``where(mask, scores, fill)`` fills with, where ``fill`` is made from
+    ``like`` (ones_like(scores) * c, c * ones_like(scores), full_like(scores, c)), and that
+    where is its only use; else None."""
+    if _is(like, {torch.full_like}):
+        value, fill = _arg(like, 1, "fill_value"), like
+    elif _is(like, {torch.ones_like}) and len(like.users) == 1:
+        fill = next(iter(like.users))
+        if not (_is(fill, _MUL) and len(fill.args) == 2):
+            return None
+        value = fill.args[1] if fill.args[0] is like else fill.args[0]
+    else:
+        return None
+    if len(fill.users) != 1 or len(like.users) != 1:
+        return None
+    where = next(iter(fill.users))
+    if not (_is(where, _WHERE) and len(where.args) == 3 and where.args[1] is node):
+        return None
+    return value if where.args[2] is fill and _number(_hint(value)) is not None else None
 
 
 def _chain_step(chain: _Chain, user: fx.Node) -> None:
@@ -669,10 +706,20 @@ def _where_step(chain: _Chain, user: fx.Node) -> None:
     if isinstance(value, fx.Node) and _is(value, _NEW_FULL) and value.args[0] is chain.node:
         chain.helpers.append(value)
         value = _arg(value, 2, "fill_value")
+    likes = [u for u in chain.node.users if _is(u, _LIKE) and u.args[0] is chain.node]
+    for like in likes:  # ones_like(scores) * c, full_like(scores, c)
+        filled = _fill_of_like(like, chain.node)
+        if filled is not None and user in _users_through(like):
+            value = filled
     known = _number(_hint(value))
     if known is None or not known <= MASK_FILL_MAX:
         raise NoMatch(f"where(mask, scores, {_hint(value)!r}): not a very negative value")
     chain.mask("keep", _peel_repeat(user.args[0]), value)
+
+
+def _users_through(node: fx.Node) -> set[fx.Node]:
+    """``node``'s users and their users (a fill made in two ops)."""
+    return set(node.users) | {u for user in node.users for u in user.users}
 
 
 def _add_step(chain: _Chain, user: fx.Node) -> None:

@@ -169,7 +169,7 @@ class Plan:
             + (", a bias" if self.terms.biases else "")
             + (f", then {', '.join(kinds)}" if kinds else "")
             + (", sigmoid-normalised" if self.normalisation.kind == "sigmoid" else "")
-            + (", a score vector per head" if self.heads.vector_axes else "")
+            + (", a score vector per head or row" if self.heads.vector_axes else "")
         )
 
 

@@ -84,7 +84,7 @@ _THREAD = threading.local()
 
 class _CallWatch:
     """What one outermost watched call notes, on its thread: the mode that watches the call, the
-    open recordings (nested watched modules), the modules being called (global module hooks,
+    open recordings (nested watched modules), the modules being called (hooks on its tree,
     only while the call runs), the tanh events (numbered per call), those taken by a module, those
     over one Linear's output, and the conversions to make once the call has returned."""
 
@@ -102,27 +102,36 @@ class _CallWatch:
         self.not_scores: set[int] = set()
         # tanh events a module has been reported for already (its caller does not repeat it)
         self.reported: set[int] = set()
+        # the first op each tanh event's values went into that the watch does not follow
+        self.ended: dict[int, str] = {}
         self.mode = _Watcher(self)
-        self.global_hooks = ()
+        self.hooks: list = []  # forward hooks on the watched module's tree, while the call runs
 
     def start(self) -> None:
         self.mode.__enter__()
         self.calls = [r.module for r in self.stack]
-        self.global_hooks = (
-            torch.nn.modules.module.register_module_forward_pre_hook(self._enter_call),
-            torch.nn.modules.module.register_module_forward_hook(
-                self._leave_call, always_call=True
-            ),
-        )
+        # hooks on the watched module's own tree, for this call only: not process-wide ones,
+        # which another thread's TorchDynamo trace would see come and go (and fail on, guarding
+        # on the global hooks' table as it was). Not on the watched module itself (on the calls
+        # already): removed at its end, they would change the hooks torch is going through
+        # when its forward raises ("OrderedDict mutated during iteration" for the user's error).
+        # For the same reason the leaving hooks go first: a watched module's own post hook,
+        # after them, removes itself (torch goes through a module's forward hooks as they are,
+        # not a copy, when its forward raises)
+        root = self.stack[0].module if self.stack else None
+        tree = [m for m in root.modules() if m is not root] if root is not None else []
+        self.hooks = [m.register_forward_pre_hook(self._enter_call) for m in tree] + [
+            m.register_forward_hook(self._leave_call, always_call=True, prepend=True) for m in tree
+        ]
 
     def stop(self) -> None:
         self.mode.__exit__(None, None, None)
-        for handle in self.global_hooks:
+        for handle in self.hooks:
             handle.remove()
-        self.global_hooks, self.calls = (), []
+        self.hooks, self.calls = [], []
 
     def _enter_call(self, module, args) -> None:
-        if _current() is self:  # the hooks are process-wide: other threads' calls are not ours
+        if _current() is self:  # (a module shared with another thread: its calls are not ours)
             self.calls.append(module)
 
     def _leave_call(self, module, args, output) -> None:
@@ -215,6 +224,9 @@ class _Watcher(TorchFunctionMode):
                 call.not_scores |= events
                 events = frozenset()
             elif name not in _CARRIES:
+                if isinstance(out, Tensor):  # (not .size(), .dim(): they read no values)
+                    for event in events:
+                        call.ended.setdefault(event, name)
                 events = frozenset()  # e.g. an RNN over a tanh's output: no longer its energies
             if name in _ADD_NAMES and len(inputs) >= 2:
                 kind = "sum"
@@ -331,15 +343,22 @@ def _decide(call: _CallWatch, recording: Recording, watch: _Watch) -> None:
     if not recording.softmaxed & mine:
         if mine <= call.affine | call.not_scores | call.reported:
             return  # a tanh layer, no attention, or reported for a module it calls already
+        ended = sorted({call.ended[e] for e in mine if e in call.ended})
+        went = (
+            f" (its values went into {', '.join(map(repr, ended))}; the fused op normalises by "
+            "a softmax, or a sigmoid over its sum)"
+            if ended
+            else ""
+        )
         watch.report.skipped.append(
             Skipped(
                 recording.path,
                 (LAYOUT,),
                 class_name(recording.module),
-                "computes a tanh over a sum, but no softmax over it was followed in its own "
-                "call: the caller holds the softmax (then it converts with its caller), or "
-                "the scores reach it through ops the watch does not follow (torch.mm, torch.cat "
-                "of per-step scores in a Python loop)",
+                f"computes a tanh over a sum, but no softmax over it was followed in its own "
+                f"call{went}: the caller holds the softmax (then it converts with its caller), "
+                "or the scores reach it through ops the watch does not follow (torch.mm, "
+                "torch.cat of per-step scores in a Python loop)",
             )
         )
         call.reported |= mine
