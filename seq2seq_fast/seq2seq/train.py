@@ -508,16 +508,16 @@ def claim_run_folder(config: TrainConfig, overwrite: bool, ctx: Dist) -> list[Pa
     return found
 
 
-LOCK_FILE = ".seq2seq-fast.lock"
-
-
 @contextlib.contextmanager
 def run_folder_lock(folder: Path, ctx: Dist):
     """Hold ``folder`` (made if new) for one training at a time: two runs into one --out mixed
     their checkpoints, config.yaml and metrics, and the second crashed. An advisory lock
-    (``fcntl.flock`` on a hidden file, which the system releases when the process ends, so a
-    killed run leaves none behind, and a refused one changes nothing in the folder); rank 0
-    holds it for a DDP run. TrainError naming --out when another training holds it."""
+    (``fcntl.flock`` on the folder itself: no file is added to it, the system releases the lock
+    when the process ends, so a killed run leaves none behind, and a refused run changes nothing
+    in the folder); rank 0 holds it for a DDP run. TrainError naming --out when another training
+    holds it."""
+    import os
+
     if folder.exists() and not folder.is_dir():
         raise TrainError(f"--out {folder} is a file, not a folder: pass a folder for the run")
     try:
@@ -530,7 +530,8 @@ def run_folder_lock(folder: Path, ctx: Dist):
         return
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / LOCK_FILE, "a+") as handle:
+    handle = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -541,11 +542,10 @@ def run_folder_lock(folder: Path, ctx: Dist):
         try:
             yield
         finally:
-            # a run that could not start leaves no folder it made (only the lock in it)
-            if created and [p.name for p in folder.iterdir()] == [LOCK_FILE]:
-                (folder / LOCK_FILE).unlink()
-                folder.rmdir()
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            if created and not any(folder.iterdir()):  # a run that could not start leaves
+                folder.rmdir()  # no folder it made
+    finally:
+        os.close(handle)  # (releases the lock)
 
 
 def clear_run_folder(found: list[Path], ctx: Dist) -> None:
