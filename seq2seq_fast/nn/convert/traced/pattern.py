@@ -706,20 +706,15 @@ def _where_step(chain: _Chain, user: fx.Node) -> None:
     if isinstance(value, fx.Node) and _is(value, _NEW_FULL) and value.args[0] is chain.node:
         chain.helpers.append(value)
         value = _arg(value, 2, "fill_value")
-    likes = [u for u in chain.node.users if _is(u, _LIKE) and u.args[0] is chain.node]
-    for like in likes:  # ones_like(scores) * c, full_like(scores, c)
-        filled = _fill_of_like(like, chain.node)
-        if filled is not None and user in _users_through(like):
-            value = filled
+    elif isinstance(value, fx.Node):  # full_like(scores, c), ones_like(scores) * c
+        made = [value] if _is(value, {torch.full_like}) else list(value.args)
+        like = next((a for a in made if _is(a, _LIKE) and a.args[0] is chain.node), None)
+        filled = _fill_of_like(like, chain.node) if like is not None else None
+        value = value if filled is None else filled
     known = _number(_hint(value))
     if known is None or not known <= MASK_FILL_MAX:
         raise NoMatch(f"where(mask, scores, {_hint(value)!r}): not a very negative value")
     chain.mask("keep", _peel_repeat(user.args[0]), value)
-
-
-def _users_through(node: fx.Node) -> set[fx.Node]:
-    """``node``'s users and their users (a fill made in two ops)."""
-    return set(node.users) | {u for user in node.users for u in user.users}
 
 
 def _add_step(chain: _Chain, user: fx.Node) -> None:
