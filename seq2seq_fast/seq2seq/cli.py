@@ -258,9 +258,9 @@ def _version_line() -> str:
     """What --version prints: this package's version and the torch it runs on (for bug reports)."""
     import torch
 
-    from seq2seq_fast import __version__
+    import seq2seq_fast
 
-    return f"seq2seq-fast {__version__} (torch {torch.__version__})"
+    return f"seq2seq-fast {seq2seq_fast.__version__} (torch {torch.__version__})"
 
 
 def build_parser() -> argparse.ArgumentParser:
