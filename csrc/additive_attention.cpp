@@ -115,8 +115,10 @@ KeyValidity key_validity(const char* op, const std::optional<Tensor>& lengths,
     kv.lengths = lengths->contiguous();
     kv.len = kv.lengths.data_ptr<int64_t>();
     for (int64_t b = 0; b < kv.lengths.numel(); ++b) {
-      TORCH_CHECK(kv.len[b] >= 0 && kv.len[b] <= Tk, op, ": lengths must lie in [0, Tk=", Tk,
-                  "], got ", kv.len[b], " at batch row ", b);
+      // a ValueError in Python, as the eager check raises (torch.compile skips that one: it
+      // cannot read values while tracing)
+      TORCH_CHECK_VALUE(kv.len[b] >= 0 && kv.len[b] <= Tk, op, ": lengths must lie in [0, Tk=",
+                        Tk, "], got ", kv.len[b], " at batch row ", b);
     }
   }
   if (mask.has_value()) {

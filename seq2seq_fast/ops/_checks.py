@@ -51,7 +51,7 @@ def _as_lengths(lengths: object, batch: int, num_keys: int, device: torch.device
         raise ValueError(f"lengths is on {lengths.device} but query is on {device}")
     # Values cannot be read while compiling or on the meta device (shapes only).
     if not torch.compiler.is_compiling() and lengths.numel() > 0 and lengths.device.type != "meta":
-        _check_lengths_range(lengths, num_keys)
+        check_lengths_range(lengths, num_keys)
     return lengths.to(torch.int64).contiguous()
 
 
@@ -67,7 +67,7 @@ def _check_range_now(lengths: Tensor, num_keys: int) -> None:
         raise ValueError(f"lengths must lie in [0, Tk={num_keys}], got values from {low} to {high}")
 
 
-def _check_lengths_range(lengths: Tensor, num_keys: int) -> None:
+def check_lengths_range(lengths: Tensor, num_keys: int) -> None:
     if lengths.is_inference():  # (made under inference_mode: no version counter to watch)
         _check_range_now(lengths, num_keys)
         return

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from seq2seq_fast.ops._autograd import traced_or_transformed
+from seq2seq_fast.ops._checks import check_lengths_range
 
 LIBRARY = "seq2seq_fast"
 
@@ -96,15 +97,27 @@ def load_cuda_kernels() -> str | None:
         CUDA_KERNEL_ERROR = f"{type(exc).__name__}: {exc}"
         return CUDA_KERNEL_ERROR
     for name, kernel in (
-        ("additive_attention_fwd", "additive_attention_fwd"),
-        ("additive_attention_bwd", "additive_attention_bwd"),
-        ("additive_attention_bwd.score_bias", "additive_attention_bwd"),  # (returns six)
+        ("additive_attention_fwd", _lengths_checked(triton_attention.additive_attention_fwd)),
+        ("additive_attention_bwd", triton_attention.additive_attention_bwd),
+        ("additive_attention_bwd.score_bias", triton_attention.additive_attention_bwd),  # (six)
     ):
-        torch.library.register_kernel(
-            f"{LIBRARY}::{name}", "cuda", getattr(triton_attention, kernel)
-        )
+        torch.library.register_kernel(f"{LIBRARY}::{name}", "cuda", kernel)
     CUDA_KERNEL_ERROR = None
     return None
+
+
+def _lengths_checked(forward):
+    """The Triton forward, checking that ``lengths`` lie in [0, Tk] first (a ValueError, once per
+    lengths tensor and version, as ``additive_attention`` checks them). Under torch.compile that
+    check cannot run while tracing, and the kernels themselves read a length past Tk as Tk and a
+    negative one as an empty row: the C++ kernels raise, and so does this."""
+
+    def checked(query, keys, values, v, bias, lengths, mask, *args, **kwargs):
+        if lengths is not None and lengths.numel() > 0:
+            check_lengths_range(lengths, keys.shape[1])
+        return forward(query, keys, values, v, bias, lengths, mask, *args, **kwargs)
+
+    return checked
 
 
 _cuda_kernels_loaded = False

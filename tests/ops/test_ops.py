@@ -701,3 +701,30 @@ def test_lengths_checked_once_per_version():
     key = id(lengths)
     del lengths
     assert key not in ops._checked_lengths
+
+
+@pytest.mark.parametrize("lengths", [[4, 9], [-1, 4]])
+def test_lengths_out_of_range_under_compile_are_a_value_error(lengths):
+    # torch.compile cannot read the lengths while tracing, so the eager check is skipped there;
+    # the CPU kernel checks them at run time and raises the same kind of error.
+    query, keys, values, v, bias = make_inputs(2, 3, 4, 8, 3, torch.float32)
+    compiled = torch.compile(additive_attention, backend="eager", fullgraph=True)
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, Tk=4\]"):
+        compiled(query, keys, values, v, bias, lengths=torch.tensor(lengths))
+
+
+def test_the_cuda_forward_checks_lengths_first():
+    # The Triton forward registered for CUDA tensors reads a length past Tk as Tk and a negative
+    # one as an empty row: its registered wrapper checks the range first (a ValueError).
+    from seq2seq_fast.ops._library import _lengths_checked
+
+    calls = []
+    forward = _lengths_checked(lambda *args, **kwargs: calls.append(args) or "ran")
+    query, keys, values, v, bias = make_inputs(2, 3, 4, 8, 3, torch.float32)
+    for bad in ([4, 5], [-1, 2]):
+        with pytest.raises(ValueError, match=r"lengths must lie in \[0, Tk=4\]"):
+            forward(query, keys, values, v, bias, torch.tensor(bad), None, True)
+    assert not calls
+    assert forward(query, keys, values, v, bias, torch.tensor([4, 0]), None, True) == "ran"
+    assert forward(query, keys, values, v, bias, None, None, True) == "ran"
+    assert len(calls) == 2
