@@ -645,7 +645,7 @@ def test_cpp_checks_its_inputs():
     """The op itself rejects what the functional would have caught, with the argument's name."""
     q, k, val, v, b = _good()
     fwd = torch.ops.seq2seq_fast.additive_attention_fwd
-    with pytest.raises(RuntimeError, match="lengths"):
+    with pytest.raises(ValueError, match="lengths"):  # (a value, not a type or a shape)
         fwd(q, k, val, v, b, torch.tensor([5, 1]), None, True)
     with pytest.raises(RuntimeError, match="keys"):
         fwd(q, k[..., :2], val, v, b, None, None, True)
