@@ -39,14 +39,37 @@ else:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-def pytest_terminal_summary(terminalreporter):
-    """Say which CPU instruction sets the range sweeps ran on (tests/ops/test_range_sweep*.py)."""
+import pytest
+
+# The instruction sets the range sweeps covered in pytest-xdist's workers (the main process
+# runs no test there), sent back through ``workeroutput`` (pytest_testnodedown).
+_WORKER_ISAS: set[str] = set()
+
+
+def _covered_isas() -> set[str]:
     import sys
 
     covered: set[str] = set()
     for name in ("tests.ops.test_range_sweep", "tests.ops.test_range_sweep_ops"):
         module = sys.modules.get(name)
         covered |= getattr(module, "COVERED_ISAS", set())
+    return covered
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker
+        workeroutput["covered_isas"] = sorted(_covered_isas())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _WORKER_ISAS.update(getattr(node, "workeroutput", {}).get("covered_isas", ()))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say which CPU instruction sets the range sweeps ran on (tests/ops/test_range_sweep*.py)."""
+    covered = _covered_isas() | _WORKER_ISAS
     if covered:
         order = [isa for isa in ("portable", "avx2", "avx512") if isa in covered]
         missing = [isa for isa in ("portable", "avx2", "avx512") if isa not in covered]
