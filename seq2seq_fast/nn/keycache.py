@@ -77,14 +77,31 @@ def cache_bypassed() -> bool:
     )
 
 
+class Weak:
+    """A tensor parameter of :meth:`ProjectionCache.get` held weakly: compared like any tensor
+    (identity, version, storage, requires_grad), but the cache does not keep it alive (the
+    call's own values, which a decoder's steps pass again and again: the cache must not hold the
+    last batch's memory after decoding ends)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+
 def _param_state(param: object) -> tuple | None:
     """A tensor by identity, version, storage and requires_grad; anything else by value. None
     for an inference tensor: it has no version counter, so a change in place cannot be seen."""
+    weak = isinstance(param, Weak)
+    if weak:
+        param = param.tensor
     if not isinstance(param, Tensor):
         return (None, param)
     if param.is_inference():
         return None
-    return (param, param._version, param.data_ptr(), param.requires_grad)
+    # (a basic weak reference is one object per tensor: identity compares as the tensor's)
+    held = weakref.ref(param) if weak else param
+    return (held, param._version, param.data_ptr(), param.requires_grad)
 
 
 class _Entry:

@@ -163,7 +163,11 @@ def test_a_memo_that_misses_every_step_hooks_each_tensor_once():
             if name == "fused":
                 replacement = ran[0]
                 key = replacement.step_cache._entries[next(iter(replacement.step_cache._entries))]
-                watched = [x for x in _step_of(replacement).watch if x.grad_fn is not None]
+                # (the step hands its watched tensors to the memo, which hooks them and keeps
+                # them weakly)
+                hooked = replacement.step_cache._hooked.values()
+                watched = [ref() for ref in hooked if ref() is not None]
+                assert _step_of(replacement).watch == []
                 assert watched, "the step watches no graded tensor"
                 for tensor in watched:
                     assert len(tensor._backward_hooks or {}) <= 1, (t, tensor.shape)

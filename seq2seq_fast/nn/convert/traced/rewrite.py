@@ -19,12 +19,16 @@ from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert.traced.key_terms import _BoundTerm, _key_terms, _LocationTerm, _Plain
 from seq2seq_fast.nn.convert.traced.nodes import _MATMUL, _MUL, _NEW_FULL, _SUM, MASK_FILL_MAX, _is
 from seq2seq_fast.nn.convert.traced.plan import Layout, Mask, Plan, Scale, Shift, Site
-from seq2seq_fast.nn.keycache import MAX_THREADS, ProjectionCache, cache_bypassed
+from seq2seq_fast.nn.keycache import MAX_THREADS, ProjectionCache, Weak, cache_bypassed
 from seq2seq_fast.nn.stepwise import StepwiseMemory
 from seq2seq_fast.ops._checks import masking
 from seq2seq_fast.ops.additive_attention import additive_attention
 
 # --- the replacement ------------------------------------------------------------------------------
+
+
+# a memo's stand-in for the call's own values, which it must not hold (see _Step, _memory)
+_OWN = object()
 
 
 def _pad(t: Tensor, rank: int) -> Tensor:
@@ -190,6 +194,13 @@ def _same_content(a: Tensor, b: Tensor) -> bool:
     )
 
 
+def _versions(*tensors: Tensor) -> tuple | None:
+    """The tensors' version counters (None where one has none: made under inference_mode)."""
+    if any(t.is_inference() for t in tensors):
+        return None
+    return tuple(t._version for t in tensors)
+
+
 def _values_fit(values, rows: _Rows, key: Tensor, memory_first: bool) -> bool:
     """Whether the graph's context values are [B', S, Dv] over the op's rows ([S, B', Dv] where
     the graph's memory axis comes first; else the graph forms the context itself)."""
@@ -235,8 +246,10 @@ class _Step:
 
     @staticmethod
     def watched(step: _Step) -> list:
-        """The tensors a backward runs through when it reaches the step's graph."""
-        return step.watch
+        """The tensors a backward runs through when it reaches the step's graph (handed to the
+        memo once, then not held: the call's own values are among them)."""
+        watch, step.watch = step.watch, []
+        return watch
 
 
 class TracedWeights:
@@ -264,7 +277,8 @@ class TracedWeights:
         self.mask_cache = ProjectionCache()
         self.step_cache = ProjectionCache()  # see _step_memo
         self.located_plan = any(key.location is not None for key in plan.terms.keys)
-        self.last_mask: dict[int, Tensor] = {}  # per thread: the last mask (see _masks)
+        # per thread: the last mask, and the last tensor found equal to it, with its version
+        self.last_mask: dict[int, tuple] = {}  # (see _last_mask)
         self.rows: dict[torch.Size, _Rows] = {}  # each call's geometry, by its broadcast shape
 
     def __call__(self, queries, keys, biases, vector, scales, masks, fills, shifts=(), values=None):
@@ -280,7 +294,8 @@ class TracedWeights:
         masks = self._last_mask(masks)
         given = (biases, vector, scales, masks, fills, shifts, values)
         step = self._step_memo(queries, keys, location, given)
-        rows, key, values, plain, graded = step.rows, step.key, step.values, step.plain, step.graded
+        rows, key, plain, graded = step.rows, step.key, step.plain, step.graded
+        values = step.values if step.values is not _OWN else self._op_values(values)
         query = rows.query(queries, key)
         if location is not None and not step.located:
             key = key + location.value()  # [B, T, A] already: the op's layout
@@ -288,7 +303,7 @@ class TracedWeights:
         if plain:
             weights = self._plain(query, key, step, scales, masks, fills, shifts)
         elif step.located:
-            context, weights = self._located(query, key, step, location)
+            context, weights = self._located(query, key, values, step, location)
         elif plan.heads.vector_axes:  # a score vector per head: the op once per head, over its rows
             weights = self._per_head(query, key, values, step)
         else:
@@ -337,7 +352,9 @@ class TracedWeights:
             parts = ()
         flat = (*inputs, *parts, shapes, *given[0], given[1], *given[2], *masks, *given[4])
         # (the anchor is watched by a weak reference: a strong one in the state would keep it)
-        flat = tuple(None if p is anchor else p for p in (*flat, *given[5], given[6]))
+        flat = tuple(None if p is anchor else p for p in (*flat, *given[5]))
+        values = given[6]
+        flat += (Weak(values) if isinstance(values, Tensor) else values,)
         return self.step_cache.get(
             anchor, flat, lambda: self._step(queries, keys, location, given), watch=_Step.watched
         )
@@ -388,6 +405,8 @@ class TracedWeights:
             step.valid = None if invalid is None else ~invalid
         derived = (step.key, step.values, step.bias, step.v, step.v_eff, step.score_bias)
         step.watch = [t for t in (*raw, *derived) if isinstance(t, Tensor)]
+        if values is not None and step.values is self._op_values(values):
+            step.values = _OWN  # the call's own: passed again at every call, not held
         return step
 
     def _split_location(self, keys: list) -> tuple[list, _LocationTerm | None]:
@@ -417,7 +436,7 @@ class TracedWeights:
         elif len(raw) == 1 and not self.plan.heads.vector_axes:
             # one key term: its layout and memory kept with it (a decoder's steps)
             key, values, memory = self._memory(
-                values_of_terms[0], raw[0], canonical, rows.full, given
+                values_of_terms[0], raw[0], canonical, rows.full, given, rows.steps_q == 1
             )
         else:
             key = canonical(raw[0])
@@ -462,7 +481,7 @@ class TracedWeights:
             score_bias = None
         return v_eff, score_bias, plain
 
-    def _located(self, query, key, step: _Step, location: _LocationTerm) -> tuple:
+    def _located(self, query, key, values, step: _Step, location: _LocationTerm) -> tuple:
         """The location-aware steps: the location term formed inside the kernels. (context
         [B, 1, Dv], weights [B, 1, T])."""
         step_query = query[:, 0] if step.bias is None else query[:, 0] + step.bias
@@ -473,7 +492,7 @@ class TracedWeights:
             step_query,
             key,
             parts,
-            step.values,
+            values,
             step.v_eff,
             step.valid,
             self.plan.normalisation.kind,
@@ -546,12 +565,19 @@ class TracedWeights:
         if masks[0].requires_grad:  # (its own graph: another tensor's would lose the gradient)
             return masks
         mask, thread = masks[0], threading.get_ident()
-        last = self.last_mask.get(thread)
-        if last is not None and last is not mask and _same_content(last, mask):
-            return [last]
+        last, alias = self.last_mask.get(thread, (None, None))
+        if last is not None and last is not mask:
+            # (a mask found equal is remembered with both versions: the next step passes the
+            # same tensor again, which then needs no comparison)
+            versions = _versions(mask, last)
+            if (alias is not None and alias[0] is mask and alias[1] == versions) or (
+                _same_content(last, mask)
+            ):
+                self.last_mask[thread] = (last, None if versions is None else (mask, versions))
+                return [last]
         if len(self.last_mask) >= MAX_THREADS and thread not in self.last_mask:
             self.last_mask.clear()
-        self.last_mask[thread] = mask
+        self.last_mask[thread] = (mask, None)
         return masks
 
     def _fixed(self, term: Tensor, raw: Tensor, canonical, full, given):
@@ -565,21 +591,28 @@ class TracedWeights:
 
         return self.fixed_cache.get(term, (tuple(full), given), compute)
 
-    def _memory(self, term: Tensor, raw: Tensor, canonical, full, given):
+    def _memory(self, term: Tensor, raw: Tensor, canonical, full, given, one_query: bool):
         """(keys [B', S, H], values (``given`` or a placeholder), StepwiseMemory or None) for one
         key term, kept while the term and values are the same tensors (the steps of a decoder
-        over one memory)."""
+        over one memory). A StepwiseMemory (the steps' gradients gathered once) for calls of one
+        query each only: a call of all the target steps at once is the only one over its memory,
+        and the op's own backward is faster there (bench/RESULTS.md)."""
 
         def compute():
             key = canonical(raw).contiguous()
             values = _placeholder(key) if given is None else self._op_values(given).contiguous()
-            memory = StepwiseMemory.for_training(key, values, self.backend)
+            memory = StepwiseMemory.for_training(key, values, self.backend) if one_query else None
             if memory is None:
-                return key, values, None, key
+                # (the call's own values are passed again at every call: not held)
+                return key, (_OWN if values is given else values), None, key
             return memory.keys, memory.values, memory, key
 
-        entry = self.layout_cache.get(term, (tuple(full), given), compute, watch=lambda e: e[3:])
-        return entry[:3]
+        held = Weak(given) if given is not None else None
+        entry = self.layout_cache.get(
+            term, (tuple(full), held, one_query), compute, watch=lambda e: e[3:]
+        )
+        key, values, memory = entry[:3]
+        return key, (given if values is _OWN else values), memory
 
     def _plain(self, query, key, step: _Step, scales, masks, fills, shifts=()):
         """The original's math in the op's layout, step by step (a row without a valid frame, a
