@@ -388,6 +388,34 @@ def test_no_grad_decoding_matches(name):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-4)
 
 
+def test_rows_without_a_valid_key_and_long_lengths_give_what_the_originals_give():
+    # A row with no valid key: NaN in JoeyNMT and OpenNMT-py (a softmax of -inf only), and in
+    # their stand-ins, whose plans run on the general path's runtime (its plain path for such a
+    # row); a length past S: every key, as OpenNMT-py's sequence_mask gives.
+    torch.manual_seed(5)
+    _, plain, fused = _pair("opennmt_mlp", torch.float64)
+    source, memory = torch.randn(B, 2, 6, dtype=torch.float64), torch.randn(B, S, 6).double()
+    aligns = []
+    for lengths in (torch.tensor([6, 0, 3]), torch.tensor([9, 4, 1])):
+        expected = plain["attn"](source, memory, lengths)
+        got = fused["attn"](source, memory, lengths)
+        for a, b in zip(expected, got, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9, equal_nan=True)
+        aligns.append(got[1])
+    assert aligns[0][1].isnan().all() and aligns[0][[0, 2]].isfinite().all()
+    assert aligns[1].isfinite().all()
+    _, plain, fused = _pair("joeynmt", torch.float64)
+    memory, query = torch.randn(B, S, 4).double(), torch.randn(B, 1, 5).double()
+    mask = torch.tensor([[1, 1, 0, 0, 0, 0], [0] * 6, [1] * 6], dtype=torch.bool).unsqueeze(1)
+    for module in (plain["attn"], fused["attn"]):
+        module.compute_proj_keys(memory)
+    expected = plain["attn"](query, mask, memory)
+    got = fused["attn"](query, mask, memory)
+    for a, b in zip(expected, got, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-9, equal_nan=True)
+    assert got[1][1].isnan().all() and got[1][0].isfinite().all()
+
+
 def test_opennmt_whole_sequence_and_coverage():
     family, plain, fused = _pair("opennmt_mlp", torch.float64)
     torch.manual_seed(3)
@@ -461,8 +489,10 @@ def test_look_alikes_refused(make):
     ), reason
 
 
-def test_compiled_converted_decoder_matches():
-    family, plain, fused = _pair("concat", torch.float32)
+@pytest.mark.parametrize("name", ["concat", "opennmt_mlp", "joeynmt"])
+def test_compiled_converted_decoder_matches(name):
+    # (opennmt and joeynmt: their stand-ins hand the plan to the op directly inside torch.compile)
+    family, plain, fused = _pair(name, torch.float32)
     torch.manual_seed(4)
     x = family.inputs(torch.float32)
 

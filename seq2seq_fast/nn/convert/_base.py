@@ -34,6 +34,12 @@ A :class:`Layout` has
   where the traced path is as fast as a stand-in would be (bench/RESULTS.md, "Which named
   layouts stay, and why"); only the match and the example call are its own.
 
+A stand-in whose project's call convention the traced path would run slower (JoeyNMT's
+``compute_proj_keys``, OpenNMT-py's lengths, the tutorial's steps: no TorchDynamo guards per
+call) still hands its attention to that runtime: it builds the typed plan from the module's
+structure (:class:`~seq2seq_fast.nn.convert._planned.PlannedAttention`), and its own code is the
+call convention only.
+
 The safety check of a named layout (:func:`check_equivalent`) runs a float64 CPU deep copy of the original and the
 stand-in built from a second such copy on ``example_call``'s input (same RNG state for both, so
 dropout draws agree when the stand-in draws the same way), and compares every output and the

@@ -13,10 +13,11 @@ per step::
     alphas = softmax(scores); context = alphas @ values
     returns (context [B, 1, Dv], alphas [B, 1, S])
 
-The stand-in keeps both methods and both attributes. ``compute_proj_keys`` reuses the projection
-while the keys tensor and key_layer are unchanged (search calls it every step with the same
-encoder output), and training gathers the steps' gradients once per sequence. A row with no valid
-key gives NaN there (softmax of -inf only) and zeros here.
+The stand-in keeps both methods and both attributes (its call convention); the attention itself
+is a typed plan run by the general path's runtime (``_planned.py``). ``compute_proj_keys`` reuses
+the projection while the keys tensor and key_layer are unchanged (search calls it every step with
+the same encoder output), and training gathers the steps' gradients once per sequence. A row with
+no valid key gives NaN, as there (a softmax of -inf only).
 """
 
 from __future__ import annotations
@@ -32,11 +33,9 @@ from seq2seq_fast.nn.convert._base import (
     is_linear,
     own_parameter_names,
     register,
-    score_row,
 )
+from seq2seq_fast.nn.convert._planned import PlannedAttention
 from seq2seq_fast.nn.keycache import ProjectionCache
-from seq2seq_fast.nn.stepwise import StepMemory, step_memory
-from seq2seq_fast.ops.additive_attention import additive_attention
 
 
 class FusedJoeyBahdanauAttention(FusedStandIn):
@@ -52,7 +51,8 @@ class FusedJoeyBahdanauAttention(FusedStandIn):
         self.proj_keys = getattr(original, "proj_keys", None)
         self.proj_query = getattr(original, "proj_query", None)
         self.key_cache = ProjectionCache()  # key_layer(keys), per keys tensor
-        self.memory_cache = ProjectionCache()  # StepwiseMemory, per (proj_keys, values)
+        # scores where mask (True = attend) else -inf, a softmax: the general path's runtime
+        self.attention = PlannedAttention(backend, masks=("keep",), description="joeynmt")
 
     def compute_proj_keys(self, keys: Tensor) -> None:
         """proj_keys = key_layer(keys) [B, S, H], reused while keys and key_layer are unchanged."""
@@ -61,10 +61,6 @@ class FusedJoeyBahdanauAttention(FusedStandIn):
 
     def compute_proj_query(self, query: Tensor) -> None:
         self.proj_query = self.query_layer(query)
-
-    def _memory(self, proj_keys: Tensor, values: Tensor) -> StepMemory:
-        # values: the call's own tensor (the cache holds it weakly)
-        return step_memory(proj_keys, values, self.backend, own_values=True)
 
     def forward(self, query: Tensor, mask: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
         if mask is None:
@@ -77,22 +73,13 @@ class FusedJoeyBahdanauAttention(FusedStandIn):
                 f"{list(mask.shape)}"
             )
         self.compute_proj_query(query)
-        proj_keys = self.proj_keys
-        memory = self.memory_cache.get(
-            values,
-            (proj_keys,),
-            lambda: self._memory(proj_keys, values),
-            watch=lambda m: (m.projection,),
-        )
-        values_in = values if memory.values is None else memory.values
-        context, alphas = additive_attention(
+        alphas, context = self.attention(
             self.proj_query,
-            memory.keys,
-            values_in,
-            score_row(self.energy_layer),
-            mask=(mask > 0).squeeze(1),
-            stepwise=memory.stepwise,
-            backend=self.backend,
+            self.proj_keys,
+            self.energy_layer.weight,
+            values,
+            masks=(mask if mask.dtype == torch.bool else mask > 0,),
+            fills=(float("-inf"),),
         )
         return context, alphas
 

@@ -15,9 +15,10 @@ Original math and call::
     the ``opennmt_mlp_time_major`` layout), squeezed to [B, .] for a [B, dim] source.
 
 The input-feeding decoder calls it once per target step over the same memory_bank: the stand-in
-projects it once per memory_bank tensor and gathers the steps' gradients once per sequence.
-Not converted: coverage attention (``linear_cover``) and sparsemax. A row with no valid key gives
-NaN there (softmax of -inf only) and zeros here.
+projects it once per memory_bank tensor, and the general path's runtime (``_planned.py``) keeps
+its layout and gathers the steps' gradients once per sequence. Not converted: coverage attention
+(``linear_cover``) and sparsemax. A row with no valid key gives NaN, as there (a softmax of -inf
+only).
 """
 
 from __future__ import annotations
@@ -32,11 +33,9 @@ from seq2seq_fast.nn.convert._base import (
     forward_defined_in,
     is_linear,
     register,
-    score_row,
 )
+from seq2seq_fast.nn.convert._planned import PlannedAttention
 from seq2seq_fast.nn.keycache import ProjectionCache
-from seq2seq_fast.nn.stepwise import StepMemory, step_memory
-from seq2seq_fast.ops.additive_attention import additive_attention
 
 
 class FusedGlobalAttention(FusedStandIn):
@@ -51,14 +50,21 @@ class FusedGlobalAttention(FusedStandIn):
         for key in ("dim", "attn_type", "attn_func"):
             setattr(self, key, getattr(original, key))
         self.time_major_output = time_major_output
-        self.key_cache = ProjectionCache()
+        self.key_cache = ProjectionCache()  # linear_context(memory_bank), per memory_bank
+        self.mask_cache = ProjectionCache()  # the lengths' mask, per lengths tensor
+        # the general path's runtime: scores at and past a row's length -inf, a softmax
+        self.masked = PlannedAttention(backend, masks=("keep",), description=self.layout)
+        self.unmasked = PlannedAttention(backend, description=self.layout)
 
-    def _memory(self, memory_bank: Tensor, stepwise: bool) -> StepMemory:
-        """The steps' memory (values: the call's own memory_bank, held weakly by the cache);
-        ``stepwise``: one query per call (the input-feeding decoder; the standard decoder attends
-        all steps at once)."""
-        projected = self.linear_context(memory_bank)
-        return step_memory(projected, memory_bank, self.backend, stepwise=stepwise, own_values=True)
+    def _mask(self, lengths: Tensor, frames: int) -> Tensor:
+        """[B, 1, S], True where a frame is within its row's length, as the original's
+        ``sequence_mask`` (one tensor per lengths tensor and S: the runtime's mask cache goes by
+        identity)."""
+        return self.mask_cache.get(
+            lengths,
+            (frames,),
+            lambda: (torch.arange(frames, device=lengths.device) < lengths[:, None]).unsqueeze(1),
+        )
 
     def forward(
         self,
@@ -77,22 +83,20 @@ class FusedGlobalAttention(FusedStandIn):
         lengths = src_len if src_len is not None else memory_lengths
         one_step = source.dim() == 2
         source3 = source.unsqueeze(1) if one_step else source
-        stepwise = source3.shape[1] == 1
-        memory = self.key_cache.get(
-            memory_bank,
-            (self.linear_context.weight, stepwise),
-            lambda: self._memory(memory_bank, stepwise),
-            watch=lambda m: (m.projection,),
-        )
-        values = memory_bank if memory.values is None else memory.values
-        context, align = additive_attention(
+        layer = self.linear_context
+        keys = self.key_cache.get(memory_bank, (layer.weight,), lambda: layer(memory_bank))
+        if lengths is None:
+            masks = ()
+        else:
+            masks = (self._mask(lengths, memory_bank.shape[1]),)
+        attention = self.masked if masks else self.unmasked
+        align, context = attention(
             self.linear_query(source3),
-            memory.keys,
-            values,
-            score_row(self.v),
-            lengths=lengths,
-            stepwise=memory.stepwise,
-            backend=self.backend,
+            keys,
+            self.v.weight,
+            memory_bank,
+            masks=masks,
+            fills=(float("-inf"),) * len(masks),
         )
         attn_h = self.linear_out(torch.cat([context, source3], dim=2))
         if one_step:

@@ -24,11 +24,9 @@ from seq2seq_fast.nn.convert._base import (
     is_linear,
     own_parameter_names,
     register,
-    score_row,
 )
+from seq2seq_fast.nn.convert._planned import PlannedAttention
 from seq2seq_fast.nn.keycache import ProjectionCache
-from seq2seq_fast.nn.stepwise import StepMemory, step_memory
-from seq2seq_fast.ops.additive_attention import additive_attention
 
 
 class FusedTutorialAttention(FusedStandIn):
@@ -36,10 +34,12 @@ class FusedTutorialAttention(FusedStandIn):
     very Parameter objects, same state_dict keys) and the same call.
 
     ``Ua(keys)`` is computed once per keys tensor and reused by the following steps
-    (:class:`~seq2seq_fast.nn.keycache.ProjectionCache`); when training on the CPU kernel, the
-    steps' gradients for the keys and the projected keys are gathered once per sequence
-    (:class:`~seq2seq_fast.ops.stepwise.StepwiseMemory`). A query that is not [B, 1, Dq] (the
-    tutorial's only shape) runs the original's math in plain PyTorch.
+    (:class:`~seq2seq_fast.nn.keycache.ProjectionCache`). The attention is a typed plan on the
+    general path's runtime (``_planned.py``): it keeps the keys' layout (one contiguous copy of
+    a view such as nn.GRU(batch_first=True)'s output for all the steps), and when training on the
+    CPU kernel gathers the steps' gradients for the keys and the projected keys once per
+    sequence. A query that is not [B, 1, Dq] (the tutorial's only shape) runs the original's math
+    in plain PyTorch.
     """
 
     layout = "tutorial"
@@ -47,36 +47,28 @@ class FusedTutorialAttention(FusedStandIn):
     def __init__(self, Wa: nn.Linear, Ua: nn.Linear, Va: nn.Linear, backend: str = "auto") -> None:  # noqa: N803
         super().__init__(backend)
         self.Wa, self.Ua, self.Va = Wa, Ua, Va
-        self.key_cache = ProjectionCache()
+        self.key_cache = ProjectionCache()  # Ua(keys), per keys tensor
+        # Va's bias, a shift of every score (cancelled by the softmax): the general path's runtime
+        self.attention = PlannedAttention(
+            backend, shifted=Va.bias is not None, description="tutorial"
+        )
+
+    @property
+    def _shifts(self) -> tuple[Tensor, ...]:
+        return () if self.Va.bias is None else (self.Va.bias,)
 
     def _plain(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
         scores = self.Va(torch.tanh(self.Wa(query) + self.Ua(keys))).squeeze(2).unsqueeze(1)
         weights = F.softmax(scores, dim=-1)
         return torch.bmm(weights, keys), weights
 
-    def _memory(self, keys: Tensor) -> StepMemory:
-        """The steps' memory for one keys tensor: Ua(keys), and as values the call's own keys
-        (the cache holds them weakly) or, when they are a view such as nn.GRU(batch_first=True)'s
-        output, one contiguous copy for all the steps instead of one per step inside the op."""
-        own = keys.is_contiguous()
-        values = keys if own else keys.contiguous()
-        return step_memory(self.Ua(keys), values, self.backend, own_values=own)
-
     def forward(self, query: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
         if query.dim() != 3 or keys.dim() != 3 or query.shape[1] != 1:
             return self._plain(query, keys)
         ua = self.Ua
-        memory = self.key_cache.get(
-            keys, (ua.weight, ua.bias), lambda: self._memory(keys), watch=lambda m: (m.projection,)
-        )
-        values = keys if memory.values is None else memory.values
-        context, weights = additive_attention(
-            self.Wa(query),
-            memory.keys,
-            values,
-            score_row(self.Va),
-            stepwise=memory.stepwise,
-            backend=self.backend,
+        projected = self.key_cache.get(keys, (ua.weight, ua.bias), lambda: ua(keys))
+        weights, context = self.attention(
+            self.Wa(query), projected, self.Va.weight, keys, shifts=self._shifts
         )
         return context, weights
 
