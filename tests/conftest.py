@@ -67,6 +67,27 @@ def pytest_testnodedown(node, error):
     _WORKER_ISAS.update(getattr(node, "workeroutput", {}).get("covered_isas", ()))
 
 
+# Test files that take minutes (a wheel built and installed, cross-compiles, training runs,
+# whole-range sweeps): run first, so that pytest-xdist's workers do not end on them one by one
+# while the other waits.
+_LONG_FILES = (
+    "tests/reliability/test_wheel.py",
+    "tests/reliability/test_portability.py",
+    "tests/seq2seq/test_convergence.py",
+    "tests/reliability/test_bench.py",
+    "tests/ops/test_range_sweep.py",
+    "tests/ops/test_range_sweep_ops.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return _LONG_FILES.index(path) if path in _LONG_FILES else len(_LONG_FILES)
+
+    items.sort(key=rank)  # (stable: each file's own order stays)
+
+
 def pytest_terminal_summary(terminalreporter):
     """Say which CPU instruction sets the range sweeps ran on (tests/ops/test_range_sweep*.py)."""
     covered = _covered_isas() | _WORKER_ISAS
