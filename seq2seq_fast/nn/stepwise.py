@@ -20,7 +20,7 @@ class StepMemory(NamedTuple):
     """What a stand-in's decoder steps attend to, as :func:`step_memory` makes it."""
 
     keys: Tensor  # [B, S, H]: the projected keys, or the StepwiseMemory's alias of them
-    values: Tensor | None  # [B, S, Dv], or None: the call's own values (see step_memory)
+    values: Tensor  # [B, S, Dv], or the StepwiseMemory's alias of them
     stepwise: StepwiseMemory | None  # pass as additive_attention(..., stepwise=); None: n/a
     projection: Tensor  # the projected keys themselves (what a ProjectionCache should watch)
 
@@ -31,14 +31,11 @@ def step_memory(
     backend: str,
     *,
     stepwise: bool = True,
-    own_values: bool = False,
 ) -> StepMemory:
     """The memory of a decoder's steps: projected keys [B, S, H] and values [B, S, Dv], through a
     :class:`StepwiseMemory` where it applies (``stepwise`` steps, training on the CPU kernel;
-    :meth:`StepwiseMemory.for_training`), else as given. ``own_values``: the values are the
-    call's own tensor, which a ProjectionCache holds only weakly; without a StepwiseMemory the
-    result then holds None instead (the caller passes its own values again)."""
+    :meth:`StepwiseMemory.for_training`), else as given."""
     memory = StepwiseMemory.for_training(keys, values, backend) if stepwise else None
     if memory is None:
-        return StepMemory(keys, None if own_values else values, None, keys)
+        return StepMemory(keys, values, None, keys)
     return StepMemory(memory.keys, memory.values, memory, keys)
