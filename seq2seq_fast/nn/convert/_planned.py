@@ -16,21 +16,22 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from seq2seq_fast.nn.convert._base import with_cancelled
-from seq2seq_fast.nn.convert.traced.key_terms import _Plain
+from seq2seq_fast.nn.convert.traced.key_terms import _LocationTerm, _Plain
 from seq2seq_fast.nn.convert.traced.plan import (
     Heads,
     KeyTerm,
     Layout,
+    LocationSource,
     Mask,
     Normalisation,
     Plan,
+    Scale,
     Shift,
     Terms,
 )
-from seq2seq_fast.nn.convert.traced.rewrite import TracedWeights
+from seq2seq_fast.nn.convert.traced.rewrite import TracedWeights, fold_steps
 from seq2seq_fast.ops.additive_attention import additive_attention
 
 # The pre-activation [Tq, B, S, H]: a query term [Tq, B, 1, H] (the call's [B, Tq, H], a view),
@@ -45,15 +46,35 @@ _LAYOUT = Layout(
     hidden_axis=3,
     scores_origin=_ORIGIN,
 )
+# One query per call (a speech decoder's step): the pre-activation [B, S, H], a query term
+# [B, 1, H] (the call's [B, H], a view), key terms [B, S, H]; scores, weights and masks [B, S].
+# The runtime forms a location term inside the kernels in this layout only.
+_ONE_ORIGIN = (0, 1)
+_ONE_QUERY = Layout(
+    rank=3,
+    batch_axes=(0,),
+    query_axes=(),
+    memory_axis=1,
+    hidden_axis=2,
+    scores_origin=_ONE_ORIGIN,
+)
 
 
 class PlannedAttention:
-    """``(weights [B, Tq, S], context [B, Tq, Dv])`` of a query term [B, Tq, H] against a key
-    term [B, S, H] and values [B, S, Dv], with a score vector ([H], or a [1, H] Linear weight),
-    with ``shifted``, a shift of every score (a score layer's bias: a softmax cancels it, its
-    gradient is zero), then one mask [B, 1, S] per entry of ``masks`` ("keep": True attends,
-    "fill": True leaves) and its fill value, and a softmax or sigmoid normalisation (see the
-    module docstring)."""
+    """``(weights, context)`` of a query term against a key term and values, with a score vector
+    ([H], or a [1, H] Linear weight), then the steps in this order: ``shifted``, a shift of every
+    score (a score layer's bias: a softmax cancels it, its gradient is zero); one mask per entry
+    of ``masks`` ("keep": True attends, "fill": True leaves) and its fill value; ``scaled``, a
+    factor on every score (a temperature, folded into the score vector); and a softmax or sigmoid
+    normalisation (see the module docstring).
+
+    Shapes: by default a query term [B, Tq, H] against a key term [B, S, H] and values
+    [B, S, Dv], masks [B, 1, S], giving weights [B, Tq, S] and context [B, Tq, Dv]. With
+    ``one_query`` a query term [B, H], masks [B, S], weights [B, S], context [B, Dv]; there
+    ``biased`` adds a bias term [H] inside the tanh, and ``located`` a location term
+    ``linear(conv1d(features, conv_weight, same padding)^T, dense_weight)`` to the keys (see
+    :class:`~seq2seq_fast.nn.convert.traced.key_terms._LocationTerm`), which the runtime forms
+    inside the kernels when training on the CPU kernel."""
 
     def __init__(
         self,
@@ -61,25 +82,50 @@ class PlannedAttention:
         *,
         shifted: bool = False,
         masks: tuple[Literal["keep", "fill"], ...] = (),
+        scaled: bool = False,
         normalisation: Literal["softmax", "sigmoid"] = "softmax",
+        one_query: bool = False,
+        biased: bool = False,
+        located: bool = False,
         description: str = "",
     ) -> None:
+        if (biased or located) and not one_query:
+            raise ValueError("PlannedAttention: biased and located take one_query=True")
+        origin = _ONE_ORIGIN if one_query else _ORIGIN
+        keys = (KeyTerm(node=None),)
+        if located:
+            keys += (KeyTerm(node=None, location=LocationSource(None, None, None)),)
         plan = Plan(
-            terms=Terms(queries=(), keys=(KeyTerm(node=None),), biases=()),
+            terms=Terms(queries=(), keys=keys, biases=(None,) * biased),
             vector=None,
-            layout=_LAYOUT,
+            layout=_ONE_QUERY if one_query else _LAYOUT,
             steps=(Shift(sign="+", amount=None),) * shifted
             + tuple(
-                Mask(kind=kind, mask=None, fill=None, origin=_ORIGIN, at_shape=None)
+                Mask(kind=kind, mask=None, fill=None, origin=origin, at_shape=None)
                 for kind in masks
-            ),
+            )
+            + (Scale(op="mul", factor=None),) * scaled,
             normalisation=Normalisation(kind=normalisation),
             heads=Heads(),
             site=None,
         )
-        self.runtime = TracedWeights(plan, backend)
-        self.runtime.with_context = True
-        self.runtime.description = description
+        self.one_query, self.plan, self.backend, self.description = (
+            one_query,
+            plan,
+            backend,
+            description,
+        )
+        self._runtime: TracedWeights | None = None
+
+    @property
+    def runtime(self) -> TracedWeights:
+        """The plan's runtime, made at the first call outside torch.compile (its caches hold
+        locks, which TorchDynamo cannot make)."""
+        if self._runtime is None:
+            self._runtime = TracedWeights(self.plan, self.backend)
+            self._runtime.with_context = True
+            self._runtime.description = self.description
+        return self._runtime
 
     def __call__(
         self,
@@ -90,38 +136,51 @@ class PlannedAttention:
         masks: tuple[Tensor, ...] = (),
         fills: tuple[float, ...] = (),
         shifts: tuple[Tensor, ...] = (),
+        scales: tuple[object, ...] = (),
+        biases: tuple[Tensor, ...] = (),
+        location: tuple[Tensor, Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:
         if torch.compiler.is_compiling():
-            return self._compiled(query, keys, vector, values, masks, shifts)
+            return self._compiled(
+                query, keys, vector, values, masks, shifts, scales, biases, location
+            )
+        terms = [_Plain(keys)]
+        if location is not None:
+            terms.append(_LocationTerm(*location))
         weights, context = self.runtime(
-            [query.transpose(0, 1).unsqueeze(2)],
-            [_Plain(keys)],
-            [],
+            [query.unsqueeze(1) if self.one_query else query.transpose(0, 1).unsqueeze(2)],
+            terms,
+            list(biases),
             vector,
-            [],
+            list(scales),
             list(masks),
             list(fills),
             list(shifts),
             values=values,
         )
         if context is None:  # the plain path ran (a row with no valid key): the weights only
-            context = weights @ values
-        return weights, context
+            if self.one_query:
+                return weights, (weights.unsqueeze(1) @ values).squeeze(1)
+            return weights, weights @ values
+        return weights, (context.squeeze(1) if self.one_query else context)
 
-    def _compiled(self, query, keys, vector, values, masks, shifts) -> tuple[Tensor, Tensor]:
+    def _compiled(
+        self, query, keys, vector, values, masks, shifts, scales, biases, location
+    ) -> tuple[Tensor, Tensor]:
         """Inside the user's torch.compile: the runtime's caches (by identity, weakly held) and
         its checks of each mask's content would break the graph at every call, so the plan goes
         to the op directly (which torch.compile traces whole). A row with no valid key gives
         zeros there, not NaN."""
-        plan = self.runtime.plan
-        vector, score_bias = vector.reshape(-1), None
-        if plan.normalisation.kind == "softmax":  # (it cancels the shifts)
-            vector = with_cancelled(vector, *shifts)
-        elif shifts:
-            score_bias = sum(shift.reshape(()) for shift in shifts)
+        plan = self.plan
+        vector, score_bias, _ = fold_steps(plan, vector.reshape(-1), scales, shifts)
+        if location is not None:
+            keys = keys + _LocationTerm(*location).value()
+        for bias in biases:
+            query = query + bias
         valid = None
         for step, mask in zip([s for s in plan.steps if isinstance(s, Mask)], masks, strict=True):
-            mask = mask.squeeze(1).to(torch.bool)
+            mask = mask.to(torch.bool)
+            mask = mask.squeeze(1) if mask.dim() == 3 else mask
             mask = mask if step.kind == "keep" else ~mask
             valid = mask if valid is None else valid & mask
         context, weights = additive_attention(
@@ -131,7 +190,21 @@ class PlannedAttention:
             vector,
             mask=valid,
             normalize=plan.normalisation.kind,
-            backend=self.runtime.backend,
+            backend=self.backend,
             score_bias=score_bias,
         )
         return weights, context
+
+
+def planned(owner: nn.Module, **config) -> PlannedAttention:
+    """``owner``'s :class:`PlannedAttention` of this configuration (keyword arguments as
+    PlannedAttention takes them), made at its first use and kept on the owner: a stand-in whose
+    calls differ in kind (with a mask or without) has one plan, and one runtime, per kind."""
+    plans = owner.__dict__.setdefault("_plans", {})
+    key = tuple(sorted(config.items()))
+    attention = plans.get(key)
+    if attention is None:
+        attention = PlannedAttention(owner.backend, description=owner.layout, **config)
+        if not torch.compiler.is_compiling():  # (inside, one made per trace: it runs no runtime)
+            plans[key] = attention
+    return attention

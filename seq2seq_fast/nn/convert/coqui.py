@@ -42,12 +42,10 @@ from seq2seq_fast.nn.convert._base import (
     child_names,
     own_parameter_names,
     register,
-    score_row,
 )
-from seq2seq_fast.nn.convert._location import attend_location
+from seq2seq_fast.nn.convert._planned import planned
 from seq2seq_fast.nn.convert._speech import (
     adopt,
-    attend_gathered,
     conv1d_of,
     is_location_layer,
     is_score_layer,
@@ -73,8 +71,6 @@ class FusedCoquiOriginalAttention(FusedStandIn):
 
     def init_states(self, inputs: Tensor) -> None:
         batch, length = inputs.shape[:2]
-        self._gathered = None
-        self._location = None
         self.attention_weights = torch.zeros([batch, length], device=inputs.device)
         if self.location_attention:
             self.attention_weights_cum = torch.zeros([batch, length], device=inputs.device)
@@ -96,10 +92,11 @@ class FusedCoquiOriginalAttention(FusedStandIn):
                 f"seq2seq_fast: this converted OriginalAttention cannot run: {reason}"
             )
         score = linear_of(self.v)
-        # under the sigmoid the score layer's bias stays (sigmoid(e + b)); a softmax cancels it
-        normalize = "sigmoid" if self.norm == "sigmoid" else "softmax"
-        v = score_row(score, softmax=normalize == "softmax")
-        score_bias = score.bias if normalize == "sigmoid" else None
+        # the score layer's bias: a shift of every score, which a softmax cancels and a sigmoid
+        # keeps (sigmoid(e + b))
+        shifts = () if score.bias is None else (score.bias,)
+        masks = () if mask is None else (mask,)  # True = valid
+        location = None
         if self.location_attention:  # keys = processed_inputs + location_layer(previous)
             previous = torch.cat(
                 (self.attention_weights.unsqueeze(1), self.attention_weights_cum.unsqueeze(1)),
@@ -111,30 +108,24 @@ class FusedCoquiOriginalAttention(FusedStandIn):
                 conv1d_of(layer.location_conv1d).weight,
                 linear_of(layer.location_dense).weight,
             )
-            context, alignment = attend_location(
-                self,
-                self.backend,
-                self.query_layer(query),
-                processed_inputs,
-                location,
-                inputs,
-                v,
-                mask,
-                normalize,
-                score_bias,
-            )
-        else:
-            context, alignment = attend_gathered(
-                self,
-                self.backend,
-                self.query_layer(query),
-                processed_inputs,
-                inputs,
-                v,
-                mask,
-                normalize,
-                score_bias,
-            )
+        attention = planned(
+            self,
+            shifted=bool(shifts),
+            masks=("keep",) * len(masks),
+            normalisation="sigmoid" if self.norm == "sigmoid" else "softmax",
+            one_query=True,
+            located=location is not None,
+        )
+        alignment, context = attention(
+            self.query_layer(query),
+            processed_inputs,
+            score.weight,
+            inputs,
+            masks=masks,
+            fills=(self._mask_value,) * len(masks),
+            shifts=shifts,
+            location=location,
+        )
         if self.location_attention:
             self.update_location_attention(alignment)
         self.attention_weights = alignment

@@ -47,13 +47,9 @@ from seq2seq_fast.nn.convert._base import (
     is_linear,
     own_parameter_names,
     register,
-    score_row,
 )
-from seq2seq_fast.nn.convert._location import attend_location
-from seq2seq_fast.nn.convert._speech import adopt, same_padding_conv, scaled
-from seq2seq_fast.nn.stepwise import StepwiseMemory, step_memory
-from seq2seq_fast.ops._checks import masking
-from seq2seq_fast.ops.additive_attention import additive_attention
+from seq2seq_fast.nn.convert._planned import planned
+from seq2seq_fast.nn.convert._speech import adopt, same_padding_conv
 
 
 def _padding_mask(enc_hs_len, device: torch.device) -> Tensor:
@@ -68,37 +64,26 @@ class FusedEspnetAttAdd(FusedStandIn):
     keys), same state and ``reset()``, same ``forward``."""
 
     layout = "espnet_att_add"
-    gather_steps = True  # keys and values fixed over the utterance: StepwiseMemory applies
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
         super().__init__(backend)
         adopt(self, original)
-        self._stepwise: StepwiseMemory | None = None
 
     def reset(self) -> None:
         self.h_length = None
         self.enc_h = None
         self.pre_compute_enc_h = None
         self.mask = None
-        self._stepwise = None
-        self._gathered = None
-        self._location = None
 
-    def _remember(self, enc_hs_pad: Tensor) -> None:
-        """Project and keep the utterance's memory (once per utterance, as ESPnet does)."""
+    def _remember(self, enc_hs_pad: Tensor, enc_hs_len) -> None:
+        """Project and keep the utterance's memory and its padding mask (once per utterance, as
+        ESPnet does; the projection every call with ``han_mode``)."""
         if self.pre_compute_enc_h is None or self.han_mode:
             self.enc_h = enc_hs_pad
             self.h_length = enc_hs_pad.size(1)
             self.pre_compute_enc_h = self.mlp_enc(enc_hs_pad)
-            # the same values, through a node that gathers gradients where that applies
-            memory = step_memory(
-                self.pre_compute_enc_h,
-                self.enc_h,
-                self.backend,
-                stepwise=self.gather_steps and not self.han_mode,
-            )
-            self.pre_compute_enc_h, self.enc_h = memory.keys, memory.values
-            self._stepwise = memory.stepwise
+        if self.mask is None:
+            self.mask = _padding_mask(enc_hs_len, enc_hs_pad.device)
 
     def _query(self, enc_hs_pad: Tensor, dec_z: Tensor | None) -> Tensor:
         batch = len(enc_hs_pad)
@@ -106,31 +91,49 @@ class FusedEspnetAttAdd(FusedStandIn):
             dec_z = enc_hs_pad.new_zeros(batch, self.dunits)
         return self.mlp_dec(dec_z.view(batch, self.dunits))  # [B, att_dim]
 
-    def _valid(self, enc_hs_len, device: torch.device) -> Tensor:
-        if self.mask is None:
-            self.mask = _padding_mask(enc_hs_len, device)
-        return ~self.mask
-
-    def _attend(self, query, keys, valid, scaling) -> tuple[Tensor, Tensor]:
-        v_eff = scaled(score_row(self.gvec), scaling)
-        stepwise = getattr(self, "_stepwise", None)
-        return additive_attention(
-            query,
-            keys,
-            self.enc_h,
-            v_eff,
-            stepwise=stepwise,
-            **masking(valid),
-            backend=self.backend,
+    def _attend(
+        self,
+        query: Tensor,
+        scaling,
+        keep: Tensor | None = None,
+        biases: tuple[Tensor, ...] = (),
+        location: tuple | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """(context, weights) of e = gvec(tanh(query + biases + pre_compute_enc_h [+ location
+        term])), e[mask] = -inf (and where ``keep`` is False), softmax(scaling * e)."""
+        gvec = self.gvec
+        shifts = () if gvec.bias is None else (gvec.bias,)
+        masks, kinds = (self.mask,), ("fill",)
+        if keep is not None:
+            masks, kinds = (keep,), ("keep",)
+        attention = planned(
+            self,
+            shifted=bool(shifts),
+            masks=kinds,
+            scaled=True,
+            one_query=True,
+            biased=bool(biases),
+            located=location is not None,
         )
+        weights, context = attention(
+            query,
+            self.pre_compute_enc_h,
+            gvec.weight,
+            self.enc_h,
+            masks=masks,
+            fills=(float("-inf"),),
+            shifts=shifts,
+            scales=(scaling,),
+            biases=biases,
+            location=location,
+        )
+        return context, weights
 
     def forward(
         self, enc_hs_pad: Tensor, enc_hs_len, dec_z: Tensor | None, att_prev, scaling=2.0
     ) -> tuple[Tensor, Tensor]:
-        self._remember(enc_hs_pad)
-        query = self._query(enc_hs_pad, dec_z)
-        valid = self._valid(enc_hs_len, enc_hs_pad.device)
-        return self._attend(query, self.pre_compute_enc_h, valid, scaling)
+        self._remember(enc_hs_pad, enc_hs_len)
+        return self._attend(self._query(enc_hs_pad, dec_z), scaling)
 
 
 class FusedEspnetAttLoc(FusedEspnetAttAdd):
@@ -138,7 +141,6 @@ class FusedEspnetAttLoc(FusedEspnetAttAdd):
     the location term mlp_att(loc_conv(att_prev))."""
 
     layout = "espnet_att_loc"
-    gather_steps = False  # the keys change every step
 
     def forward(
         self,
@@ -152,23 +154,20 @@ class FusedEspnetAttLoc(FusedEspnetAttAdd):
         forward_window: int = 3,
     ) -> tuple[Tensor, Tensor]:
         batch = len(enc_hs_pad)
-        self._remember(enc_hs_pad)
+        self._remember(enc_hs_pad, enc_hs_len)
         query = self._query(enc_hs_pad, dec_z)
         if att_prev is None:
             att_prev = _uniform(enc_hs_pad, enc_hs_len, query.dtype)
-        valid = self._valid(enc_hs_len, enc_hs_pad.device)
+        keep = None
         if last_attended_idx is not None:
-            valid = _window(valid, last_attended_idx, backward_window, forward_window)
+            keep = _window(~self.mask, last_attended_idx, backward_window, forward_window)
         # keys = pre_compute_enc_h + mlp_att(loc_conv(att_prev))
         location = (
             att_prev.view(batch, 1, self.h_length),
             self.loc_conv.weight,
             self.mlp_att.weight,
         )
-        v_eff = scaled(score_row(self.gvec), scaling)
-        return attend_location(
-            self, self.backend, query, self.pre_compute_enc_h, location, self.enc_h, v_eff, valid
-        )
+        return self._attend(query, scaling, keep, location=location)
 
 
 def _uniform(enc_hs_pad: Tensor, enc_hs_len, dtype: torch.dtype) -> Tensor:
@@ -212,25 +211,27 @@ class FusedEspnetAttCov(FusedEspnetAttAdd):
     step's weights to the list and returns it, as the original."""
 
     layout = "espnet_att_cov"
-    gather_steps = False  # the keys change every step
 
     def forward(  # type: ignore[override]
         self, enc_hs_pad: Tensor, enc_hs_len, dec_z: Tensor | None, att_prev_list, scaling=2.0
     ) -> tuple[Tensor, list]:
         batch = len(enc_hs_pad)
-        self._remember(enc_hs_pad)
-        query = self._query(enc_hs_pad, dec_z) + self.wvec.bias
+        self._remember(enc_hs_pad, enc_hs_len)
+        query = self._query(enc_hs_pad, dec_z)
         att_prev_list, coverage = _coverage(att_prev_list, enc_hs_pad, enc_hs_len, query.dtype)
         coverage = coverage.view(batch, 1, self.h_length)
-        identity = coverage.new_ones(1, 1, 1)  # conv_weight [C=1, Cin=1, K=1]
-        location = (coverage, identity, self.wvec.weight)
-        v_eff = scaled(score_row(self.gvec), scaling)
-        valid = self._valid(enc_hs_len, enc_hs_pad.device)
-        context, weights = attend_location(
-            self, self.backend, query, self.pre_compute_enc_h, location, self.enc_h, v_eff, valid
-        )
+        location = (coverage, self._identity(coverage), self.wvec.weight)
+        context, weights = self._attend(query, scaling, biases=(self.wvec.bias,), location=location)
         att_prev_list += [weights]
         return context, att_prev_list
+
+    def _identity(self, like: Tensor) -> Tensor:
+        """The 1-tap identity convolution weight [C=1, Cin=1, K=1] (one object while the dtype and
+        device stay: the runtime keeps a decoder's step state while its arguments are the same)."""
+        identity = self.__dict__.get("_identity_weight")
+        if identity is None or identity.dtype != like.dtype or identity.device != like.device:
+            identity = self.__dict__["_identity_weight"] = like.new_ones(1, 1, 1)
+        return identity
 
 
 def _window(valid: Tensor, last: int, backward: int, forward: int) -> Tensor:

@@ -47,13 +47,11 @@ from seq2seq_fast.nn.convert._base import (
     register,
     score_row,
 )
-from seq2seq_fast.nn.convert._location import attend_location
+from seq2seq_fast.nn.convert._planned import planned
 from seq2seq_fast.nn.convert._speech import (
     adopt,
     is_finite_number,
     same_padding_conv,
-    scaled,
-    valid_from_padding,
 )
 from seq2seq_fast.nn.keycache import ProjectionCache
 from seq2seq_fast.nn.stepwise import StepMemory, step_memory
@@ -74,8 +72,6 @@ class FusedFairseqLocationAttention(FusedStandIn):
 
     def clear_cache(self) -> None:
         self.proj_enc_out = None
-        self._gathered = None
-        self._location = None
 
     def forward(
         self,
@@ -89,18 +85,30 @@ class FusedFairseqLocationAttention(FusedStandIn):
             self.proj_enc_out = self.proj_enc(encoder_out)
         if decoder_h is None:
             decoder_h = encoder_out.new_zeros(bsz, self.decoder_dim)
-        v_eff = scaled(score_row(self.proj_out[1]), self.scaling)
+        score = self.proj_out[1]
+        shifts = () if score.bias is None else (score.bias,)  # (cancelled by the softmax)
+        masks = () if encoder_padding_mask is None else (encoder_padding_mask,)  # True = padding
         location = (attn_state, self.conv.weight, self.proj_attn.weight)  # keys: + proj_attn(conv)
-        return attend_location(
+        attention = planned(
             self,
-            self.backend,
+            shifted=bool(shifts),
+            masks=("fill",) * len(masks),
+            scaled=True,
+            one_query=True,
+            located=True,
+        )
+        weights, context = attention(
             self.proj_dec(decoder_h),
             self.proj_enc_out,
-            location,
+            score.weight,
             encoder_out,
-            v_eff,
-            valid_from_padding(encoder_padding_mask),
+            masks=masks,
+            fills=(float("-inf"),) * len(masks),
+            shifts=shifts,
+            scales=(self.scaling,),
+            location=location,
         )
+        return context, weights
 
 
 def _match_location(module: nn.Module) -> bool:

@@ -38,19 +38,13 @@ from seq2seq_fast.nn.convert._base import (
     is_linear,
     own_parameter_names,
     register,
-    score_row,
 )
-from seq2seq_fast.nn.convert._location import attend_location
+from seq2seq_fast.nn.convert._planned import planned
 from seq2seq_fast.nn.convert._speech import (
     adopt,
-    derived,
     is_finite_number,
     same_padding_conv,
-    scaled,
 )
-from seq2seq_fast.nn.stepwise import StepwiseMemory
-from seq2seq_fast.ops._checks import masking
-from seq2seq_fast.ops.additive_attention import additive_attention
 
 
 def _length_mask(enc_len: Tensor, max_len: int) -> Tensor:
@@ -65,56 +59,48 @@ class FusedContentBasedAttention(FusedStandIn):
     objects, same state_dict keys), same state, ``reset()`` and ``forward``."""
 
     layout = "speechbrain_content"
-    gather_steps = True  # StepwiseMemory applies (the location-aware keys change every step)
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
         super().__init__(backend)
         adopt(self, original)
-        self._stepwise: tuple[StepwiseMemory, Tensor] | None = None
 
     def reset(self) -> None:
         self.enc_len = None
         self.precomputed_enc_h = None
         self.mask = None
-        self._stepwise = None
-        self._gathered = None
-        self._location = None
 
     def _first_step(self, enc_states: Tensor, enc_len: Tensor) -> bool:
         if self.precomputed_enc_h is not None:
             return False
         self.precomputed_enc_h = self.mlp_enc(enc_states)
         self.mask = _length_mask(enc_len, enc_states.size(1))
-        self._stepwise = None
-        if self.gather_steps:  # keys and values fixed over the utterance
-            memory = StepwiseMemory.for_training(self.precomputed_enc_h, enc_states, self.backend)
-            if memory is not None:  # the same values, through a node that gathers gradients
-                self.precomputed_enc_h = memory.keys
-                self._stepwise = (memory, enc_states)
         return True
 
     def _finish(
-        self, dec_states: Tensor, keys: Tensor, enc_states: Tensor, location: tuple | None = None
+        self, dec_states: Tensor, enc_states: Tensor, location: tuple | None = None
     ) -> tuple[Tensor, Tensor]:
-        v_eff = scaled(score_row(self.mlp_attn), self.scaling)
-        query = self.mlp_dec(dec_states)
-        if location is not None:  # location-aware: keys = keys + the location term
-            context, weights = attend_location(
-                self, self.backend, query, keys, location, enc_states, v_eff, self.mask != 0
-            )
-            return self.mlp_out(context), weights
-        memory = None
-        if self._stepwise is not None and self._stepwise[1] is enc_states:
-            memory = self._stepwise[0]  # the step attends to the memory's aliases
-            enc_states = memory.values
-        context, weights = additive_attention(
-            query,
-            keys,
+        """(mlp_out(context), weights) of e = mlp_attn(tanh(mlp_dec(dec_states) +
+        precomputed_enc_h [+ mlp_loc(conv_loc(prev_attn))])), e[mask == 0] = -inf,
+        softmax(scaling * e)."""
+        biases = () if location is None else (self.mlp_loc.bias,)
+        attention = planned(
+            self,
+            masks=("keep",),
+            scaled=True,
+            one_query=True,
+            biased=bool(biases),
+            located=location is not None,
+        )
+        weights, context = attention(
+            self.mlp_dec(dec_states),
+            self.precomputed_enc_h,
+            self.mlp_attn.weight,
             enc_states,
-            v_eff,
-            stepwise=memory,
-            **masking(self.mask != 0),
-            backend=self.backend,
+            masks=(self.mask,),
+            fills=(float("-inf"),),
+            scales=(self.scaling,),
+            biases=biases,
+            location=location,
         )
         return self.mlp_out(context), weights
 
@@ -122,26 +108,19 @@ class FusedContentBasedAttention(FusedStandIn):
         self, enc_states: Tensor, enc_len: Tensor, dec_states: Tensor
     ) -> tuple[Tensor, Tensor]:
         self._first_step(enc_states, enc_len)
-        return self._finish(dec_states, self.precomputed_enc_h, enc_states)
+        return self._finish(dec_states, enc_states)
 
 
 class FusedLocationAwareAttention(FusedContentBasedAttention):
     """Fused stand-in for SpeechBrain's LocationAwareAttention: a step's keys are the cached
-    projected memory plus mlp_loc(conv_loc(prev_attn))."""
+    projected memory plus mlp_loc(conv_loc(prev_attn)) (mlp_loc's bias, the same for every
+    frame, joins the query)."""
 
     layout = "speechbrain_location"
-    gather_steps = False
 
     def reset(self) -> None:
         super().reset()
         self.prev_attn = None
-        self._keys_base = None
-
-    def _base(self) -> Tensor:
-        """precomputed_enc_h + mlp_loc.bias, made once per utterance (the location term's
-        bias added to the fixed part of the keys, not to every step's)."""
-        memory, bias = self.precomputed_enc_h, self.mlp_loc.bias
-        return derived(self, "_keys_base", (memory, bias), lambda: memory + bias)
 
     def forward(
         self, enc_states: Tensor, enc_len: Tensor, dec_states: Tensor
@@ -150,7 +129,7 @@ class FusedLocationAwareAttention(FusedContentBasedAttention):
             self.prev_attn = self.mask * (1 / enc_len.float()).unsqueeze(1)
         # keys = precomputed_enc_h + mlp_loc(conv_loc(prev_attn))
         location = (self.prev_attn.unsqueeze(1), self.conv_loc.weight, self.mlp_loc.weight)
-        output, weights = self._finish(dec_states, self._base(), enc_states, location)
+        output, weights = self._finish(dec_states, enc_states, location)
         self.prev_attn = weights.detach()
         return output, weights
 

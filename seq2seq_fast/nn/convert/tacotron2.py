@@ -35,16 +35,14 @@ from seq2seq_fast.nn.convert._base import (
     child_names,
     own_parameter_names,
     register,
-    score_row,
 )
-from seq2seq_fast.nn.convert._location import attend_location
+from seq2seq_fast.nn.convert._planned import planned
 from seq2seq_fast.nn.convert._speech import (
     adopt,
     conv1d_of,
     is_location_layer,
     is_score_layer,
     linear_of,
-    valid_from_padding,
 )
 
 
@@ -74,17 +72,18 @@ class FusedTacotron2Attention(FusedStandIn):
             conv1d_of(layer.location_conv).weight,
             linear_of(layer.location_dense).weight,
         )
-        v = score_row(linear_of(self.v))
-        return attend_location(
-            self,
-            self.backend,
+        masks = () if mask is None else (mask,)  # True = padding
+        attention = planned(self, masks=("fill",) * len(masks), one_query=True, located=True)
+        weights, context = attention(
             query,
             processed_memory,
-            location,
+            linear_of(self.v).weight,
             memory,
-            v,
-            valid_from_padding(mask),
+            masks=masks,
+            fills=(self.score_mask_value,) * len(masks),
+            location=location,
         )
+        return context, weights
 
 
 def _match(module: nn.Module) -> bool:

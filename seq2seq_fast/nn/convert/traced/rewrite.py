@@ -252,6 +252,35 @@ class _Step:
         return watch
 
 
+def fold_steps(plan: Plan, v: Tensor, scales, shifts) -> tuple:
+    """(v_eff, score_bias, whether the op cannot give the original's result): the scales and
+    shifts folded into e' = v_eff . tanh(...) + score_bias (a softmax cancels the bias)."""
+    plain = False
+    v_eff, score_bias = v, None
+    scale_iter, shift_iter = iter(scales), iter(shifts)
+    for step in plan.steps:
+        if isinstance(step, Scale):
+            factor = next(scale_iter)
+            if isinstance(factor, Tensor):
+                factor = factor.reshape(())
+            plain |= not bool(factor > 0)
+            if step.op == "mul":
+                v_eff = v_eff * factor
+                score_bias = None if score_bias is None else score_bias * factor
+            else:
+                v_eff = v_eff / factor
+                score_bias = None if score_bias is None else score_bias / factor
+        elif isinstance(step, Shift):
+            shift = next(shift_iter)
+            shift = shift.reshape(()) if isinstance(shift, Tensor) else float(shift)
+            shift = -shift if step.sign == "-" else shift
+            score_bias = shift if score_bias is None else score_bias + shift
+    if plan.normalisation.kind == "softmax":  # a softmax cancels the shifts
+        v_eff = with_cancelled(v_eff, *(s for s in shifts if isinstance(s, Tensor)))
+        score_bias = None
+    return v_eff, score_bias, plain
+
+
 class TracedWeights:
     """The callable that replaces a match's sum ... softmax in the graph (see :func:`rewrite`):
     the weights in the projection's output layout (``Layout.scores_origin``). It reads the plan's
@@ -388,7 +417,7 @@ class TracedWeights:
             step.v = vector.reshape(groups, rows.width)
         else:
             step.v = vector.reshape(rows.width)
-        step.v_eff, step.score_bias, step.plain = self._fold_steps(step.v, scales, shifts)
+        step.v_eff, step.score_bias, step.plain = fold_steps(plan, step.v, scales, shifts)
         step.graded = [m for m in masks if isinstance(m, Tensor) and m.requires_grad]
         invalid = None
         if masks:
@@ -452,34 +481,6 @@ class TracedWeights:
         if given is None or not self.values_memory_first:
             return given
         return given.transpose(0, 1)
-
-    def _fold_steps(self, v: Tensor, scales, shifts) -> tuple:
-        """(v_eff, score_bias, whether the op cannot give the original's result): the scales and
-        shifts folded into e' = v_eff . tanh(...) + score_bias (a softmax cancels the bias)."""
-        plain = False
-        v_eff, score_bias = v, None
-        scale_iter, shift_iter = iter(scales), iter(shifts)
-        for step in self.plan.steps:
-            if isinstance(step, Scale):
-                factor = next(scale_iter)
-                if isinstance(factor, Tensor):
-                    factor = factor.reshape(())
-                plain |= not bool(factor > 0)
-                if step.op == "mul":
-                    v_eff = v_eff * factor
-                    score_bias = None if score_bias is None else score_bias * factor
-                else:
-                    v_eff = v_eff / factor
-                    score_bias = None if score_bias is None else score_bias / factor
-            elif isinstance(step, Shift):
-                shift = next(shift_iter)
-                shift = shift.reshape(()) if isinstance(shift, Tensor) else float(shift)
-                shift = -shift if step.sign == "-" else shift
-                score_bias = shift if score_bias is None else score_bias + shift
-        if self.plan.normalisation.kind == "softmax":  # a softmax cancels the shifts
-            v_eff = with_cancelled(v_eff, *(s for s in shifts if isinstance(s, Tensor)))
-            score_bias = None
-        return v_eff, score_bias, plain
 
     def _located(self, query, key, values, step: _Step, location: _LocationTerm) -> tuple:
         """The location-aware steps: the location term formed inside the kernels. (context
