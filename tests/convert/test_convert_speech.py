@@ -307,6 +307,33 @@ def test_converted_matches_recreation(name, dtype):
         torch.testing.assert_close(grads_b[key], grad, **tol, msg=lambda m, k=key: f"{k}: {m}")
 
 
+# the stand-ins that run their attention as a plan on the general path's runtime (_planned.py)
+_ON_THE_RUNTIME = [
+    name for name in CASES if not name.startswith(("fairseq_mlp", "allennlp", "d2l"))
+]
+
+
+@requires_cpu_kernel
+@pytest.mark.parametrize("name", _ON_THE_RUNTIME)
+def test_a_row_without_a_valid_frame_gives_what_the_original_gives(name, monkeypatch):
+    """A row whose frames are all padding: NaN where the original gives NaN (its -inf fill, then
+    the softmax or sigmoid), the other rows as the original's. The stand-ins before the runtime
+    gave zeros there."""
+    monkeypatch.setattr(
+        f"{__name__}._lengths", lambda batch, frames: [frames] + [0] + [2] * (batch - 2)
+    )
+    case = CASES[name]
+    plain, fused = _pair(case, torch.float64)
+    with torch.no_grad():
+        outs_a = case.drive(plain["attn"], torch.float64, torch.Generator().manual_seed(4), [])
+        outs_b = case.drive(fused["attn"], torch.float64, torch.Generator().manual_seed(4), [])
+    assert any(bool(o.isnan().any()) for o in outs_a)  # the case reaches the empty row
+    for i, (a, b) in enumerate(zip(outs_a, outs_b, strict=True)):
+        torch.testing.assert_close(
+            b, a, atol=1e-10, rtol=1e-9, equal_nan=True, msg=lambda m, i=i: f"output {i}: {m}"
+        )
+
+
 @requires_cpu_kernel
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_parameter_the_original_trains_gets_a_gradient(name):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor, nn
 
 from seq2seq_fast.nn.convert._base import child_names, own_parameter_names
@@ -102,61 +101,6 @@ def is_location_layer(conv_module: object, dense_module: object, width: int) -> 
 
 def is_finite_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def scaled(weight_row: Tensor, scaling: object) -> Tensor:
-    """The score vector with a softmax temperature folded in: softmax(s * (w . h)) is the
-    softmax of (s * w) . h. ``scaling`` may be a Python number or a tensor."""
-    if isinstance(scaling, (int, float)) and not isinstance(scaling, bool) and scaling == 1:
-        return weight_row
-    return weight_row * scaling
-
-
-def valid_from_padding(padding: Tensor | None) -> Tensor | None:
-    """bool [B, T] True = may attend, from a padding mask (True / nonzero = padding)."""
-    if padding is None:
-        return None
-    return padding == 0 if padding.dtype != torch.bool else ~padding
-
-
-def _nothing() -> None:
-    return None
-
-
-class _Derived:
-    """A value made from some tensors, with what it was made from (see :func:`derived`). Not
-    carried by deep copies and pickles of its module (its graph is one forward pass's)."""
-
-    __slots__ = ("key", "value")
-
-    def __init__(self, key: tuple, value: object) -> None:
-        self.key, self.value = key, value
-
-    def __deepcopy__(self, memo: dict) -> None:
-        return None
-
-    def __reduce__(self):
-        return (_nothing, ())
-
-
-def derived(owner: nn.Module, name: str, tensors: tuple, compute):
-    """``compute()``, kept in ``owner.<name>`` and reused while the same ``tensors`` (the same
-    objects at the same versions) come in the same grad mode: a value an utterance's steps share
-    (e.g. the fixed part of location-aware keys). Computed every time for inference tensors."""
-    if any(t.is_inference() for t in tensors):  # no version counter: nothing to watch
-        return compute()
-    key = (torch.is_grad_enabled(), *((t, t._version) for t in tensors))
-    cached = getattr(owner, name, None)
-    if (
-        isinstance(cached, _Derived)
-        and len(cached.key) == len(key)
-        and cached.key[0] == key[0]
-        and all(a[0] is b[0] and a[1] == b[1] for a, b in zip(cached.key[1:], key[1:], strict=True))
-    ):
-        return cached.value
-    value = compute()
-    setattr(owner, name, _Derived(key, value))
-    return value
 
 
 # --- values read by many steps, their gradient gathered once (ops/stepwise.py) ---------------

@@ -24,11 +24,12 @@ Original math and call (batch-first)::
 Converted with ``norm`` "softmax" or "sigmoid", no forward attention and no windowing; the others
 are skipped with the reason (:func:`_unsupported`). ``v``'s bias cancels in the softmax; under the
 sigmoid it is the op's ``score_bias`` (sigmoid(e + b) / sum sigmoid(e + b)), with its gradient.
-One difference: a row with no valid frame gives NaN there and zeros here. Location-sensitive training steps go
-through a :class:`~seq2seq_fast.nn.convert._location.LocationMemory` (keys by one
-addmm, no location term written; the projected memory's and the values' gradients gathered once
-per sequence; softmax only); the others form their context over a
-:class:`~seq2seq_fast.nn.convert._speech.GatheredValues`.
+The attention runs as a typed plan on the general path's runtime (``_planned.py``): a row with
+no valid frame gives NaN, as the original; training steps on the CPU kernel form the location
+term inside the kernels (:class:`~seq2seq_fast.ops.stepwise.LocationMemory`: keys by one addmm,
+the projected memory's and the values' gradients gathered once per sequence); a content-only
+attention gathers the steps' gradients for its fixed keys and values once per sequence
+(:class:`~seq2seq_fast.ops.stepwise.StepwiseMemory`).
 """
 
 from __future__ import annotations

@@ -26,12 +26,13 @@ bias in the query).
 AttLoc's ``forward`` also takes ``last_attended_idx``, ``backward_window``, ``forward_window`` (the
 monotonic constraint of TTS decoding, batch of one): frames outside the window are masked like
 padding here too. ``gvec``'s bias shifts every score of a row equally and cancels in the softmax;
-``scaling`` is folded into the score vector (scaling * gvec.weight). One difference: a row with no
-valid frame gives NaN there and zeros here. AttAdd's training steps go through a StepwiseMemory
-built with the cached projection (keys and values fixed over the utterance); AttLoc's go through a
-:class:`~seq2seq_fast.nn.convert._location.LocationMemory` (keys by one
-addmm, no location term written; the projected memory's and the values' gradients gathered once
-per sequence).
+``scaling`` is folded into the score vector (scaling * gvec.weight).
+The attention runs as a typed plan on the general path's runtime (``_planned.py``): a row with
+no valid frame gives NaN, as the original; training steps on the CPU kernel form the location
+term inside the kernels (:class:`~seq2seq_fast.ops.stepwise.LocationMemory`: keys by one addmm,
+the projected memory's and the values' gradients gathered once per sequence); AttAdd
+gathers the steps' gradients for its fixed keys and values once per sequence
+(:class:`~seq2seq_fast.ops.stepwise.StepwiseMemory`).
 """
 
 from __future__ import annotations

@@ -26,11 +26,14 @@ time. Math and call (time-major source)::
 
 The MLPAttention stand-in projects a given source once and reuses the projection while the same
 tensor comes back unchanged (see :mod:`seq2seq_fast.nn.keycache`). ``proj_out``'s bias cancels
-in the softmax; ``scaling`` is folded into the score vector. LocationAttention's training steps
-go through a :class:`~seq2seq_fast.nn.convert._location.LocationMemory` (keys by one
-addmm, no location term written; the projected memory's and the values' gradients gathered once
-per sequence).
-One difference in both: a row with no valid position gives NaN there and zeros here.
+in the softmax; ``scaling`` is folded into the score vector.
+
+LocationAttention runs as a typed plan on the general path's runtime (``_planned.py``): a row with
+no valid position gives NaN, as the original; its training steps on the CPU kernel form the
+location term inside the kernels (:class:`~seq2seq_fast.ops.stepwise.LocationMemory`).
+MLPAttention keeps an attention of its own: in float64 its original rounds the masked scores to
+float32 and back, which no plan expresses; a row with no valid position gives NaN there and zeros
+here.
 """
 
 from __future__ import annotations

@@ -18,12 +18,13 @@ beam searcher reorders it in place of the module). Original math and call (batch
     weights = softmax(scaling * e); prev_attn = weights.detach()
     context = weights @ enc_states
 
-``scaling`` is folded into the score vector. One difference: a row with no valid frame gives NaN
-there and zeros here. The content-based training steps go through a StepwiseMemory built with
-the cached projection; the location-aware ones through a
-:class:`~seq2seq_fast.nn.convert._location.LocationMemory` (keys by one
-addmm, no location term written; the projected memory's and the values' gradients gathered once
-per sequence).
+``scaling`` is folded into the score vector.
+The attention runs as a typed plan on the general path's runtime (``_planned.py``): a row with
+no valid frame gives NaN, as the original; training steps on the CPU kernel form the location
+term inside the kernels (:class:`~seq2seq_fast.ops.stepwise.LocationMemory`: keys by one addmm,
+the projected memory's and the values' gradients gathered once per sequence); the content-based one
+gathers the steps' gradients for its fixed keys and values once per sequence
+(:class:`~seq2seq_fast.ops.stepwise.StepwiseMemory`).
 """
 
 from __future__ import annotations

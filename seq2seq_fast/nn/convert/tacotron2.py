@@ -18,10 +18,10 @@ Original math and call (batch-first)::
     e = v(tanh(query_layer(attention_hidden_state) + keys)); e[mask] = score_mask_value
     weights = softmax(e); context = weights @ memory
 
-One difference: a row with no valid frame gives NaN there and zeros here. Training steps go
-through a :class:`~seq2seq_fast.nn.convert._location.LocationMemory` (keys by one
-addmm, no location term written; the projected memory's and the values' gradients gathered once
-per sequence).
+The attention runs as a typed plan on the general path's runtime (``_planned.py``): a row with
+no valid frame gives NaN, as the original; training steps on the CPU kernel form the location
+term inside the kernels (:class:`~seq2seq_fast.ops.stepwise.LocationMemory`: keys by one addmm,
+the projected memory's and the values' gradients gathered once per sequence).
 """
 
 from __future__ import annotations
