@@ -124,6 +124,7 @@ class PlannedAttention:
         if self._runtime is None:
             self._runtime = TracedWeights(self.plan, self.backend)
             self._runtime.with_context = True
+            self._runtime.flat_context = self.one_query
             self._runtime.description = self.description
         return self._runtime
 
@@ -162,7 +163,9 @@ class PlannedAttention:
             if self.one_query:
                 return weights, (weights.unsqueeze(1) @ values).squeeze(1)
             return weights, weights @ values
-        return weights, (context.squeeze(1) if self.one_query else context)
+        if self.one_query and context.dim() == 3:  # (the location-aware step gives [B, Dv])
+            context = context.squeeze(1)
+        return weights, context
 
     def _compiled(
         self, query, keys, vector, values, masks, shifts, scales, biases, location
@@ -201,7 +204,7 @@ def planned(owner: nn.Module, **config) -> PlannedAttention:
     PlannedAttention takes them), made at its first use and kept on the owner: a stand-in whose
     calls differ in kind (with a mask or without) has one plan, and one runtime, per kind."""
     plans = owner.__dict__.setdefault("_plans", {})
-    key = tuple(sorted(config.items()))
+    key = tuple(config.items())  # (a call site passes its keywords in one order)
     attention = plans.get(key)
     if attention is None:
         attention = PlannedAttention(owner.backend, description=owner.layout, **config)

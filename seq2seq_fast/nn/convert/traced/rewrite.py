@@ -104,6 +104,9 @@ class _Rows:
         "query_shape",
         "in_order",
         "back_shape",
+        "query_size",
+        "back_size",
+        "key_size",
     )
 
     def __init__(self, layout: Layout, full) -> None:
@@ -125,9 +128,18 @@ class _Rows:
             moved = [self.order.index(a) for a in origin]
             if moved == sorted(moved):
                 self.back_shape = [1 if a is None else full[a] for a in layout.scores_origin]
+        # a single query term already [B', T', H] (one query per call in the op's order), and
+        # weights already in the projection's layout, pass as they are (a view costs ~4 us)
+        self.query_size = (
+            torch.Size((self.batch, self.steps_q, self.width)) if self.in_order else None
+        )
+        self.back_size = None if self.back_shape is None else torch.Size(self.back_shape)
+        self.key_size = torch.Size((self.batch, self.frames, self.width))
 
     def canonical(self, t: Tensor) -> Tensor:
-        """A key term -> [B', S, H]."""
+        """A key term -> [B', S, H] (a term already so, in the op's order, as it is)."""
+        if self.in_order and t.shape == self.key_size:
+            return t
         return (
             t.expand(self.key_shape)
             .permute(self.order)
@@ -140,6 +152,8 @@ class _Rows:
         if not queries:
             return key.new_zeros(self.batch, self.steps_q, self.width)
         query = queries[0]
+        if len(queries) == 1 and query.shape == self.query_size:
+            return query
         for t in queries[1:]:
             query = query + t
         if self.in_order and list(query.shape) == self.query_shape:
@@ -148,7 +162,10 @@ class _Rows:
         return query.reshape(self.batch, self.steps_q, self.width)
 
     def back(self, weights: Tensor) -> Tensor:
-        """Weights [B', T', S] -> the projection's output layout (``Layout.scores_origin``)."""
+        """Weights [B', T', S] (or [B', S] where T' = 1) -> the projection's output layout
+        (``Layout.scores_origin``)."""
+        if weights.shape == self.back_size:
+            return weights
         if self.back_shape is not None:
             return weights.reshape(self.back_shape)
         layout = self.layout
@@ -297,6 +314,9 @@ class TracedWeights:
     with_context = False
     # the values come memory axis first, [S, B', Dv] (a time-major graph's): see _op_values
     values_memory_first = False
+    # the location-aware steps' context as the step op gives it, [B, Dv] (a caller of one query
+    # per call, _planned.py); else [B, 1, Dv], the op's [B', T', Dv]
+    flat_context = False
 
     def __init__(self, plan: Plan, backend: str) -> None:
         self.plan = plan
@@ -484,7 +504,7 @@ class TracedWeights:
 
     def _located(self, query, key, values, step: _Step, location: _LocationTerm) -> tuple:
         """The location-aware steps: the location term formed inside the kernels. (context
-        [B, 1, Dv], weights [B, 1, T])."""
+        [B, Dv] with ``flat_context``, else [B, 1, Dv]; weights [B, T])."""
         step_query = query[:, 0] if step.bias is None else query[:, 0] + step.bias
         parts = (location.features, location.conv_weight, location.dense_weight)
         context, weights = attend_location(
@@ -499,7 +519,7 @@ class TracedWeights:
             self.plan.normalisation.kind,
             step.score_bias,
         )
-        return context.unsqueeze(1), weights.unsqueeze(1)
+        return (context if self.flat_context else context.unsqueeze(1)), weights
 
     def _per_head(self, query, key, values, step: _Step) -> Tensor:
         """A score vector per head: the op once per head, over its rows."""
@@ -561,13 +581,16 @@ class TracedWeights:
         """``masks``, where a single mask equal to the last one this thread passed (shape, dtype,
         device and elements) is that last one: a mask the graph makes at each call
         (``self.mask == 0``) is a new tensor every step, and the caches go by identity."""
-        if len(masks) != 1 or not isinstance(masks[0], Tensor) or cache_bypassed():
-            return masks
-        if masks[0].requires_grad:  # (its own graph: another tensor's would lose the gradient)
+        if len(masks) != 1 or not isinstance(masks[0], Tensor):
             return masks
         mask, thread = masks[0], threading.get_ident()
         last, alias = self.last_mask.get(thread, (None, None))
-        if last is not None and last is not mask:
+        if last is mask:  # (the same tensor as the last call's: nothing to find)
+            return masks
+        if mask.requires_grad or cache_bypassed():
+            # (a mask that wants gradients has its own graph: another tensor's would lose it)
+            return masks
+        if last is not None:
             # (a mask found equal is remembered with both versions: the next step passes the
             # same tensor again, which then needs no comparison)
             versions = _versions(mask, last)
