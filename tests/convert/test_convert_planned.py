@@ -149,3 +149,113 @@ def test_an_equal_mask_passed_again_is_compared_once_and_a_change_in_place_is_se
     again[1, 0, 3:] = False
     step(9, copy)
     assert len(compared) == 4
+
+
+def _one_query_original(query, keys, vector, values, *, bias=None, scale=1.0, location=None,
+                        mask=None, kind="keep", product=None, rounded=False):  # fmt: skip
+    """One query per call, [B, H] -> weights [B, S], context [B, DV], in plain PyTorch."""
+    if location is not None:
+        features, conv_weight, dense_weight = location
+        conv = torch.nn.functional.conv1d(features, conv_weight, padding=conv_weight.shape[-1] // 2)
+        keys = keys + conv.transpose(1, 2) @ dense_weight.t()
+    pre = query.unsqueeze(1) + keys + (0 if bias is None else bias)
+    scores = torch.tanh(pre) @ vector.reshape(-1)
+    if rounded:
+        scores = scores.float().type_as(scores)
+    if mask is not None:
+        scores = scores.masked_fill(~mask if kind == "keep" else mask, float("-inf"))
+    if product is not None:
+        scores = scores * product
+    weights = torch.softmax(scores * scale, dim=-1)
+    if product is not None:  # AllenNLP's masked softmax
+        weights = weights * product
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-13)
+    return weights, (weights.unsqueeze(1) @ values).squeeze(1)
+
+
+def _one_query_inputs(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, dtype=torch.float64, generator=gen).requires_grad_()
+
+    return randn(B, H), randn(B, S, H), randn(H), randn(B, S, DV), gen
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_one_query_with_a_bias_a_scale_and_a_location_term(training):
+    """The speech stand-ins' plan: keys plus a location term, a bias inside the tanh, a mask and
+    a temperature, over a decoder's steps, outputs and gradients."""
+    attention = PlannedAttention(
+        "auto", masks=("keep",), scaled=True, one_query=True, biased=True, located=True
+    )
+    _, keys, vector, values, gen = _one_query_inputs(3)
+    bias = torch.randn(H, dtype=torch.float64, generator=gen, requires_grad=True)
+    conv_weight = torch.randn(4, 2, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    dense_weight = torch.randn(H, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    valid = _valid().squeeze(1)
+    with torch.set_grad_enabled(training):
+        for t in range(3):
+            query = _one_query_inputs(20 + t)[0]
+            features = torch.rand(B, 2, S, dtype=torch.float64, generator=gen)
+            location = (features, conv_weight, dense_weight)
+            got = attention(
+                query, keys, vector, values, masks=(valid,), fills=(float("-inf"),),
+                scales=(1.5,), biases=(bias,), location=location,
+            )  # fmt: skip
+            want = _one_query_original(
+                query, keys, vector, values, bias=bias, scale=1.5, location=location, mask=valid
+            )
+            assert got[0].shape == (B, S) and got[1].shape == (B, DV)
+            _close(got, want)
+            if training:
+                leaves = (query, keys, vector, values, bias, conv_weight, dense_weight)
+                grads = [
+                    torch.autograd.grad(o[0].square().sum() + o[1].sum(), leaves)
+                    for o in (got, want)
+                ]
+                for g, w in zip(*grads, strict=True):
+                    torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("dtype_of_mask", [torch.bool, torch.float64])
+def test_a_product_mask_is_allennlps_masked_softmax(dtype_of_mask):
+    """0/1 masks (bool or float) through the op, a row with nothing kept giving zeros as
+    AllenNLP's; a float mask that is not 0/1 through the plain path, as the original."""
+    attention = PlannedAttention("auto", masks=("product",), one_query=True)
+    query, keys, vector, values, _ = _one_query_inputs(4)
+    keep = _valid().squeeze(1).clone()
+    keep[2] = False  # a row with nothing kept
+    product = keep.to(dtype_of_mask)
+    got = attention(query, keys, vector, None, masks=(product,))
+    assert got[1] is None  # the caller forms the context
+    want = _one_query_original(query, keys, vector, values, product=keep.double())[0]
+    torch.testing.assert_close(got[0], want, rtol=1e-10, atol=1e-12)
+    assert not got[0][2].any()
+    if dtype_of_mask == torch.float64:  # weights of a mask that is not 0/1: the plain path
+        product = keep.double() * 0.5 + 0.25
+        got = attention(query, keys, vector, None, masks=(product,))[0]
+        want = _one_query_original(query, keys, vector, values, product=product)[0]
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_round_step_rounds_float64_scores_as_the_original():
+    """fairseq's MLPAttention fills its mask in float32: a float64 call rounds its scores there
+    (the plain path), exactly; a float32 call runs the op."""
+    attention = PlannedAttention("auto", rounded=True, masks=("fill",), one_query=True)
+    query, keys, vector, values, _ = _one_query_inputs(5)
+    padding = ~_valid().squeeze(1)
+    args = dict(masks=(padding,), fills=(float("-inf"),))
+    got = attention(query * 7, keys, vector * 5, values, **args)
+    want = _one_query_original(
+        query * 7, keys, vector * 5, values, mask=padding, kind="fill", rounded=True
+    )
+    _close(got, want)
+    unrounded = _one_query_original(query * 7, keys, vector * 5, values, mask=padding, kind="fill")
+    assert not torch.equal(want[0], unrounded[0])  # (the rounding is seen at this scale)
+    got32 = attention(*(t.float() for t in (query, keys, vector, values)), **args)
+    want32 = _one_query_original(
+        query.float(), keys.float(), vector.float(), values.float(), mask=padding, kind="fill"
+    )
+    for g, w in zip(got32, want32, strict=True):
+        torch.testing.assert_close(g, w, rtol=2e-5, atol=2e-6)

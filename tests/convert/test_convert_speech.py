@@ -176,9 +176,6 @@ class Case:
     make: Callable[[], nn.Module]
     drive: Callable
     layout: str
-    # fairseq's MLPAttention rounds its scores to float32 and back when it masks (a float16
-    # guard), so in float64 it is only float32-close to any exact computation, the fused one too
-    rounds_to_float32: bool = False
 
 
 CASES = {
@@ -243,9 +240,7 @@ CASES = {
         drive_coqui,
         "coqui_original",
     ),
-    "fairseq_mlp": Case(
-        lambda: L.MLPAttention(6, 10, 8), drive_fairseq_mlp, "fairseq_mlp", rounds_to_float32=True
-    ),
+    "fairseq_mlp": Case(lambda: L.MLPAttention(6, 10, 8), drive_fairseq_mlp, "fairseq_mlp"),
     "allennlp_additive": Case(
         lambda: L.AllenNLPAdditiveAttention(6, 10), drive_allennlp, "allennlp_additive"
     ),
@@ -293,8 +288,6 @@ def test_converted_matches_recreation(name, dtype):
     case = CASES[name]
     plain, fused = _pair(case, dtype)
     tol = dict(atol=1e-10, rtol=1e-9) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-4)
-    if case.rounds_to_float32:
-        tol = dict(atol=2e-5, rtol=2e-4)
     outs_a, grads_a = _run(case, plain, dtype, seed=1)
     outs_b, grads_b = _run(case, fused, dtype, seed=1)
     assert len(outs_a) == len(outs_b)
@@ -384,7 +377,7 @@ def test_parameters_state_dict_and_optimiser_kept(name):
             outs = case.drive(model["attn"], torch.float64, torch.Generator().manual_seed(2), [])
             sum(o.square().sum() for o in outs if o.requires_grad).backward()
             opt.step()
-    tol = 1e-5 if case.rounds_to_float32 else 1e-9
+    tol = 1e-9
     for (key, a), b in zip(plain.state_dict().items(), fused.state_dict().values(), strict=True):
         torch.testing.assert_close(b, a, atol=tol, rtol=tol, msg=key)
     plain.load_state_dict(fused.state_dict())  # and back

@@ -201,13 +201,6 @@ def with_cancelled(v: Tensor, *cancelled: Tensor | None) -> Tensor:
     return v
 
 
-def score_row(linear: nn.Module, softmax: bool = True) -> Tensor:
-    """A score layer Linear(A, 1)'s weight row [A] (the op's v); under a softmax its bias, which
-    cancels, joined in (:func:`with_cancelled`)."""
-    row = linear.weight[0]
-    return with_cancelled(row, linear.bias) if softmax else row
-
-
 def is_linear(
     module: object,
     *,

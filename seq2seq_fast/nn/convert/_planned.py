@@ -27,6 +27,7 @@ from seq2seq_fast.nn.convert.traced.plan import (
     Mask,
     Normalisation,
     Plan,
+    Round,
     Scale,
     Shift,
     Terms,
@@ -63,10 +64,13 @@ _ONE_QUERY = Layout(
 class PlannedAttention:
     """``(weights, context)`` of a query term against a key term and values, with a score vector
     ([H], or a [1, H] Linear weight), then the steps in this order: ``shifted``, a shift of every
-    score (a score layer's bias: a softmax cancels it, its gradient is zero); one mask per entry
-    of ``masks`` ("keep": True attends, "fill": True leaves) and its fill value; ``scaled``, a
-    factor on every score (a temperature, folded into the score vector); and a softmax or sigmoid
-    normalisation (see the module docstring).
+    score (a score layer's bias: a softmax cancels it, its gradient is zero); ``rounded``, the
+    scores rounded to float32 and back (a float64 call takes the plain path); one mask per entry
+    of ``masks`` ("keep": True attends, "fill": True leaves, each with its fill value; "product":
+    AllenNLP's masked softmax, see :class:`~seq2seq_fast.nn.convert.traced.plan.Mask`);
+    ``scaled``, a factor on every score (a temperature, folded into the score vector); and a
+    softmax or sigmoid normalisation (see the module docstring). With ``values`` None the
+    context is the caller's to form: the call returns ``(weights, None)``.
 
     Shapes: by default a query term [B, Tq, H] against a key term [B, S, H] and values
     [B, S, Dv], masks [B, 1, S], giving weights [B, Tq, S] and context [B, Tq, Dv]. With
@@ -81,7 +85,8 @@ class PlannedAttention:
         backend: str,
         *,
         shifted: bool = False,
-        masks: tuple[Literal["keep", "fill"], ...] = (),
+        masks: tuple[Literal["keep", "fill", "product"], ...] = (),
+        rounded: bool = False,
         scaled: bool = False,
         normalisation: Literal["softmax", "sigmoid"] = "softmax",
         one_query: bool = False,
@@ -100,6 +105,7 @@ class PlannedAttention:
             vector=None,
             layout=_ONE_QUERY if one_query else _LAYOUT,
             steps=(Shift(sign="+", amount=None),) * shifted
+            + (Round(dtype=torch.float32),) * rounded
             + tuple(
                 Mask(kind=kind, mask=None, fill=None, origin=origin, at_shape=None)
                 for kind in masks
@@ -133,7 +139,7 @@ class PlannedAttention:
         query: Tensor,
         keys: Tensor,
         vector: Tensor,
-        values: Tensor,
+        values: Tensor | None,
         masks: tuple[Tensor, ...] = (),
         fills: tuple[float, ...] = (),
         shifts: tuple[Tensor, ...] = (),
@@ -159,6 +165,8 @@ class PlannedAttention:
             list(shifts),
             values=values,
         )
+        if values is None:  # (the caller forms the context)
+            return weights, None
         if context is None:  # the plain path ran (a row with no valid key): the weights only
             if self.one_query:
                 return weights, (weights.unsqueeze(1) @ values).squeeze(1)
@@ -182,21 +190,21 @@ class PlannedAttention:
             query = query + bias
         valid = None
         for step, mask in zip([s for s in plan.steps if isinstance(s, Mask)], masks, strict=True):
-            mask = mask.to(torch.bool)
+            mask = mask.to(torch.bool) if step.kind != "product" else mask != 0
             mask = mask.squeeze(1) if mask.dim() == 3 else mask
-            mask = mask if step.kind == "keep" else ~mask
+            mask = ~mask if step.kind == "fill" else mask
             valid = mask if valid is None else valid & mask
         context, weights = additive_attention(
             query,
             keys,
-            values,
+            keys.new_zeros(*keys.shape[:2], 1) if values is None else values,
             vector,
             mask=valid,
             normalize=plan.normalisation.kind,
             backend=self.backend,
             score_bias=score_bias,
         )
-        return weights, context
+        return weights, (None if values is None else context)
 
 
 def planned(owner: nn.Module, **config) -> PlannedAttention:

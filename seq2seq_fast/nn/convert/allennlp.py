@@ -12,8 +12,8 @@ parameters, no children); ``_normalize`` (bool). Original math and call::
 The masked softmax is the softmax over the kept positions divided by (1 + 1e-13 / sum): the
 stand-in's weights equal it to 1e-13 relative; a row with nothing kept gives zeros in both. A
 decoder calls it once per step with the same ``matrix``: the stand-in projects a given matrix
-once and reuses it (:class:`~seq2seq_fast.nn.keycache.ProjectionCache`). A mask that is not
-bool (a float 0/1 mask multiplies the scores there) runs the original's math in plain PyTorch.
+once and reuses it (:class:`~seq2seq_fast.nn.keycache.ProjectionCache`). A float mask that is not
+0/1 (it multiplies the scores there) runs the original's math in plain PyTorch.
 ``_normalize=False`` (raw similarities, no softmax) is skipped: nothing for the kernel to fuse.
 """
 
@@ -29,52 +29,32 @@ from seq2seq_fast.nn.convert._base import (
     own_parameter_names,
     register,
 )
+from seq2seq_fast.nn.convert._planned import planned
 from seq2seq_fast.nn.convert._speech import adopt
 from seq2seq_fast.nn.keycache import ProjectionCache
-from seq2seq_fast.nn.stepwise import StepMemory, step_memory
-from seq2seq_fast.ops._checks import masking
-from seq2seq_fast.ops.additive_attention import additive_attention
 
 
 class FusedAllenNLPAdditiveAttention(FusedStandIn):
     """Fused stand-in for AllenNLP's AdditiveAttention (normalised): same parameters (the very
     objects, same state_dict keys) and ``forward(vector, matrix, matrix_mask=None)`` -> weights.
-    The fused op forms a one-column context nobody reads; its cost is O(B * T)."""
+    Its attention is a typed plan on the general path's runtime (``_planned.py``), with the
+    masked softmax as a "product" mask; the fused op forms a one-column context nobody reads
+    (O(B * T))."""
 
     layout = "allennlp_additive"
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
         super().__init__(backend)
         adopt(self, original)
-        self.key_cache = ProjectionCache()
-
-    def _memory(self, matrix: Tensor) -> StepMemory:
-        keys = matrix.matmul(self._u_matrix)
-        values = keys.new_zeros(keys.shape[0], keys.shape[1], 1)
-        return step_memory(keys, values, self.backend)
-
-    def _plain(self, vector: Tensor, matrix: Tensor, mask: Tensor) -> Tensor:
-        """The original's math, for masks that are not bool."""
-        hidden = torch.tanh(
-            vector.matmul(self._w_matrix).unsqueeze(1) + matrix.matmul(self._u_matrix)
-        )
-        scores = hidden.matmul(self._v_vector).squeeze(2)
-        mask = mask.to(scores.dtype)
-        result = torch.softmax(scores * mask, dim=-1) * mask
-        return result / (result.sum(dim=-1, keepdim=True) + 1e-13)
+        self.key_cache = ProjectionCache()  # matrix @ U, per matrix tensor
 
     def forward(self, vector: Tensor, matrix: Tensor, matrix_mask: Tensor | None = None) -> Tensor:
-        if matrix_mask is not None and matrix_mask.dtype != torch.bool:
-            return self._plain(vector, matrix, matrix_mask)
-        memory = self.key_cache.get(matrix, (self._u_matrix,), lambda: self._memory(matrix))
-        _, weights = additive_attention(
-            vector.matmul(self._w_matrix),
-            memory.keys,
-            memory.values,
-            self._v_vector[:, 0],
-            stepwise=memory.stepwise,
-            **masking(matrix_mask),
-            backend=self.backend,
+        u = self._u_matrix
+        keys = self.key_cache.get(matrix, (u,), lambda: matrix.matmul(u))
+        masks = () if matrix_mask is None else (matrix_mask,)
+        attention = planned(self, masks=("product",) * len(masks), one_query=True)
+        weights, _ = attention(
+            vector.matmul(self._w_matrix), keys, self._v_vector, None, masks=masks
         )
         return weights
 

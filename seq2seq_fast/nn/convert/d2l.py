@@ -14,7 +14,7 @@ plotting). Original math and call (batch-first)::
 
 Exactness: the -1e6 fill gives exactly zero weight (|scores| <= ||w_v||_1, far from 1e6); a row
 with valid length 0 has all its scores -1e6 there, hence uniform weights over all Tk keys: the
-stand-in gives it the same. With dropout active (training and p > 0) the stand-in takes the
+runtime's plain path gives it the same. With dropout active (training and p > 0) the stand-in takes the
 fused weights and applies the same ``self.dropout`` to them before its own product with the
 values: one draw of the same shape, so under the same RNG state the same positions are dropped,
 and the result is exact in every mode. Per-query lengths ([B, Tq]) that differ between queries
@@ -37,27 +37,24 @@ from seq2seq_fast.nn.convert._base import (
     is_linear,
     own_parameter_names,
     register,
-    score_row,
 )
+from seq2seq_fast.nn.convert._planned import planned
 from seq2seq_fast.nn.convert._speech import adopt
 from seq2seq_fast.nn.keycache import ProjectionCache
-from seq2seq_fast.nn.stepwise import StepMemory, step_memory
-from seq2seq_fast.ops.additive_attention import additive_attention
 
 
 class FusedD2LAdditiveAttention(FusedStandIn):
     """Fused stand-in for d2l's AdditiveAttention: same parts (the very objects, same state_dict
-    keys), ``attention_weights`` and ``forward``."""
+    keys), ``attention_weights`` and ``forward``. Its attention is a typed plan on the general
+    path's runtime (``_planned.py``)."""
 
     layout = "d2l_additive"
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
         super().__init__(backend)
         adopt(self, original)
-        self.key_cache = ProjectionCache()
-
-    def _memory(self, keys: Tensor, values: Tensor, stepwise: bool) -> StepMemory:
-        return step_memory(self.W_k(keys), values, self.backend, stepwise=stepwise)
+        self.key_cache = ProjectionCache()  # W_k(keys), per keys tensor
+        self.mask_cache = ProjectionCache()  # the mask, per valid_lens tensor
 
     def _plain(self, queries, keys, values, valid_lens) -> Tensor:
         """The original's math (per-query lengths that differ between the queries)."""
@@ -67,35 +64,39 @@ class FusedD2LAdditiveAttention(FusedStandIn):
         self.attention_weights = F.softmax(scores.masked_fill(~keep, -1e6), dim=-1)
         return torch.bmm(self.dropout(self.attention_weights), values)
 
+    def _mask(self, valid_lens: Tensor, frames: int) -> Tensor:
+        """[B, 1, S], True where a position is below its row's length, as d2l's sequence_mask
+        (any numeric dtype; per-query lengths here are the same for every query). One tensor per
+        valid_lens tensor: the runtime's mask cache goes by identity."""
+
+        def compute() -> Tensor:
+            lengths = valid_lens[:, 0] if valid_lens.dim() == 2 else valid_lens
+            positions = torch.arange(frames, device=lengths.device)
+            return (positions < lengths[:, None]).unsqueeze(1)
+
+        return self.mask_cache.get(valid_lens, (frames,), compute)
+
     def forward(
         self, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor | None
     ) -> Tensor:
         if valid_lens is not None and valid_lens.dim() == 2:
             if valid_lens.shape[1] > 1 and not bool((valid_lens == valid_lens[:, :1]).all()):
                 return self._plain(queries, keys, values, valid_lens)
-            valid_lens = valid_lens[:, 0]
-        if valid_lens is not None:  # d2l compares positions < valid_lens: any number works there
-            valid_lens = valid_lens.ceil() if valid_lens.is_floating_point() else valid_lens
-            valid_lens = valid_lens.clamp(0, keys.shape[1]).long()
-        dropping = self.training and self.dropout.p > 0
         w_k = self.W_k
-        memory = self.key_cache.get(
-            keys, (w_k.weight, w_k.bias, values), lambda: self._memory(keys, values, not dropping)
-        )
-        context, weights = additive_attention(
+        projected = self.key_cache.get(keys, (w_k.weight, w_k.bias), lambda: w_k(keys))
+        masks = () if valid_lens is None else (self._mask(valid_lens, keys.shape[1]),)
+        # dropout between the weights and the context: the context is then formed here, with
+        # the same self.dropout (one draw of the weights' shape, as the original's)
+        dropping = self.training and self.dropout.p > 0
+        attention = planned(self, masks=("keep",) * len(masks))
+        weights, context = attention(
             self.W_q(queries),
-            memory.keys,
-            memory.values,
-            score_row(self.w_v),
-            lengths=valid_lens,
-            stepwise=None if dropping else memory.stepwise,
-            backend=self.backend,
+            projected,
+            self.w_v.weight,
+            None if dropping else values,
+            masks=masks,
+            fills=(-1e6,) * len(masks),
         )
-        if valid_lens is not None and bool((valid_lens == 0).any()):
-            empty = (valid_lens == 0).view(-1, 1, 1)  # d2l: uniform weights over every key
-            weights = torch.where(empty, 1.0 / keys.shape[1], weights)
-            if not dropping:
-                context = torch.where(empty, values.mean(dim=1, keepdim=True), context)
         self.attention_weights = weights
         if dropping:
             context = torch.bmm(self.dropout(weights), values)

@@ -31,9 +31,9 @@ in the softmax; ``scaling`` is folded into the score vector.
 LocationAttention runs as a typed plan on the general path's runtime (``_planned.py``): a row with
 no valid position gives NaN, as the original; its training steps on the CPU kernel form the
 location term inside the kernels (:class:`~seq2seq_fast.ops.stepwise.LocationMemory`).
-MLPAttention keeps an attention of its own: in float64 its original rounds the masked scores to
-float32 and back, which no plan expresses; a row with no valid position gives NaN there and zeros
-here.
+MLPAttention is a plan on the same runtime; where it masks, its original rounds the scores to
+float32 and back (a float16 guard), so a float64 call with a mask takes the runtime's plain path,
+which does the same.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ from seq2seq_fast.nn.convert._base import (
     is_linear,
     own_parameter_names,
     register,
-    score_row,
 )
 from seq2seq_fast.nn.convert._planned import planned
 from seq2seq_fast.nn.convert._speech import (
@@ -57,9 +56,6 @@ from seq2seq_fast.nn.convert._speech import (
     same_padding_conv,
 )
 from seq2seq_fast.nn.keycache import ProjectionCache
-from seq2seq_fast.nn.stepwise import StepMemory, step_memory
-from seq2seq_fast.ops._checks import masking
-from seq2seq_fast.ops.additive_attention import additive_attention
 
 
 class FusedFairseqLocationAttention(FusedStandIn):
@@ -169,38 +165,42 @@ class FusedFairseqMLPAttention(FusedStandIn):
     """Fused stand-in for fairseq's MLPAttention (s2t_berard): same parts (the very objects, same
     state_dict keys) and ``forward`` (time-major source, weights [S, B]). The source's projection
     and its batch-major copies are made once per source tensor and reused by the later steps
-    (:class:`~seq2seq_fast.nn.keycache.ProjectionCache`); when training on the CPU kernel the
-    steps' gradients for them are gathered once per sequence (StepwiseMemory)."""
+    (:class:`~seq2seq_fast.nn.keycache.ProjectionCache`); the attention is a typed plan on the
+    general path's runtime (``_planned.py``), the float32 round trip of the masked scores a
+    "round" step."""
 
     layout = "fairseq_mlp"
 
     def __init__(self, original: nn.Module, backend: str = "auto") -> None:
         super().__init__(backend)
         adopt(self, original)
-        self.key_cache = ProjectionCache()
+        self.key_cache = ProjectionCache()  # the source's projection and copies, batch-major
+        self.mask_cache = ProjectionCache()  # the padding mask, batch-major
 
-    def _memory(self, source_hids: Tensor) -> StepMemory:
-        """The steps' memory: projected keys [B, S, A] and values [B, S, C], batch-major."""
+    def _memory(self, source_hids: Tensor) -> tuple[Tensor, Tensor]:
+        """The steps' keys [B, S, A] and values [B, S, C], batch-major."""
         keys = self.encoder_proj(source_hids).transpose(0, 1).contiguous()
-        values = source_hids.transpose(0, 1).contiguous()
-        return step_memory(keys, values, self.backend)
+        return keys, source_hids.transpose(0, 1).contiguous()
 
     def forward(
         self, decoder_state: Tensor, source_hids: Tensor, encoder_padding_mask: Tensor | None
     ) -> tuple[Tensor, Tensor]:
         proj = self.encoder_proj
-        memory = self.key_cache.get(
+        keys, values = self.key_cache.get(
             source_hids, (proj.weight, proj.bias), lambda: self._memory(source_hids)
         )
-        valid = None if encoder_padding_mask is None else ~encoder_padding_mask.t()
-        context, weights = additive_attention(
+        masks = ()
+        if encoder_padding_mask is not None:  # True = padding; the scores rounded, as there
+            padding = encoder_padding_mask
+            masks = (self.mask_cache.get(padding, (), lambda: padding.t()),)
+        attention = planned(self, rounded=bool(masks), masks=("fill",) * len(masks), one_query=True)
+        weights, context = attention(
             self.decoder_proj(decoder_state),
-            memory.keys,
-            memory.values,
-            score_row(self.to_scores),
-            stepwise=memory.stepwise,
-            **masking(valid),
-            backend=self.backend,
+            keys,
+            self.to_scores.weight,
+            values,
+            masks=masks,
+            fills=(float("-inf"),) * len(masks),
         )
         return context, weights.t()
 
@@ -224,10 +224,8 @@ def _example_mlp(module: nn.Module, dtype: torch.dtype) -> tuple[tuple, dict]:
     batch, src_len = 3, 6
     state = torch.randn(batch, module.decoder_proj.in_features, dtype=dtype)
     source = torch.randn(src_len, batch, module.context_dim, dtype=dtype)
-    # No padding mask here: with one, the original rounds its scores to float32 and back
-    # (fairseq's float16 guard), which the float64 check would take for a difference of math.
-    # The tests check the masking against a re-creation in float32.
-    return (state, source, None), {}
+    padding = (torch.arange(src_len) >= torch.tensor([6, 4, 2]).unsqueeze(1)).t()
+    return (state, source, padding), {}
 
 
 register(

@@ -102,17 +102,30 @@ class Shift:
 class Mask:
     """A mask on the scores at one point of the chain. "fill": masked_fill(mask, fill) (True
     leaves the softmax); "keep": where(mask, scores, fill) (True stays); "add": + a float mask
-    (0 or very negative). The rewrite passes ``mask`` in ``masks`` and ``fill`` in ``fills``
-    ("fill", "keep"); the replacement turns them into the op's mask over its rows."""
+    (0 or very negative); "product": AllenNLP's masked softmax, scores * a 0/1 mask, the
+    normalisation, then * the mask again and renormalised (sum + 1e-13): the weights over the
+    kept frames, and zeros in a row with none (only named layouts make it). The rewrite passes
+    ``mask`` in ``masks`` and ``fill`` in ``fills`` ("fill", "keep"); the replacement turns them
+    into the op's mask over its rows."""
 
-    kind: Literal["fill", "keep", "add"]
+    kind: Literal["fill", "keep", "add", "product"]
     mask: fx.Node
-    fill: object  # a very negative number or one-element node; None for "add"
+    fill: object  # a very negative number or one-element node; None for "add" and "product"
     origin: tuple  # the pre-activation's axis each axis of the scores is at this point
     at_shape: tuple  # the scores' shape at this point (for messages)
 
 
-Step = Scale | Shift | Mask
+@dataclass(frozen=True)
+class Round:
+    """The scores rounded to ``dtype`` and back (fairseq's float16 guard fills its mask in
+    float32): nothing where the scores are that narrow already; wider scores (float64) take the
+    replacement's plain path, which rounds them as the original does. Only named layouts make
+    it."""
+
+    dtype: object  # a torch.dtype
+
+
+Step = Scale | Shift | Mask | Round
 
 
 @dataclass(frozen=True)
@@ -178,4 +191,6 @@ def _step_name(step: Step) -> str:
         return f"scale({step.op})"
     if isinstance(step, Shift):
         return f"shift({step.sign})"
+    if isinstance(step, Round):
+        return f"round({step.dtype})"
     return step.kind

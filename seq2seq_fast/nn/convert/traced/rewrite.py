@@ -18,7 +18,7 @@ from seq2seq_fast.nn.convert._base import with_cancelled
 from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert.traced.key_terms import _BoundTerm, _key_terms, _LocationTerm, _Plain
 from seq2seq_fast.nn.convert.traced.nodes import _MATMUL, _MUL, _NEW_FULL, _SUM, MASK_FILL_MAX, _is
-from seq2seq_fast.nn.convert.traced.plan import Layout, Mask, Plan, Scale, Shift, Site
+from seq2seq_fast.nn.convert.traced.plan import Layout, Mask, Plan, Round, Scale, Shift, Site
 from seq2seq_fast.nn.keycache import MAX_THREADS, ProjectionCache, Weak, cache_bypassed
 from seq2seq_fast.nn.stepwise import StepwiseMemory
 from seq2seq_fast.ops._checks import masking
@@ -449,6 +449,10 @@ class TracedWeights:
             step.options = {} if options is None else options
         # (the Jacobian of a graded mask below is the softmax's)
         step.plain |= bool(step.graded) and plan.normalisation.kind != "softmax"
+        bits = torch.finfo(step.key.dtype).bits
+        step.plain |= any(
+            isinstance(s, Round) and torch.finfo(s.dtype).bits < bits for s in plan.steps
+        )
         if location is not None and not (step.plain or step.graded or rows.steps_q != 1):
             step.located = True
             step.valid = None if invalid is None else ~invalid
@@ -558,7 +562,11 @@ class TracedWeights:
                 strict=True,
             ):
                 rows = _mask_to_rows(mask, step.origin, plan.layout, full)
-                if step.kind == "add":
+                if step.kind == "product":  # (a 0/1 mask; a row with none kept: zeros, the op's)
+                    if rows.dtype != torch.bool:
+                        not_exact |= not bool(((rows == 0) | (rows == 1)).all())
+                    rows = rows == 0
+                elif step.kind == "add":
                     pure = (rows == 0) | (rows <= MASK_FILL_MAX)
                     not_exact |= not bool(pure.all())
                     if rows.requires_grad:
@@ -569,7 +577,8 @@ class TracedWeights:
                     rows = rows if step.kind == "fill" else ~rows
                     not_exact |= not next(fills) <= MASK_FILL_MAX
                 invalid = rows if invalid is None else invalid | rows
-            not_exact |= bool(invalid.all(dim=1).any())  # a row without a valid frame
+            if any(step.kind != "product" for step in plan.steps if isinstance(step, Mask)):
+                not_exact |= bool(invalid.all(dim=1).any())  # a row without a valid frame
             return invalid, not_exact, (None if not_exact else masking(~invalid)), graded_rows
 
         if graded or len(masks) != 1 or not isinstance(masks[0], Tensor):
@@ -644,8 +653,11 @@ class TracedWeights:
         plan, full = self.plan, step.rows.full
         scores = _plain_scores(query, key, step.bias, step.v)  # [B', T', S]
         scale_index, mask_index, fill_index, shift_index = 0, 0, 0, 0
+        products = []  # (AllenNLP's masked softmax: the mask again after the normalisation)
         for op in plan.steps:
-            if isinstance(op, Scale):
+            if isinstance(op, Round):
+                scores = scores.to(op.dtype).to(scores.dtype)
+            elif isinstance(op, Scale):
                 factor = scales[scale_index]
                 scale_index += 1
                 scores = scores * factor if op.op == "mul" else scores / factor
@@ -657,7 +669,11 @@ class TracedWeights:
             else:
                 mask = _mask_to_rows(masks[mask_index], op.origin, plan.layout, full).unsqueeze(1)
                 mask_index += 1
-                if op.kind == "add":
+                if op.kind == "product":
+                    mask = mask.to(scores.dtype)
+                    scores = scores * mask
+                    products.append(mask)
+                elif op.kind == "add":
                     scores = scores + mask
                 else:
                     mask = mask.to(torch.bool)
@@ -665,8 +681,13 @@ class TracedWeights:
                     scores = scores.masked_fill(mask, _fill_value(fills[fill_index]))
                     fill_index += 1
         if plan.normalisation.kind == "sigmoid":
-            return torch.sigmoid(scores) / torch.sigmoid(scores).sum(-1, keepdim=True)
-        return torch.softmax(scores, dim=-1)
+            weights = torch.sigmoid(scores) / torch.sigmoid(scores).sum(-1, keepdim=True)
+        else:
+            weights = torch.softmax(scores, dim=-1)
+        for mask in products:
+            weights = weights * mask
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-13)
+        return weights
 
 
 def rewrite(graph: fx.Graph, plan: Plan, backend: str) -> None:
@@ -678,7 +699,9 @@ def rewrite(graph: fx.Graph, plan: Plan, backend: str) -> None:
     scales = [step.factor for step in plan.steps if isinstance(step, Scale)]
     shifts = [step.amount for step in plan.steps if isinstance(step, Shift)]
     masks = [step.mask for step in plan.steps if isinstance(step, Mask)]
-    fills = [step.fill for step in plan.steps if isinstance(step, Mask) and step.kind != "add"]
+    fills = [
+        step.fill for step in plan.steps if isinstance(step, Mask) and step.kind in ("fill", "keep")
+    ]
     site = plan.site
     key_terms = _key_terms(graph, plan, site.output)
     with graph.inserting_before(site.output):
