@@ -328,6 +328,32 @@ def test_a_row_without_a_valid_frame_gives_what_the_original_gives(name, monkeyp
 
 
 @requires_cpu_kernel
+@pytest.mark.parametrize(
+    "name",
+    [
+        "d2l_sized",  # a row of valid length 0: uniform weights, as d2l's -1e6 fill gives
+        "allennlp_additive",  # a product mask, a row with nothing kept
+        "speechbrain_location",  # a bias term, a scale, a location term
+        "coqui_sigmoid_location",  # a shift the sigmoid keeps, a location term
+    ],
+)
+def test_a_plan_inside_torch_compile_gives_the_originals_results(name):
+    """Inside the user's torch.compile a stand-in's plan goes to the op directly: outputs and
+    gradients as the original's (float32)."""
+    case = CASES[name]
+    plain, fused = _pair(case, torch.float32)
+    torch._dynamo.reset()
+    fused_drive = torch.compile(case.drive, backend="aot_eager")
+    outs_a, grads_a = _run(case, plain, torch.float32, seed=2)
+    outs_b, grads_b = _run(Case(case.make, fused_drive, case.layout), fused, torch.float32, seed=2)
+    tol = dict(atol=2e-5, rtol=2e-4)
+    for i, (a, b) in enumerate(zip(outs_a, outs_b, strict=True)):
+        torch.testing.assert_close(b, a, **tol, msg=lambda m, i=i: f"output {i}: {m}")
+    for key, grad in grads_a.items():
+        torch.testing.assert_close(grads_b[key], grad, **tol, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@requires_cpu_kernel
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_parameter_the_original_trains_gets_a_gradient(name):
     """A score layer's bias that a softmax cancels got no gradient at all after conversion (None,

@@ -13,6 +13,7 @@ The stand-in's own code is its call convention only.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -149,7 +150,7 @@ class PlannedAttention:
     ) -> tuple[Tensor, Tensor]:
         if torch.compiler.is_compiling():
             return self._compiled(
-                query, keys, vector, values, masks, shifts, scales, biases, location
+                query, keys, vector, values, masks, fills, shifts, scales, biases, location
             )
         terms = [_Plain(keys)]
         if location is not None:
@@ -176,12 +177,14 @@ class PlannedAttention:
         return weights, context
 
     def _compiled(
-        self, query, keys, vector, values, masks, shifts, scales, biases, location
+        self, query, keys, vector, values, masks, fills, shifts, scales, biases, location
     ) -> tuple[Tensor, Tensor]:
         """Inside the user's torch.compile: the runtime's caches (by identity, weakly held) and
         its checks of each mask's content would break the graph at every call, so the plan goes
         to the op directly (which torch.compile traces whole). A row with no valid key gives
-        zeros there, not NaN."""
+        uniform weights under a finite fill, as the original (d2l's -1e6), and zeros under -inf
+        (the original's NaN); a float product mask is taken as 0/1, and a round step is left
+        out (float64 results float32-close)."""
         plan = self.plan
         vector, score_bias, _ = fold_steps(plan, vector.reshape(-1), scales, shifts)
         if location is not None:
@@ -204,6 +207,15 @@ class PlannedAttention:
             backend=self.backend,
             score_bias=score_bias,
         )
+        if valid is not None and any(math.isfinite(fill) for fill in fills):
+            # a row whose keys are all filled with one finite value: uniform, as the original
+            empty = ~valid.any(-1)
+            empty = empty.reshape(*empty.shape, *(1,) * (weights.dim() - empty.dim()))
+            weights = torch.where(empty, 1.0 / keys.shape[1], weights)
+            if values is not None:
+                mean = values.mean(dim=1)
+                mean = mean if context.dim() == 2 else mean.unsqueeze(1)
+                context = torch.where(empty, mean, context)
         return weights, (None if values is None else context)
 
 
