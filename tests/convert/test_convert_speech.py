@@ -800,6 +800,28 @@ def test_converted_stateless_layout_copies_and_saves_after_a_step():
 
 
 @requires_cpu_kernel
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_converted_model_copies_and_saves_after_a_step_where_the_original_does(name):
+    """The runtime a stand-in keeps (its plans, their caches and step state) must not stop a deep
+    copy (an EMA model) or torch.save after a forward with gradients where the original's own
+    state allows them."""
+
+    def copies_and_saves(model) -> bool:
+        outs = CASES[name].drive(model["attn"], torch.float32, torch.Generator().manual_seed(9), [])
+        try:
+            copied = copy.deepcopy(model)
+            torch.save(model, io.BytesIO())
+        except RuntimeError:  # (e.g. a projection with a graph kept in the module's state)
+            return False
+        assert list(copied.state_dict()) == list(model.state_dict())
+        sum(o.sum() for o in outs if o.requires_grad).backward()  # the graph still works
+        return True
+
+    plain, fused = _pair(CASES[name], torch.float32)
+    assert copies_and_saves(fused) == copies_and_saves(plain)
+
+
+@requires_cpu_kernel
 @pytest.mark.parametrize("name", ["tacotron2_torchaudio", "fairseq_location"])
 def test_location_steps_two_passes_over_one_memory_then_one_backward(name):
     """Two decoding passes share one memory (and, for Tacotron 2, one processed memory) before a
