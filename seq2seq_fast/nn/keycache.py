@@ -157,7 +157,7 @@ class ProjectionCache:
             torch.is_grad_enabled(),
             torch.is_inference_mode_enabled(),
             autocast_dtype(keys.device),
-            *(_param_state(p) for p in params),
+            *map(_param_state, params),
         )
         if None in state[5:]:
             return compute()
@@ -231,12 +231,14 @@ class ProjectionCache:
 
 
 def _same(a: tuple, b: tuple) -> bool:
-    """Element-wise equality where tensors compare by identity."""
+    """Element-wise equality where tensors compare by identity (a tensor's state is a tuple
+    led by the tensor: see _param_state)."""
     if len(a) != len(b):
         return False
     for x, y in zip(a, b, strict=True):
-        if isinstance(x, tuple):
-            if not (len(x) == len(y) and x[0] is y[0] and x[1:] == y[1:]):
+        if x.__class__ is tuple:
+            # (a shorter or longer y differs in its tail; x is never empty)
+            if y.__class__ is not tuple or x[0] is not y[0] or x[1:] != y[1:]:
                 return False
         elif x != y:
             return False

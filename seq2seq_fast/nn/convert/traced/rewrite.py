@@ -213,9 +213,12 @@ def _same_content(a: Tensor, b: Tensor) -> bool:
 
 def _versions(*tensors: Tensor) -> tuple | None:
     """The tensors' version counters (None where one has none: made under inference_mode)."""
-    if any(t.is_inference() for t in tensors):
-        return None
-    return tuple(t._version for t in tensors)
+    versions = []
+    for t in tensors:  # (a loop: this runs at every call)
+        if t.is_inference():
+            return None
+        versions.append(t._version)
+    return tuple(versions)
 
 
 def _values_fit(values, rows: _Rows, key: Tensor, memory_first: bool) -> bool:
@@ -385,23 +388,29 @@ class TracedWeights:
         steps over one memory), as the named stand-ins keep theirs in their attributes. Dropped
         when a backward runs through it (see ProjectionCache); not kept for a float mask that
         wants gradients."""
+        # (plain loops: this runs at every call, and a generator costs a call per item)
         inputs = []
         for term in keys:
             inputs.extend(term.args if isinstance(term, _BoundTerm) else (term.value(),))
-        anchor = next(
-            (t for t in inputs if isinstance(t, Tensor) and not isinstance(t, nn.Parameter)), None
-        )
+        anchor = None
+        for t in inputs:
+            if isinstance(t, Tensor) and not isinstance(t, nn.Parameter):
+                anchor = t
+                break
         masks = given[3]
-        if anchor is None or any(isinstance(m, Tensor) and m.requires_grad for m in masks):
+        if anchor is None:
             return self._step(queries, keys, location, given)
-        shapes = tuple(t.shape for t in queries)
+        for m in masks:
+            if isinstance(m, Tensor) and m.requires_grad:
+                return self._step(queries, keys, location, given)
+        shapes = tuple([t.shape for t in queries])
         if location is not None:
             parts = (location.conv_weight, location.dense_weight, location.features.shape)
         else:
             parts = ()
         flat = (*inputs, *parts, shapes, *given[0], given[1], *given[2], *masks, *given[4])
         # (the anchor is watched by a weak reference: a strong one in the state would keep it)
-        flat = tuple(None if p is anchor else p for p in (*flat, *given[5]))
+        flat = tuple([None if p is anchor else p for p in (*flat, *given[5])])
         values = given[6]
         flat += (Weak(values) if isinstance(values, Tensor) else values,)
         return self.step_cache.get(
@@ -468,7 +477,11 @@ class TracedWeights:
         layout = self.plan.layout
         if not self.located_plan:
             return keys, None
-        location = next((t for t in keys if isinstance(t, _LocationTerm)), None)
+        location = None
+        for t in keys:
+            if isinstance(t, _LocationTerm):
+                location = t
+                break
         if location is not None and not (
             layout.rank == 3
             and layout.hidden_axis == 2
