@@ -237,6 +237,14 @@ def test_a_product_mask_is_allennlps_masked_softmax(dtype_of_mask):
         got = attention(query, keys, vector, None, masks=(product,))[0]
         want = _one_query_original(query, keys, vector, values, product=product)[0]
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        # a 0/1 mask that wants gradients: the plain path, the mask's gradient the original's
+        product = keep.double().requires_grad_()
+        got = attention(query, keys, vector, None, masks=(product,))[0]
+        want = _one_query_original(query, keys, vector, values, product=product)[0]
+        weights = torch.linspace(-1, 1, got.numel(), dtype=torch.float64).view_as(got)
+        grads = [torch.autograd.grad((w * weights).sum(), product)[0] for w in (got, want)]
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-9, atol=1e-11)
+        assert grads[1].abs().sum() > 0
 
 
 def test_a_round_step_rounds_float64_scores_as_the_original():

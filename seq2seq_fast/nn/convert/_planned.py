@@ -116,12 +116,10 @@ class PlannedAttention:
             heads=Heads(),
             site=None,
         )
-        self.one_query, self.plan, self.backend, self.description = (
-            one_query,
-            plan,
-            backend,
-            description,
-        )
+        self.plan = plan
+        self.backend = backend
+        self.one_query = one_query
+        self.description = description
         self._runtime: TracedWeights | None = None
 
     @property

@@ -578,7 +578,8 @@ class TracedWeights:
             ):
                 rows = _mask_to_rows(mask, step.origin, plan.layout, full)
                 if step.kind == "product":  # (a 0/1 mask; a row with none kept: zeros, the op's)
-                    if rows.dtype != torch.bool:
+                    if rows.dtype != torch.bool:  # (one that wants gradients: the plain path's)
+                        not_exact |= rows.requires_grad
                         not_exact |= not bool(((rows == 0) | (rows == 1)).all())
                     rows = rows == 0
                 elif step.kind == "add":
