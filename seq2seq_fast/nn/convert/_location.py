@@ -11,7 +11,8 @@ the kernels and adds the keys gradient into the sequence's P gradient. The value
 gradients of all the steps are returned once, when the backward reaches them. Results equal the
 plain computation's up to float rounding (sums taken in another order). The memory and its
 Function live in ops (:class:`~seq2seq_fast.ops.stepwise.LocationMemory`); this module keeps the
-stand-ins' call, which holds a memory per owner module.
+call the converter's runtime makes for a plan with a location term (``traced/rewrite.py``), which
+holds a memory per owner (the runtime).
 
 Not a layout itself (the leading underscore keeps the package from importing it as one).
 """
