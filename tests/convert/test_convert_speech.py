@@ -332,9 +332,7 @@ def test_a_row_without_a_valid_frame_gives_what_the_original_gives(name, monkeyp
     "name",
     [
         "d2l_sized",  # a row of valid length 0: uniform weights, as d2l's -1e6 fill gives
-        "allennlp_additive",  # a product mask, a row with nothing kept
         "speechbrain_location",  # a bias term, a scale, a location term
-        "coqui_sigmoid_location",  # a shift the sigmoid keeps, a location term
     ],
 )
 def test_a_plan_inside_torch_compile_gives_the_originals_results(name):
