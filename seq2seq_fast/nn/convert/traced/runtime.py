@@ -176,7 +176,9 @@ def _retrace_capturing_scalars(module: nn.Module, state: _TracedState, cls: type
 
 def _put_back(module: nn.Module, original: type, traces: int) -> None:
     """A converted module whose calls keep tracing anew (an argument whose structure changes with
-    every call: a list of past weights that grows by one each decoder step) pays a trace per call
+    every call: a list of past weights that grows by one each decoder step; or sizes that change
+    between calls and also take the values 0 or 1, which TorchDynamo specialises) pays a trace per
+    call
     until TorchDynamo's recompile limit, and then runs its own code behind the guards: unfused.
     Such a module goes back to its own class, with a warning and a line in the report."""
     state = module.__dict__.pop("_fuse_attention_traced", None)
@@ -184,8 +186,9 @@ def _put_back(module: nn.Module, original: type, traces: int) -> None:
     name = class_name(module)
     reason = (
         f"converted, then put back: TorchDynamo stopped tracing its forward after {traces} "
-        "traces of one frame (its recompile limit) and ran it unfused; an argument changes "
-        "structure from call to call (a list that grows each step, say)"
+        "traces of one frame (its recompile limit) and ran it unfused; its calls keep needing "
+        "new traces (a list argument that grows each step, or sizes that change and also take "
+        "the values 0 or 1, which TorchDynamo traces apart: TORCH_LOGS=recompiles says which)"
     )
     report, path = (state.report, state.path) if state is not None else (None, "?")
     layout = state.layout if state is not None else LAYOUT
@@ -404,8 +407,8 @@ def _probe_copies(module: nn.Module, recording, backend: str, dtype: torch.dtype
     misses = [m for _, missed in found for m in missed]
     if not matched:
         why = "; ".join(dict.fromkeys(misses)) or (
-            "no tanh in the graphs TorchDynamo captured (its forward breaks the graph before it, "
-            "or the frame was not traced)"
+            "no tanh in the graphs TorchDynamo captured of its forward (where the forward has "
+            "one, a graph break comes before it or the frame was not traced)"
         )
         return f"not the fused op's form: {why}", ""
     tolerances = {}
