@@ -35,7 +35,10 @@ PRIVATE_APIS: tuple[tuple[str, str], ...] = (
     ("torch.utils._pytree.tree_flatten", "nn.convert (comparing nested outputs)"),
     ("torch._dynamo.config.patch", "seq2seq.models.compile_model (allow_rnn)"),
     ("torch._dynamo.config.allow_rnn", "seq2seq.models.compile_model"),
-    ("torch._dynamo.config.recompile_limit", "nn.convert.traced (when a layout gives up)"),
+    (
+        "torch._dynamo.config.recompile_limit",
+        "nn.convert.traced (its modules' trace limit, and when one gives up)",
+    ),
     (
         "torch._dynamo.config.capture_scalar_outputs",
         "nn.convert.traced (a mask built from int(lengths.max()) inside the trace)",
@@ -145,6 +148,21 @@ def dynamo_capture_scalars() -> Iterator[None]:
         yield
     finally:
         config.capture_scalar_outputs = before
+
+
+@contextlib.contextmanager
+def dynamo_recompile_limit(limit: int) -> Iterator[None]:
+    """TorchDynamo's recompile limit at least ``limit`` inside the block, restored after. Why
+    private: the limit (``recompile_limit``, 8) is global and has no public switch, nor any per
+    compiled function; a converted module's own forward (a code object of its own) may need more
+    traces than that for one model's ordinary calls."""
+    config = dynamo_config()
+    before = config.recompile_limit
+    config.recompile_limit = max(before, limit)
+    try:
+        yield
+    finally:
+        config.recompile_limit = before
 
 
 @contextlib.contextmanager

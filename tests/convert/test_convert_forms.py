@@ -15,7 +15,7 @@ from seq2seq_fast.nn import fuse_attention_report
 from seq2seq_fast.nn.convert.traced.rewrite import TracedWeights
 from seq2seq_fast.ops import fused_available
 from tests.convert import layouts_traced as T
-from tests.convert.test_convert_traced import _assert_close
+from tests.convert.test_convert_traced import _assert_close, _run
 
 pytestmark = pytest.mark.skipif(
     not fused_available("cpu", torch.float64), reason="the C++ extension is not built"
@@ -179,6 +179,46 @@ class _FlattenedPooling(torch.nn.Module):
         return (x * torch.softmax(e, -1).unsqueeze(2)).sum(1)
 
 
+class _MatmulPooling(torch.nn.Module):
+    """Learned-query pooling with its projection written out, tanh(h @ W + b) against a context
+    vector (HAN's matrix_mul, vectorised), over time-major or batch-major h, the bias [A] or
+    [1, A]."""
+
+    def __init__(self, time_major: bool, bias_shape: tuple) -> None:
+        super().__init__()
+        self.axis = 0 if time_major else 1
+        self.weight = torch.nn.Parameter(torch.randn(6, 4) * 0.3)
+        self.bias = torch.nn.Parameter(torch.randn(*bias_shape) * 0.3)
+        self.context = torch.nn.Parameter(torch.randn(4, 1) * 0.3)
+
+    def forward(self, h):
+        u = torch.tanh(torch.matmul(h, self.weight) + self.bias)
+        w = torch.softmax(torch.matmul(u, self.context).squeeze(-1), dim=self.axis)
+        return (h * w.unsqueeze(-1)).sum(self.axis)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("bias_shape", [(4,), (1, 4)], ids=["bias", "bias_row"])
+@pytest.mark.parametrize("time_major", [False, True], ids=["batch_major", "time_major"])
+def test_pooling_with_its_projection_written_out(time_major, bias_shape, dtype):
+    """tanh(h @ W + b) was refused ("every term of the sum varies along the softmax's axis"),
+    although b varies along none: only one Linear's tanh(W h + b) was taken as pooling."""
+    torch.manual_seed(0)
+    original = T._Holder(_MatmulPooling(time_major, bias_shape)).to(dtype)
+    model = copy.deepcopy(original)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 3, 6, generator=gen, dtype=dtype)
+    report = fuse_attention_report(model, example_inputs=(x,))
+    assert report.count == 1, str(report)
+    for shape in ((5, 3, 6), (7, 2, 6)):
+        x = torch.randn(shape, generator=gen, dtype=dtype)
+        calls = TracedWeights.calls
+        got, want = _run(model.att, (x,)), _run(original.att, (x,))
+        assert TracedWeights.calls > calls
+        _assert_close(got[0], want[0], dtype, "outputs")
+        _assert_close(got[1], want[1], dtype, "gradients")
+
+
 @pytest.mark.parametrize("how", ["module", "function", "merged"])
 def test_scores_flattened_before_the_softmax(how):
     """torch.flatten / nn.Flatten of [B, T, 1] scores is a reshape like squeeze(-1): it was refused
@@ -321,3 +361,30 @@ def test_a_skipped_attention_is_reported_once_not_again_for_its_caller():
     assert [s.path for s in report.skipped] == ["att"], str(report)
     # the reason names where the scores went instead of a softmax
     assert "(its values went into 'exp'; the fused op normalises by" in report.skipped[0].reason
+
+
+class _BreakAfterTanh(torch.nn.Module):
+    """Pooling whose forward TorchDynamo breaks right after the tanh (an RNN call, a print, a
+    data-dependent branch there in real code)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 4)
+        self.v = torch.nn.Linear(4, 1, bias=False)
+
+    def forward(self, h):
+        u = torch.tanh(self.proj(h))
+        torch._dynamo.graph_break()
+        w = torch.softmax(self.v(u).squeeze(-1), dim=1)
+        return (w.unsqueeze(-1) * h).sum(1)
+
+
+def test_a_graph_break_after_the_tanh_is_named_so():
+    """The reason named the graph's end as a call ("the tanh goes into 'output'")."""
+    model = T._Holder(_BreakAfterTanh()).double()
+    report = fuse_attention_report(
+        model, example_inputs=(torch.randn(3, 5, 6, dtype=torch.float64),)
+    )
+    (skipped,) = report.skipped
+    assert "the tanh's value leaves the traced graph" in skipped.reason, skipped.reason
+    assert "'output'" not in skipped.reason, skipped.reason

@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 from seq2seq_fast.nn import fuse_attention_report
 from seq2seq_fast.nn.convert import FusedStandIn
 from seq2seq_fast.nn.convert.traced.rewrite import TracedWeights
+from seq2seq_fast.nn.convert.traced.runtime import TRACE_LIMIT
 from seq2seq_fast.ops import fused_available
 from tests.convert.layouts_traced import CASES
 
@@ -391,9 +392,9 @@ def test_a_module_that_traces_anew_every_call_is_put_back_and_says_why():
     past = [torch.full((2, 3), 1 / 3, dtype=dtype)]
     model(query, memory, past)  # the first call converts
     assert report.count == 1 and isinstance(model.att, FusedStandIn), str(report)
-    limit = torch._dynamo.config.recompile_limit
+    limit = max(torch._dynamo.config.recompile_limit, TRACE_LIMIT)
     with pytest.warns(UserWarning, match="put back"):
-        for _ in range(limit + 2):  # each call traces anew until TorchDynamo's limit
+        for _ in range(limit + 2):  # each call traces anew until the limit
             got = model(query, memory, past)
             torch.testing.assert_close(got, original(query, memory, past), rtol=1e-10, atol=1e-10)
             past = [*past, got.detach()]
@@ -570,3 +571,113 @@ def test_many_instances_of_one_class_each_convert_and_run_fused():
         assert TracedWeights.calls >= calls + 2, i  # both calls ran the fused op
         _assert_close(got[0], want[0], dtype, "outputs")
         _assert_close(got[1], want[1], dtype, "gradients")
+
+
+class _OptionalLocation(torch.nn.Module):
+    """A location-aware attention whose first decoder step gets no previous weights (None: a
+    row of zeros), as kospeech's LocationAwareAttention takes ``last_alignment_energy=None``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(6, 6, bias=False)
+        self.k = torch.nn.Linear(6, 6)
+        self.conv = torch.nn.Conv1d(1, 3, 3, padding=1)
+        self.loc = torch.nn.Linear(3, 6, bias=False)
+        self.v = torch.nn.Linear(6, 1)
+
+    def forward(self, query, memory, last):
+        if last is None:
+            last = memory.new_zeros(memory.shape[0], memory.shape[1])
+        location = self.loc(self.conv(last.unsqueeze(1)).transpose(1, 2))
+        x = self.q(query).unsqueeze(1) + self.k(memory) + location
+        w = torch.softmax(self.v(torch.tanh(x)).squeeze(-1), -1)
+        return torch.bmm(w.unsqueeze(1), memory).squeeze(1), w
+
+
+def test_a_decoders_training_and_validation_calls_stay_converted():
+    """A first step without state (None, then a tensor), batch and memory sizes that change,
+    training's and validation's grad modes and a batch of 1 each take traces of their own: 8 in
+    all put kospeech's LocationAwareAttention back (TorchDynamo's default limit) in its first
+    epoch. The module stays converted and matches over two such epochs."""
+    from tests.convert.layouts_traced import _Holder
+
+    dtype = torch.float64
+    torch.manual_seed(0)
+    original = _Holder(_OptionalLocation()).to(dtype)
+    model = copy.deepcopy(original)
+    gen = torch.Generator().manual_seed(1)
+
+    def steps(net, batch, frames, memory=None, queries=None):
+        memory = (
+            torch.randn(batch, frames, 6, generator=gen, dtype=dtype) if memory is None else memory
+        )
+        queries = (
+            [torch.randn(batch, 6, generator=gen, dtype=dtype) for _ in range(3)]
+            if queries is None
+            else queries
+        )
+        last, out = None, []
+        for query in queries:
+            context, last = net(query, memory, last)
+            out.append(context)
+        return torch.stack(out), memory, queries
+
+    report = fuse_attention_report(
+        model,
+        example_inputs=(torch.randn(2, 6, dtype=dtype), torch.randn(2, 5, 6, dtype=dtype), None),
+    )
+    assert report.count == 1, str(report)
+    for _ in range(2):
+        for batch, frames in ((8, 20), (8, 23), (6, 17), (8, 31)):
+            got, memory, queries = steps(model, batch, frames)
+            want, _, _ = steps(original, batch, frames, memory, queries)
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+            got.sum().backward()
+        with torch.no_grad():
+            for batch, frames in ((1, 13), (4, 15)):
+                calls = TracedWeights.calls
+                got, memory, queries = steps(model, batch, frames)
+                want, _, _ = steps(original, batch, frames, memory, queries)
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+                assert TracedWeights.calls == calls + 3, "a call ran unfused"
+    assert isinstance(model.att, FusedStandIn) and report.count == 1, str(report)
+
+
+def _pool_after_recurrence(proj, query, features):
+    """Learned-query pooling over time-major features [T, B, F], in a function of its own."""
+    weights = torch.softmax(torch.matmul(torch.tanh(proj(features)), query).squeeze(-1), dim=0)
+    return (features * weights.unsqueeze(-1)).sum(0)
+
+
+class _RecurrentPooling(torch.nn.Module):
+    """A GRU, then pooling in a helper function: TorchDynamo breaks the forward's graph at the
+    GRU and traces the helper as a frame of its own, which every instance of the class shares."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = torch.nn.GRU(6, 5, bidirectional=True)
+        self.proj = torch.nn.Linear(10, 10)
+        self.query = torch.nn.Parameter(torch.randn(10, 1) * 0.3)
+
+    def forward(self, x):
+        features, _ = self.gru(x)
+        return _pool_after_recurrence(self.proj, self.query, features)
+
+
+def test_many_instances_whose_shared_helper_traces_each_convert():
+    """Each conversion traces the shared helper frame again (the probe's float64 copy, other
+    dtypes): from the 9th instance in a process TorchDynamo's default limit of 8 refused it with
+    "no tanh in the graphs"."""
+    from tests.convert.layouts_traced import _Holder
+
+    for i in range(10):
+        dtype = torch.float64 if i % 2 else torch.float32
+        torch.manual_seed(i)
+        original = _Holder(_RecurrentPooling()).to(dtype)
+        model = copy.deepcopy(original)
+        x = torch.randn(4, 3, 6, dtype=dtype)
+        report = fuse_attention_report(model, example_inputs=(x,))
+        assert report.count == 1, (i, str(report))
+        calls = TracedWeights.calls
+        _assert_close(model(x), original(x), dtype, "outputs")
+        assert TracedWeights.calls > calls, i

@@ -52,6 +52,13 @@ def test_the_wrappers_answer():
     assert _torch_private.mkldnn_bf16_supported() in (True, False, None)
     with _torch_private.dynamo_allow_rnn():
         assert _torch_private.dynamo_config().allow_rnn is True
+    config = _torch_private.dynamo_config()
+    before = config.recompile_limit
+    with _torch_private.dynamo_recompile_limit(before + 5):
+        assert config.recompile_limit == before + 5
+        with _torch_private.dynamo_recompile_limit(1):  # never lowered
+            assert config.recompile_limit == before + 5
+    assert config.recompile_limit == before
 
 
 def _private_uses(path: Path) -> list[str]:

@@ -312,6 +312,11 @@ def _projection(tanh: fx.Node, shape: tuple, rank: int):
             raise NoMatch("the sum over the hidden axis changes the dtype")
         keepdim = bool(_arg(total, 2, "keepdim", False))
         return total, vector, leading + ((None,) if keepdim else ()), rank - 1
+    if user.op == "output":  # the graph ends after the tanh: a graph break, or its return
+        raise NoMatch(
+            "the tanh's value leaves the traced graph before any projection onto a vector (the "
+            "forward returns it, or TorchDynamo broke the graph after it)"
+        )
     raise NoMatch(f"the tanh goes into {op_name(user)!r}, not a projection onto a vector")
 
 
@@ -477,6 +482,9 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Plan:
     where = f"axis {memory_axis} of the tanh's input {list(shape)}"
     if not keys:
         raise NoMatch(f"no term of the sum varies along the softmax's axis ({where})")
+    # attention pooling spelled as a sum: tanh(h @ W + b), one key term and biases only (the one
+    # Linear's form, split by hand; two key terms and no query stay refused: see below)
+    pooled = pooled or (not queries and len(keys) == 1 and bool(biases))
     if not (queries or pooled):
         raise NoMatch(
             f"every term of the sum varies along the softmax's axis ({where}): none is a "

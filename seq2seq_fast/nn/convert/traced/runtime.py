@@ -60,11 +60,22 @@ from seq2seq_fast.ops._torch_private import (
     compile_frame,
     dynamo_capture_scalars,
     dynamo_config,
+    dynamo_recompile_limit,
     pytree,
     quiet_trace_errors,
 )
 
 logger = logging.getLogger(__name__)
+
+# How many traces a converted module's own forward may take before it is put back (TorchDynamo's
+# default limit is 8 per frame, for every compiled function of the process). One model's ordinary
+# calls multiply their traces: a first decoder step without its state (None, then a tensor), batch
+# and memory sizes that turn dynamic only after a trace of their own, training and validation's
+# grad modes, a batch of 1 traced apart. kospeech's LocationAwareAttention reached 8 in its first
+# training epoch and validation. The raised limit applies only inside a module's first call and
+# the calls of a module that has already traced RAISE_FROM times (6 us a call).
+TRACE_LIMIT = 32
+RAISE_FROM = 3
 
 
 class _Rewriter:
@@ -119,6 +130,25 @@ class _TracedState:
     warned: bool = False
     # traced with TorchDynamo's scalars captured (see _retrace_capturing_scalars)
     capture_scalars: bool = False
+
+    def compiles(self) -> int:
+        """The most traces any of this module's own frames has taken (see _Rewriter)."""
+        return max(self.rewriter.frame_compiles.values(), default=len(self.rewriter.found))
+
+    def call(self, module: nn.Module, args, kwargs):
+        """The compiled forward, with scalars captured where set, and with the raised trace
+        limit at its first call (its frames may be functions that other modules' traces share: a
+        helper called after a graph break) and for a module that keeps tracing."""
+        if not self.rewriter.found or self.compiles() >= RAISE_FROM:
+            with dynamo_recompile_limit(TRACE_LIMIT):
+                return self._call(module, args, kwargs)
+        return self._call(module, args, kwargs)
+
+    def _call(self, module: nn.Module, args, kwargs):
+        if self.capture_scalars:
+            with dynamo_capture_scalars():
+                return self.compiled(module, *args, **kwargs)
+        return self.compiled(module, *args, **kwargs)
 
     def __deepcopy__(self, memo):
         return None  # a copy traces anew
@@ -176,19 +206,17 @@ def _retrace_capturing_scalars(module: nn.Module, state: _TracedState, cls: type
 
 def _put_back(module: nn.Module, original: type, traces: int) -> None:
     """A converted module whose calls keep tracing anew (an argument whose structure changes with
-    every call: a list of past weights that grows by one each decoder step; or sizes that change
-    between calls and also take the values 0 or 1, which TorchDynamo specialises) pays a trace per
-    call
-    until TorchDynamo's recompile limit, and then runs its own code behind the guards: unfused.
-    Such a module goes back to its own class, with a warning and a line in the report."""
+    every call: a list of past weights that grows by one each decoder step) pays a trace per call
+    until the trace limit (TRACE_LIMIT), and then TorchDynamo runs its own code behind the guards:
+    unfused. Such a module goes back to its own class, with a warning and a line in the report."""
     state = module.__dict__.pop("_fuse_attention_traced", None)
     module.__class__ = original
     name = class_name(module)
     reason = (
         f"converted, then put back: TorchDynamo stopped tracing its forward after {traces} "
         "traces of one frame (its recompile limit) and ran it unfused; its calls keep needing "
-        "new traces (a list argument that grows each step, or sizes that change and also take "
-        "the values 0 or 1, which TorchDynamo traces apart: TORCH_LOGS=recompiles says which)"
+        "new traces (a list argument that grows each step, say: TORCH_LOGS=recompiles says "
+        "what changed)"
     )
     report, path = (state.report, state.path) if state is not None else (None, "?")
     layout = state.layout if state is not None else LAYOUT
@@ -239,16 +267,12 @@ def traced_class(cls: type, backend: str) -> type:
                 return cls.forward(self, *args, **kwargs)
             before = len(state.rewriter.found)
             with recorded_runs() as ran:
-                if state.capture_scalars:
-                    with dynamo_capture_scalars():
-                        out = state.compiled(self, *args, **kwargs)
-                else:
-                    out = state.compiled(self, *args, **kwargs)
+                out = state.call(self, args, kwargs)
             if not ran:  # this call ran unfused
                 traces = len(state.rewriter.found)
-                compiles = max(state.rewriter.frame_compiles.values(), default=traces)
+                compiles = state.compiles()
                 found = state.rewriter.found[before:]
-                if compiles >= dynamo_config().recompile_limit:
+                if compiles >= max(dynamo_config().recompile_limit, TRACE_LIMIT):
                     _put_back(self, cls, compiles)
                 elif not state.capture_scalars and any(
                     SCORES_LEAVE_THE_GRAPH in missed for _, missed in found
