@@ -151,18 +151,25 @@ def dynamo_capture_scalars() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def dynamo_recompile_limit(limit: int) -> Iterator[None]:
-    """TorchDynamo's recompile limit at least ``limit`` inside the block, restored after. Why
-    private: the limit (``recompile_limit``, 8) is global and has no public switch, nor any per
-    compiled function; a converted module's own forward (a code object of its own) may need more
-    traces than that for one model's ordinary calls."""
+def dynamo_tracing(recompile_limit: int | None = None, allow_rnn: bool = False) -> Iterator[None]:
+    """Inside the block: TorchDynamo's recompile limit at least ``recompile_limit`` (when given),
+    and nn.GRU/nn.LSTM traced into the graph (``allow_rnn``) when asked; restored after (plain
+    attribute sets: ``config.patch`` costs five times as much, and this runs at calls). Why
+    private: both are global settings with no public switch, nor any per compiled function; a
+    converted module's own forward may need more traces than the default 8 for one model's
+    ordinary calls, and a forward that runs an RNN before its attention breaks TorchDynamo's
+    graph there without ``allow_rnn`` (the attention after it is then never traced)."""
     config = dynamo_config()
-    before = config.recompile_limit
-    config.recompile_limit = max(before, limit)
+    limit_before, rnn_before = config.recompile_limit, config.allow_rnn
+    if recompile_limit is not None:
+        config.recompile_limit = max(limit_before, recompile_limit)
+    if allow_rnn:
+        config.allow_rnn = True
     try:
         yield
     finally:
-        config.recompile_limit = before
+        config.recompile_limit = limit_before
+        config.allow_rnn = rnn_before
 
 
 @contextlib.contextmanager

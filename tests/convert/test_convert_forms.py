@@ -388,3 +388,160 @@ def test_a_graph_break_after_the_tanh_is_named_so():
     (skipped,) = report.skipped
     assert "the tanh's value leaves the traced graph" in skipped.reason, skipped.reason
     assert "'output'" not in skipped.reason, skipped.reason
+
+
+class _RecurrentClassifier(torch.nn.Module):
+    """A text classifier's forward: a bidirectional LSTM or GRU (over a packed sequence, or the
+    padded batch), then additive attention pooling over its outputs, masked by the lengths."""
+
+    def __init__(self, cell: str, packed: bool) -> None:
+        super().__init__()
+        self.packed = packed
+        rnn = torch.nn.LSTM if cell == "lstm" else torch.nn.GRU
+        self.rnn = rnn(6, 5, num_layers=2, bidirectional=True, batch_first=True)
+        self.att = torch.nn.Linear(10, 8)
+        self.v = torch.nn.Linear(8, 1, bias=False)
+        self.out = torch.nn.Linear(10, 3)
+
+    def forward(self, x, lengths):
+        if self.packed:
+            rows = torch.nn.utils.rnn.pack_padded_sequence(
+                x, lengths, batch_first=True, enforce_sorted=False
+            )
+            h, _ = self.rnn(rows)
+            h, _ = torch.nn.utils.rnn.pad_packed_sequence(h, True, total_length=x.shape[1])
+        else:
+            h, _ = self.rnn(x)
+        e = self.v(torch.tanh(self.att(h))).squeeze(-1)
+        valid = torch.arange(x.shape[1]) < lengths.unsqueeze(1)
+        w = torch.softmax(e.masked_fill(~valid, float("-inf")), dim=1)
+        return self.out((w.unsqueeze(-1) * h).sum(1))
+
+
+@pytest.mark.parametrize(
+    "cell,packed,dtype",
+    [("lstm", True, torch.float64), ("gru", False, torch.float32)],
+    ids=["lstm-packed-fp64", "gru-padded-fp32"],
+)
+def test_attention_after_an_rnn_in_the_same_forward(cell, packed, dtype):
+    """TorchDynamo breaks the graph at an nn.LSTM / nn.GRU call: the attention after it was never
+    traced ("no tanh in the graphs TorchDynamo captured"). The RNN is traced into the graph."""
+    torch.manual_seed(0)
+    original = T._Holder(_RecurrentClassifier(cell, packed)).to(dtype)
+    model = copy.deepcopy(original)
+    gen = torch.Generator().manual_seed(1)
+
+    def call(batch, frames):
+        lengths = torch.randint(1, frames + 1, (batch,), generator=gen)
+        lengths[0] = frames
+        return torch.randn(batch, frames, 6, generator=gen, dtype=dtype), lengths
+
+    report = fuse_attention_report(model, example_inputs=call(3, 5))
+    assert report.count == 1, str(report)
+    for batch, frames in ((4, 7), (1, 4)):
+        args = call(batch, frames)
+        calls = TracedWeights.calls
+        got, want = _run(model.att, args), _run(original.att, args)
+        assert TracedWeights.calls > calls
+        _assert_close(got[0], want[0], dtype, "outputs")
+        _assert_close(got[1], want[1], dtype, "gradients")
+
+
+class _FlattenedSum(torch.nn.Module):
+    """The sum q + k formed at full size [B, Tq, Tk, A], flattened into rows, then tanh and the
+    score layer, viewed back (eladhoffer/seq2seq.pytorch's ``calc_score``: ``sum_qk.view(b *
+    t_k * t_q, n)``), masked by a fill, softmax over the keys."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.q = torch.nn.Linear(6, 8)
+        self.k = torch.nn.Linear(5, 8, bias=False)
+        self.score = torch.nn.Linear(8, 1)
+
+    def forward(self, query, memory, pad):  # query [B, Tq, 6], memory [B, Tk, 5], pad [B, Tk]
+        b, t_q, t_k = query.shape[0], query.shape[1], memory.shape[1]
+        total = self.q(query).unsqueeze(2) + self.k(memory).unsqueeze(1)  # [B, Tq, Tk, 8]
+        rows = total.view(b * t_q * t_k, 8) if self.how == "view" else total.reshape(-1, 8)
+        e = self.score(torch.tanh(rows)).view(b, t_q, t_k)
+        e = e.masked_fill(pad.unsqueeze(1), -1e12)
+        w = torch.softmax(e, dim=2)
+        return torch.bmm(w, memory), w
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("how", ["view", "reshape"])
+def test_a_sum_flattened_into_rows_before_the_tanh(how, dtype):
+    """Neither converted nor reported: the watch lost the sum at the view, and the match saw a
+    tanh of a view. tanh(view(sum)) is view(tanh(sum)), which converts."""
+    torch.manual_seed(0)
+    original = T._Holder(_FlattenedSum(how)).to(dtype)
+    model = copy.deepcopy(original)
+    gen = torch.Generator().manual_seed(2)
+
+    def call(batch, queries, keys):
+        pad = torch.arange(keys) >= torch.randint(1, keys + 1, (batch,), generator=gen)[:, None]
+        return (
+            torch.randn(batch, queries, 6, generator=gen, dtype=dtype),
+            torch.randn(batch, keys, 5, generator=gen, dtype=dtype),
+            pad,
+        )
+
+    report = fuse_attention_report(model, example_inputs=call(3, 1, 5))
+    assert report.count == 1, str(report)
+    for shape in ((4, 1, 7), (2, 3, 6)):
+        args = call(*shape)
+        calls = TracedWeights.calls
+        got, want = _run(model.att, args), _run(original.att, args)
+        assert TracedWeights.calls > calls
+        _assert_close(got[0], want[0], dtype, "outputs")
+        _assert_close(got[1], want[1], dtype, "gradients")
+
+
+class _WritesInPlace(torch.nn.Module):
+    """An attention whose forward also writes a buffer in place, as a statement (a call counter,
+    the last batch size, a copy of a row), and mozilla/TTS's ``scores.data.masked_fill_``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.q = torch.nn.Linear(6, 4)
+        self.k = torch.nn.Linear(5, 4, bias=False)
+        self.v = torch.nn.Linear(4, 1)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("seen", torch.zeros(3))
+
+    def forward(self, query, memory):
+        if self.how == "add_":
+            self.calls.add_(1)
+        elif self.how == "fill_":
+            self.seen.fill_(query.shape[0])
+        elif self.how == "copy_":
+            self.seen.copy_(memory[0, 0, :3])
+        e = self.v(torch.tanh(self.q(query).unsqueeze(1) + self.k(memory))).squeeze(-1)
+        return torch.bmm(torch.softmax(e, -1).unsqueeze(1), memory).squeeze(1)
+
+
+@pytest.mark.parametrize("how", ["add_", "fill_", "copy_"])
+def test_in_place_writes_of_a_converted_forward_are_kept(how):
+    """FX counts every method call as pure: the rewritten graph's dead-code pass dropped these
+    writes (their results are unused), so the converted module's buffers stayed as they were."""
+    torch.manual_seed(0)
+    original = T._Holder(_WritesInPlace(how)).double()
+    model = copy.deepcopy(original)
+    gen = torch.Generator().manual_seed(4)
+    query = torch.randn(2, 6, generator=gen, dtype=torch.float64)
+    memory = torch.randn(2, 5, 5, generator=gen, dtype=torch.float64)
+    report = fuse_attention_report(model, example_inputs=(query, memory))
+    assert report.count == 1, str(report)
+    for batch in (3, 1, 4):
+        query = torch.randn(batch, 6, generator=gen, dtype=torch.float64)
+        memory = torch.randn(batch, 5, 5, generator=gen, dtype=torch.float64)
+        calls = TracedWeights.calls
+        _assert_close([model(query, memory)], [original(query, memory)], torch.float64, "out")
+        assert TracedWeights.calls > calls
+        assert torch.equal(model.att.calls, original.att.calls), (
+            model.att.calls,
+            original.att.calls,
+        )
+        assert torch.equal(model.att.seen, original.att.seen), (model.att.seen, original.att.seen)

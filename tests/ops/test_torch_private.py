@@ -54,11 +54,11 @@ def test_the_wrappers_answer():
         assert _torch_private.dynamo_config().allow_rnn is True
     config = _torch_private.dynamo_config()
     before = config.recompile_limit
-    with _torch_private.dynamo_recompile_limit(before + 5):
-        assert config.recompile_limit == before + 5
-        with _torch_private.dynamo_recompile_limit(1):  # never lowered
-            assert config.recompile_limit == before + 5
-    assert config.recompile_limit == before
+    with _torch_private.dynamo_tracing(recompile_limit=before + 5, allow_rnn=True):
+        assert config.recompile_limit == before + 5 and config.allow_rnn is True
+        with _torch_private.dynamo_tracing(recompile_limit=1):  # never lowered
+            assert config.recompile_limit == before + 5 and config.allow_rnn is True
+    assert config.recompile_limit == before and config.allow_rnn is False
 
 
 def _private_uses(path: Path) -> list[str]:

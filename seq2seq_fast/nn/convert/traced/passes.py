@@ -203,6 +203,35 @@ def _unflatten_rows(graph: fx.Graph) -> None:
                 graph.erase_node(node)
 
 
+def _tanh_before_flattening(graph: fx.Graph) -> None:
+    """tanh of a [N, A] view of a [..., A] tensor of rank 3 or more (the sum flattened into rows,
+    then the tanh: eladhoffer/seq2seq.pytorch's ``tanh(sum_qk.view(b * t_k * t_q, n))``): the
+    tanh taken before the view, which is the same elementwise, so that the flat projection's
+    pass below and the match see the tanh of the sum itself."""
+    for tanh in [n for n in graph.nodes if _is(n, _TANH)]:
+        flat = tanh.args[0] if len(tanh.args) == 1 and not tanh.kwargs else None
+        if not isinstance(flat, fx.Node) or not _is(flat, _FLAT_VIEWS) or len(flat.users) != 1:
+            continue
+        source = flat.args[0] if flat.args else None
+        shape, flat_shape = _shape(source), _shape(flat)
+        if not isinstance(source, fx.Node) or shape is None or flat_shape is None:
+            continue
+        if len(shape) < 3 or len(flat_shape) != 2 or not _same(flat_shape[1], shape[-1]):
+            continue
+        with graph.inserting_before(tanh):
+            inner = graph.call_function(torch.tanh, (source,))
+            inner.meta["example_value"] = torch.tanh(_value(source))
+            args = (inner, *flat.args[1:])
+            if flat.op == "call_method":
+                view = graph.call_method(flat.target, args, dict(flat.kwargs))
+            else:
+                view = graph.call_function(flat.target, args, dict(flat.kwargs))
+            view.meta["example_value"] = _value(tanh)
+        tanh.replace_all_uses_with(view)
+        graph.erase_node(tanh)
+        graph.erase_node(flat)
+
+
 def _unflatten_projection(graph: fx.Graph) -> None:
     """tanh [B, T, A] viewed flat to [B*T, A], projected onto one vector, and viewed back to
     [B, T] (self-critical.pytorch's ``Attention`` and its many copies:

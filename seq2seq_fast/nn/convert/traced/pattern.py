@@ -75,6 +75,7 @@ from seq2seq_fast.nn.convert.traced.nodes import (
 from seq2seq_fast.nn.convert.traced.passes import (
     _check_not_written,
     _functionalize_arithmetic,
+    _tanh_before_flattening,
     _unflatten_projection,
     _unflatten_rows,
 )
@@ -961,6 +962,7 @@ def find_matches(graph: fx.Graph) -> tuple[list[Plan], list[str]]:
     graph passes (passes.py) run first."""
     _functionalize_arithmetic(graph)
     _unflatten_rows(graph)
+    _tanh_before_flattening(graph)
     _unflatten_projection(graph)
     plans, misses = [], []
     for node in list(graph.nodes):

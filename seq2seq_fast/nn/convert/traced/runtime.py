@@ -31,7 +31,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, fx, nn
 
 from seq2seq_fast.nn.convert._base import (
     ConversionReport,
@@ -60,7 +60,7 @@ from seq2seq_fast.ops._torch_private import (
     compile_frame,
     dynamo_capture_scalars,
     dynamo_config,
-    dynamo_recompile_limit,
+    dynamo_tracing,
     pytree,
     quiet_trace_errors,
 )
@@ -106,13 +106,24 @@ class _Rewriter:
             for plan in plans:
                 described.append(plan.describe())
                 rewrite(gm.graph, plan, self.backend)
-            gm.graph.eliminate_dead_code()
+            gm.graph.eliminate_dead_code(is_impure_node=_impure)
             gm.graph.lint()
             gm.recompile()
             self.found.append((described, misses))
         except Exception as exc:  # noqa: BLE001 - an unexpected graph: leave it as it is
             self.found.append(([], [f"the graph could not be rewritten ({_one_line(exc)})"]))
         return gm.forward
+
+
+def _impure(node: fx.Node) -> bool:
+    """Whether dead-code elimination must keep ``node``: FX's own test, and also a call of an
+    in-place method or function (``scores.data.masked_fill_(...)``, ``torch.relu_``), whose
+    result nobody reads. FX counts every call_method as pure, and removing such a write changed
+    mozilla/TTS's windowing attention's masked scores (its result was wrong, not unfused)."""
+    if node.is_impure():
+        return True
+    target = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return node.op in ("call_method", "call_function") and str(target).endswith("_")
 
 
 @dataclass
@@ -130,17 +141,21 @@ class _TracedState:
     warned: bool = False
     # traced with TorchDynamo's scalars captured (see _retrace_capturing_scalars)
     capture_scalars: bool = False
+    # the module runs an nn.GRU/nn.LSTM/nn.RNN: traced into its graph (see dynamo_tracing)
+    rnn: bool = False
 
     def compiles(self) -> int:
         """The most traces any of this module's own frames has taken (see _Rewriter)."""
         return max(self.rewriter.frame_compiles.values(), default=len(self.rewriter.found))
 
     def call(self, module: nn.Module, args, kwargs):
-        """The compiled forward, with scalars captured where set, and with the raised trace
-        limit at its first call (its frames may be functions that other modules' traces share: a
-        helper called after a graph break) and for a module that keeps tracing."""
-        if not self.rewriter.found or self.compiles() >= RAISE_FROM:
-            with dynamo_recompile_limit(TRACE_LIMIT):
+        """The compiled forward, with scalars captured where set, RNNs traced into the graph
+        for a module that runs one, and the raised trace limit at its first call (its frames
+        may be functions that other modules' traces share: a helper called after a graph break)
+        and for a module that keeps tracing."""
+        raise_limit = not self.rewriter.found or self.compiles() >= RAISE_FROM
+        if raise_limit or self.rnn:
+            with dynamo_tracing(TRACE_LIMIT if raise_limit else None, allow_rnn=self.rnn):
                 return self._call(module, args, kwargs)
         return self._call(module, args, kwargs)
 
@@ -182,6 +197,9 @@ def _traced_state(module: nn.Module, cls: type, backend: str) -> _TracedState:
         # (a random name, not the module's id).
         rewriter = _Rewriter(backend)
         state = _TracedState(rewriter, _compiled(fn, f"_fused_{uuid.uuid4().hex}", rewriter))
+        # (an RNN run before the attention would break the graph there, and the attention
+        # after the break would never be traced: a text classifier's BiLSTM and pooling)
+        state.rnn = any(isinstance(m, nn.RNNBase) for m in module.modules())
         module.__dict__["_fuse_attention_traced"] = state
     return state
 
@@ -505,6 +523,8 @@ def _probe_and_swap(recording, report, backend: str, layout: str, probed: nn.Mod
     unwatch_inside(module)
     state = _traced_state(module, original, backend)
     state.report, state.path, state.layout = report, recording.path, layout
+    # (a named layout that refused this module, whose calls the general path now serves)
+    report.skipped[:] = [s for s in report.skipped if s.path != recording.path]
     if layout == LAYOUT:
         report.replaced.append(Replaced(recording.path, f"{LAYOUT} ({found})", name))
     else:

@@ -242,6 +242,14 @@ class _Watcher(TorchFunctionMode):
                 and out.shape == inputs[0].shape
             ):
                 kind = first_kind  # e.g. a sum scaled or dropped out before the tanh
+            elif (
+                first_kind == "sum"
+                and name in ("view", "reshape", "flatten")
+                and isinstance(out, Tensor)
+                and out.dim() >= 2
+                and out.shape[-1] == inputs[0].shape[-1]
+            ):
+                kind = "sum"  # a sum flattened into rows before the tanh
         if isinstance(out, Tensor) and (events or kind):
             self.marks[id(out)] = (out, events, kind)
         return out
