@@ -33,8 +33,7 @@ PRIVATE_APIS: tuple[tuple[str, str], ...] = (
     ("torch.utils._pytree.tree_leaves", "nn.keycache, nn.convert (nested inputs' tensors)"),
     ("torch.utils._pytree.tree_map", "nn.convert (copies of nested inputs)"),
     ("torch.utils._pytree.tree_flatten", "nn.convert (comparing nested outputs)"),
-    ("torch._dynamo.config.patch", "seq2seq.models.compile_model (allow_rnn)"),
-    ("torch._dynamo.config.allow_rnn", "seq2seq.models.compile_model"),
+    ("torch._dynamo.config.allow_rnn", "seq2seq.models.compile_model, nn.convert.traced"),
     (
         "torch._dynamo.config.recompile_limit",
         "nn.convert.traced (its modules' trace limit, and when one gives up)",
@@ -170,13 +169,6 @@ def dynamo_tracing(recompile_limit: int | None = None, allow_rnn: bool = False) 
     finally:
         config.recompile_limit = limit_before
         config.allow_rnn = rnn_before
-
-
-@contextlib.contextmanager
-def dynamo_allow_rnn() -> Iterator[None]:
-    """TorchDynamo traces nn.GRU/nn.LSTM into the graph inside the block (``allow_rnn``)."""
-    with dynamo_config().patch(allow_rnn=True):
-        yield
 
 
 def mkldnn_bf16_supported() -> bool | None:

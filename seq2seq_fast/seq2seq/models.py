@@ -34,7 +34,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from seq2seq_fast.nn.attention import BahdanauAttention
 from seq2seq_fast.nn.stepwise import StepwiseMemory
 from seq2seq_fast.ops import recurrent as fused_gru
-from seq2seq_fast.ops._torch_private import dynamo_allow_rnn
+from seq2seq_fast.ops._torch_private import dynamo_tracing
 from seq2seq_fast.ops.linear_cross_entropy import linear_cross_entropy
 from seq2seq_fast.seq2seq.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID  # noqa: F401 (re-exported)
 from seq2seq_fast.seq2seq.precision import cast_once
@@ -598,7 +598,7 @@ def compile_model(model: nn.Module, **options) -> Callable[..., Any]:
     compiled = torch.compile(model, **options)
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        with dynamo_allow_rnn():
+        with dynamo_tracing(allow_rnn=True):
             return compiled(*args, **kwargs)
 
     return run

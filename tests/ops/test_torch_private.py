@@ -50,8 +50,6 @@ def test_the_wrappers_answer():
         assert _torch_private.saved_tensors_hooks_active() is True
     assert _torch_private.nn_linear() is torch._C._nn.linear
     assert _torch_private.mkldnn_bf16_supported() in (True, False, None)
-    with _torch_private.dynamo_allow_rnn():
-        assert _torch_private.dynamo_config().allow_rnn is True
     config = _torch_private.dynamo_config()
     before = config.recompile_limit
     with _torch_private.dynamo_tracing(recompile_limit=before + 5, allow_rnn=True):

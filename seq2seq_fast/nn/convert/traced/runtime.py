@@ -122,8 +122,9 @@ def _impure(node: fx.Node) -> bool:
     mozilla/TTS's windowing attention's masked scores (its result was wrong, not unfused)."""
     if node.is_impure():
         return True
-    target = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return node.op in ("call_method", "call_function") and str(target).endswith("_")
+    target = str(node.target if node.op == "call_method" else getattr(node.target, "__name__", ""))
+    in_place = target.endswith("_") and not target.endswith("__")  # (not __getitem__)
+    return node.op in ("call_method", "call_function") and in_place
 
 
 @dataclass
