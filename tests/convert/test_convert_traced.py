@@ -7,6 +7,7 @@ unchanged and no tanh left in its calls; each look-alike is left as it is."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -681,3 +682,52 @@ def test_many_instances_whose_shared_helper_traces_each_convert():
         calls = TracedWeights.calls
         _assert_close(model(x), original(x), dtype, "outputs")
         assert TracedWeights.calls > calls, i
+
+
+class _MaskFromScoresSize(torch.nn.Module):
+    """A pointer's step: a mask made from the scores' size (``torch.zeros(logits.size())``, as
+    pemami4911's neural-combinatorial-rl does) marks the positions already pointed at, before
+    the softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(6, 4)
+        self.k = torch.nn.Linear(5, 4, bias=False)
+        self.v = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, query, memory, pointed):
+        e = (torch.tanh(self.q(query).unsqueeze(1) + self.k(memory)) * self.v).sum(-1)
+        mask = torch.zeros(e.size(), dtype=torch.bool)
+        mask[torch.arange(e.size(0)), pointed] = True
+        w = torch.softmax(e.masked_fill(mask, float("-inf")), -1)
+        return torch.bmm(w.unsqueeze(1), memory).squeeze(1), w
+
+
+def test_a_size_of_the_scores_read_before_the_softmax():
+    """With dynamic sizes (from the second batch size on) the scores' .size() is a node of the
+    graph; the rewrite asked it of the fused weights, made after its reader: "UnboundLocalError:
+    cannot access local variable 'size_3'" at every call with a new batch size."""
+    from tests.convert.layouts_traced import _Holder
+
+    dtype = torch.float64
+    torch.manual_seed(0)
+    original = _Holder(_MaskFromScoresSize()).to(dtype)
+    model = copy.deepcopy(original)
+    gen = torch.Generator().manual_seed(3)
+
+    def call(batch):
+        return (
+            torch.randn(batch, 6, generator=gen, dtype=dtype),
+            torch.randn(batch, 7, 5, generator=gen, dtype=dtype),
+            torch.randint(0, 7, (batch,), generator=gen),
+        )
+
+    report = fuse_attention_report(model, example_inputs=call(3))
+    assert report.count == 1, str(report)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the dynamic trace runs its own code, and says so)
+        for batch in (3, 4, 5, 2):
+            args = call(batch)
+            got, want = _run(model.att, args), _run(original.att, args)
+            _assert_close(got[0], want[0], dtype, "outputs")
+            _assert_close(got[1], want[1], dtype, "gradients")

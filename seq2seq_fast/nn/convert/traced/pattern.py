@@ -498,6 +498,7 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Plan:
     for step in chain.steps:
         if isinstance(step, Mask):
             _check_mask(step, query_axes)
+    _check_sizes_read_after(graph, chain, output)
     return Plan(
         terms=Terms(
             queries=tuple(queries),
@@ -526,6 +527,24 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Plan:
             sizes=tuple(chain.sizes),
         ),
     )
+
+
+def _check_sizes_read_after(graph: fx.Graph, chain: _Chain, output: fx.Node) -> None:
+    """The scores' .size() / .dim() (with dynamic sizes, nodes of the graph) are asked again of
+    the replacement's weights, which come just before the normaliser's output: a reader placed
+    before that point (pemami4911's pointer: ``torch.zeros(logits.size())`` for a mask made
+    before the softmax) would read a size not made yet. Such a graph is left as it is."""
+    if not chain.sizes:
+        return
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    again = set(chain.shape_ops)  # (made again after the weights, with the sizes asked of them)
+    for helper, _ in chain.sizes:
+        for user in helper.users:
+            if user not in again and order[user] < order[output]:
+                raise NoMatch(
+                    f"the scores' size is read by {op_name(user)!r} before the normaliser, "
+                    "where the fused op's weights are not made yet"
+                )
 
 
 def _sum_terms(graph: fx.Graph, inner: fx.Node, rank: int, hidden: int):
