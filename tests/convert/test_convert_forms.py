@@ -179,6 +179,16 @@ class _FlattenedPooling(torch.nn.Module):
         return (x * torch.softmax(e, -1).unsqueeze(2)).sum(1)
 
 
+def _assert_fused_and_matching(converted, original, args, dtype) -> None:
+    """The converted module's call runs the fused op, and its outputs and gradients (parameters,
+    then inputs) match the original's."""
+    calls = TracedWeights.calls
+    got, want = _run(converted, args), _run(original, args)
+    assert TracedWeights.calls > calls
+    _assert_close(got[0], want[0], dtype, "outputs")
+    _assert_close(got[1], want[1], dtype, "gradients")
+
+
 class _MatmulPooling(torch.nn.Module):
     """Learned-query pooling with its projection written out, tanh(h @ W + b) against a context
     vector (HAN's matrix_mul, vectorised), over time-major or batch-major h, the bias [A] or
@@ -212,11 +222,7 @@ def test_pooling_with_its_projection_written_out(time_major, bias_shape, dtype):
     assert report.count == 1, str(report)
     for shape in ((5, 3, 6), (7, 2, 6)):
         x = torch.randn(shape, generator=gen, dtype=dtype)
-        calls = TracedWeights.calls
-        got, want = _run(model.att, (x,)), _run(original.att, (x,))
-        assert TracedWeights.calls > calls
-        _assert_close(got[0], want[0], dtype, "outputs")
-        _assert_close(got[1], want[1], dtype, "gradients")
+        _assert_fused_and_matching(model.att, original.att, (x,), dtype)
 
 
 @pytest.mark.parametrize("how", ["module", "function", "merged"])
@@ -440,11 +446,7 @@ def test_attention_after_an_rnn_in_the_same_forward(cell, packed, dtype):
     assert report.count == 1, str(report)
     for batch, frames in ((4, 7), (1, 4)):
         args = call(batch, frames)
-        calls = TracedWeights.calls
-        got, want = _run(model.att, args), _run(original.att, args)
-        assert TracedWeights.calls > calls
-        _assert_close(got[0], want[0], dtype, "outputs")
-        _assert_close(got[1], want[1], dtype, "gradients")
+        _assert_fused_and_matching(model.att, original.att, args, dtype)
 
 
 class _FlattenedSum(torch.nn.Module):
@@ -491,11 +493,7 @@ def test_a_sum_flattened_into_rows_before_the_tanh(how, dtype):
     assert report.count == 1, str(report)
     for shape in ((4, 1, 7), (2, 3, 6)):
         args = call(*shape)
-        calls = TracedWeights.calls
-        got, want = _run(model.att, args), _run(original.att, args)
-        assert TracedWeights.calls > calls
-        _assert_close(got[0], want[0], dtype, "outputs")
-        _assert_close(got[1], want[1], dtype, "gradients")
+        _assert_fused_and_matching(model.att, original.att, args, dtype)
 
 
 class _WritesInPlace(torch.nn.Module):
