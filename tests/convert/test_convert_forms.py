@@ -496,6 +496,51 @@ def test_a_sum_flattened_into_rows_before_the_tanh(how, dtype):
         _assert_fused_and_matching(model.att, original.att, args, dtype)
 
 
+class _FlattenedTanh(torch.nn.Module):
+    """The tanh [B, T, A] flattened into rows for the score layer, and the scores viewed back to
+    [B, T, 1] (soobinseo/Tacotron-pytorch's ``v(tanh(keys + W2(d_t)).view(-1, A)).view(-1, T,
+    1)``) or to [B, T] (self-critical.pytorch's ``alpha_net``), its query expanded to the keys'
+    shape before the sum."""
+
+    def __init__(self, back: str) -> None:
+        super().__init__()
+        self.back = back
+        self.W1 = torch.nn.Linear(5, 4, bias=False)
+        self.W2 = torch.nn.Linear(6, 4, bias=False)
+        self.v = torch.nn.Linear(4, 1, bias=False)
+
+    def forward(self, d_t, memory):  # d_t [B, 6], memory [B, T, 5]
+        t = memory.shape[1]
+        keys = self.W1(memory.contiguous().view(-1, 5)).view(-1, t, 4)
+        query = self.W2(d_t).unsqueeze(1).expand_as(keys)
+        rows = self.v(torch.tanh(keys + query).view(-1, 4))
+        e = rows.view(-1, t, 1).squeeze(2) if self.back == "keep_one" else rows.view(-1, t)
+        w = torch.softmax(e, dim=1)
+        return torch.bmm(w.unsqueeze(1), memory).squeeze(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("back", ["keep_one", "rows"])
+def test_a_tanh_flattened_into_rows_for_the_score_layer(back, dtype):
+    """Refused as "the tanh goes into 'view'" when the scores were viewed back to [B, T, 1]:
+    the pass that takes the projection on the tanh itself took [B, T] only."""
+    torch.manual_seed(0)
+    original = T._Holder(_FlattenedTanh(back)).to(dtype)
+    model = copy.deepcopy(original)
+    gen = torch.Generator().manual_seed(3)
+
+    def call(batch, frames):
+        return (
+            torch.randn(batch, 6, generator=gen, dtype=dtype),
+            torch.randn(batch, frames, 5, generator=gen, dtype=dtype),
+        )
+
+    report = fuse_attention_report(model, example_inputs=call(3, 5))
+    assert report.count == 1, str(report)
+    for shape in ((4, 7), (2, 3)):
+        _assert_fused_and_matching(model.att, original.att, call(*shape), dtype)
+
+
 class _WritesInPlace(torch.nn.Module):
     """An attention whose forward also writes a buffer in place, as a statement (a call counter,
     the last batch size, a copy of a row), and mozilla/TTS's ``scores.data.masked_fill_``."""

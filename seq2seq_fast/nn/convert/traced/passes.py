@@ -234,7 +234,7 @@ def _tanh_before_flattening(graph: fx.Graph) -> None:
 
 def _unflatten_projection(graph: fx.Graph) -> None:
     """tanh [B, T, A] viewed flat to [B*T, A], projected onto one vector, and viewed back to
-    [B, T] (self-critical.pytorch's ``Attention`` and its many copies:
+    [B, T] or [B, T, 1] (self-critical.pytorch's ``Attention`` and its many copies:
     ``alpha_net(dot.view(-1, A)).view(-1, T)``): the projection made on the tanh itself and
     squeezed, the back view's readers reading that. Row-major views, so the same rows; anything
     else (another grouping, a projection to several outputs) is left as it is."""
@@ -263,9 +263,14 @@ def _unflatten_projection(graph: fx.Graph) -> None:
         out = _shape(back)
         if not _is(back, _FLAT_VIEWS) or back.args[0] is not projection or back.kwargs:
             continue
-        if out is None or len(out) != len(shape) - 1:
+        if out is None:
             continue
-        if not all(_same(a, b) for a, b in zip(out, shape[:-1], strict=True)):
+        # (back to [B, T], or to [B, T, 1]: the projection's own shape, soobinseo/Tacotron's
+        # ``v(tanh(...).view(-1, H)).view(-1, T, 1)``)
+        kept = len(out) == len(shape) and _is_one(out[-1])
+        if not kept and len(out) != len(shape) - 1:
+            continue
+        if not all(_same(a, b) for a, b in zip(out[: len(shape) - 1], shape[:-1], strict=True)):
             continue
         with graph.inserting_before(back):
             args = (tanh, *projection.args[1:])
@@ -273,8 +278,11 @@ def _unflatten_projection(graph: fx.Graph) -> None:
             scores.meta["example_value"] = projection.target(
                 *[_value(a) if isinstance(a, fx.Node) else a for a in args]
             )
-            squeezed = graph.call_method("squeeze", (scores, -1))
-            squeezed.meta["example_value"] = _value(scores).squeeze(-1)
+            if kept:
+                squeezed = scores
+            else:
+                squeezed = graph.call_method("squeeze", (scores, -1))
+                squeezed.meta["example_value"] = _value(scores).squeeze(-1)
         back.replace_all_uses_with(squeezed)
         graph.erase_node(back)
         graph.erase_node(projection)
