@@ -541,6 +541,62 @@ def test_a_tanh_flattened_into_rows_for_the_score_layer(back, dtype):
         _assert_fused_and_matching(model.att, original.att, call(*shape), dtype)
 
 
+class _TemporalAttention(torch.nn.Module):
+    """DA-RNN's temporal attention (Seanny123/da-rnn and its copies): the decoder's hidden and cell
+    states repeated along time (``repeat(T, 1, 1).permute(1, 0, 2)``), concatenated with the
+    encoded inputs, through ``Sequential(Linear, Tanh, Linear)`` on rows (``x.view(-1, D)``) and
+    viewed back to [B, T]; a softmax over time."""
+
+    def __init__(self, rows: bool) -> None:
+        super().__init__()
+        self.rows = rows
+        self.attn_layer = torch.nn.Sequential(
+            torch.nn.Linear(2 * 4 + 6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 1)
+        )
+
+    def forward(self, hidden, cell, encoded):  # hidden, cell [1, B, 4], encoded [B, T, 6]
+        t = encoded.shape[1]
+        x = torch.cat(
+            (
+                hidden.repeat(t, 1, 1).permute(1, 0, 2),
+                cell.repeat(t, 1, 1).permute(1, 0, 2),
+                encoded,
+            ),
+            dim=2,
+        )
+        if self.rows:
+            e = self.attn_layer(x.view(-1, 2 * 4 + 6)).view(-1, t)
+        else:
+            e = self.attn_layer(x).squeeze(-1)
+        beta = torch.softmax(e, dim=1)
+        return torch.bmm(beta.unsqueeze(1), encoded)[:, 0, :]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("rows", [True, False], ids=["rows", "no_view"])
+def test_a_concat_of_states_repeated_and_permuted(rows, dtype):
+    """Refused: the repeat then permute(1, 0, 2) hid that the states are the same along time
+    ("every term varies along the softmax's axis"), and the linear map of the cat's rows made
+    the tanh's input one term of [B * T] rows. Both now split into query and key terms."""
+    torch.manual_seed(0)
+    original = T._Holder(_TemporalAttention(rows)).to(dtype)
+    model = copy.deepcopy(original)
+    gen = torch.Generator().manual_seed(4)
+
+    def call(batch, frames):
+        return (
+            torch.randn(1, batch, 4, generator=gen, dtype=dtype),
+            torch.randn(1, batch, 4, generator=gen, dtype=dtype),
+            torch.randn(batch, frames, 6, generator=gen, dtype=dtype),
+        )
+
+    report = fuse_attention_report(model, example_inputs=call(3, 5))
+    assert report.count == 1, str(report)
+    assert "2 query and 1 key term(s)" in str(report), str(report)
+    for shape in ((4, 7), (2, 3)):
+        _assert_fused_and_matching(model.att, original.att, call(*shape), dtype)
+
+
 class _WritesInPlace(torch.nn.Module):
     """An attention whose forward also writes a buffer in place, as a statement (a call counter,
     the last batch size, a copy of a row), and mozilla/TTS's ``scores.data.masked_fill_``."""

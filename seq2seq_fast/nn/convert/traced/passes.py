@@ -9,6 +9,7 @@ import torch
 from torch import fx
 
 from seq2seq_fast.nn.convert.traced.nodes import (
+    _ADDS,
     _LINEAR,
     _REPEATS,
     _SHAPE_OPS,
@@ -130,6 +131,9 @@ def _unflattened_term(graph: fx.Graph, term: fx.Node, frames, sizes: tuple) -> f
     from, where it is x.unsqueeze(1).expand(B, T, A) (or repeat) viewed flat; else
     term.unflatten(0, (-1, T))."""
     node = term
+    rows = _linear_of_rows(graph, term, sizes)
+    if rows is not None:
+        return rows
     if _is(node, _FLAT_VIEWS) and isinstance(node.args[0], fx.Node):
         inner = node.args[0]
         if _is(inner, {"contiguous"}) and len(inner.users) == 1:
@@ -150,6 +154,28 @@ def _unflattened_term(graph: fx.Graph, term: fx.Node, frames, sizes: tuple) -> f
                 return source
     new = graph.call_method("unflatten", (term, 0, (-1, frames)))
     new.meta["example_value"] = _value(term).unflatten(0, sizes[:2])
+    return new
+
+
+def _linear_of_rows(graph: fx.Graph, term: fx.Node, sizes: tuple) -> fx.Node | None:
+    """``linear(x.view(-1, D), W, c)`` with x [B, T, D] (``sizes``' B and T, as traced): the
+    same linear map on x itself, [B, T, A] (DA-RNN's ``attn_layer(x.view(-1, D))`` over a cat of
+    the repeated state and the encoded inputs); else None."""
+    if not _is(term, _LINEAR) or term.kwargs or len(term.args) < 2:
+        return None
+    flat = term.args[0]
+    if not (isinstance(flat, fx.Node) and _is(flat, _FLAT_VIEWS) and len(flat.users) == 1):
+        return None
+    source = flat.args[0] if flat.args else None
+    shape = _shape(source) if isinstance(source, fx.Node) else None
+    if shape is None or len(shape) != 3 or flat.kwargs:
+        return None
+    if not all(_size_hint(a) == _size_hint(b) for a, b in zip(shape[:2], sizes[:2], strict=True)):
+        return None
+    new = graph.call_function(term.target, (source, *term.args[1:]))
+    new.meta["example_value"] = term.target(
+        *[_value(a) if isinstance(a, fx.Node) else a for a in new.args]
+    )
     return new
 
 
@@ -201,6 +227,22 @@ def _unflatten_rows(graph: fx.Graph) -> None:
         for node in (projection, tanh):  # the flat forms, dead now
             if not node.users:
                 graph.erase_node(node)
+        _erase_unread(graph, inner)  # (the flat sum and its terms: a cat read once splits)
+
+
+def _erase_unread(graph: fx.Graph, node: object) -> None:
+    """``node`` and then its inputs, as long as nothing reads them (pure nodes only: the sums,
+    views and linear maps a pass above formed again)."""
+    if not isinstance(node, fx.Node) or node.users:
+        return
+    if node.op not in ("call_function", "call_method") or str(node.target).endswith("_"):
+        return  # (not an in-place add_)
+    if not (_is(node, _ADDS) or _is(node, _FLAT_VIEWS) or _is(node, _LINEAR)):
+        return
+    inputs = list(node.all_input_nodes)
+    graph.erase_node(node)
+    for a in inputs:
+        _erase_unread(graph, a)
 
 
 def _tanh_before_flattening(graph: fx.Graph) -> None:

@@ -118,22 +118,15 @@ def _peel_repeat(node: fx.Node, kept_from_end: int = 0) -> fx.Node:
 
 def _peel_swapped_repeat(graph: fx.Graph, node: fx.Node) -> fx.Node:
     """:func:`_peel_repeat`, also through a transpose of leading axes after the repeat
-    (``hidden.repeat(T, 1, 1).transpose(0, 1)``, keon's seq2seq and its copies): the source,
+    (``hidden.repeat(T, 1, 1).transpose(0, 1)``, keon's seq2seq and its copies; DA-RNN's
+    ``.permute(1, 0, 2)``): the source,
     given the repeat's rank with sizes 1 where it repeats, transposed alike (new nodes inserted
     at the graph's insertion point). The node itself where neither applies."""
-    if not (_is(node, {"transpose", torch.transpose}) and len(node.args) == 3 and not node.kwargs):
+    dims = _leading_swap(node)
+    if dims is None:
         return _peel_repeat(node)
-    inner, first, second = node.args
-    shape = _shape(inner)
-    if (
-        not isinstance(inner, fx.Node)
-        or shape is None
-        or not all(isinstance(d, int) for d in (first, second))
-    ):
-        return node
-    rank = len(shape)
-    if rank - 1 in (first % rank, second % rank):  # the width axis stays last
-        return node
+    inner = node.args[0]
+    rank = len(_shape(inner))
     source = _peel_repeat(inner)
     source_shape = _shape(source)
     if source is inner or source_shape is None:
@@ -141,9 +134,36 @@ def _peel_swapped_repeat(graph: fx.Graph, node: fx.Node) -> fx.Node:
     for _ in range(rank - len(source_shape)):  # (no sizes in the graph: they may be symbols)
         source = graph.call_method("unsqueeze", (source, 0))
         source.meta["example_value"] = _value(source.args[0]).unsqueeze(0)
-    swapped = graph.call_method("transpose", (source, first, second))
-    swapped.meta["example_value"] = _value(source).transpose(first, second)
+    swapped = graph.call_method("permute", (source, dims))
+    swapped.meta["example_value"] = _value(source).permute(dims)
     return swapped
+
+
+def _leading_swap(node: fx.Node) -> tuple | None:
+    """The permutation of a transpose or permute of a tensor's leading axes that keeps its last
+    axis last (``transpose(0, 1)``, DA-RNN's ``permute(1, 0, 2)``); else None."""
+    if not (isinstance(node, fx.Node) and node.args and isinstance(node.args[0], fx.Node)):
+        return None
+    shape = _shape(node.args[0])
+    if shape is None or node.kwargs:
+        return None
+    rank = len(shape)
+    if _is(node, {"transpose", torch.transpose}) and len(node.args) == 3:
+        first, second = node.args[1:]
+        if not all(isinstance(d, int) for d in (first, second)):
+            return None
+        dims = list(range(rank))
+        dims[first % rank], dims[second % rank] = dims[second % rank], dims[first % rank]
+    elif _is(node, {"permute", torch.permute}) and len(node.args) >= 2:
+        dims = node.args[1:]
+        if len(dims) == 1 and isinstance(dims[0], (list, tuple)):
+            dims = dims[0]
+        if len(dims) != rank or not all(isinstance(d, int) for d in dims):
+            return None
+        dims = [d % rank for d in dims]
+    else:
+        return None
+    return tuple(dims) if dims[-1] == rank - 1 else None  # the width axis stays last
 
 
 def _split_linear_bias(graph: fx.Graph, node: fx.Node) -> list[fx.Node] | None:
