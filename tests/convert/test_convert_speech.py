@@ -407,6 +407,48 @@ def test_parameters_state_dict_and_optimiser_kept(name):
     plain.load_state_dict(fused.state_dict())  # and back
 
 
+class _Adapted(nn.Module):
+    """A layer with an adapter added after it (NeMo's ``add_adapter`` on its ``ConvNorm``):
+    no longer the plain layer the stand-in reads the weights of."""
+
+    def __init__(self, layer: nn.Module, width: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.adapter = nn.Linear(width, width)
+
+    def forward(self, x):
+        out = self.layer(x)
+        return out + self.adapter(out.transpose(1, 2)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("name", ["tacotron2_nvidia", "tacotron2_torchaudio", "coqui_location"])
+def test_a_location_layer_changed_after_the_conversion(name):
+    """The stand-in read the conv's weight through the wrapper at each call: with an adapter
+    added after the conversion it raised AttributeError ('NoneType' object has no attribute
+    'weight'). It now runs the original's math through the changed parts, and says so once."""
+    case = CASES[name]
+    plain, fused = _pair(case, torch.float64)
+    for model in (plain, fused):
+        layer = model["attn"].location_layer
+        attr = "location_conv1d" if hasattr(layer, "location_conv1d") else "location_conv"
+        conv = getattr(layer, attr)
+        torch.manual_seed(7)
+        width = getattr(conv, "conv", conv).out_channels
+        setattr(layer, attr, _Adapted(conv, width).double())
+    results = []
+    with pytest.warns(UserWarning, match="changed after the conversion"):
+        for model in (plain, fused):
+            gen = torch.Generator().manual_seed(5)
+            torch.manual_seed(5)
+            inputs = []
+            outs = case.drive(model["attn"], torch.float64, gen, inputs)
+            grads = torch.autograd.grad(sum(o.sum() for o in outs), inputs)
+            results.append((outs, grads))
+    (want, want_grads), (got, got_grads) = results
+    for a, b in zip(got + list(got_grads), want + list(want_grads), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
 # --- what is left alone ---------------------------------------------------------------------------
 
 
