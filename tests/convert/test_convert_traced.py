@@ -18,7 +18,7 @@ from seq2seq_fast.nn.convert import FusedStandIn
 from seq2seq_fast.nn.convert.traced.rewrite import TracedWeights
 from seq2seq_fast.nn.convert.traced.runtime import TRACE_LIMIT
 from seq2seq_fast.ops import fused_available
-from tests.convert.layouts_traced import CASES
+from tests.convert.layouts_traced import CASES, _Holder
 
 pytestmark = pytest.mark.skipif(
     not fused_available("cpu", torch.float64), reason="the C++ extension is not built"
@@ -731,3 +731,57 @@ def test_a_size_of_the_scores_read_before_the_softmax():
             got, want = _run(model.att, args), _run(original.att, args)
             _assert_close(got[0], want[0], dtype, "outputs")
             _assert_close(got[1], want[1], dtype, "gradients")
+
+
+class _WordPooling(torch.nn.Module):
+    """HAN's word level: attention pooling of each sentence's words."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.W = torch.nn.Linear(6, 4)
+        self.u = torch.nn.Linear(4, 1, bias=False)
+
+    def forward(self, h):  # [N, W, D] -> [N, D]
+        w = torch.softmax(self.u(torch.tanh(self.W(h))).squeeze(-1), dim=1)
+        return (w.unsqueeze(-1) * h).sum(1)
+
+
+class _SentencePooling(torch.nn.Module):
+    """HAN's sentence level, which runs the word level inside its own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.words = _WordPooling()
+        self.W = torch.nn.Linear(6, 5)
+        self.u = torch.nn.Linear(5, 1, bias=False)
+
+    def forward(self, x):  # [B, S, W, D] -> [B, D]
+        b, n, w, d = x.shape
+        h = self.words(x.reshape(b * n, w, d)).view(b, n, d)
+        e = self.u(torch.tanh(self.W(h))).squeeze(-1)
+        return (torch.softmax(e, 1).unsqueeze(-1) * h).sum(1)
+
+
+def test_a_converted_module_inside_another_says_nothing_of_torch_compile():
+    """The outer module's own trace reached the inner one, which warned that it was "called
+    inside a compiled model" (and advised torch.compiler.disable) though nobody compiled
+    anything. Inside the user's torch.compile both still say so."""
+    torch.manual_seed(0)
+    original = _Holder(_SentencePooling()).double()
+    model = copy.deepcopy(original)
+    gen = torch.Generator().manual_seed(5)
+    example = torch.randn(2, 3, 4, 6, generator=gen, dtype=torch.float64)
+    report = fuse_attention_report(model, example_inputs=((example,), {}))
+    assert report.count == 2, str(report)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for shape in ((2, 3, 4, 6), (3, 2, 5, 6), (1, 4, 2, 6)):
+            x = torch.randn(*shape, generator=gen, dtype=torch.float64)
+            calls = TracedWeights.calls
+            got = model(x)
+            assert TracedWeights.calls - calls == 2  # both levels ran fused
+            torch.testing.assert_close(got, original(x), atol=1e-12, rtol=1e-12)
+    said = [str(w.message) for w in caught if "fuse_attention" in str(w.message)]
+    assert not said, said
+    with pytest.warns(UserWarning, match=r"att\.words .*inside a compiled model"):
+        torch.compile(model, backend="eager")(example)

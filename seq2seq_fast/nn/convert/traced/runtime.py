@@ -144,6 +144,11 @@ class _TracedState:
     capture_scalars: bool = False
     # the module runs an nn.GRU/nn.LSTM/nn.RNN: traced into its graph (see dynamo_tracing)
     rnn: bool = False
+    # set while a converted module around this one runs its own trace (HAN's sentence level
+    # around its word level): this forward is traced then by the converter, not by the user's
+    # torch.compile, and says nothing of it. (TorchDynamo guards on the value it read: the outer
+    # graph was traced with True and runs with True.)
+    inside_converted: bool = False
 
     def compiles(self) -> int:
         """The most traces any of this module's own frames has taken (see _Rewriter)."""
@@ -155,10 +160,17 @@ class _TracedState:
         may be functions that other modules' traces share: a helper called after a graph break)
         and for a module that keeps tracing."""
         raise_limit = not self.rewriter.found or self.compiles() >= RAISE_FROM
-        if raise_limit or self.rnn:
-            with dynamo_tracing(TRACE_LIMIT if raise_limit else None, allow_rnn=self.rnn):
-                return self._call(module, args, kwargs)
-        return self._call(module, args, kwargs)
+        inner = _converted_inside(module)
+        for state in inner:
+            state.inside_converted = True
+        try:
+            if raise_limit or self.rnn:
+                with dynamo_tracing(TRACE_LIMIT if raise_limit else None, allow_rnn=self.rnn):
+                    return self._call(module, args, kwargs)
+            return self._call(module, args, kwargs)
+        finally:
+            for state in inner:
+                state.inside_converted = False
 
     def _call(self, module: nn.Module, args, kwargs):
         if self.capture_scalars:
@@ -175,6 +187,16 @@ class _TracedState:
 
 def _none() -> None:
     return None
+
+
+def _converted_inside(module: nn.Module) -> list[_TracedState]:
+    """The states of the converted modules inside ``module`` (not itself)."""
+    found = []
+    for inner in module.modules():
+        state = inner.__dict__.get("_fuse_attention_traced")
+        if state is not None and inner is not module:
+            found.append(state)
+    return found
 
 
 INSIDE_COMPILE = (
@@ -280,7 +302,8 @@ def traced_class(cls: type, backend: str) -> type:
                 # TorchDynamo inlines this forward into the user's graph: the module's own code
                 # (the user's backend compiles it), unfused. Said at each trace that reaches it
                 # (the warning is replayed at its graph's calls; Python's filter says it once).
-                warnings.warn(INSIDE_COMPILE.format(state.path, class_name(self)), stacklevel=2)
+                if not state.inside_converted:  # (not the trace of a converted module around)
+                    warnings.warn(INSIDE_COMPILE.format(state.path, class_name(self)), stacklevel=2)
                 return state.compiled(self, *args, **kwargs)
             if watching_now():  # inside a caller's watched first call: this call runs unfused
                 return cls.forward(self, *args, **kwargs)
