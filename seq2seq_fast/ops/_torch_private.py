@@ -48,7 +48,23 @@ PRIVATE_APIS: tuple[tuple[str, str], ...] = (
     ("torch._make_per_channel_quantized_tensor", "seq2seq.inference (int8 rows as a qint8 weight)"),
     ("torch.ops.mkldnn._reorder_linear_weight", "seq2seq.inference (weights packed once)"),
     ("torch.ops.mkldnn._linear_pointwise", "seq2seq.inference (products on packed weights)"),
+    (
+        "torch.nn.modules.module._global_forward_hooks",
+        "nn.convert._base (a stand-in's parts unchanged since the conversion)",
+    ),
+    ("torch.nn.modules.module._global_forward_pre_hooks", "nn.convert._base (the same)"),
 )
+
+
+def global_module_hooks() -> tuple[int, int]:
+    """How many forward hooks and forward pre-hooks are registered for every module
+    (``nn.modules.module.register_module_forward_hook``). Why: a converted stand-in reads some
+    parts' weights without calling them, so such a hook registered after the conversion would
+    not run on them; the stand-in then runs the original's code. torch keeps them in private
+    module dicts and offers no public way to read them."""
+    from torch.nn.modules import module
+
+    return len(module._global_forward_hooks), len(module._global_forward_pre_hooks)
 
 
 @contextlib.contextmanager

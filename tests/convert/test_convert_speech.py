@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize, prune
 
 from seq2seq_fast.nn.convert import FusedStandIn, fuse_attention, fuse_attention_report
 from seq2seq_fast.ops import fused_available
@@ -421,32 +422,79 @@ class _Adapted(nn.Module):
         return out + self.adapter(out.transpose(1, 2)).transpose(1, 2)
 
 
-@pytest.mark.parametrize("name", ["tacotron2_nvidia", "tacotron2_torchaudio", "coqui_location"])
-def test_a_location_layer_changed_after_the_conversion(name):
-    """The stand-in read the conv's weight through the wrapper at each call: with an adapter
-    added after the conversion it raised AttributeError ('NoneType' object has no attribute
-    'weight'). It now runs the original's math through the changed parts, and says so once."""
+class _Doubled(nn.Module):
+    """A parametrization: the weight twice over."""
+
+    def forward(self, weight):
+        return 2 * weight
+
+
+def _score_layer(attention: nn.Module) -> nn.Linear:
+    return next(m for m in attention.modules() if isinstance(m, nn.Linear) and m.out_features == 1)
+
+
+def _change(attention: nn.Module, change: str) -> None:
+    """A change users make to a converted model: an adapter after the location conv (NeMo's
+    add_adapter), a forward hook on the score layer, pruning it (a pre-hook that recomputes
+    its weight), or a parametrization of its weight."""
+    torch.manual_seed(7)
+    if change == "adapter":
+        for parent in attention.modules():
+            for name, child in parent.named_children():
+                conv = getattr(child, "conv", child)
+                if isinstance(conv, nn.Conv1d):
+                    setattr(parent, name, _Adapted(child, conv.out_channels).double())
+                    return
+        raise AssertionError("no location conv")
+    score = _score_layer(attention)
+    if change == "hook":
+        score.register_forward_hook(lambda module, args, out: 2 * out)
+    elif change == "prune":
+        prune.l1_unstructured(score, "weight", amount=0.5)
+    else:
+        parametrize.register_parametrization(score, "weight", _Doubled())
+
+
+LOCATED = ["tacotron2_nvidia", "tacotron2_torchaudio", "coqui_location"]  # (a Conv1d)
+CHANGED = [(name, "adapter") for name in LOCATED] + [
+    (name, change)
+    for name in [
+        *LOCATED,
+        "espnet_att_loc",
+        "speechbrain_location",
+        "fairseq_location",
+        "d2l_sized",
+        "fairseq_mlp",
+    ]
+    for change in ("hook", "prune", "parametrize")
+]
+
+
+@pytest.mark.parametrize(("name", "change"), CHANGED, ids=[f"{n}-{c}" for n, c in CHANGED])
+def test_a_part_changed_after_the_conversion(name, change):
+    """The stand-ins read the score layer's and the location conv's weights directly: a hook
+    or an adapter added after the conversion was silently skipped (outputs off by 0.16), a
+    pruned weight was read stale (the second backward failed), and a wrapper without
+    ``.weight`` raised AttributeError. Such a call now runs the original's own code, and says
+    so once."""
     case = CASES[name]
     plain, fused = _pair(case, torch.float64)
     for model in (plain, fused):
-        layer = model["attn"].location_layer
-        attr = "location_conv1d" if hasattr(layer, "location_conv1d") else "location_conv"
-        conv = getattr(layer, attr)
-        torch.manual_seed(7)
-        width = getattr(conv, "conv", conv).out_channels
-        setattr(layer, attr, _Adapted(conv, width).double())
+        _change(model["attn"], change)
     results = []
     with pytest.warns(UserWarning, match="changed after the conversion"):
         for model in (plain, fused):
-            gen = torch.Generator().manual_seed(5)
             torch.manual_seed(5)
-            inputs = []
-            outs = case.drive(model["attn"], torch.float64, gen, inputs)
-            grads = torch.autograd.grad(sum(o.sum() for o in outs), inputs)
-            results.append((outs, grads))
-    (want, want_grads), (got, got_grads) = results
-    for a, b in zip(got + list(got_grads), want + list(want_grads), strict=True):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+            gen = torch.Generator().manual_seed(5)
+            for _ in range(2):  # (a second backward reaches what the first one freed)
+                inputs = []
+                outs = case.drive(model["attn"], torch.float64, gen, inputs)
+                grads = torch.autograd.grad(sum(o.sum() for o in outs), inputs)
+                results.append(outs + list(grads))
+    half = len(results) // 2
+    for want, got in zip(results[:half], results[half:], strict=True):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
 # --- what is left alone ---------------------------------------------------------------------------

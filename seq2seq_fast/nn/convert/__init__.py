@@ -109,6 +109,7 @@ def _convert_one(module: nn.Module, path: str, backend: str, check: bool, report
             if reason is None:
                 fused = layout.build(module, backend)
                 fused.train(module.training)
+                fused.keep_parts(type(module))
                 report.replaced.append(Replaced(path, layout.name, class_name(module)))
                 return fused
         reasons.append(reason if len(matched) == 1 else f"{layout.name}: {reason}")

@@ -53,6 +53,7 @@ Stand-ins whose client re-projects a fixed memory at every step use
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,19 +63,99 @@ from torch import Tensor, nn
 
 from seq2seq_fast.nn.attention import check_backend
 from seq2seq_fast.ops._library import fused_available
-from seq2seq_fast.ops._torch_private import pytree
+from seq2seq_fast.ops._torch_private import global_module_hooks, pytree
 
 
 class FusedStandIn(nn.Module):
     """Base class of the converter's stand-ins (the converter never converts one again).
     ``layout`` names the :class:`Layout` that built it; ``backend`` ("auto", "fused" or
-    "reference", checked here) is what its attention calls run through."""
+    "reference", checked here) is what its attention calls run through.
+
+    A stand-in reads some of its parts' weights directly (a score layer's, a location conv's)
+    instead of calling them. So that a change made to the parts after the conversion is never
+    lost (a hook, ``torch.nn.utils.prune``'s, a parametrization such as spectral_norm, a child
+    replaced by a LoRA wrapper or given an adapter), each call first checks that every part is
+    as it was converted (:meth:`keep_parts`); where one is not, the call runs the original
+    class's own ``forward`` on the stand-in's state, unfused, and says so once."""
 
     layout: str = ""
 
     def __init__(self, backend: str = "auto") -> None:
         super().__init__()
         self.backend = check_backend(backend)
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        fused = cls.__dict__.get("forward")
+        if fused is None:
+            return
+
+        @functools.wraps(fused)
+        def forward(self, *args, **kwargs):
+            if self._parts_changed():
+                return self._original_forward(*args, **kwargs)
+            return fused(self, *args, **kwargs)
+
+        cls.forward = forward
+
+    def keep_parts(self, original_class: type) -> None:
+        """Record the parts as they are now, and the class whose ``forward`` runs where they
+        change (the converter calls this after building the stand-in)."""
+        self.__dict__["_original_class"] = original_class
+        self.__dict__["_parts"] = _parts_now(self)
+
+    def _parts_changed(self) -> bool:
+        parts = self.__dict__.get("_parts")
+        if parts is None or torch.compiler.is_compiling():
+            return False
+        hooks, children, entries = parts
+        if hooks != global_module_hooks() or self._modules != children:
+            return True
+        for module, cls, children, forward_hooks, pre_hooks in entries:
+            if (
+                module.__class__ is not cls
+                or module._modules != children
+                or module._forward_hooks != forward_hooks
+                or module._forward_pre_hooks != pre_hooks
+            ):
+                return True
+        return False
+
+    def _original_forward(self, *args, **kwargs):
+        """The original class's ``forward`` on this stand-in's state (the very ``__dict__``:
+        parameters, buffers, children and plain attributes, so what it writes the stand-in
+        keeps)."""
+        original = self.__dict__["_original_class"]
+        if not self.__dict__.get("_said_parts_changed"):
+            self.__dict__["_said_parts_changed"] = True
+            warnings.warn(
+                f"fuse_attention: a part of a converted {original.__qualname__} changed after "
+                "the conversion (a hook, pruning, a parametrization, a child replaced or added): "
+                "it runs the original's own code from now on, unfused. Make such changes before "
+                "fuse_attention to have it fused",
+                stacklevel=3,
+            )
+        view = object.__new__(original)
+        object.__setattr__(view, "__dict__", self.__dict__)
+        return original.forward(view, *args, **kwargs)
+
+
+def _parts_now(stand_in: nn.Module) -> tuple:
+    """The module-wide hooks, the stand-in's children, and each part's class, children and
+    hooks (the stand-in's own hooks run in its own call)."""
+    entries = []
+    for module in stand_in.modules():
+        if module is not stand_in:
+            entries.append(
+                (
+                    module,
+                    module.__class__,
+                    dict(module._modules),
+                    dict(module._forward_hooks),
+                    dict(module._forward_pre_hooks),
+                )
+            )
+    return global_module_hooks(), dict(stand_in._modules), entries
 
 
 @dataclass(frozen=True)

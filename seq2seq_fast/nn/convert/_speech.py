@@ -8,7 +8,6 @@ Not a layout itself (the leading underscore keeps the package from importing it 
 from __future__ import annotations
 
 import math
-import warnings
 
 from torch import Tensor, nn
 
@@ -35,24 +34,6 @@ def adopt(stand_in: nn.Module, original: nn.Module) -> None:
     for key, value in vars(original).items():
         if key not in _MODULE_INTERNALS:
             setattr(stand_in, key, value)
-
-
-def parts_changed(stand_in: nn.Module, parts: dict) -> bool:
-    """Whether a part the stand-in reads the weights of directly is no longer the plain layer it
-    was converted with (``parts``: name -> what ``linear_of``/``conv1d_of`` found, None where they
-    found nothing: a child added to a wrapper, as NeMo's ``add_adapter``, or a layer replaced).
-    Said once per stand-in; the caller then runs the original's math through the parts' own
-    forwards, unfused."""
-    changed = [name for name, part in parts.items() if part is None]
-    if changed and not stand_in.__dict__.get("_said_parts_changed"):
-        stand_in.__dict__["_said_parts_changed"] = True
-        warnings.warn(
-            f"fuse_attention: a converted {type(stand_in).__name__}'s {', '.join(changed)} "
-            f"changed after the conversion (no longer a plain layer): it runs its parts' own "
-            f"code, unfused (make such changes before fuse_attention to have it fused)",
-            stacklevel=3,
-        )
-    return bool(changed)
 
 
 def linear_of(module: object) -> nn.Linear | None:

@@ -51,7 +51,6 @@ from seq2seq_fast.nn.convert._speech import (
     is_location_layer,
     is_score_layer,
     linear_of,
-    parts_changed,
 )
 
 
@@ -94,13 +93,6 @@ class FusedCoquiOriginalAttention(FusedStandIn):
                 f"seq2seq_fast: this converted OriginalAttention cannot run: {reason}"
             )
         score = linear_of(self.v)
-        parts = {"v": score}
-        if self.location_attention:
-            layer = self.location_layer
-            parts["location_conv1d"] = conv1d_of(layer.location_conv1d)
-            parts["location_dense"] = linear_of(layer.location_dense)
-        if parts_changed(self, parts):
-            return self._own_code(query, inputs, processed_inputs, mask)
         # the score layer's bias: a shift of every score, which a softmax cancels and a sigmoid
         # keeps (sigmoid(e + b))
         shifts = () if score.bias is None else (score.bias,)
@@ -111,7 +103,12 @@ class FusedCoquiOriginalAttention(FusedStandIn):
                 (self.attention_weights.unsqueeze(1), self.attention_weights_cum.unsqueeze(1)),
                 dim=1,
             )
-            location = (previous, parts["location_conv1d"].weight, parts["location_dense"].weight)
+            layer = self.location_layer
+            location = (
+                previous,
+                conv1d_of(layer.location_conv1d).weight,
+                linear_of(layer.location_dense).weight,
+            )
         attention = planned(
             self,
             shifted=bool(shifts),
@@ -134,27 +131,6 @@ class FusedCoquiOriginalAttention(FusedStandIn):
             self.update_location_attention(alignment)
         self.attention_weights = alignment
         return context
-
-    def _own_code(self, query, inputs, processed_inputs, mask):
-        """The original's math through the parts' own forwards (see ``parts_changed``)."""
-        total = self.query_layer(query.unsqueeze(1)) + processed_inputs
-        if self.location_attention:
-            previous = torch.cat(
-                (self.attention_weights.unsqueeze(1), self.attention_weights_cum.unsqueeze(1)),
-                dim=1,
-            )
-            total = total + self.location_layer(previous)
-        energies = self.v(torch.tanh(total)).squeeze(-1)
-        if mask is not None:
-            energies = energies.masked_fill(~mask, self._mask_value)
-        if self.norm == "sigmoid":
-            alignment = torch.sigmoid(energies) / torch.sigmoid(energies).sum(dim=1, keepdim=True)
-        else:
-            alignment = torch.softmax(energies, dim=-1)
-        if self.location_attention:
-            self.update_location_attention(alignment)
-        self.attention_weights = alignment
-        return torch.bmm(alignment.unsqueeze(1), inputs).squeeze(1)
 
 
 def _unsupported(module: nn.Module, runtime: bool = False) -> str | None:

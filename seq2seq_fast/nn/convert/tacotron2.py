@@ -43,7 +43,6 @@ from seq2seq_fast.nn.convert._speech import (
     is_location_layer,
     is_score_layer,
     linear_of,
-    parts_changed,
 )
 
 
@@ -66,37 +65,25 @@ class FusedTacotron2Attention(FusedStandIn):
         attention_weights_cat: Tensor,
         mask: Tensor | None,
     ) -> tuple[Tensor, Tensor]:
-        layer = self.location_layer  # keys = processed_memory + location_layer(weights_cat)
-        conv, dense = conv1d_of(layer.location_conv), linear_of(layer.location_dense)
-        score = linear_of(self.v)
-        if parts_changed(self, {"location_conv": conv, "location_dense": dense, "v": score}):
-            return self._own_code(
-                attention_hidden_state, memory, processed_memory, attention_weights_cat, mask
-            )
         query = self.query_layer(attention_hidden_state)  # [B, A]
-        location = (attention_weights_cat, conv.weight, dense.weight)
+        layer = self.location_layer  # keys = processed_memory + location_layer(weights_cat)
+        location = (
+            attention_weights_cat,
+            conv1d_of(layer.location_conv).weight,
+            linear_of(layer.location_dense).weight,
+        )
         masks = () if mask is None else (mask,)  # True = padding
         attention = planned(self, masks=("fill",) * len(masks), one_query=True, located=True)
         weights, context = attention(
             query,
             processed_memory,
-            score.weight,
+            linear_of(self.v).weight,
             memory,
             masks=masks,
             fills=(self.score_mask_value,) * len(masks),
             location=location,
         )
         return context, weights
-
-    def _own_code(self, hidden, memory, processed_memory, weights_cat, mask):
-        """The original's math through the parts' own forwards (see ``parts_changed``)."""
-        query = self.query_layer(hidden.unsqueeze(1))
-        location = self.location_layer(weights_cat)
-        energies = self.v(torch.tanh(query + location + processed_memory)).squeeze(-1)
-        if mask is not None:
-            energies = energies.masked_fill(mask, self.score_mask_value)
-        weights = torch.softmax(energies, dim=1)
-        return torch.bmm(weights.unsqueeze(1), memory).squeeze(1), weights
 
 
 def _match(module: nn.Module) -> bool:
