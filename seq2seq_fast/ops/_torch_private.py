@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.nn.modules import module as _nn_module
 
 # Why: nested args/kwargs/outputs (tuples, lists, dicts, NamedTuples, dataclasses registered with
 # torch) flattened to their tensors exactly as torch.compile and torch.export see them; the
@@ -62,9 +63,7 @@ def global_module_hooks() -> tuple[int, int]:
     parts' weights without calling them, so such a hook registered after the conversion would
     not run on them; the stand-in then runs the original's code. torch keeps them in private
     module dicts and offers no public way to read them."""
-    from torch.nn.modules import module
-
-    return len(module._global_forward_hooks), len(module._global_forward_pre_hooks)
+    return len(_nn_module._global_forward_hooks), len(_nn_module._global_forward_pre_hooks)
 
 
 @contextlib.contextmanager
