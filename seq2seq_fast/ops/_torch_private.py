@@ -68,20 +68,28 @@ def global_module_hooks() -> tuple[int, int]:
 
 @contextlib.contextmanager
 def quiet_trace_errors() -> Iterator[None]:
-    """The fake-tensor log of TorchDynamo quiet (errors only at CRITICAL) for the block. Why:
-    when the converter's own trace of a module fails (the module does what fake tensors cannot
-    follow), torch logs every failed op's traceback at ERROR (170 lines for one module) before
-    raising; the converter catches the error and says in one line why it left the module. The
-    logger's name is torch's private module's."""
+    """The fake-tensor log of TorchDynamo quiet (errors only at CRITICAL), and its advice on a
+    graph break at ``Tensor.item()``, for the block. Why: when the converter's own trace of a
+    module fails (the module does what fake tensors cannot follow), torch logs every failed op's
+    traceback at ERROR (170 lines for one module) before raising; the converter catches the error
+    and says in one line why it left the module. A forward that reads ``.item()`` (a mask built
+    in a Python loop) makes TorchDynamo print a dozen lines advising ``capture_scalar_outputs``
+    to a user who compiled nothing; the converter says itself what it could not convert. The
+    loggers' names are torch's private modules'."""
     import logging
 
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    loggers = [
+        logging.getLogger("torch._subclasses.fake_tensor"),
+        logging.getLogger("torch._dynamo.variables.tensor"),
+    ]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def uncompiled(module: torch.nn.Module) -> torch.nn.Module:

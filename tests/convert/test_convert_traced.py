@@ -7,6 +7,9 @@ unchanged and no tanh left in its calls; each look-alike is left as it is."""
 from __future__ import annotations
 
 import copy
+import pathlib
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -785,3 +788,43 @@ def test_a_converted_module_inside_another_says_nothing_of_torch_compile():
     assert not said, said
     with pytest.warns(UserWarning, match=r"att\.words .*inside a compiled model"):
         torch.compile(model, backend="eager")(example)
+
+
+class _MaskFromItems(torch.nn.Module):
+    """A mask built in a Python loop from ``lengths[b].item()`` (AuCson's batch attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.Linear(8, 4)
+        self.v = torch.nn.Parameter(torch.randn(4) * 0.5)
+
+    def forward(self, query, keys, lengths):  # [B, 4], [B, T, 4], [B]
+        t = keys.shape[1]
+        energy = torch.tanh(self.attn(torch.cat([query.unsqueeze(1).expand_as(keys), keys], 2)))
+        e = energy @ self.v
+        rows = [[False] * int(n.item()) + [True] * (t - int(n.item())) for n in lengths]
+        return torch.softmax(e.masked_fill(torch.tensor(rows), -1e9), dim=1)
+
+
+def test_the_converters_own_trace_prints_no_torch_compile_advice():
+    """TorchDynamo printed a dozen lines advising ``capture_scalar_outputs`` at the graph break
+    of ``.item()`` when the converter traced the module, to a user who compiled nothing. (In a
+    fresh process: torch's log handler writes to the stderr it found at import.)"""
+    script = (
+        "import torch\n"
+        "from seq2seq_fast.nn import fuse_attention_report\n"
+        "from tests.convert.layouts_traced import _Holder\n"
+        "from tests.convert.test_convert_traced import _MaskFromItems\n"
+        "model = _Holder(_MaskFromItems()).double()\n"
+        "args = (torch.randn(3, 4).double(), torch.randn(3, 5, 4).double(), torch.tensor([5, 3, 2]))\n"
+        "report = fuse_attention_report(model, example_inputs=(args, {}))\n"
+        "model(*args)\n"
+        "print(report)\n"
+    )
+    root = pathlib.Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "graph break" in done.stdout, done.stdout  # (the converter's own one line)
+    assert "item()" not in done.stderr, done.stderr[-3000:]

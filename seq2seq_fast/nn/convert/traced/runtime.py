@@ -164,8 +164,11 @@ class _TracedState:
         for state in inner:
             state.inside_converted = True
         try:
-            if raise_limit or self.rnn:
-                with dynamo_tracing(TRACE_LIMIT if raise_limit else None, allow_rnn=self.rnn):
+            if raise_limit:  # (and the trace's log quiet: the converter says what it found)
+                with dynamo_tracing(TRACE_LIMIT, allow_rnn=self.rnn), quiet_trace_errors():
+                    return self._call(module, args, kwargs)
+            if self.rnn:
+                with dynamo_tracing(None, allow_rnn=True):
                     return self._call(module, args, kwargs)
             return self._call(module, args, kwargs)
         finally:
