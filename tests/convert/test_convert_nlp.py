@@ -509,3 +509,41 @@ def test_compiled_converted_decoder_matches(name):
     x["memory"].grad = None
     expected.backward()
     torch.testing.assert_close(grad, x["memory"].grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("change", ["spectral_norm_keys", "hook_on_scores"])
+def test_joeynmt_with_a_part_changed_after_the_conversion(change):
+    """JoeyNMT's ``compute_proj_keys`` is part of its call convention: with spectral_norm put on
+    the key layer after the conversion, the stand-in's own ``compute_proj_keys`` read
+    ``key_layer.weight`` for its cache (a power iteration at each read) and the results drifted
+    from the original's (0.013). Every method of the convention now runs the original's once a
+    part changed."""
+    torch.manual_seed(0)
+    plain = nn.ModuleDict({"attn": layouts.BahdanauAttention(8, 10, 6)}).double()
+    fused = copy.deepcopy(plain)
+    assert fuse_attention_report(fused).count == 1
+    for model in (plain, fused):
+        attention = model["attn"]
+        if change == "spectral_norm_keys":
+            torch.manual_seed(11)  # (its power iteration starts from random vectors)
+            torch.nn.utils.parametrizations.spectral_norm(attention.key_layer)
+        else:
+            attention.energy_layer.register_forward_hook(lambda module, args, out: 2 * out)
+    results = []
+    with pytest.warns(UserWarning, match="changed after the conversion"):
+        for model in (plain, fused):
+            gen = torch.Generator().manual_seed(3)
+            outs = []
+            for batch, frames in ((3, 7), (2, 5)):
+                values = torch.randn(batch, frames, 10, generator=gen, dtype=torch.float64)
+                mask = torch.arange(frames) < torch.tensor([frames, 2, 1][:batch])[:, None]
+                model["attn"].compute_proj_keys(values)
+                sequence = []
+                for _ in range(3):
+                    query = torch.randn(batch, 1, 6, generator=gen, dtype=torch.float64)
+                    sequence += list(model["attn"](query, mask.unsqueeze(1), values))
+                sum(o.sum() for o in sequence).backward()
+                outs += sequence
+            results.append(outs + [p.grad for p in model.parameters()])
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -86,17 +87,11 @@ class FusedStandIn(nn.Module):
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        fused = cls.__dict__.get("forward")
-        if fused is None:
-            return
-
-        @functools.wraps(fused)
-        def forward(self, *args, **kwargs):
-            if self._parts_changed():
-                return self._original_forward(*args, **kwargs)
-            return fused(self, *args, **kwargs)
-
-        cls.forward = forward
+        # forward, and the other methods of the project's call convention a stand-in defines
+        # (JoeyNMT's compute_proj_keys, ESPnet's reset, Coqui's init_states, ...)
+        for name, method in list(cls.__dict__.items()):
+            if isinstance(method, types.FunctionType) and not name.startswith("_"):
+                setattr(cls, name, _guarded(name, method))
 
     def keep_parts(self, original_class: type) -> None:
         """Record the parts as they are now, and the class whose ``forward`` runs where they
@@ -121,10 +116,10 @@ class FusedStandIn(nn.Module):
                 return True
         return False
 
-    def _original_forward(self, *args, **kwargs):
-        """The original class's ``forward`` on this stand-in's state (the very ``__dict__``:
-        parameters, buffers, children and plain attributes, so what it writes the stand-in
-        keeps)."""
+    def _original_method(self, name: str, *args, **kwargs):
+        """The original class's method ``name`` on this stand-in's state (the very
+        ``__dict__``: parameters, buffers, children and plain attributes, so what it writes the
+        stand-in keeps)."""
         original = self.__dict__["_original_class"]
         if not self.__dict__.get("_said_parts_changed"):
             self.__dict__["_said_parts_changed"] = True
@@ -137,7 +132,21 @@ class FusedStandIn(nn.Module):
             )
         view = object.__new__(original)
         object.__setattr__(view, "__dict__", self.__dict__)
-        return original.forward(view, *args, **kwargs)
+        return getattr(original, name)(view, *args, **kwargs)
+
+
+def _guarded(name: str, method: Callable) -> Callable:
+    """``method`` of a stand-in, or the original class's ``name`` where the stand-in's parts
+    changed since the conversion (see :class:`FusedStandIn`)."""
+
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        original = self.__dict__.get("_original_class")
+        if original is not None and hasattr(original, name) and self._parts_changed():
+            return self._original_method(name, *args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    return guarded
 
 
 def _parts_now(stand_in: nn.Module) -> tuple:
