@@ -5,6 +5,7 @@ in a few decoder steps, with padding where the layout takes it."""
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -547,3 +548,33 @@ def test_joeynmt_with_a_part_changed_after_the_conversion(change):
             results.append(outs + [p.grad for p in model.parameters()])
     for got, want in zip(results[1], results[0], strict=True):
         torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+class _WatchedParent(nn.Module):
+    """A parent the general path watches until its first call, around a named stand-in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.attn = layouts.TutorialAttention(8)
+
+    def forward(self, query, keys):
+        return self.attn(self.proj(query), keys)
+
+
+def test_a_stand_in_inside_a_watched_first_call_runs_fused():
+    """During a watched parent's first call the watcher hooked every module of its tree, the
+    stand-in's parts included: the stand-in took them for a change after the conversion, ran
+    the original's code and warned that a part had changed."""
+    from seq2seq_fast.nn.convert.traced.rewrite import TracedWeights
+
+    model = _WatchedParent().double()
+    report = fuse_attention_report(model)
+    assert [r.layout for r in report.replaced] == ["tutorial"], str(report)
+    assert report.watching == ["(model)"], str(report)
+    query, keys = torch.randn(3, 1, 8).double(), torch.randn(3, 5, 8).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        calls = TracedWeights.calls
+        model(query, keys)  # the watched first call
+        assert TracedWeights.calls > calls  # the stand-in ran fused

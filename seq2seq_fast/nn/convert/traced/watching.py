@@ -119,7 +119,7 @@ class _CallWatch:
         # after them, removes itself (torch goes through a module's forward hooks as they are,
         # not a copy, when its forward raises)
         root = self.stack[0].module if self.stack else None
-        tree = [m for m in root.modules() if m is not root] if root is not None else []
+        tree = _tree_but_stand_ins(root) if root is not None else []
         self.hooks = [m.register_forward_pre_hook(self._enter_call) for m in tree] + [
             m.register_forward_hook(self._leave_call, always_call=True, prepend=True) for m in tree
         ]
@@ -266,6 +266,21 @@ def _floating_copy(value):
         with torch.inference_mode(False):
             return value.detach().clone()
     return value
+
+
+def _tree_but_stand_ins(root: nn.Module) -> list[nn.Module]:
+    """``root``'s submodules (not itself), a stand-in's parts left out: they are converted, and
+    a stand-in checks at each call that its parts carry no hooks it was not converted with."""
+    tree, seen, pending = [], {id(root)}, list(root.children())
+    while pending:
+        module = pending.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        tree.append(module)
+        if not isinstance(module, FusedStandIn):
+            pending.extend(module.children())
+    return tree
 
 
 def _pre_hook(module: nn.Module, args, kwargs):
