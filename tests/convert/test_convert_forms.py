@@ -189,6 +189,19 @@ def _assert_fused_and_matching(converted, original, args, dtype) -> None:
     _assert_close(got[1], want[1], dtype, "gradients")
 
 
+def _converts_and_matches(attention, dtype, call, example: tuple, shapes: tuple) -> str:
+    """``attention`` (in a holder) converted with ``call(*example)`` as its example call, one
+    module, then fused and matching the original on ``call(*shape)`` for each of ``shapes``;
+    the report's text."""
+    original = T._Holder(attention).to(dtype)
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model, example_inputs=call(*example))
+    assert report.count == 1, str(report)
+    for shape in shapes:
+        _assert_fused_and_matching(model.att, original.att, call(*shape), dtype)
+    return str(report)
+
+
 class _MatmulPooling(torch.nn.Module):
     """Learned-query pooling with its projection written out, tanh(h @ W + b) against a context
     vector (HAN's matrix_mul, vectorised), over time-major or batch-major h, the bias [A] or
@@ -477,8 +490,7 @@ def test_a_sum_flattened_into_rows_before_the_tanh(how, dtype):
     """Neither converted nor reported: the watch lost the sum at the view, and the match saw a
     tanh of a view. tanh(view(sum)) is view(tanh(sum)), which converts."""
     torch.manual_seed(0)
-    original = T._Holder(_FlattenedSum(how)).to(dtype)
-    model = copy.deepcopy(original)
+    attention = _FlattenedSum(how)
     gen = torch.Generator().manual_seed(2)
 
     def call(batch, queries, keys):
@@ -489,11 +501,7 @@ def test_a_sum_flattened_into_rows_before_the_tanh(how, dtype):
             pad,
         )
 
-    report = fuse_attention_report(model, example_inputs=call(3, 1, 5))
-    assert report.count == 1, str(report)
-    for shape in ((4, 1, 7), (2, 3, 6)):
-        args = call(*shape)
-        _assert_fused_and_matching(model.att, original.att, args, dtype)
+    _converts_and_matches(attention, dtype, call, (3, 1, 5), ((4, 1, 7), (2, 3, 6)))
 
 
 class _FlattenedTanh(torch.nn.Module):
@@ -525,8 +533,7 @@ def test_a_tanh_flattened_into_rows_for_the_score_layer(back, dtype):
     """Refused as "the tanh goes into 'view'" when the scores were viewed back to [B, T, 1]:
     the pass that takes the projection on the tanh itself took [B, T] only."""
     torch.manual_seed(0)
-    original = T._Holder(_FlattenedTanh(back)).to(dtype)
-    model = copy.deepcopy(original)
+    attention = _FlattenedTanh(back)
     gen = torch.Generator().manual_seed(3)
 
     def call(batch, frames):
@@ -535,10 +542,7 @@ def test_a_tanh_flattened_into_rows_for_the_score_layer(back, dtype):
             torch.randn(batch, frames, 5, generator=gen, dtype=dtype),
         )
 
-    report = fuse_attention_report(model, example_inputs=call(3, 5))
-    assert report.count == 1, str(report)
-    for shape in ((4, 7), (2, 3)):
-        _assert_fused_and_matching(model.att, original.att, call(*shape), dtype)
+    _converts_and_matches(attention, dtype, call, (3, 5), ((4, 7), (2, 3)))
 
 
 class _TemporalAttention(torch.nn.Module):
@@ -579,8 +583,7 @@ def test_a_concat_of_states_repeated_and_permuted(rows, dtype):
     ("every term varies along the softmax's axis"), and the linear map of the cat's rows made
     the tanh's input one term of [B * T] rows. Both now split into query and key terms."""
     torch.manual_seed(0)
-    original = T._Holder(_TemporalAttention(rows)).to(dtype)
-    model = copy.deepcopy(original)
+    attention = _TemporalAttention(rows)
     gen = torch.Generator().manual_seed(4)
 
     def call(batch, frames):
@@ -590,11 +593,8 @@ def test_a_concat_of_states_repeated_and_permuted(rows, dtype):
             torch.randn(batch, frames, 6, generator=gen, dtype=dtype),
         )
 
-    report = fuse_attention_report(model, example_inputs=call(3, 5))
-    assert report.count == 1, str(report)
-    assert "2 query and 1 key term(s)" in str(report), str(report)
-    for shape in ((4, 7), (2, 3)):
-        _assert_fused_and_matching(model.att, original.att, call(*shape), dtype)
+    report = _converts_and_matches(attention, dtype, call, (3, 5), ((4, 7), (2, 3)))
+    assert "2 query and 1 key term(s)" in report, report
 
 
 class _WritesInPlace(torch.nn.Module):
