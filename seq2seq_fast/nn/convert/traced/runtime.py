@@ -149,6 +149,9 @@ class _TracedState:
     # torch.compile, and says nothing of it. (TorchDynamo guards on the value it read: the outer
     # graph was traced with True and runs with True.)
     inside_converted: bool = False
+    # the states of the converted modules inside this one (see _converted_inside): found at the
+    # first call and again whenever the trace limit is raised, not at every call
+    inner: list | None = None
 
     def compiles(self) -> int:
         """The most traces any of this module's own frames has taken (see _Rewriter)."""
@@ -160,7 +163,9 @@ class _TracedState:
         may be functions that other modules' traces share: a helper called after a graph break)
         and for a module that keeps tracing."""
         raise_limit = not self.rewriter.found or self.compiles() >= RAISE_FROM
-        inner = _converted_inside(module)
+        if raise_limit or self.inner is None:
+            self.inner = _converted_inside(module)
+        inner = self.inner
         for state in inner:
             state.inside_converted = True
         try:
