@@ -200,6 +200,58 @@ def test_dropout_on_the_weights(p, training, ours, dtype, monkeypatch):
         assert not any(took), took
 
 
+class _DroppedTanh(nn.Module):
+    """A dropout on the tanh's output, before the score layer (as in attention pooling layers
+    that regularise the hidden layer)."""
+
+    def __init__(self, p: float, dq: int = 5, dk: int = 6, hidden: int = 7) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(dq, hidden, bias=False), nn.Linear(dk, hidden)
+        self.v = nn.Linear(hidden, 1, bias=False)
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, query, memory, padding):
+        hidden = torch.tanh(self.q(query).unsqueeze(1) + self.k(memory))
+        e = self.v(self.dropout(hidden)).squeeze(-1)
+        w = torch.softmax(e.masked_fill(padding, -1e9), dim=-1)
+        return torch.bmm(w.unsqueeze(1), memory).squeeze(1), w
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("p, training", [(0.0, True), (0.4, False)], ids=["p0-train", "eval"])
+def test_a_dropout_that_does_nothing_between_the_tanh_and_the_scores(p, training, dtype):
+    """Seen through: converted, and the same as the original (outputs and gradients)."""
+    torch.manual_seed(0)
+    original = _DroppedTanh(p).to(dtype).train(training)
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model, example_inputs=_args(2, 4, dtype))
+    assert report.count == 1, str(report)
+    got, want = _steps(model, _args(3, 6, dtype), 3), _steps(original, _args(3, 6, dtype), 3)
+    _assert_close(got[0], want[0], dtype, "outputs")
+    _assert_close(got[1], want[1], dtype, "gradients")
+
+
+def test_an_active_dropout_between_the_tanh_and_the_scores():
+    """Refused, saying so; converted in eval mode and then trained, the training calls run the
+    module's own code (the same dropout draws as the original's) and say why, once."""
+    dtype = torch.float64
+    model = _DroppedTanh(0.4).to(dtype)
+    report = fuse_attention_report(copy.deepcopy(model), example_inputs=_args(2, 4, dtype))
+    assert report.count == 0 and "active dropout" in str(report), str(report)
+    original = model.eval()
+    model = copy.deepcopy(original)
+    assert fuse_attention_report(model, example_inputs=_args(2, 4, dtype)).count == 1
+    model.train(), original.train()
+    args = _args(3, 6, dtype)
+    with pytest.warns(UserWarning, match="active dropout"):
+        torch.manual_seed(3)
+        got = _steps(model, args, 2)
+    torch.manual_seed(3)
+    want = _steps(original, args, 2)
+    _assert_close(got[0], want[0], dtype, "outputs")
+    _assert_close(got[1], want[1], dtype, "gradients")
+
+
 class _KeptMask(nn.Module):
     """SpeechBrain's form: a 0/1 mask kept on the module, compared with 0 at every call (a new
     bool tensor each step)."""

@@ -139,6 +139,18 @@ def _single_user(node: fx.Node, what: str) -> fx.Node:
     return users[0]
 
 
+def _inert_dropout(node: fx.Node) -> bool:
+    """``F.dropout(x, p, training, inplace)`` that returns its input: p a constant 0 (TorchDynamo
+    specialises ``nn.Dropout(0.0)`` so; a p > 0 arrives as a tensor and is not inert) or training
+    a constant False (the module in eval mode). An active dropout keeps the graph's product."""
+    if not _is(node, {torch.nn.functional.dropout}):
+        return False
+    names = ("input", "p", "training", "inplace")
+    given = {**dict(zip(names, node.args, strict=False)), **node.kwargs}
+    p, training = given.get("p", 0.5), given.get("training", True)
+    return (isinstance(p, (int, float)) and p == 0) or training is False
+
+
 def _terms(node: fx.Node) -> list[fx.Node]:
     """Leaves of the add tree at ``node`` (an add used elsewhere is a leaf)."""
     if _is(node, _ADDS) and len(node.args) == 2 and not node.kwargs:

@@ -7,7 +7,8 @@ methods, with example values carrying shapes) is searched for::
         (repeats and expands of a term that only broadcast it are seen through)
     e = project(tanh(X)) onto a vector v: linear(., w[1, H]), matmul(., v), (. * v).sum(-1),
         einsum("...h,h->..."), bmm(v repeated over the batch, tanh^T), or bmm(v, tanh) with the
-        hidden axis in the middle ([B, H, T]: a Conv1d over the memory)
+        hidden axis in the middle ([B, H, T]: a Conv1d over the memory); a dropout that does
+        nothing (p = 0, or eval mode) between the tanh and the projection is seen through
     e -> shape-only ops (squeeze, unsqueeze, transpose, permute, view, reshape, contiguous), dtype
          round trips, scale (e * c, e / c), shifts (e + c, e - c: a number or a one-element
          tensor, and the projection's own bias), masks (masked_fill / masked_fill_ /
@@ -61,6 +62,7 @@ from seq2seq_fast.nn.convert.traced.nodes import (
     _arg,
     _described,
     _hint,
+    _inert_dropout,
     _is,
     _is_one,
     _number,
@@ -265,6 +267,13 @@ def _projection(tanh: fx.Node, shape: tuple, rank: int):
     leading = tuple(range(rank - 1))
     width = shape[-1]
     user = _single_user(tanh, "the tanh")
+    while _inert_dropout(user):  # a dropout that does nothing (p = 0, or eval mode)
+        tanh, user = user, _single_user(user, "the tanh after a dropout")
+    if _is(user, {F.dropout}):
+        raise NoMatch(
+            "an active dropout lies between the tanh and the projection onto a vector (the fused "
+            "op has none; in eval mode, or at p = 0, it is seen through)"
+        )
     if _is(user, {torch.bmm, *_MATMUL}) and len(user.args) == 2 and user.args[1] is tanh:
         # bmm(v repeated over the batch [B, 1, H], tanh [B, H, S]) -> [B, 1, S] (a pointer
         # network's Conv1d over [B, H, S] memory)

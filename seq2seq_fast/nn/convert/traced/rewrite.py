@@ -17,7 +17,15 @@ from torch import Tensor, fx, nn
 from seq2seq_fast.nn.convert._base import with_cancelled
 from seq2seq_fast.nn.convert._location import attend_location
 from seq2seq_fast.nn.convert.traced.key_terms import _BoundTerm, _key_terms, _LocationTerm, _Plain
-from seq2seq_fast.nn.convert.traced.nodes import _MATMUL, _MUL, _NEW_FULL, _SUM, MASK_FILL_MAX, _is
+from seq2seq_fast.nn.convert.traced.nodes import (
+    _MATMUL,
+    _MUL,
+    _NEW_FULL,
+    _SUM,
+    MASK_FILL_MAX,
+    _inert_dropout,
+    _is,
+)
 from seq2seq_fast.nn.convert.traced.plan import Layout, Mask, Plan, Round, Scale, Shift, Site
 from seq2seq_fast.nn.keycache import MAX_THREADS, ProjectionCache, Weak, cache_bypassed
 from seq2seq_fast.nn.stepwise import StepwiseMemory
@@ -831,18 +839,6 @@ def _order_keeping_view(node: fx.Node, of: fx.Node) -> bool:
     if _is(node, {operator.getitem}) and isinstance(node.args[1], tuple):
         return all(i is None or i is Ellipsis or i == slice(None, None, None) for i in node.args[1])
     return False
-
-
-def _inert_dropout(node: fx.Node) -> bool:
-    """``F.dropout(x, p, training, inplace)`` that returns its input: p a constant 0 (TorchDynamo
-    specialises ``nn.Dropout(0.0)`` so; a p > 0 arrives as a tensor and is not inert) or training
-    a constant False (the module in eval mode). An active dropout keeps the graph's product."""
-    if not _is(node, {torch.nn.functional.dropout}):
-        return False
-    names = ("input", "p", "training", "inplace")
-    given = {**dict(zip(names, node.args, strict=False)), **node.kwargs}
-    p, training = given.get("p", 0.5), given.get("training", True)
-    return (isinstance(p, (int, float)) and p == 0) or training is False
 
 
 def _context_site(weights: fx.Node, memory_first: bool) -> tuple | None:
