@@ -317,37 +317,42 @@ def _projection(tanh: fx.Node, shape: tuple, rank: int):
                     return product, vector, (0, None, 1), rank - 1
         raise NoMatch("the transposed tanh is not multiplied by a vector repeated over the batch")
     if _is(user, _MUL) and len(user.args) == 2 and tanh in user.args:
-        vector = user.args[1] if user.args[0] is tanh else user.args[0]
-        shape = _shape(vector)
-        if (
-            shape is None
-            or not _same(shape[-1], width)
-            or len(shape) > rank
-            or (not all(map(_is_one, shape[:-1])) and not isinstance(vector, fx.Node))
-        ):
-            raise NoMatch(f"the tanh is multiplied by {_described(vector)}, not a vector")
-        # (a vector per head, [heads, H]: its axes must be batch axes, checked by the caller)
-        total = _single_user(user, "the product with the vector")
-        dim = _arg(total, 1, "dim")
-        dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
-        if not _is(total, _SUM):
-            made = f" (made by {op_name(vector)!r})" if isinstance(vector, fx.Node) else ""
-            raise NoMatch(
-                f"the tanh is multiplied by {_described(vector)}{made}, and the product goes "
-                f"into {op_name(total)!r}, not a sum over the last axis"
-            )
-        if dim not in (-1, rank - 1):
-            raise NoMatch("the product with the vector is not summed over the last axis")
-        if _arg(total, 3, "dtype") is not None:
-            raise NoMatch("the sum over the hidden axis changes the dtype")
-        keepdim = bool(_arg(total, 2, "keepdim", False))
-        return total, vector, leading + ((None,) if keepdim else ()), rank - 1
+        return _product_projection(tanh, user, width, rank, leading)
     if user.op == "output":  # the graph ends after the tanh: a graph break, or its return
         raise NoMatch(
             "the tanh's value leaves the traced graph before any projection onto a vector (the "
             "forward returns it, or TorchDynamo broke the graph after it)"
         )
     raise NoMatch(f"the tanh goes into {op_name(user)!r}, not a projection onto a vector")
+
+
+def _product_projection(tanh: fx.Node, user: fx.Node, width, rank: int, leading: tuple):
+    """``(tanh * v).sum(-1)``: (the sum, v, origin, hidden axis) as :func:`_projection` gives."""
+    vector = user.args[1] if user.args[0] is tanh else user.args[0]
+    shape = _shape(vector)
+    if (
+        shape is None
+        or not _same(shape[-1], width)
+        or len(shape) > rank
+        or (not all(map(_is_one, shape[:-1])) and not isinstance(vector, fx.Node))
+    ):
+        raise NoMatch(f"the tanh is multiplied by {_described(vector)}, not a vector")
+    # (a vector per head, [heads, H]: its axes must be batch axes, checked by the caller)
+    total = _single_user(user, "the product with the vector")
+    dim = _arg(total, 1, "dim")
+    dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
+    if not _is(total, _SUM):
+        made = f" (made by {op_name(vector)!r})" if isinstance(vector, fx.Node) else ""
+        raise NoMatch(
+            f"the tanh is multiplied by {_described(vector)}{made}, and the product goes "
+            f"into {op_name(total)!r}, not a sum over the last axis"
+        )
+    if dim not in (-1, rank - 1):
+        raise NoMatch("the product with the vector is not summed over the last axis")
+    if _arg(total, 3, "dtype") is not None:
+        raise NoMatch("the sum over the hidden axis changes the dtype")
+    keepdim = bool(_arg(total, 2, "keepdim", False))
+    return total, vector, leading + ((None,) if keepdim else ()), rank - 1
 
 
 def _permuted(origin: tuple, dims: list[int]) -> tuple:
