@@ -63,6 +63,66 @@ def test_example_inputs_leave_buffers_as_they_were():
         torch.testing.assert_close(after[key], value, rtol=0, atol=0)
 
 
+class _Stateful(nn.Module):
+    """A model whose forward keeps state on itself in every way a forward can: a counter, a
+    list of past weights, a tensor updated in place, a tensor cached by the batch's size (as
+    fastNLP's self-attention keeps its identity matrix), a buffer reassigned, an attribute
+    first set by a call; and a dropout that draws random numbers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.att = Pointer()
+        self.drop = nn.Dropout(0.3)
+        self.register_buffer("steps", torch.zeros(()))
+        self.calls, self.history, self.total = 0, [], torch.zeros(())
+        self.eye = torch.eye(1)
+
+    def forward(self, memory, query, pad):
+        if self.eye.size(0) != memory.size(0):
+            self.eye = torch.eye(memory.size(0))
+        probs, pointed = self.att(self.drop(memory), query, pad)
+        self.calls += 1
+        self.history.append(probs)
+        self.total.add_(probs.sum())
+        self.steps = self.steps + 1
+        self.last_batch = memory.size(0)
+        return probs, pointed * self.eye.sum() / self.calls
+
+
+def _stateful_state(model: _Stateful) -> dict:
+    return {
+        "calls": model.calls,
+        "history": len(model.history),
+        "total": float(model.total),
+        "eye": tuple(model.eye.shape),
+        "steps": float(model.steps),
+        "last_batch": getattr(model, "last_batch", None),
+    }
+
+
+def test_the_example_call_leaves_no_trace_on_the_model():
+    """The example call puts back what the model's forward kept on it (plain attributes and
+    buffers, their objects and content; an attribute it added is gone) and the random state:
+    the converted model's next calls are the unconverted one's."""
+    torch.manual_seed(0)
+    original = _Stateful()
+    model = copy.deepcopy(original)
+    before = _stateful_state(model)
+    example = _pointer_call(3, 6, torch.float32)
+    rng = torch.get_rng_state()
+    assert fuse_attention(model, example_inputs=example) == 1
+    assert _stateful_state(model) == before
+    assert torch.equal(torch.get_rng_state(), rng)
+    for batch in (4, 2):
+        args = _pointer_call(batch, 5, torch.float32)
+        torch.manual_seed(batch)
+        got = model(*args)
+        torch.manual_seed(batch)
+        want = original(*args)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert _stateful_state(model) == _stateful_state(original)
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c.converts], ids=lambda c: c.name)
 def test_every_traced_layout_counts_at_once(case):
     torch.manual_seed(0)

@@ -26,6 +26,7 @@ memory gradients once per sequence (:mod:`seq2seq_fast.nn.stepwise`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import logging
@@ -253,8 +254,8 @@ def fuse_attention_report(
 
 def _call_once(model: nn.Module, example_inputs) -> None:
     """``model(*args, **kwargs)`` for ``example_inputs`` (see fuse_attention_report), without
-    gradients, its buffers restored afterwards; a failing call raises ValueError naming
-    example_inputs."""
+    gradients, the model's state put back afterwards (:func:`_state_put_back`); a failing call
+    raises ValueError naming example_inputs."""
     if isinstance(example_inputs, dict):
         args, kwargs = (), example_inputs
     elif (
@@ -268,22 +269,76 @@ def _call_once(model: nn.Module, example_inputs) -> None:
         args, kwargs = tuple(example_inputs), {}
     else:
         args, kwargs = (example_inputs,), {}
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    with _state_put_back(model):
+        try:
+            # without gradients: what the model keeps of the call on itself (the last weights, a
+            # decoder's state) then holds no autograd graph, which would keep the call's memory
+            # alive and make copy.deepcopy(model) fail ("graph leaves")
+            with torch.no_grad():
+                model(*args, **kwargs)
+        except Exception as exc:
+            raise ValueError(
+                f"example_inputs: calling {type(model).__name__} with them failed "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+
+
+# nn.Module's own attributes (parameters, buffers, children, hooks, training): not a forward's state
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+@contextlib.contextmanager
+def _state_put_back(model: nn.Module):
+    """Every module's state as it was before the example call, afterwards: buffers (their
+    content and which tensor each name holds), plain attributes a forward keeps (a cached
+    tensor, a step counter, a list of past weights: the objects, and a tensor's or a list's or
+    dict's content), attributes the call added removed; and the random state. The converter's own
+    attributes (``_fuse_attention_*``) and the conversions themselves stay. What a forward writes
+    outside the model (a logger, a file) is not undone."""
+    saved = []
+    for module in model.modules():
+        buffers = {name: (b, _copied(b)) for name, b in module._buffers.items()}
+        plain = {k: (v, _copied(v)) for k, v in vars(module).items() if _forward_state(k)}
+        saved.append((module, buffers, plain))
+    devices = sorted({t.device.index or 0 for t in model.parameters() if t.is_cuda})
     try:
-        # without gradients: what the model keeps of the call on itself (the last weights, a
-        # decoder's state) then holds no autograd graph, which would keep the call's memory
-        # alive and make copy.deepcopy(model) fail ("graph leaves")
-        with torch.no_grad():
-            model(*args, **kwargs)
-    except Exception as exc:
-        raise ValueError(
-            f"example_inputs: calling {type(model).__name__} with them failed "
-            f"({type(exc).__name__}: {exc})"
-        ) from exc
+        with torch.random.fork_rng(devices=devices):
+            yield
     finally:
         with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
+            for module, buffers, plain in saved:
+                for name, (buffer, content) in buffers.items():
+                    module._buffers[name] = _put_back(buffer, content)
+                for key in [k for k in vars(module) if _forward_state(k) and k not in plain]:
+                    del module.__dict__[key]
+                for key, (value, content) in plain.items():
+                    module.__dict__[key] = _put_back(value, content)
+
+
+def _forward_state(key: str) -> bool:
+    return key not in _MODULE_INTERNALS and not key.startswith("_fuse_attention")
+
+
+def _copied(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, dict, set)):
+        return value.copy()
+    return None
+
+
+def _put_back(value, content):
+    """``value`` (the object an attribute held) with ``content`` (a copy taken before) again."""
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        if value.shape == content.shape and not torch.equal(value, content):
+            with torch.inference_mode(value.is_inference()):  # (one made under inference_mode)
+                value.copy_(content)
+    elif isinstance(value, list):
+        value[:] = content
+    elif isinstance(value, (dict, set)):
+        value.clear()
+        value.update(content)
+    return value
 
 
 def fuse_attention(
