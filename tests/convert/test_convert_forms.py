@@ -205,27 +205,34 @@ def _converts_and_matches(attention, dtype, call, example: tuple, shapes: tuple)
 class _MatmulPooling(torch.nn.Module):
     """Learned-query pooling with its projection written out, tanh(h @ W + b) against a context
     vector (HAN's matrix_mul, vectorised), over time-major or batch-major h, the bias [A] or
-    [1, A]."""
+    [1, A]; or with no bias, tanh(h @ W) (RecBole SINE's prototype attention)."""
 
-    def __init__(self, time_major: bool, bias_shape: tuple) -> None:
+    def __init__(self, time_major: bool, bias_shape: tuple | None) -> None:
         super().__init__()
         self.axis = 0 if time_major else 1
         self.weight = torch.nn.Parameter(torch.randn(6, 4) * 0.3)
-        self.bias = torch.nn.Parameter(torch.randn(*bias_shape) * 0.3)
+        self.bias = None
+        if bias_shape is not None:
+            self.bias = torch.nn.Parameter(torch.randn(*bias_shape) * 0.3)
         self.context = torch.nn.Parameter(torch.randn(4, 1) * 0.3)
 
     def forward(self, h):
-        u = torch.tanh(torch.matmul(h, self.weight) + self.bias)
+        if self.bias is None:
+            u = torch.tanh(h @ self.weight)
+        else:
+            u = torch.tanh(torch.matmul(h, self.weight) + self.bias)
         w = torch.softmax(torch.matmul(u, self.context).squeeze(-1), dim=self.axis)
         return (h * w.unsqueeze(-1)).sum(self.axis)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-@pytest.mark.parametrize("bias_shape", [(4,), (1, 4)], ids=["bias", "bias_row"])
+@pytest.mark.parametrize("bias_shape", [(4,), (1, 4), None], ids=["bias", "bias_row", "no_bias"])
 @pytest.mark.parametrize("time_major", [False, True], ids=["batch_major", "time_major"])
 def test_pooling_with_its_projection_written_out(time_major, bias_shape, dtype):
     """tanh(h @ W + b) was refused ("every term of the sum varies along the softmax's axis"),
-    although b varies along none: only one Linear's tanh(W h + b) was taken as pooling."""
+    although b varies along none: only one Linear's tanh(W h + b) was taken as pooling. Without
+    the bias, tanh(h @ W) was not even watched (only a Linear's output counted as a
+    projection), and went unreported."""
     torch.manual_seed(0)
     original = T._Holder(_MatmulPooling(time_major, bias_shape)).to(dtype)
     model = copy.deepcopy(original)
@@ -236,6 +243,47 @@ def test_pooling_with_its_projection_written_out(time_major, bias_shape, dtype):
     for shape in ((5, 3, 6), (7, 2, 6)):
         x = torch.randn(shape, generator=gen, dtype=dtype)
         _assert_fused_and_matching(model.att, original.att, (x,), dtype)
+
+
+class _Branches(torch.nn.Module):
+    """K attentions sharing one tanh (AttentionDeepMIL's branches, CLAM's multi-branch net, the
+    structured self-attention's hops): scores Linear(A, K) over tanh(Linear(D, A)), a softmax
+    over the bag's instances; or, as a look-alike that is no attention, a classifier's
+    log_softmax over the K outputs."""
+
+    def __init__(self, branches: int, classifier: bool = False) -> None:
+        super().__init__()
+        self.hidden = torch.nn.Linear(6, 5)
+        self.scores = torch.nn.Linear(5, branches)
+        self.classifier = classifier
+
+    def forward(self, h):  # h [N, 6], one bag of N instances
+        scores = self.scores(torch.tanh(self.hidden(h)))  # [N, K]
+        if self.classifier:
+            return torch.log_softmax(scores, dim=-1)
+        return torch.softmax(scores.t(), dim=1) @ h  # [K, 6]
+
+
+@pytest.mark.parametrize("branches", [1, 3])
+def test_attentions_sharing_one_tanh_are_reported_not_fused(branches):
+    """One branch is attention pooling and converts; several were left alone without a word
+    ("0 replaced, 0 skipped"): now reported, saying why. A classifier's tanh layer before its
+    log_softmax over the same outputs stays unreported."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(4)
+    for classifier in (False, True) if branches > 1 else (False,):
+        original = T._Holder(_Branches(branches, classifier)).double()
+        model = copy.deepcopy(original)
+        h = torch.randn(7, 6, generator=gen, dtype=torch.float64)
+        report = fuse_attention_report(model, example_inputs=(h,))
+        _assert_close([model(h)], [original(h)], torch.float64, "outputs")
+        if classifier:
+            assert (report.count, len(report.skipped)) == (0, 0), str(report)
+        elif branches == 1:
+            assert report.count == 1, str(report)
+        else:
+            assert report.count == 0 and len(report.skipped) == 1, str(report)
+            assert "several score vectors over one tanh" in str(report), str(report)
 
 
 @pytest.mark.parametrize("how", ["module", "function", "merged"])

@@ -93,7 +93,7 @@ def _stateful_state(model: _Stateful) -> dict:
     return {
         "calls": model.calls,
         "history": len(model.history),
-        "total": float(model.total),
+        "total": float(model.total.detach()),
         "eye": tuple(model.eye.shape),
         "steps": float(model.steps),
         "last_batch": getattr(model, "last_batch", None),

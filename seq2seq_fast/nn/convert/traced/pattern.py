@@ -169,7 +169,11 @@ def _leading_swap(node: fx.Node) -> tuple | None:
 
 
 def _split_linear_bias(graph: fx.Graph, node: fx.Node) -> list[fx.Node] | None:
-    """linear(x, W, c) -> [linear(x, W), c] as a new node and c; linear(x, W) -> [itself]."""
+    """linear(x, W, c) -> [linear(x, W), c] as a new node and c; linear(x, W) or x @ W (W a
+    matrix) -> [itself]."""
+    if _is(node, {*_MATMUL, torch.mm}) and len(node.args) == 2 and not node.kwargs:
+        weight = _shape(node.args[1])
+        return [node] if weight is not None and len(weight) == 2 else None
     if not _is(node, _LINEAR) or node.kwargs:
         return None
     source, weight, bias = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
@@ -260,6 +264,14 @@ def _einsum_projection(user: fx.Node, tanh: fx.Node, width):
     return vector
 
 
+# why scores onto several vectors at once are not the op's (multi-branch or multi-hop pooling)
+_SHARED = (
+    "several score vectors over one tanh (attentions sharing their hidden layer, as in "
+    "multi-branch or multi-hop pooling); the fused op projects each tanh onto one vector, so "
+    "fusing would compute the shared tanh once per vector"
+)
+
+
 def _projection(tanh: fx.Node, shape: tuple, rank: int):
     """(scores node, vector node, origin of the scores' axes, hidden axis) of tanh's projection
     onto a vector: origin[i] is the axis of the pre-activation without its hidden axis that the
@@ -285,7 +297,10 @@ def _projection(tanh: fx.Node, shape: tuple, rank: int):
     if _is(user, _LINEAR) and _arg(user, 0, "input") is tanh:
         weight = _arg(user, 1, "weight")
         shape = _shape(weight)
-        if shape is None or len(shape) != 2 or not _is_one(shape[0]) or not _same(shape[1], width):
+        if shape is not None and len(shape) == 2 and _same(shape[1], width):
+            if not _is_one(shape[0]):
+                raise NoMatch(f"the tanh goes into a linear map of weight {shape}: {_SHARED}")
+        else:
             raise NoMatch(f"the tanh goes into a linear map of weight {shape}, not onto a vector")
         return user, weight, leading + (None,), rank - 1
     if _is(user, _MATMUL) and user.args[0] is tanh:
@@ -295,6 +310,8 @@ def _projection(tanh: fx.Node, shape: tuple, rank: int):
             return user, vector, leading, rank - 1
         if shape is not None and len(shape) == 2 and _same(shape[0], width) and _is_one(shape[1]):
             return user, vector, leading + (None,), rank - 1
+        if shape is not None and len(shape) == 2 and _same(shape[0], width):
+            raise NoMatch(f"the tanh is multiplied by a matrix of shape {shape}: {_SHARED}")
         raise NoMatch(f"the tanh is multiplied by a matrix of shape {shape}, not a vector")
     if _is(user, {torch.einsum}):
         vector = _einsum_projection(user, tanh, width)

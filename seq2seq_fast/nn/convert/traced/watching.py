@@ -98,8 +98,10 @@ class _CallWatch:
         # pooling's or the concat form's energies, if a softmax follows; a plain tanh layer's,
         # such as a Luong decoder's output layer, if none does: those go unreported)
         self.affine: set[int] = set()
-        # tanh events whose values went into a Linear to several outputs (see _Watcher)
+        # tanh events whose values went into a Linear to several outputs (see _Watcher), and
+        # how many outputs
         self.not_scores: set[int] = set()
+        self.several: dict[int, int] = {}
         # tanh events a module has been reported for already (its caller does not repeat it)
         self.reported: set[int] = set()
         # the first op each tanh event's values went into that the watch does not follow
@@ -213,16 +215,24 @@ class _Watcher(TorchFunctionMode):
             for recording in call.stack:
                 recording.events.add(event)
         elif name in _SOFTMAX_NAMES and events:
+            over = None if name == "sigmoid" else _normalised_size(args, kwargs)
+            scores = {e for e in events if e not in call.several or call.several[e] != over}
+            if over is None:  # (a sigmoid after a Linear to several outputs: a gate)
+                scores -= call.several.keys()
             for recording in call.stack:
-                recording.softmaxed |= events
+                recording.softmaxed |= scores
             events = frozenset()
         else:
-            if name == "linear" and not _onto_one(args, kwargs):
-                # a Linear to several outputs (a decoder's output layer: tanh, then Linear to
-                # the vocabulary, then log_softmax): not scores (an attention's are a projection
-                # onto one vector), and nothing to report if no softmax follows
+            energies_first = first is not None and first[0] is inputs[0] and bool(first[1])
+            outputs = _outputs(name, args, kwargs, inputs, energies_first)
+            if outputs is not None:
+                # a Linear to several outputs, or x @ W: not scores (an attention's are a
+                # projection onto one vector), and nothing to report if no softmax follows. A
+                # softmax over the outputs (a decoder's output layer: tanh, Linear to the
+                # vocabulary, log_softmax) makes no attention either; one over another axis (K
+                # attentions sharing one tanh: multi-branch pooling) is reported, not fused.
                 call.not_scores |= events
-                events = frozenset()
+                call.several.update(dict.fromkeys(events, outputs))
             elif name not in _CARRIES:
                 if isinstance(out, Tensor):  # (not .size(), .dim(): they read no values)
                     for event in events:
@@ -236,6 +246,8 @@ class _Watcher(TorchFunctionMode):
                 # (the concat form's sum; as a plain tanh layer's, unreported without a softmax:
                 # a Luong decoder's tanh(W [h; context]) output layer)
                 kind = "joined_linear" if first_kind == "joined" else "affine"
+            elif name in _MATMUL_NAMES and len(inputs) == 2 and inputs[1].dim() == 2:
+                kind = "affine"  # x @ W: a projection written out (W a [D, H] weight)
             elif (
                 first_kind in ("sum", "joined_linear")
                 and isinstance(out, Tensor)
@@ -255,10 +267,33 @@ class _Watcher(TorchFunctionMode):
         return out
 
 
-def _onto_one(args, kwargs) -> bool:
-    """Is this F.linear's weight one row (a projection onto a vector)?"""
-    weight = args[1] if len(args) > 1 else kwargs.get("weight")
-    return not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[0] == 1
+# x @ W spelled as a product: torch.matmul, the @ operator, torch.mm
+_MATMUL_NAMES = frozenset({"matmul", "__matmul__", "mm"})
+
+
+def _outputs(name: str, args, kwargs, inputs: list, energies_first: bool) -> int | None:
+    """How many outputs an F.linear or an ``energies @ W`` (W a matrix) maps each row onto, where
+    that is more than one (a projection onto a vector is one); None otherwise."""
+    if name == "linear":
+        weight = args[1] if len(args) > 1 else kwargs.get("weight")
+        if isinstance(weight, Tensor) and weight.dim() == 2 and weight.shape[0] != 1:
+            return weight.shape[0]
+    elif name in _MATMUL_NAMES and energies_first and len(inputs) == 2:
+        if inputs[1].dim() == 2 and inputs[1].shape[1] != 1:
+            return inputs[1].shape[1]
+    return None
+
+
+def _normalised_size(args, kwargs) -> int | None:
+    """The size of the axis a softmax or log_softmax normalises (torch's implicit choice where no
+    dim is given)."""
+    x = args[0] if args else kwargs.get("input")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if not isinstance(x, Tensor) or x.dim() == 0:
+        return None
+    if not isinstance(dim, int):
+        dim = 0 if x.dim() in (1, 3) else 1
+    return x.shape[dim] if -x.dim() <= dim < x.dim() else None
 
 
 def _floating_copy(value):
