@@ -645,6 +645,58 @@ def test_a_concat_of_states_repeated_and_permuted(rows, dtype):
     assert "2 query and 1 key term(s)" in report, report
 
 
+class _ZeroStartedDecoder(torch.nn.Module):
+    """DA-RNN's decoder as published (Zhenye-Na/DA-RNN, DSTP-RNN): its states start as
+    ``X.data.new(1, B, H).zero_()``, a fresh tensor written in place before anything reads it,
+    then the temporal attention (in the decoder's own forward) and an LSTM step, twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn_layer = _TemporalAttention(rows=True).attn_layer
+        self.lstm = torch.nn.LSTM(6, 4)
+
+    def forward(self, encoded):
+        hidden = encoded.data.new(1, encoded.size(0), 4).zero_()
+        cell = encoded.data.new(1, encoded.size(0), 4).zero_()
+        t, outputs = encoded.size(1), []
+        for _ in range(2):
+            x = torch.cat(
+                (
+                    hidden.repeat(t, 1, 1).permute(1, 0, 2),
+                    cell.repeat(t, 1, 1).permute(1, 0, 2),
+                    encoded,
+                ),
+                dim=2,
+            )
+            beta = torch.softmax(self.attn_layer(x.view(-1, 2 * 4 + 6)).view(-1, t), dim=1)
+            context = torch.bmm(beta.unsqueeze(1), encoded)[:, 0, :]
+            _, (hidden, cell) = self.lstm(context.unsqueeze(0), (hidden, cell))
+            outputs.append(hidden[0])
+        return torch.stack(outputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_states_started_as_fresh_tensors_written_in_place(dtype):
+    """Refused: "new_empty_1 is written in place (zero_) before the tanh reads it". A tensor made
+    from shapes only and written before any read holds, in the rewritten graph, what it holds in
+    the original."""
+    torch.manual_seed(0)
+    original = _ZeroStartedDecoder().to(dtype)
+    model = copy.deepcopy(original)
+    gen = torch.Generator().manual_seed(5)
+    report = fuse_attention_report(
+        model, example_inputs=(torch.randn(3, 5, 6, generator=gen, dtype=dtype),)
+    )
+    assert report.count == 1, str(report)
+    for shape in ((4, 7, 6), (2, 3, 6)):
+        x = torch.randn(shape, generator=gen, dtype=dtype)
+        calls = TracedWeights.calls
+        got, want = _run(model, (x,)), _run(original, (x,))
+        assert TracedWeights.calls > calls
+        _assert_close(got[0], want[0], dtype, "outputs")
+        _assert_close(got[1], want[1], dtype, "gradients")
+
+
 class _WritesInPlace(torch.nn.Module):
     """An attention whose forward also writes a buffer in place, as a statement (a call counter,
     the last batch size, a copy of a row), and mozilla/TTS's ``scores.data.masked_fill_``."""

@@ -97,11 +97,41 @@ def _functionalize_arithmetic(graph: fx.Graph) -> None:
             user.replace_input_with(base, node)
 
 
+# tensors made from shapes only: written in place before the tanh (a state started as
+# x.data.new(1, B, H).zero_(), DA-RNN's), they are what the graph's ops read after the write in
+# the rewritten graph as in the original
+_FRESH = {
+    "new_empty",
+    "new_zeros",
+    "new_ones",
+    "new_full",
+    torch.empty,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.empty_like,
+    torch.zeros_like,
+    torch.ones_like,
+    torch.full_like,
+}
+
+
+def _fresh(node: fx.Node) -> bool:
+    """``node`` makes a tensor from sizes only (x.new(1, B, H) with sizes, not x.new(data))."""
+    if _is(node, _FRESH):
+        return True
+    if not _is(node, {"new"}):
+        return False
+    return not any(isinstance(_value(a), torch.Tensor) for a in node.args[1:])
+
+
 def _check_not_written(tanh: fx.Node) -> None:
     """NoMatch where a tensor the tanh's sum is made from was written in place before the tanh:
     the rewrite forms the sum from its terms, and would miss what the write added."""
     order = {node: i for i, node in enumerate(tanh.graph.nodes)}
     for node in _ancestors(tanh):
+        if _fresh(node):  # made from no values (a zero state, new(...).zero_()): never
+            continue  # recomputed by the rewrite, and its writes come before the tanh reads it
         aliases, todo = set(), [node]  # node and its views, which share its memory
         while todo:
             current = todo.pop()
