@@ -552,6 +552,44 @@ def test_a_sum_flattened_into_rows_before_the_tanh(how, dtype):
     _converts_and_matches(attention, dtype, call, (3, 1, 5), ((4, 1, 7), (2, 3, 6)))
 
 
+class _SelfAttentiveRows(torch.nn.Module):
+    """Lin et al.'s self-attentive sentence embedding, one hop, as ExplorerFreda's
+    ``SelfAttentiveEncoder`` writes it: the keys flattened into rows before the first layer,
+    ``ws2(tanh(ws1(x.view(-1, D))))``, the scores viewed back to [B, T, 1] (or [B, T]), the
+    padding filled, a softmax over the words."""
+
+    def __init__(self, back: int) -> None:
+        super().__init__()
+        self.back = back
+        self.ws1 = torch.nn.Linear(6, 5, bias=False)
+        self.ws2 = torch.nn.Linear(5, 1, bias=False)
+
+    def forward(self, x, pad):  # x [B, T, 6], pad [B, T]
+        size = x.size()
+        scores = self.ws2(torch.tanh(self.ws1(x.view(-1, size[2]))))
+        if self.back == 3:
+            scores = scores.view(size[0], size[1], -1).transpose(1, 2).squeeze(1)
+        else:
+            scores = scores.view(size[0], size[1])
+        w = torch.softmax(scores.masked_fill(pad, -10000.0), dim=1)
+        return torch.bmm(w.unsqueeze(1), x).squeeze(1), w
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("back", [3, 2], ids=["to_BT1", "to_BT"])
+def test_keys_flattened_into_rows_before_the_first_layer(back, dtype):
+    """Refused when viewed back to [B, T, 1]: "view [18, 1] -> [3, 6, 1] mixes axes" (only a view
+    back to [B, T] was split into [B, T] rows)."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(6)
+
+    def call(batch, words):
+        pad = torch.arange(words) >= torch.randint(1, words + 1, (batch,), generator=gen)[:, None]
+        return torch.randn(batch, words, 6, generator=gen, dtype=dtype), pad
+
+    _converts_and_matches(_SelfAttentiveRows(back), dtype, call, (3, 6), ((4, 7), (2, 3)))
+
+
 class _FlattenedTanh(torch.nn.Module):
     """The tanh [B, T, A] flattened into rows for the score layer, and the scores viewed back to
     [B, T, 1] (soobinseo/Tacotron-pytorch's ``v(tanh(keys + W2(d_t)).view(-1, A)).view(-1, T,

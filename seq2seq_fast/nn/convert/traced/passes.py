@@ -229,12 +229,16 @@ def _unflatten_rows(graph: fx.Graph) -> None:
         out = _shape(split)
         if not _is(split, _FLAT_VIEWS) or split.args[0] is not projection or out is None:
             continue
-        if len(out) != 2 or _is_one(out[1]) or split.kwargs:
+        # (to [B, T], or to [B, T, 1]: ExplorerFreda's self-attentive encoder's
+        # ``ws2(tanh(ws1(x.view(-1, D)))).view(B, T, -1)``)
+        kept = len(out) == 3 and _is_one(out[2])
+        if len(out) != 2 and not kept or _is_one(out[1]) or split.kwargs:
             continue
-        frames = split.args[-1] if len(split.args) == 3 else None
-        if isinstance(frames, (list, tuple)):
-            frames = frames[-1] if len(frames) == 2 else None
-        if frames is None:
+        asked = split.args[1:]
+        if len(asked) == 1 and isinstance(asked[0], (list, tuple)):
+            asked = asked[0]
+        frames = asked[1] if len(asked) == len(out) else None
+        if frames is None or frames == -1:
             continue
         sizes = (out[0], out[1], shape[1])
         with graph.inserting_before(split):
@@ -250,8 +254,10 @@ def _unflatten_rows(graph: fx.Graph) -> None:
             new_scores.meta["example_value"] = projection.target(
                 *[_value(a) if isinstance(a, fx.Node) else a for a in args]
             )
-            new_split = graph.call_method("squeeze", (new_scores, -1))  # [B, T, 1] -> [B, T]
-            new_split.meta["example_value"] = _value(new_scores).squeeze(-1)
+            new_split = new_scores  # [B, T, 1]
+            if not kept:  # -> [B, T]
+                new_split = graph.call_method("squeeze", (new_scores, -1))
+                new_split.meta["example_value"] = _value(new_scores).squeeze(-1)
         split.replace_all_uses_with(new_split)
         graph.erase_node(split)
         for node in (projection, tanh):  # the flat forms, dead now
