@@ -359,6 +359,29 @@ def test_a_gated_tanh_is_refused_naming_the_gate():
     assert "(made by 'sigmoid'), and the product goes into" in skipped.reason, skipped.reason
 
 
+class _GatedWithDropouts(torch.nn.Module):
+    """CLAM's ``Attn_Net_Gated``: Sequential(Linear, Tanh, Dropout) times Sequential(Linear,
+    Sigmoid, Dropout), then the score layer; a softmax over the bag's instances."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Dropout())
+        self.b = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Sigmoid(), torch.nn.Dropout())
+        self.c = torch.nn.Linear(4, 1)
+
+    def forward(self, h):  # h [N, 6]
+        return torch.softmax(self.c(self.a(h) * self.b(h)).t(), dim=1) @ h
+
+
+def test_a_gated_tanh_in_eval_mode_is_refused_naming_the_gate():
+    """The dropouts do nothing in eval mode: the reason named the gate's dropout, not its
+    sigmoid."""
+    model = T._Holder(_GatedWithDropouts()).double().eval()
+    report = fuse_attention_report(model, example_inputs=(torch.randn(7, 6).double(),))
+    (skipped,) = report.skipped
+    assert "(made by 'sigmoid'), and the product goes into" in skipped.reason, skipped.reason
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_a_decoder_around_an_attention_is_not_converted_too(dtype):
     """A decoder whose output layer is Linear, tanh, Linear to the vocabulary, log_softmax
@@ -455,6 +478,35 @@ def test_a_graph_break_after_the_tanh_is_named_so():
     (skipped,) = report.skipped
     assert "the tanh's value leaves the traced graph" in skipped.reason, skipped.reason
     assert "'output'" not in skipped.reason, skipped.reason
+
+
+class _LengthsChecked(torch.nn.Module):
+    """Texar-PyTorch's ``BahdanauAttention`` with ``memory_sequence_length``: its mask helper
+    checks every length in a Python loop (``for v in lengths: if v <= 0: raise``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(5, 4, bias=False), torch.nn.Linear(6, 4, bias=False)
+        self.v = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, query, memory, lengths):
+        score = torch.sum(self.v * torch.tanh(self.k(memory) + self.q(query).unsqueeze(1)), 2)
+        for length in lengths:
+            if length <= 0:
+                raise ValueError("every length must be positive")
+        keep = torch.arange(score.shape[1])[None] < lengths[:, None]
+        return torch.softmax(score.masked_fill(~keep, float("-inf")), dim=-1)
+
+
+def test_a_frame_dynamo_runs_as_python_is_named_so():
+    """A graph break inside a loop makes TorchDynamo skip the whole frame: the reason said "no
+    tanh in the graphs", though the forward has one."""
+    model = T._Holder(_LengthsChecked()).double()
+    call = (torch.randn(3, 5).double(), torch.randn(3, 6, 6).double(), torch.tensor([6, 4, 2]))
+    report = fuse_attention_report(model, example_inputs=call)
+    (skipped,) = report.skipped
+    assert "captured no graph of its forward" in skipped.reason, skipped.reason
+    assert "graph break falls inside a loop" in skipped.reason, skipped.reason
 
 
 class _RecurrentClassifier(torch.nn.Module):

@@ -359,7 +359,10 @@ def _product_projection(tanh: fx.Node, user: fx.Node, width, rank: int, leading:
     dim = _arg(total, 1, "dim")
     dim = dim[0] if isinstance(dim, (list, tuple)) and len(dim) == 1 else dim
     if not _is(total, _SUM):
-        made = f" (made by {op_name(vector)!r})" if isinstance(vector, fx.Node) else ""
+        maker = vector
+        while isinstance(maker, fx.Node) and _inert_dropout(maker):  # (name the gate itself)
+            maker = maker.args[0]
+        made = f" (made by {op_name(maker)!r})" if isinstance(maker, fx.Node) else ""
         raise NoMatch(
             f"the tanh is multiplied by {_described(vector)}{made}, and the product goes "
             f"into {op_name(total)!r}, not a sum over the last axis"

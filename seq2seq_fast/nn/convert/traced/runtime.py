@@ -483,6 +483,10 @@ def _probe_copies(module: nn.Module, recording, backend: str, dtype: torch.dtype
         why = "; ".join(dict.fromkeys(misses)) or (
             "no tanh in the graphs TorchDynamo captured of its forward (where the forward has "
             "one, a graph break comes before it or the frame was not traced)"
+            if found
+            else "TorchDynamo captured no graph of its forward: it runs a whole frame as "
+            "Python when a graph break falls inside a loop (a Python loop over a tensor's "
+            "values, or an .item() in a loop), which leaves nothing to convert"
         )
         return f"not the fused op's form: {why}", ""
     tolerances = {}
