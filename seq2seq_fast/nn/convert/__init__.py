@@ -192,15 +192,17 @@ def fuse_attention_report(
             ``(args, kwargs)`` pair of a tuple and a dict; a single tensor is one argument):
             ``model`` is called with them once, under ``torch.no_grad()``, before this returns
             (what a model keeps of its calls then holds no autograd graph), so the general path
-            decides
-            now and the report (and ``fuse_attention``'s count) is complete for every module
+            decides now and the report (and ``fuse_attention``'s count) is complete for every module
             that call reaches through its ``__call__`` and whose attention that call runs. A
             module the call reaches otherwise (``child.forward(x)``, a method such as
             ``infer``: its attention is converted with the module whose ``__call__`` ran it, if
             any) or whose first call computes no attention (a first decoder step without a
             previous state: it converts at its first call that does) stays in
-            ``report.watching``. The call's outputs are dropped and the model's buffers (e.g.
-            batch-norm statistics) are put back as they were. Without it, watched modules
+            ``report.watching``. The call's outputs are dropped, and what the model kept of
+            the call is put back as it was: buffers (batch-norm statistics), plain attributes
+            (a counter, a cached tensor, a list of past weights; attributes the call added are
+            removed) and the random state. What the forward writes outside the model (a
+            logger, a file) stays written. Without it, watched modules
             convert at their first call and are listed in ``report.watching`` until then.
 
     The stand-ins keep the original Parameter objects (optimisers keep working, ``state_dict``
