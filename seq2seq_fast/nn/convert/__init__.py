@@ -302,7 +302,8 @@ def _state_put_back(model: nn.Module):
         buffers = {name: (b, _copied(b)) for name, b in module._buffers.items()}
         plain = {k: (v, _copied(v)) for k, v in vars(module).items() if _forward_state(k)}
         saved.append((module, buffers, plain))
-    devices = sorted({t.device.index or 0 for t in model.parameters() if t.is_cuda})
+    tensors = [*model.parameters(), *model.buffers()]
+    devices = sorted({t.get_device() for t in tensors if t.is_cuda})
     try:
         with torch.random.fork_rng(devices=devices):
             yield
