@@ -642,6 +642,47 @@ def test_keys_flattened_into_rows_before_the_first_layer(back, dtype):
     _converts_and_matches(_SelfAttentiveRows(back), dtype, call, (3, 6), ((4, 7), (2, 3)))
 
 
+class _TimeFirstRows(torch.nn.Module):
+    """MORAN's ``AttentionCell`` (MORAN_v2, models/asrn_res.py): time-first features [T, B, C]
+    flattened into rows, the state's projection ``view(1, B, H).expand(T, B, H)`` flattened the
+    same way, a view of the [T*B, H] tanh to its own shape (or none), the scores viewed to
+    [T, B], a softmax over time (axis 0)."""
+
+    def __init__(self, view: bool) -> None:
+        super().__init__()
+        self.view = view
+        self.i2h = torch.nn.Linear(6, 5, bias=False)
+        self.h2h = torch.nn.Linear(5, 5)
+        self.score = torch.nn.Linear(5, 1, bias=False)
+
+    def forward(self, hidden, feats):  # hidden [B, 5], feats [T, B, 6]
+        t, b, c = feats.size()
+        keys = self.i2h(feats.view(-1, c))
+        query = self.h2h(hidden).view(1, b, 5).expand(t, b, 5).contiguous().view(-1, 5)
+        energy = torch.tanh(keys + query)
+        energy = energy.view(-1, 5) if self.view else energy
+        alpha = torch.softmax(self.score(energy).view(t, b), 0)
+        return (feats * alpha.view(t, b, 1).expand(t, b, c)).sum(0), alpha
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("view", [True, False], ids=["view", "no_view"])
+def test_time_first_rows_with_the_state_expanded_over_time(view, dtype):
+    """Refused: with the view, "the tanh goes into 'view'"; without, "every term of the sum
+    varies along the softmax's axis" (only a state expanded along axis 1 was seen through)."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(7)
+
+    def call(batch, frames):
+        return (
+            torch.randn(batch, 5, generator=gen, dtype=dtype),
+            torch.randn(frames, batch, 6, generator=gen, dtype=dtype),
+        )
+
+    report = _converts_and_matches(_TimeFirstRows(view), dtype, call, (3, 7), ((2, 5), (4, 3)))
+    assert "1 query and 1 key term(s)" in report, report
+
+
 class _FlattenedTanh(torch.nn.Module):
     """The tanh [B, T, A] flattened into rows for the score layer, and the scores viewed back to
     [B, T, 1] (soobinseo/Tacotron-pytorch's ``v(tanh(keys + W2(d_t)).view(-1, A)).view(-1, T,

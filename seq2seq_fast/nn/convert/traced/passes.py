@@ -172,14 +172,21 @@ def _unflattened_term(graph: fx.Graph, term: fx.Node, frames, sizes: tuple) -> f
         if _is(inner, _REPEATS) and shape is not None and len(shape) == 3:
             source = inner.args[0] if isinstance(inner.args[0], fx.Node) else None
             source_shape = _shape(source) if source is not None else None
+            # expanded along T (batch first: [B, 1, A]) or, time first, along the leading
+            # axis ([1, B, A], MORAN's h2h(h).view(1, B, H).expand(T, B, H)); the traced sizes
+            # compared by value (the split's are expressions in the flat size's symbols)
             if (
                 source_shape is not None
                 and len(source_shape) == 3
-                and _is_one(source_shape[1])
-                and _same(source_shape[0], shape[0])
                 and _same(source_shape[2], shape[2])
-                # (the traced sizes: the split's are expressions in the flat size's symbols)
-                and _size_hint(shape[1]) == _size_hint(sizes[1])
+                and all(
+                    _size_hint(a) == _size_hint(b)
+                    for a, b in zip(shape[:2], sizes[:2], strict=True)
+                )
+                and any(
+                    _is_one(source_shape[axis]) and _same(source_shape[1 - axis], shape[1 - axis])
+                    for axis in (0, 1)
+                )
             ):
                 return source
     new = graph.call_method("unflatten", (term, 0, (-1, frames)))
@@ -207,6 +214,22 @@ def _linear_of_rows(graph: fx.Graph, term: fx.Node, sizes: tuple) -> fx.Node | N
         *[_value(a) if isinstance(a, fx.Node) else a for a in new.args]
     )
     return new
+
+
+def _drop_views_of_the_tanh_to_its_shape(graph: fx.Graph) -> None:
+    """A view or reshape of a tanh to the tanh's own shape (MORAN's ``tanh(...).view(-1, H)`` of
+    [N, H] rows) is the tanh itself: its readers read the tanh."""
+    for tanh in [n for n in graph.nodes if _is(n, _TANH)]:
+        shape = _shape(tanh)
+        for view in list(tanh.users):
+            if not _is(view, _FLAT_VIEWS) or view.args[0] is not tanh or view.kwargs:
+                continue
+            out = _shape(view)
+            if shape is None or out is None or len(out) != len(shape):
+                continue
+            if all(_same(a, b) for a, b in zip(out, shape, strict=True)):
+                view.replace_all_uses_with(tanh)
+                graph.erase_node(view)
 
 
 def _unflatten_rows(graph: fx.Graph) -> None:

@@ -76,6 +76,7 @@ from seq2seq_fast.nn.convert.traced.nodes import (
 )
 from seq2seq_fast.nn.convert.traced.passes import (
     _check_not_written,
+    _drop_views_of_the_tanh_to_its_shape,
     _functionalize_arithmetic,
     _tanh_before_flattening,
     _unflatten_projection,
@@ -1034,6 +1035,7 @@ def find_matches(graph: fx.Graph) -> tuple[list[Plan], list[str]]:
     """(the plan of each additive attention in ``graph``, why each other tanh is not one); the
     graph passes (passes.py) run first."""
     _functionalize_arithmetic(graph)
+    _drop_views_of_the_tanh_to_its_shape(graph)
     _unflatten_rows(graph)
     _tanh_before_flattening(graph)
     _unflatten_projection(graph)
