@@ -163,6 +163,38 @@ def test_example_inputs_leave_no_autograd_graph_on_the_model():
     torch.testing.assert_close(twin(*args), model(*args))
 
 
+class _MatchingConcat(nn.Module):
+    """DialogueRNN's ``MatchingAttention`` with ``att_type='concat'``: the history M [S, B, Dm]
+    (one more step at each call, one at the first) concatenated with the candidate expanded along
+    it, one Linear, tanh, the score layer, a softmax over the history."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transform = nn.Linear(6 + 5, 3, bias=False)
+        self.vector_prod = nn.Linear(3, 1, bias=False)
+
+    def forward(self, memory, x):  # memory [S, B, 5], x [B, 6]
+        m = memory.transpose(0, 1)
+        joined = torch.cat([m, x.unsqueeze(1).expand(-1, memory.size(0), -1)], 2)
+        alpha = torch.softmax(self.vector_prod(torch.tanh(self.transform(joined))), 1)
+        return torch.bmm(alpha.transpose(1, 2), m)[:, 0, :], alpha
+
+
+def test_a_concat_attention_whose_first_history_has_one_step_waits():
+    """Its first call (one step of history) was left for good: "no term of the sum varies along
+    the softmax's axis" (both look constant along an axis of size 1)."""
+    torch.manual_seed(0)
+    model = _Holder(_MatchingConcat())
+    want = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(3)
+    report = fuse_attention_report(model, example_inputs=(torch.randn(1, 4, 5), torch.randn(4, 6)))
+    assert report.count == 0 and "att" in report.watching and not report.skipped, str(report)
+    for steps in (2, 3):
+        args = (torch.randn(steps, 4, 5, generator=gen), torch.randn(4, 6, generator=gen))
+        torch.testing.assert_close(model(*args), want(*args), rtol=1e-5, atol=1e-6)
+    assert report.count == 1, str(report)
+
+
 def test_a_first_call_with_one_key_waits_for_the_next():
     """A memory of one key cannot show which axis is the memory's: such a first call decided
     "not the fused op's form" for good. The module is watched again instead, and converts at its

@@ -536,6 +536,8 @@ def _match_at(graph: fx.Graph, tanh: fx.Node) -> Plan:
     queries, keys, biases, varies = _sorted_terms(terms, shape, hidden, memory_axis)
     key_terms, biases = _key_terms_of(graph, keys, biases, split_nodes)
     where = f"axis {memory_axis} of the tanh's input {list(shape)}"
+    if not keys and _is_one(shape[memory_axis]):  # (one key: the runtime waits for a call
+        raise NoMatch("the softmax runs over an axis of size 1")  # with more, see ONE_KEY)
     if not keys:
         raise NoMatch(f"no term of the sum varies along the softmax's axis ({where})")
     # attention pooling spelled as a sum: tanh(h @ W + b), one key term and biases only (the one
