@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -121,6 +122,44 @@ def test_the_example_call_leaves_no_trace_on_the_model():
         want = original(*args)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert _stateful_state(model) == _stateful_state(original)
+
+
+class _NumpyJitter(nn.Module):
+    """An attention whose forward draws from numpy's global random state after the softmax
+    (MORAN's fractional pickup jitters its weights so in training)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.att = Pointer()
+
+    def forward(self, memory, query, pad):
+        probs, _ = self.att(memory, query, pad)
+        jitter = float(np.random.uniform(0.5, 1.5))
+        return (probs.unsqueeze(-1) * jitter * memory).sum(1)
+
+
+def test_a_forward_drawing_from_numpy_converts_and_leaves_the_draws():
+    """The probe ran the original and the candidate on different numpy draws: refused ("differs
+    from the fused op", 1e-3) or not by the luck of the draw; and the conversion moved the
+    caller's numpy and Python random states."""
+    import random
+
+    for seed in range(3):
+        torch.manual_seed(0)
+        original = _NumpyJitter()
+        model = copy.deepcopy(original)
+        example = _pointer_call(3, 6, torch.float32)
+        np.random.seed(seed)
+        random.seed(seed)
+        states = (np.random.get_state()[1].copy(), random.getstate())
+        assert fuse_attention(model, example_inputs=example) == 1, seed
+        assert np.array_equal(np.random.get_state()[1], states[0]), seed
+        assert random.getstate() == states[1], seed
+        args = _pointer_call(4, 5, torch.float32)
+        np.random.seed(10)
+        got = model(*args)
+        np.random.seed(10)
+        torch.testing.assert_close(got, original(*args), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.converts], ids=lambda c: c.name)

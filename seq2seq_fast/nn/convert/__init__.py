@@ -45,6 +45,7 @@ from seq2seq_fast.nn.convert._base import (
     Skipped,
     check_equivalent,
     class_name,
+    forked_random,
     register,
     registered_layouts,
 )
@@ -151,7 +152,7 @@ def _takes_example_call(layout: Layout, module: nn.Module) -> bool:
     seq2seq has the concat form's ``attn`` and ``v``, and a call of its own): it is left to the
     general path, which sees its real first call, rather than skipped for a TypeError."""
     try:
-        with torch.random.fork_rng(devices=[]):
+        with forked_random():
             args, kwargs = layout.example_call(module, torch.float64)
         inspect.signature(module.forward).bind(*args, **kwargs)
     except TypeError:
@@ -305,7 +306,7 @@ def _state_put_back(model: nn.Module):
     tensors = [*model.parameters(), *model.buffers()]
     devices = sorted({t.get_device() for t in tensors if t.is_cuda})
     try:
-        with torch.random.fork_rng(devices=devices):
+        with forked_random(devices):
             yield
     finally:
         with torch.no_grad():

@@ -18,7 +18,7 @@ A :class:`Layout` has
 - ``example_call(module, dtype) -> (args, kwargs)``: a small random, valid call of ``module`` with
   floating tensors of ``dtype`` on the CPU (two or three batch rows, a few keys, some padding
   when the layout takes a mask or lengths). The safety check runs the original and the stand-in
-  on it; use the global RNG (the check seeds it inside ``torch.random.fork_rng``).
+  on it; use the global RNG (the check seeds it inside :func:`forked_random`).
 - optional ``prepare(module, args, kwargs)``: state to set on each module before the example call
   (e.g. GNMT's ``set_mask``); called on the original and on the stand-in alike.
 - optional ``unsupported(module) -> str | None``: why a module that matches cannot be converted
@@ -52,8 +52,10 @@ Stand-ins whose client re-projects a fixed memory at every step use
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import random
 import types
 import warnings
 from collections.abc import Callable
@@ -165,6 +167,28 @@ def _parts_now(stand_in: nn.Module) -> tuple:
                 )
             )
     return global_module_hooks(), dict(stand_in._modules), entries
+
+
+@contextlib.contextmanager
+def forked_random(devices=(), seed: int | None = None):
+    """torch's random state (the CPU's and ``devices``' CUDA ones), Python's ``random`` and
+    numpy's global state as they were, afterwards; seeded with ``seed`` inside, if given. A
+    forward may draw from any of them (MORAN's fractional pickup draws from numpy's): the
+    converter's checks run the original and the candidate on the same draws, and its own calls
+    leave the user's draws where they were."""
+    import numpy as np
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=list(devices)):
+            if seed is not None:
+                torch.manual_seed(seed)
+                random.seed(seed)
+                np.random.seed(seed)
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
 
 
 @dataclass(frozen=True)
@@ -351,8 +375,7 @@ def _run(module: nn.Module, layout: Layout, args: tuple, kwargs: dict, seed: int
     inputs = [
         t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor) and t.requires_grad
     ]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with forked_random(seed=seed):
         out = module(*args, **kwargs)
     return out, inputs
 
@@ -418,8 +441,7 @@ def check_equivalent(module: nn.Module, layout: Layout, backend: str, seed: int 
         warnings.simplefilter("ignore")
         candidate = layout.build(_cpu_copy(module), backend)
         candidate.train(module.training)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with forked_random(seed=seed):
             args, kwargs = layout.example_call(original, torch.float64)
         results = []
         for mod in (original, candidate):

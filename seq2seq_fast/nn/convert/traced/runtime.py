@@ -42,6 +42,7 @@ from seq2seq_fast.nn.convert._base import (
     _first_difference,
     _gradients,
     class_name,
+    forked_random,
 )
 from seq2seq_fast.nn.convert.traced.nodes import ROUNDED_SCORES, SCORES_LEAVE_THE_GRAPH
 from seq2seq_fast.nn.convert.traced.pattern import find_matches
@@ -462,8 +463,7 @@ def _probe_copies(module: nn.Module, recording, backend: str, dtype: torch.dtype
             for mod in (original, candidate):
                 args, kwargs, inputs = _leaves_for_grad(recording.args, recording.kwargs, dtype)
                 try:
-                    with torch.random.fork_rng(devices=[]), recorded_runs() as runs:
-                        torch.manual_seed(1)
+                    with forked_random(seed=1), recorded_runs() as runs:
                         out = mod(*args, **kwargs)
                     if mod is candidate:
                         ran = runs
@@ -530,8 +530,7 @@ def convert_now(module: nn.Module, path: str, layout, report: ConversionReport, 
     ``layout.prepare`` applied to a copy (``module``'s own state is left as it is). None when it
     was converted (``report`` lists it as replaced under ``layout.name``), else why not (the
     caller reports it: several layouts may match one module)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+    with forked_random(seed=0):
         args, kwargs = layout.example_call(module, torch.float64)
     probed = module
     if layout.prepare is not None:
