@@ -303,8 +303,9 @@ def _state_put_back(model: nn.Module):
         buffers = {name: (b, _copied(b)) for name, b in module._buffers.items()}
         plain = {k: (v, _copied(v)) for k, v in vars(module).items() if _forward_state(k)}
         saved.append((module, buffers, plain))
-    tensors = [*model.parameters(), *model.buffers()]
-    devices = sorted({t.get_device() for t in tensors if t.is_cuda})
+    # the CUDA devices whose random state the call may draw from (get_device: -1 on the CPU)
+    indices = {t.get_device() for t in (*model.parameters(), *model.buffers())} - {-1}
+    devices = sorted(indices) if torch.cuda.is_available() else []
     try:
         with forked_random(devices):
             yield
