@@ -200,15 +200,9 @@ def test_dropout_on_the_weights(p, training, ours, dtype, monkeypatch):
         assert not any(took), took
 
 
-class _DroppedTanh(nn.Module):
-    """A dropout on the tanh's output, before the score layer (as in attention pooling layers
-    that regularise the hidden layer)."""
-
-    def __init__(self, p: float, dq: int = 5, dk: int = 6, hidden: int = 7) -> None:
-        super().__init__()
-        self.q, self.k = nn.Linear(dq, hidden, bias=False), nn.Linear(dk, hidden)
-        self.v = nn.Linear(hidden, 1, bias=False)
-        self.dropout = nn.Dropout(p)
+class _DroppedTanh(_Dropped):
+    """The same layers, the dropout on the tanh's output, before the score layer (as in
+    attention pooling layers that regularise the hidden layer)."""
 
     def forward(self, query, memory, padding):
         hidden = torch.tanh(self.q(query).unsqueeze(1) + self.k(memory))
