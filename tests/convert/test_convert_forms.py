@@ -382,6 +382,53 @@ def test_a_gated_tanh_in_eval_mode_is_refused_naming_the_gate():
     assert "(made by 'sigmoid'), and the product goes into" in skipped.reason, skipped.reason
 
 
+class _HandWrittenCell(torch.nn.Module):
+    """A recurrent cell written out (no attention): an LSTM's ``o * tanh(f * c + i * g)`` or a
+    GRU's ``(1 - z) * tanh(W x + r * U h) + z * h``."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.x2h = torch.nn.Linear(6, 4 * 5)
+        self.h2h = torch.nn.Linear(5, 4 * 5)
+
+    def forward(self, x, h, c):
+        i, f, g, o = (self.x2h(x) + self.h2h(h)).chunk(4, -1)
+        if self.kind == "lstm":
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            return torch.sigmoid(o) * torch.tanh(c), c
+        z, r = torch.sigmoid(i), torch.sigmoid(f)
+        n = torch.tanh(g + r * o)
+        return (1 - z) * n + z * h, c
+
+
+class _Tagger(torch.nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.cell = _HandWrittenCell(kind)
+        self.out = torch.nn.Linear(5, 3)
+
+    def forward(self, xs):
+        h = c = xs.new_zeros(xs.size(0), 5)
+        steps = []
+        for t in range(xs.size(1)):
+            h, c = self.cell(xs[:, t], h, c)
+            steps.append(torch.log_softmax(self.out(h), -1))
+        return torch.stack(steps, 1)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_hand_written_recurrent_cell_is_not_reported(kind):
+    """It was listed among the skipped ("computes a tanh over a sum, but no softmax over it"):
+    its tanh goes into a gate's elementwise product, not a projection onto a vector."""
+    model = _Tagger(kind).double()
+    xs = torch.randn(2, 4, 6, dtype=torch.float64)
+    want = model(xs)
+    report = fuse_attention_report(model, example_inputs=(xs,))
+    assert (report.count, len(report.skipped), report.watching) == (0, 0, []), str(report)
+    _assert_close([model(xs)], [want], torch.float64, "outputs")
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_a_decoder_around_an_attention_is_not_converted_too(dtype):
     """A decoder whose output layer is Linear, tanh, Linear to the vocabulary, log_softmax

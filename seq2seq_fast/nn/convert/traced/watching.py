@@ -233,6 +233,11 @@ class _Watcher(TorchFunctionMode):
                 # attentions sharing one tanh: multi-branch pooling) is reported, not fused.
                 call.not_scores |= events
                 call.several.update(dict.fromkeys(events, outputs))
+            elif _gated(name, inputs, out):
+                # an elementwise product with a tensor of the same shape: a gate (an LSTM
+                # cell's o * tanh(c), a GLU), not a projection onto a vector; nothing to report
+                # if no softmax follows (a gated attention's softmax is reported, with why)
+                call.not_scores |= events
             elif name not in _CARRIES:
                 if isinstance(out, Tensor):  # (not .size(), .dim(): they read no values)
                     for event in events:
@@ -282,6 +287,13 @@ def _outputs(name: str, args, kwargs, inputs: list, energies_first: bool) -> int
         if inputs[1].dim() == 2 and inputs[1].shape[1] != 1:
             return inputs[1].shape[1]
     return None
+
+
+def _gated(name: str, inputs: list, out) -> bool:
+    """Is this a product of two tensors of the output's own shape (nothing broadcast)?"""
+    if name not in ("mul", "__mul__", "__rmul__") or len(inputs) != 2:
+        return False
+    return isinstance(out, Tensor) and all(t.shape == out.shape for t in inputs)
 
 
 def _normalised_size(args, kwargs) -> int | None:
