@@ -49,6 +49,7 @@ from seq2seq_fast.nn.convert._base import (
     register,
     registered_layouts,
 )
+from seq2seq_fast.nn.convert._speech import _MODULE_INTERNALS
 from seq2seq_fast.nn.convert.traced import watch_model
 from seq2seq_fast.nn.convert.traced.runtime import convert_now
 from seq2seq_fast.ops._checks import without_autocast
@@ -284,10 +285,6 @@ def _call_once(model: nn.Module, example_inputs) -> None:
                 f"example_inputs: calling {type(model).__name__} with them failed "
                 f"({type(exc).__name__}: {exc})"
             ) from exc
-
-
-# nn.Module's own attributes (parameters, buffers, children, hooks, training): not a forward's state
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 
 @contextlib.contextmanager
