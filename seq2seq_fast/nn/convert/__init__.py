@@ -38,6 +38,7 @@ from torch import nn
 
 from seq2seq_fast.nn.attention import BahdanauAttention, check_backend
 from seq2seq_fast.nn.convert._base import (
+    MODULE_INTERNALS,
     ConversionReport,
     FusedStandIn,
     Layout,
@@ -49,7 +50,6 @@ from seq2seq_fast.nn.convert._base import (
     register,
     registered_layouts,
 )
-from seq2seq_fast.nn.convert._speech import _MODULE_INTERNALS
 from seq2seq_fast.nn.convert.traced import watch_model
 from seq2seq_fast.nn.convert.traced.runtime import convert_now
 from seq2seq_fast.ops._checks import without_autocast
@@ -318,7 +318,7 @@ def _state_put_back(model: nn.Module):
 
 
 def _forward_state(key: str) -> bool:
-    return key not in _MODULE_INTERNALS and not key.startswith("_fuse_attention")
+    return key not in MODULE_INTERNALS and not key.startswith("_fuse_attention")
 
 
 def _copied(value):

@@ -137,6 +137,11 @@ class FusedStandIn(nn.Module):
         return getattr(original, name)(view, *args, **kwargs)
 
 
+# Attributes every nn.Module has (_parameters, _buffers, _modules, hooks); everything else in a
+# module's __dict__ is its own state.
+MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
 def _guarded(name: str, method: Callable) -> Callable:
     """``method`` of a stand-in, or the original class's ``name`` where the stand-in's parts
     changed since the conversion (see :class:`FusedStandIn`)."""

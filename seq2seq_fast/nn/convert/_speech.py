@@ -11,13 +11,10 @@ import math
 
 from torch import Tensor, nn
 
-from seq2seq_fast.nn.convert._base import child_names, own_parameter_names
+from seq2seq_fast.nn.convert._base import MODULE_INTERNALS, child_names, own_parameter_names
 from seq2seq_fast.ops._checks import masking
 from seq2seq_fast.ops.additive_attention import additive_attention
 from seq2seq_fast.ops.stepwise import GatheredValues
-
-# Attributes every nn.Module has; everything else in an original's __dict__ is its own state.
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
 
 def adopt(stand_in: nn.Module, original: nn.Module) -> None:
@@ -32,7 +29,7 @@ def adopt(stand_in: nn.Module, original: nn.Module) -> None:
     for name, child in original._modules.items():
         stand_in.add_module(name, child)
     for key, value in vars(original).items():
-        if key not in _MODULE_INTERNALS:
+        if key not in MODULE_INTERNALS:
             setattr(stand_in, key, value)
 
 

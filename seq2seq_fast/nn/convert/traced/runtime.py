@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from seq2seq_fast.nn.convert._base import (
+    MODULE_INTERNALS,
     ConversionReport,
     FusedStandIn,
     Replaced,
@@ -371,9 +372,6 @@ def _leaves_for_grad(args, kwargs, dtype: torch.dtype = torch.float64):
     return args, kwargs, inputs
 
 
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))  # _parameters, _buffers, _modules, hooks
-
-
 # The probe's tolerances in float32, for a module that cannot run in float64 (one that casts to
 # float32 itself): rounding of the fused op against plain ops is ~1e-6 relative there, and a
 # look-alike (relu, no tanh, a temperature inside it, other padding) differs by far more.
@@ -444,7 +442,7 @@ def _probe_copies(module: nn.Module, recording, backend: str, dtype: torch.dtype
         for sub in copy_.modules():  # state kept from earlier calls (a cached projection)
             for key, value in list(vars(sub).items()):
                 if isinstance(value, Tensor) or (
-                    isinstance(value, (list, tuple, dict)) and key not in _MODULE_INTERNALS
+                    isinstance(value, (list, tuple, dict)) and key not in MODULE_INTERNALS
                 ):
                     setattr(sub, key, pytree.tree_map(cast_state, value))
     probe_backend = backend
