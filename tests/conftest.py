@@ -10,10 +10,22 @@ import os
 import shutil
 import tempfile
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# pytest-xdist's workers share the cores: each one takes its share of threads (and passes it on to
+# the processes it starts). With torch's default, every worker runs an OpenMP team as wide as the
+# machine, and the teams' spin-waits steal each other's cores: a small training loop ran 24x
+# slower beside another worker than alone. Tests about thread counts set their own.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    _THREADS = max(1, (_CORES or 1) // _WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+    torch.set_num_threads(_THREADS)
 
 # Token stores and trained tokenizers of runs without --cache-dir go to a per-user cache
 # (~/.cache/seq2seq-fast): the tests' go to a temporary folder instead, never the real one.
@@ -38,8 +50,6 @@ else:
     )
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-
-import pytest
 
 # The instruction sets the range sweeps covered in pytest-xdist's workers (the main process
 # runs no test there), sent back through ``workeroutput`` (pytest_testnodedown).
