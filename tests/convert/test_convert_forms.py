@@ -429,6 +429,39 @@ def test_a_hand_written_recurrent_cell_is_not_reported(kind):
     _assert_close([model(xs)], [want], torch.float64, "outputs")
 
 
+class _EpsilonSoftmaxPooling(torch.nn.Module):
+    """Match-LSTM's pointer attention: scores times the 0/1 mask, then a softmax written out,
+    ``exp(x - max) * mask / (sum + 1e-6)`` (not the op's normaliser: the epsilon)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_q = torch.nn.Linear(6, 6, bias=False)
+        self.w_p = torch.nn.Linear(6, 6)
+        self.w = torch.nn.Linear(6, 1)
+
+    def forward(self, q, p, mask):
+        scores = self.w(torch.tanh(self.w_q(q) + self.w_p(p).unsqueeze(1))).squeeze(-1) * mask
+        e = torch.exp(scores - scores.max(-1, keepdim=True)[0]) * mask
+        weights = e / (e.sum(-1, keepdim=True) + 1e-6)
+        return (weights.unsqueeze(1) @ q).squeeze(1), weights
+
+
+def test_scores_times_a_mask_before_a_written_out_softmax_are_reported():
+    """The scores times a 0/1 mask of their shape were taken for a gate's product (as in a
+    recurrent cell), and the module went unreported: "0 replaced, 0 skipped". A gate multiplies
+    the tanh's own output; this product comes after the projection onto the score vector."""
+    model = _EpsilonSoftmaxPooling().double()
+    q, p = torch.randn(3, 7, 6, dtype=torch.float64), torch.randn(3, 6, dtype=torch.float64)
+    mask = torch.ones(3, 7, dtype=torch.float64)
+    mask[1, 5:] = 0
+    want = model(q, p, mask)
+    report = fuse_attention_report(model, example_inputs=(q, p, mask))
+    (skipped,) = report.skipped
+    assert report.count == 0 and "no softmax over it" in skipped.reason, str(report)
+    assert "went into 'exp'" in skipped.reason, skipped.reason
+    _assert_close(model(q, p, mask), want, torch.float64, "outputs")
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_a_decoder_around_an_attention_is_not_converted_too(dtype):
     """A decoder whose output layer is Linear, tanh, Linear to the vocabulary, log_softmax

@@ -214,6 +214,7 @@ class _Watcher(TorchFunctionMode):
                 call.reported.add(event)
             for recording in call.stack:
                 recording.events.add(event)
+            kind = "tanh"  # (its output as such: a gate multiplies it, see _gated)
         elif name in _SOFTMAX_NAMES and events:
             over = None if name == "sigmoid" else _normalised_size(args, kwargs)
             scores = {e for e in events if e not in call.several or call.several[e] != over}
@@ -233,10 +234,11 @@ class _Watcher(TorchFunctionMode):
                 # attentions sharing one tanh: multi-branch pooling) is reported, not fused.
                 call.not_scores |= events
                 call.several.update(dict.fromkeys(events, outputs))
-            elif _gated(name, inputs, out):
-                # an elementwise product with a tensor of the same shape: a gate (an LSTM
-                # cell's o * tanh(c), a GLU), not a projection onto a vector; nothing to report
-                # if no softmax follows (a gated attention's softmax is reported, with why)
+            elif _gated(name, inputs, out, self.marks):
+                # the tanh's output times a tensor of its shape: a gate (an LSTM cell's
+                # o * tanh(c), a GLU), not a projection onto a vector; nothing to report if no
+                # softmax follows (a gated attention's softmax is reported, with why). Scores
+                # times a 0/1 mask are not a gate: a hand-written softmax may follow
                 call.not_scores |= events
             elif name not in _CARRIES:
                 if isinstance(out, Tensor):  # (not .size(), .dim(): they read no values)
@@ -289,11 +291,18 @@ def _outputs(name: str, args, kwargs, inputs: list, energies_first: bool) -> int
     return None
 
 
-def _gated(name: str, inputs: list, out) -> bool:
-    """Is this a product of two tensors of the output's own shape (nothing broadcast)?"""
+def _gated(name: str, inputs: list, out, marks: dict) -> bool:
+    """Is this a product of two tensors of the output's own shape (nothing broadcast), one of
+    them a tanh's output as it came (``o * tanh(c)``, ``tanh(c) * o``)?"""
     if name not in ("mul", "__mul__", "__rmul__") or len(inputs) != 2:
         return False
-    return isinstance(out, Tensor) and all(t.shape == out.shape for t in inputs)
+    if not (isinstance(out, Tensor) and all(t.shape == out.shape for t in inputs)):
+        return False
+    for t in inputs:
+        mark = marks.get(id(t))
+        if mark is not None and mark[0] is t and mark[2] == "tanh":
+            return True
+    return False
 
 
 def _normalised_size(args, kwargs) -> int | None:
