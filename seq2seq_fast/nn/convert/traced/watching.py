@@ -245,30 +245,7 @@ class _Watcher(TorchFunctionMode):
                     for event in events:
                         call.ended.setdefault(event, name)
                 events = frozenset()  # e.g. an RNN over a tanh's output: no longer its energies
-            if name in _ADD_NAMES and len(inputs) >= 2:
-                kind = "sum"
-            elif name in _CAT_NAMES and len(inputs) >= 2:
-                kind = "joined"
-            elif name == "linear":
-                # (the concat form's sum; as a plain tanh layer's, unreported without a softmax:
-                # a Luong decoder's tanh(W [h; context]) output layer)
-                kind = "joined_linear" if first_kind == "joined" else "affine"
-            elif name in _MATMUL_NAMES and len(inputs) == 2 and inputs[1].dim() == 2:
-                kind = "affine"  # x @ W: a projection written out (W a [D, H] weight)
-            elif (
-                first_kind in ("sum", "joined_linear")
-                and isinstance(out, Tensor)
-                and out.shape == inputs[0].shape
-            ):
-                kind = first_kind  # e.g. a sum scaled or dropped out before the tanh
-            elif (
-                first_kind == "sum"
-                and name in ("view", "reshape", "flatten")
-                and isinstance(out, Tensor)
-                and out.dim() >= 2
-                and out.shape[-1] == inputs[0].shape[-1]
-            ):
-                kind = "sum"  # a sum flattened into rows before the tanh
+            kind = _kind_of(name, first_kind, inputs, out)
         if isinstance(out, Tensor) and (events or kind):
             self.marks[id(out)] = (out, events, kind)
         return out
@@ -276,6 +253,36 @@ class _Watcher(TorchFunctionMode):
 
 # x @ W spelled as a product: torch.matmul, the @ operator, torch.mm
 _MATMUL_NAMES = frozenset({"matmul", "__matmul__", "mm"})
+
+
+def _kind_of(name: str, first_kind: str | None, inputs: list, out) -> str | None:
+    """What ``out`` is on the way to a tanh: a sum of terms, a join (torch.cat) of them, a
+    projection of a join (the concat form's sum) or an affine map; None for anything else."""
+    if name in _ADD_NAMES and len(inputs) >= 2:
+        return "sum"
+    elif name in _CAT_NAMES and len(inputs) >= 2:
+        return "joined"
+    elif name == "linear":
+        # (the concat form's sum; as a plain tanh layer's, unreported without a softmax:
+        # a Luong decoder's tanh(W [h; context]) output layer)
+        return "joined_linear" if first_kind == "joined" else "affine"
+    elif name in _MATMUL_NAMES and len(inputs) == 2 and inputs[1].dim() == 2:
+        return "affine"  # x @ W: a projection written out (W a [D, H] weight)
+    elif (
+        first_kind in ("sum", "joined_linear")
+        and isinstance(out, Tensor)
+        and out.shape == inputs[0].shape
+    ):
+        return first_kind  # e.g. a sum scaled or dropped out before the tanh
+    elif (
+        first_kind == "sum"
+        and name in ("view", "reshape", "flatten")
+        and isinstance(out, Tensor)
+        and out.dim() >= 2
+        and out.shape[-1] == inputs[0].shape[-1]
+    ):
+        return "sum"  # a sum flattened into rows before the tanh
+    return None
 
 
 def _outputs(name: str, args, kwargs, inputs: list, energies_first: bool) -> int | None:
