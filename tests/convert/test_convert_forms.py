@@ -804,6 +804,50 @@ def test_a_tanh_flattened_into_rows_for_the_score_layer(back, dtype):
     _converts_and_matches(attention, dtype, call, (3, 5), ((4, 7), (2, 3)))
 
 
+class _TimeMajorRowsPermuted(torch.nn.Module):
+    """Attention_ocr.pytorch's ``AttentiondecoderV2`` (models/crnn_lang.py): the state [1, B, H]
+    plus the time-major keys [T, B, H] flattened into rows before the tanh (or the tanh viewed
+    into rows), the score layer on the rows, the scores viewed to [T, 1, B] and permuted to
+    [B, 1, T], a softmax over time."""
+
+    def __init__(self, flat_sum: bool) -> None:
+        super().__init__()
+        self.flat_sum = flat_sum
+        self.proj = torch.nn.Linear(5, 4, bias=False)
+        self.vat = torch.nn.Linear(4, 1)
+
+    def forward(self, hidden, encoder_outputs):  # hidden [1, B, 4], encoder_outputs [T, B, 5]
+        batch = encoder_outputs.shape[1]
+        total = hidden + self.proj(encoder_outputs)
+        if self.flat_sum:
+            energy = torch.tanh(total.view(-1, total.shape[-1]))
+        else:
+            energy = torch.tanh(total).view(-1, total.shape[-1])
+        alpha = self.vat(energy).view(-1, 1, batch).permute((2, 1, 0))
+        alpha = torch.softmax(alpha, dim=2)
+        return torch.matmul(alpha, encoder_outputs.permute((1, 0, 2))), alpha
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("flat_sum", [True, False], ids=["sum_flattened", "tanh_flattened"])
+def test_time_major_rows_viewed_with_the_one_axis_elsewhere(flat_sum, dtype):
+    """Refused: "the tanh goes into 'view', not a projection onto a vector". The scores of the
+    rows were taken back only as [T, B] or [T, B, 1], not [T, 1, B] (a view that moves no
+    element: only the 1-axis sits elsewhere)."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(8)
+
+    def call(batch, frames):
+        return (
+            torch.randn(1, batch, 4, generator=gen, dtype=dtype),
+            torch.randn(frames, batch, 5, generator=gen, dtype=dtype),
+        )
+
+    attention = _TimeMajorRowsPermuted(flat_sum)
+    report = _converts_and_matches(attention, dtype, call, (3, 6), ((4, 7), (2, 3), (1, 5)))
+    assert "1 query and 1 key term(s)" in report, report
+
+
 class _TemporalAttention(torch.nn.Module):
     """DA-RNN's temporal attention (Seanny123/da-rnn and its copies): the decoder's hidden and cell
     states repeated along time (``repeat(T, 1, 1).permute(1, 0, 2)``), concatenated with the

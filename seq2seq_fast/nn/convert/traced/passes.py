@@ -367,11 +367,16 @@ def _unflatten_projection(graph: fx.Graph) -> None:
         if out is None:
             continue
         # (back to [B, T], or to [B, T, 1]: the projection's own shape, soobinseo/Tacotron's
-        # ``v(tanh(...).view(-1, H)).view(-1, T, 1)``)
+        # ``v(tanh(...).view(-1, H)).view(-1, T, 1)``; or to the leading axes with 1-axes put
+        # elsewhere, Attention_ocr's time-major ``.view(-1, 1, B)`` of [T, B] rows: the view
+        # stays, reading the projection's [T, B, 1])
         kept = len(out) == len(shape) and _is_one(out[-1])
-        if not kept and len(out) != len(shape) - 1:
+        plain = len(out) == len(shape) - 1 or kept
+        if plain and not all(
+            _same(a, b) for a, b in zip(out[: len(shape) - 1], shape[:-1], strict=True)
+        ):
             continue
-        if not all(_same(a, b) for a, b in zip(out[: len(shape) - 1], shape[:-1], strict=True)):
+        if not plain and not _same_but_ones(out, shape[:-1]):
             continue
         with graph.inserting_before(back):
             args = (tanh, *projection.args[1:])
@@ -381,10 +386,21 @@ def _unflatten_projection(graph: fx.Graph) -> None:
             )
             if kept:
                 squeezed = scores
-            else:
+            elif plain:
                 squeezed = graph.call_method("squeeze", (scores, -1))
                 squeezed.meta["example_value"] = _value(scores).squeeze(-1)
-        back.replace_all_uses_with(squeezed)
-        graph.erase_node(back)
+        if plain:
+            back.replace_all_uses_with(squeezed)
+            graph.erase_node(back)
+        else:
+            back.replace_input_with(projection, scores)
         graph.erase_node(projection)
         graph.erase_node(flat)
+
+
+def _same_but_ones(a: tuple, b: tuple) -> bool:
+    """Whether two shapes are the same once their 1-axes are left out (a view between them
+    moves no element)."""
+    a = [d for d in a if not _is_one(d)]
+    b = [d for d in b if not _is_one(d)]
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
