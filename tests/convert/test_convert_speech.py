@@ -545,6 +545,43 @@ def test_lookalikes_are_refused(make):
     assert len(report.skipped) == 1 and "differs" in report.skipped[0].reason, str(report)
 
 
+class _MellotronAttention(L.NvidiaTacotron2Attention):
+    """NVIDIA/mellotron's ``Attention``: Tacotron 2's, with a sixth parameter ``attention_weights``
+    (its ``Decoder.decode`` passes it at every step, None but in ``inference_noattention``,
+    where the given weights are used and the energies are not computed)."""
+
+    def forward(self, hidden, memory, processed, weights_cat, mask, attention_weights=None):
+        if attention_weights is not None:
+            return torch.bmm(attention_weights.unsqueeze(1), memory).squeeze(1), attention_weights
+        return super().forward(hidden, memory, processed, weights_cat, mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_a_tacotron2_attention_with_another_parameter_is_left_to_the_general_path(dtype):
+    """It was taken for 'tacotron2' by its parts, and the stand-in, which takes the five
+    arguments of Tacotron 2's call, raised TypeError at the first step. A stand-in must take every
+    call the original takes; here the general path converts the module at its first call."""
+    torch.manual_seed(0)
+    original = nn.ModuleDict({"attn": _MellotronAttention(6, 10, 8, 4, 5)}).to(dtype)
+    model = copy.deepcopy(original)
+    report = fuse_attention_report(model)
+    assert report.count == 0 and report.skipped == [] and "attn" in report.watching, str(report)
+    tol = dict(atol=1e-10, rtol=1e-9) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-4)
+    results = []
+    for m in (model, original):
+        outs = drive_tacotron2(m["attn"], dtype, torch.Generator().manual_seed(2), [])
+        loss = sum((o * torch.linspace(-1, 1, o.shape[-1], dtype=dtype)).sum() for o in outs)
+        results.append((outs, torch.autograd.grad(loss, list(m.parameters()))))
+    assert "traced" in str(report) and "attn" not in report.watching, str(report)
+    for got, want in zip(*[outs + list(grads) for outs, grads in results], strict=True):
+        torch.testing.assert_close(got, want, **tol)
+    gen = torch.Generator().manual_seed(3)
+    memory = torch.randn(2, 5, 10, dtype=dtype, generator=gen)
+    given = torch.softmax(torch.randn(2, 5, dtype=dtype, generator=gen), -1)
+    args = (torch.randn(2, 6, dtype=dtype, generator=gen), memory, None, None, None, given)
+    torch.testing.assert_close(model["attn"](*args), original["attn"](*args))
+
+
 @pytest.mark.parametrize(
     ("flags", "reason"),
     [

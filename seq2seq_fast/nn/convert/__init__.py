@@ -108,17 +108,56 @@ def _convert_one(module: nn.Module, path: str, backend: str, check: bool, report
                 return module
             reason = f"through the traced runtime, on this layout's example call: {reason}"
         elif reason is None:
-            reason = _stand_in_refused(module, layout, backend, check)
+            fused, reason = _built(layout, module, backend)
+            if fused is not None and not _takes_every_call(fused, module):
+                continue  # another call than the layout's (the general path sees its own)
             if reason is None:
-                fused = layout.build(module, backend)
+                reason = _stand_in_refused(module, layout, backend, check)
+            if reason is None:
                 fused.train(module.training)
                 fused.keep_parts(type(module))
                 report.replaced.append(Replaced(path, layout.name, class_name(module)))
                 return fused
         reasons.append(reason if len(matched) == 1 else f"{layout.name}: {reason}")
+    if not reasons:
+        return None
     names = tuple(layout.name for layout in matched)
     report.skipped.append(Skipped(path, names, class_name(module), "; ".join(reasons)))
     return None
+
+
+def _built(layout: Layout, module: nn.Module, backend: str) -> tuple[nn.Module | None, str | None]:
+    """``(the layout's stand-in for module, None)``, or ``(None, why it could not be built)``."""
+    try:
+        return layout.build(module, backend), None
+    except Exception as exc:  # noqa: BLE001 - a layout that cannot build it: a skip
+        return None, f"its stand-in could not be built ({type(exc).__name__}: {exc})"
+
+
+def _takes_every_call(stand_in: nn.Module, module: nn.Module) -> bool:
+    """Whether ``stand_in.forward`` takes every call ``module.forward`` takes: as many
+    positional arguments, every parameter's name, ``*args`` and ``**kwargs`` where the original
+    has them. Mellotron's ``Attention`` is NVIDIA Tacotron 2's with a sixth parameter
+    (``attention_weights=None``, passed at every step): the 'tacotron2' stand-in, which takes
+    five, failed at the first call."""
+    try:
+        theirs = inspect.signature(module.forward).parameters.values()
+        ours = inspect.signature(stand_in.forward).parameters.values()
+    except (TypeError, ValueError):  # (no signature to read: the example call decided)
+        return True
+    kinds = inspect.Parameter
+    positional = (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+    our_kinds = {p.kind for p in ours}
+    our_names = {p.name for p in ours if p.kind != kinds.POSITIONAL_ONLY}
+    for kind in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD):
+        if any(p.kind == kind for p in theirs) and kind not in our_kinds:
+            return False
+    if kinds.VAR_POSITIONAL not in our_kinds and sum(p.kind in positional for p in theirs) > sum(
+        p.kind in positional for p in ours
+    ):
+        return False
+    named = [p.name for p in theirs if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)]
+    return kinds.VAR_KEYWORD in our_kinds or all(name in our_names for name in named)
 
 
 def _stand_in_refused(module: nn.Module, layout: Layout, backend: str, check: bool) -> str | None:
@@ -204,7 +243,9 @@ def fuse_attention_report(
             the call is put back as it was: buffers (batch-norm statistics), plain attributes
             (a counter, a cached tensor, a list of past weights; attributes the call added are
             removed) and the random state. What the forward writes outside the model (a
-            logger, a file) stays written. Without it, watched modules
+            logger, a file) stays written. A call that fails raises ValueError naming
+            example_inputs; the named stand-ins swapped in before it stay (each checked), and
+            the watched modules convert at their first call. Without it, watched modules
             convert at their first call and are listed in ``report.watching`` until then.
 
     The stand-ins keep the original Parameter objects (optimisers keep working, ``state_dict``
