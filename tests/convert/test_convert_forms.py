@@ -999,3 +999,41 @@ def test_in_place_writes_of_a_converted_forward_are_kept(how):
             original.att.calls,
         )
         assert torch.equal(model.att.seen, original.att.seen), (model.att.seen, original.att.seen)
+
+
+class _FillRebound(torch.nn.Module):
+    """neural_sp's ``AttentionMechanism`` ('add'): the scores masked in place and the result bound
+    to them again, ``e = e.masked_fill_(mask == 0, NEG_INF)``, mask True where valid."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_key = torch.nn.Linear(6, 5)
+        self.w_query = torch.nn.Linear(4, 5, bias=False)
+        self.v = torch.nn.Linear(5, 1, bias=False)
+
+    def forward(self, key, query, mask):  # key [B, T, 6], query [B, 1, 4], mask [B, 1, T]
+        e = self.v(torch.tanh(self.w_key(key).unsqueeze(1) + self.w_query(query).unsqueeze(2)))
+        e = e.squeeze(3)
+        e = e.masked_fill_(mask == 0, torch.finfo(e.dtype).min)
+        aw = torch.softmax(e, dim=-1)
+        return torch.bmm(aw, key), aw
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_scores_filled_in_place_and_bound_again(dtype):
+    """Refused: "the result of an in-place masked_fill_ of the scores is used". Read through its
+    result only, the in-place fill is the out-of-place one."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(9)
+
+    def call(batch, frames):
+        lengths = torch.randint(1, frames + 1, (batch,), generator=gen)
+        mask = (torch.arange(frames) < lengths[:, None]).unsqueeze(1)
+        return (
+            torch.randn(batch, frames, 6, generator=gen, dtype=dtype),
+            torch.randn(batch, 1, 4, generator=gen, dtype=dtype),
+            mask,
+        )
+
+    report = _converts_and_matches(_FillRebound(), dtype, call, (3, 6), ((4, 7), (2, 3)))
+    assert "fill" in report, report

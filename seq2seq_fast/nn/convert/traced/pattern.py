@@ -683,6 +683,11 @@ def _take_in_place_fills(chain: _Chain, users: list[fx.Node]) -> None:
         fills_in_place += inner
         chain.helpers.append(data)
         users.remove(data)
+    if len(fills_in_place) == 1 == len(users) and fills_in_place[0].target == "masked_fill_":
+        # ``e = e.masked_fill_(mask, -inf)`` (neural_sp), read through its result only: as
+        # ``e.masked_fill(...)``, a step of the chain (nothing reads the scores before the fill)
+        if fills_in_place[0].users:
+            return
     for fill in fills_in_place:
         if fill.users:
             raise NoMatch("the result of an in-place masked_fill_ of the scores is used")
@@ -756,7 +761,7 @@ def _chain_step(chain: _Chain, user: fx.Node) -> None:
             raise NoMatch("a shape op takes the scores as other than its input")
         chain.origin = _shape_op_origin(user, chain.origin)
         chain.shape_ops.append(user)
-    elif _is(user, _MASKED_FILL):
+    elif _is(user, _MASKED_FILL) or _is(user, {"masked_fill_"}):
         if user.args[0] is not node:
             raise NoMatch("masked_fill takes the scores as its mask")
         _fill_step(chain, user, "masked_fill")
