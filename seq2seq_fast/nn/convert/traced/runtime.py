@@ -358,17 +358,21 @@ def _rebuild(cls: type, backend: str) -> nn.Module:
 
 
 def _leaves_for_grad(args, kwargs, dtype: torch.dtype = torch.float64):
-    args, kwargs = pytree.tree_map(
-        lambda t: (
-            t.detach().to("cpu", dtype).requires_grad_()
-            if isinstance(t, Tensor) and t.is_floating_point()
-            else (t.cpu() if isinstance(t, Tensor) else t)
-        ),
-        (args, kwargs),
-    )
-    inputs = [
-        t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor) and t.requires_grad
-    ]
+    """The call's arguments as CPU copies in ``dtype``, and the leaves their gradients reach. A
+    floating argument is passed as a copy made from its leaf (not the leaf itself), as a model's
+    own call passes an encoder's output: a forward that writes its argument in place
+    (OpenNMT-py's ``memory_bank += linear_cover(coverage)``) runs as in the model."""
+    inputs: list[Tensor] = []
+
+    def copy(t):
+        if not isinstance(t, Tensor):
+            return t
+        if not t.is_floating_point():
+            return t.cpu()
+        inputs.append(t.detach().to("cpu", dtype).requires_grad_())
+        return inputs[-1].clone()
+
+    args, kwargs = pytree.tree_map(copy, (args, kwargs))
     return args, kwargs, inputs
 
 
