@@ -1037,3 +1037,138 @@ def test_scores_filled_in_place_and_bound_again(dtype):
 
     report = _converts_and_matches(_FillRebound(), dtype, call, (3, 6), ((4, 7), (2, 3)))
     assert "fill" in report, report
+
+
+class _CoverageIntoTheMemory(torch.nn.Module):
+    """OpenNMT-py's ``GlobalAttention`` (mlp) given coverage: the caller's memory bank written in
+    place, ``memory_bank += linear_cover(coverage)``, and a tanh of it, before the score."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear_context = torch.nn.Linear(6, 6, bias=False)
+        self.linear_query = torch.nn.Linear(6, 6)
+        self.v = torch.nn.Linear(6, 1, bias=False)
+        self.linear_cover = torch.nn.Linear(1, 6, bias=False)
+
+    def forward(self, query, memory_bank, coverage):
+        memory_bank += self.linear_cover(coverage.unsqueeze(-1))
+        memory_bank = torch.tanh(memory_bank)
+        keys = self.linear_context(memory_bank)
+        e = self.v(torch.tanh(self.linear_query(query).unsqueeze(1) + keys)).squeeze(-1)
+        weights = torch.softmax(e, -1)
+        return torch.bmm(weights.unsqueeze(1), memory_bank).squeeze(1), weights
+
+
+class _Caller(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Linear(6, 6)
+        self.attention = _CoverageIntoTheMemory()
+
+    def forward(self, query, source, coverage):
+        memory = self.encoder(source)
+        context, weights = self.attention(query, memory, coverage)
+        return context, weights, memory  # (the memory as the attention left it)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_a_forward_that_writes_its_argument_in_place(dtype):
+    """Skipped with the probe's own error ("a leaf Variable that requires grad is being used in
+    an in-place operation"): the probe passed the call's floating arguments as leaves, which the
+    model's own call does not. It passes copies made from them now."""
+    torch.manual_seed(0)
+    original = _Caller().to(dtype)
+    model = copy.deepcopy(original)
+    gen = torch.Generator().manual_seed(10)
+
+    def call(batch, frames):
+        return (
+            torch.randn(batch, 6, generator=gen, dtype=dtype),
+            torch.randn(batch, frames, 6, generator=gen, dtype=dtype),
+            torch.rand(batch, frames, generator=gen, dtype=dtype),
+        )
+
+    report = fuse_attention_report(model, example_inputs=call(3, 5))
+    assert report.count == 1 and report.skipped == [], str(report)
+    for batch, frames in ((4, 7), (2, 3)):
+        args = call(batch, frames)
+        calls = TracedWeights.calls
+        got, want = model(*args), original(*args)
+        assert TracedWeights.calls > calls  # (the fused op ran)
+        _assert_close(list(got), list(want), dtype, "outputs (the memory as written in place too)")
+        grads = [
+            torch.autograd.grad(sum(o.sum() for o in out[:2]), list(m.parameters()))
+            for m, out in ((model, got), (original, want))
+        ]
+        _assert_close(list(grads[0]), list(grads[1]), dtype, "gradients")
+
+
+class _BroadcastConcat(torch.nn.Module):
+    """JHzzzzzZ/LAS-Listen-Attend-and-Spell's attention: the concat form with the state broadcast
+    over the frames by ``torch.broadcast_tensors``, ``Sequential(Linear, Tanh, Linear)``, a
+    softmax over the frames (axis 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.att_score = torch.nn.Sequential(
+            torch.nn.Linear(8, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1)
+        )
+
+    def forward(self, x, h):  # x [B, L, 4], h [1, B, 4]
+        att_i = torch.cat(torch.broadcast_tensors(x, h.view(x.shape[0], 1, -1)), dim=-1)
+        a = torch.softmax(self.att_score(att_i), dim=1)
+        return (a * x).sum(dim=1), a
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_a_query_broadcast_by_broadcast_tensors(dtype):
+    """Refused: "every term of the sum varies along the softmax's axis ... none is a query":
+    the state's term came out of torch.broadcast_tensors, which was not seen as an expand."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(11)
+
+    def call(batch, frames):
+        return (
+            torch.randn(batch, frames, 4, generator=gen, dtype=dtype),
+            torch.randn(1, batch, 4, generator=gen, dtype=dtype),
+        )
+
+    report = _converts_and_matches(_BroadcastConcat(), dtype, call, (3, 6), ((4, 7), (2, 3)))
+    assert "1 query and 1 key term(s)" in report, report
+
+
+class _TimeMajorSumFlattened(torch.nn.Module):
+    """pytorch/translate's ``MLPAttention``: the decoder's and the encoder's projections summed
+    time-major [S, B, A], flattened into rows before the tanh (``F.tanh((dec + enc).view(-1,
+    A))``), the rows' scores viewed to [S, B] and transposed, a softmax over the source."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder_proj = torch.nn.Linear(6, 5)
+        self.decoder_proj = torch.nn.Linear(4, 5, bias=False)
+        self.to_scores = torch.nn.Linear(5, 1, bias=False)
+
+    def forward(self, decoder_state, source_hids):  # [B, 4], [S, B, 6]
+        src_len, bsz, _ = source_hids.shape
+        total = self.decoder_proj(decoder_state).unsqueeze(0) + self.encoder_proj(source_hids)
+        hidden = torch.tanh(total.view(-1, 5))
+        scores = torch.softmax(self.to_scores(hidden).view(src_len, bsz).t(), dim=-1).t()
+        return (source_hids * scores.unsqueeze(2)).sum(0), scores
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_a_time_major_sum_flattened_before_the_tanh(dtype):
+    """Refused: "the tanh's input is not a sum of two or more terms, nor one Linear". The pass
+    for keys flattened into rows before their projection took the flattened sum for rows and
+    formed the tanh again on its one term; the tanh now moves before the view first."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(12)
+
+    def call(batch, frames):
+        return (
+            torch.randn(batch, 4, generator=gen, dtype=dtype),
+            torch.randn(frames, batch, 6, generator=gen, dtype=dtype),
+        )
+
+    report = _converts_and_matches(_TimeMajorSumFlattened(), dtype, call, (3, 6), ((4, 7), (2, 3)))
+    assert "1 query and 1 key term(s)" in report, report

@@ -404,3 +404,47 @@ def _same_but_ones(a: tuple, b: tuple) -> bool:
     a = [d for d in a if not _is_one(d)]
     b = [d for d in b if not _is_one(d)]
     return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _broadcasts_as_expands(graph: fx.Graph) -> None:
+    """``torch.broadcast_tensors(x, q)`` read item by item, where one input already has the
+    broadcast shape (JHzzzzzZ's LAS: ``cat(broadcast_tensors(x, h.view(B, 1, -1)), -1)``): that
+    input itself, and each other one ``expand_as`` it, the form the key terms see through (a
+    query expanded over the keys)."""
+    for node in [n for n in graph.nodes if n.op == "call_function"]:
+        if node.target is not torch.broadcast_tensors or node.kwargs:
+            continue
+        inputs = list(node.args)
+        shapes = [_shape(a) if isinstance(a, fx.Node) else None for a in inputs]
+        items = list(node.users)
+        if any(s is None for s in shapes) or not all(
+            u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int)
+            for u in items
+        ):
+            continue
+        out = _shape(items[0]) if items else None
+        full = next(
+            (
+                a
+                for a, s in zip(inputs, shapes, strict=True)
+                if out is not None and _same_shape(s, out)
+            ),
+            None,
+        )
+        if full is None:
+            continue
+        for item in items:
+            source = inputs[item.args[1]]
+            if source is full:
+                item.replace_all_uses_with(full)
+            else:
+                with graph.inserting_before(item):
+                    expanded = graph.call_method("expand_as", (source, full))
+                    expanded.meta["example_value"] = _value(item)
+                item.replace_all_uses_with(expanded)
+            graph.erase_node(item)
+        graph.erase_node(node)
+
+
+def _same_shape(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))

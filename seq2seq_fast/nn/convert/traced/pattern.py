@@ -75,6 +75,7 @@ from seq2seq_fast.nn.convert.traced.nodes import (
     op_name,
 )
 from seq2seq_fast.nn.convert.traced.passes import (
+    _broadcasts_as_expands,
     _check_not_written,
     _drop_views_of_the_tanh_to_its_shape,
     _functionalize_arithmetic,
@@ -1042,9 +1043,10 @@ def find_matches(graph: fx.Graph) -> tuple[list[Plan], list[str]]:
     """(the plan of each additive attention in ``graph``, why each other tanh is not one); the
     graph passes (passes.py) run first."""
     _functionalize_arithmetic(graph)
+    _broadcasts_as_expands(graph)
     _drop_views_of_the_tanh_to_its_shape(graph)
+    _tanh_before_flattening(graph)  # (first: a flattened sum is not rows, for the next)
     _unflatten_rows(graph)
-    _tanh_before_flattening(graph)
     _unflatten_projection(graph)
     plans, misses = [], []
     for node in list(graph.nodes):
