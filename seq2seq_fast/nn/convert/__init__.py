@@ -237,9 +237,11 @@ def fuse_attention_report(
             that call reaches through its ``__call__`` and whose attention that call runs. A
             module the call reaches otherwise (``child.forward(x)``, a method such as
             ``infer``: its attention is converted with the module whose ``__call__`` ran it, if
-            any) or whose first call computes no attention (a first decoder step without a
-            previous state: it converts at its first call that does) stays in
-            ``report.watching``. The call's outputs are dropped, and what the model kept of
+            any) stays in ``report.watching``. A module whose call computes no tanh at all
+            (a first decoder step without a previous state, an early return for one-step
+            inputs) is not listed, as no module without a tanh is: its next calls are watched
+            (up to three in all), and it converts at the first that computes its attention,
+            added to the report then. The call's outputs are dropped, and what the model kept of
             the call is put back as it was: buffers (batch-norm statistics), plain attributes
             (a counter, a cached tensor, a list of past weights; attributes the call added are
             removed) and the random state. What the forward writes outside the model (a
