@@ -44,6 +44,7 @@ PRIVATE_APIS: tuple[tuple[str, str], ...] = (
         "nn.convert.traced (a mask built from int(lengths.max()) inside the trace)",
     ),
     ("torch._guards.CompileContext.current_compile_id", "nn.convert.traced (compiles per frame)"),
+    ("torch._dynamo.utils.counters", "nn.convert.traced (a graph break's reason, in the report)"),
     ("torch._subclasses.fake_tensor", "nn.convert.traced (its log quiet while the probe traces)"),
     ("torch._dynamo.eval_frame.OptimizedModule", "nn.convert (a model torch.compile wrapped)"),
     ("torch._make_per_channel_quantized_tensor", "seq2seq.inference (int8 rows as a qint8 weight)"),
@@ -141,6 +142,16 @@ def dynamo_config() -> Any:
     import torch._dynamo
 
     return torch._dynamo.config
+
+
+def dynamo_graph_breaks() -> dict[str, int]:
+    """How many times TorchDynamo gave each reason for a graph break in this process so far (read
+    before and after a trace: the new ones are that trace's). Why private: the reasons are kept
+    only in TorchDynamo's counters (and its logs); the converter names the break that cut an
+    attention's graph in its report."""
+    from torch._dynamo.utils import counters
+
+    return {**counters["unimplemented"], **counters["graph_break"]}
 
 
 def compile_frame() -> tuple[int, int] | None:

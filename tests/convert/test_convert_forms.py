@@ -589,6 +589,38 @@ def test_a_frame_dynamo_runs_as_python_is_named_so():
     assert "graph break falls inside a loop" in skipped.reason, skipped.reason
 
 
+class _NumpyFill(torch.nn.Module):
+    """neural_sp's ``AttentionMechanism``: the fill value read through numpy between the scores
+    and the softmax, ``float(np.finfo(torch.tensor(0, dtype=e.dtype).numpy().dtype).min)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_key = torch.nn.Linear(6, 5)
+        self.w_query = torch.nn.Linear(4, 5, bias=False)
+        self.v = torch.nn.Linear(5, 1, bias=False)
+
+    def forward(self, key, query, mask):
+        import numpy as np
+
+        e = self.v(torch.tanh(self.w_key(key) + self.w_query(query).unsqueeze(1))).squeeze(2)
+        fill = float(np.finfo(torch.tensor(0, dtype=e.dtype).numpy().dtype).min)
+        return torch.softmax(e.masked_fill(mask == 0, fill), dim=-1)
+
+
+def test_the_graph_break_that_cuts_the_scores_from_the_softmax_is_named():
+    """The reason gave examples of what breaks a graph ("such as a Python loop ... or a
+    .item()"), not the break: here TorchDynamo's own message about the numpy call."""
+    model = T._Holder(_NumpyFill()).double()
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    report = fuse_attention_report(
+        model, example_inputs=(torch.randn(2, 4, 6).double(), torch.randn(2, 4).double(), mask)
+    )
+    (skipped,) = report.skipped
+    assert "ends between the scores and the softmax" in skipped.reason, skipped.reason
+    assert "TorchDynamo's graph break: " in skipped.reason, skipped.reason
+    assert "ndarray" in skipped.reason.split("TorchDynamo's graph break: ")[1], skipped.reason
+
+
 class _RecurrentClassifier(torch.nn.Module):
     """A text classifier's forward: a bidirectional LSTM or GRU (over a packed sequence, or the
     padded batch), then additive attention pooling over its outputs, masked by the lengths."""
@@ -1172,3 +1204,73 @@ def test_a_time_major_sum_flattened_before_the_tanh(dtype):
 
     report = _converts_and_matches(_TimeMajorSumFlattened(), dtype, call, (3, 6), ((4, 7), (2, 3)))
     assert "1 query and 1 key term(s)" in report, report
+
+
+class _PointwiseConvPooling(torch.nn.Module):
+    """wespeaker's attentive statistics pooling heads over [B, C, T]: ``Conv1d(C, A, 1)``, tanh,
+    ``Conv1d(A, K, 1)``, a softmax over time; K = 1 (one score vector, ``MHASTP`` with d_s = 1)
+    or K = C (channel-wise, ``ASTP``)."""
+
+    def __init__(self, vectors: int) -> None:
+        super().__init__()
+        self.linear1 = torch.nn.Conv1d(6, 5, kernel_size=1)
+        self.linear2 = torch.nn.Conv1d(5, vectors, kernel_size=1)
+
+    def forward(self, x):
+        alpha = torch.softmax(self.linear2(torch.tanh(self.linear1(x))), dim=2)
+        return torch.sum(alpha * x, dim=2)
+
+
+@pytest.mark.parametrize("vectors", [1, 6], ids=["one_vector", "channel_wise"])
+def test_attention_pooling_written_with_pointwise_convolutions_is_reported(vectors):
+    """It was missing from the report ("0 replaced, 0 skipped"): the watcher took only an add or
+    a linear map into the tanh, and a convolution ended the scores. A kernel-size-1 convolution
+    is a projection of the channels; the general path names it as what it cannot take."""
+    model = torch.nn.Sequential(_PointwiseConvPooling(vectors)).double()
+    x = torch.randn(3, 6, 7, dtype=torch.float64)
+    want = model(x)
+    report = fuse_attention_report(model, example_inputs=(x,))
+    (skipped,) = report.skipped
+    assert report.count == 0 and "the tanh goes into 'conv1d'" in skipped.reason, str(report)
+    torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+
+
+class _AttBLSTM(torch.nn.Module):
+    """Att-BLSTM (Zhou et al., 2016) as text classifiers write it (Chinese-Text-Classification-
+    Pytorch's ``TextRNN_Att``, Renovamen's ``AttBiLSTM``): a bidirectional LSTM's outputs H straight
+    into the tanh, no projection, against a learned vector w, a softmax over the words."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(6, 4, bidirectional=True, batch_first=True)
+        self.w = torch.nn.Parameter(torch.randn(8) * 0.5)
+        self.fc = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        H, _ = self.lstm(x)
+        alpha = torch.softmax(torch.matmul(torch.tanh(H), self.w), dim=1).unsqueeze(-1)
+        return self.fc(torch.sum(H * alpha, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_a_tanh_of_the_keys_themselves_against_a_learned_vector(dtype):
+    """Not in the report at all ("0 replaced, 0 skipped"): a tanh counted only over a sum or a
+    projection. With the keys' projection the identity, it is attention pooling: the op's keys are
+    H itself, the query zero."""
+    torch.manual_seed(0)
+    original = _AttBLSTM().to(dtype)
+    model = copy.deepcopy(original)
+    gen = torch.Generator().manual_seed(13)
+    report = fuse_attention_report(model, example_inputs=(torch.randn(3, 5, 6, dtype=dtype),))
+    assert report.count == 1 and "0 query and 1 key term(s)" in str(report), str(report)
+    for batch, words in ((4, 7), (2, 3)):
+        x = torch.randn(batch, words, 6, generator=gen, dtype=dtype)
+        calls = TracedWeights.calls
+        got, want = model(x), original(x)
+        assert TracedWeights.calls > calls
+        _assert_close([got], [want], dtype, "outputs")
+        grads = [
+            torch.autograd.grad(out.sum(), list(m.parameters()))
+            for m, out in ((model, got), (original, want))
+        ]
+        _assert_close(list(grads[0]), list(grads[1]), dtype, "gradients")

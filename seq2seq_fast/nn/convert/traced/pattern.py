@@ -170,6 +170,19 @@ def _leading_swap(node: fx.Node) -> tuple | None:
     return tuple(dims) if dims[-1] == rank - 1 else None  # the width axis stays last
 
 
+def _given_keys(node: fx.Node) -> bool:
+    """Whether ``node`` is a tensor as the forward got it or an RNN gave it (a graph input, an
+    item of an output tuple, through shape ops): keys whose projection is the identity, not a
+    product, a relu or a scaled sum (each a look-alike inside a tanh)."""
+    while isinstance(node, fx.Node) and _is(node, _SHAPE_OPS):
+        node = node.args[0]
+    if not isinstance(node, fx.Node):
+        return False
+    return node.op == "placeholder" or (
+        node.op == "call_function" and node.target is operator.getitem
+    )
+
+
 def _split_linear_bias(graph: fx.Graph, node: fx.Node) -> list[fx.Node] | None:
     """linear(x, W, c) -> [linear(x, W), c] as a new node and c; linear(x, W) or x @ W (W a
     matrix) -> [itself]."""
@@ -341,6 +354,11 @@ def _projection(tanh: fx.Node, shape: tuple, rank: int):
         raise NoMatch(
             "the tanh's value leaves the traced graph before any projection onto a vector (the "
             "forward returns it, or TorchDynamo broke the graph after it)"
+        )
+    if op_name(user) in ("conv1d", "conv2d"):
+        raise NoMatch(
+            f"the tanh goes into {op_name(user)!r} (its channels projected by a convolution: "
+            "the general path takes a projection over the last axis, a Linear or a product)"
         )
     raise NoMatch(f"the tanh goes into {op_name(user)!r}, not a projection onto a vector")
 
@@ -615,11 +633,17 @@ def _sum_terms(graph: fx.Graph, inner: fx.Node, rank: int, hidden: int):
     pooled = False
     if split is None and hidden == rank - 1:
         # attention pooling, tanh(W h + b) against a learned vector: one key term (and its
-        # bias), no query; the op runs it with a zero query
+        # bias), no query; the op runs it with a zero query. Or the tensor itself in the tanh
+        # (Att-BLSTM's ``w . tanh(H)``: the keys' projection is the identity)
         split = _split_linear_bias(graph, terms[0])
+        if split is None and _given_keys(terms[0]):
+            split = [terms[0]]
         pooled = split is not None
     if split is None:
-        raise NoMatch("the tanh's input is not a sum of two or more terms, nor one Linear")
+        raise NoMatch(
+            "the tanh's input is not a sum of two or more terms, nor one Linear, nor the keys "
+            "as given (an input, or an RNN's output)"
+        )
     split_nodes = [n for n in split if n.op == "call_function" and n.target is not None]
     return split, split_nodes, pooled
 

@@ -62,6 +62,7 @@ from seq2seq_fast.ops._torch_private import (
     compile_frame,
     dynamo_capture_scalars,
     dynamo_config,
+    dynamo_graph_breaks,
     dynamo_tracing,
     pytree,
     quiet_trace_errors,
@@ -461,14 +462,16 @@ def _probe_copies(module: nn.Module, recording, backend: str, dtype: torch.dtype
         # tensors the forward makes itself (zeros for a state, a mask) in the probe's dtype too
         torch.set_default_dtype(dtype)
         ran: list = []
+        breaks: list[str] = []
         try:
             for mod in (original, candidate):
                 args, kwargs, inputs = _leaves_for_grad(recording.args, recording.kwargs, dtype)
                 try:
+                    breaks = dynamo_graph_breaks()
                     with forked_random(seed=1), recorded_runs() as runs:
                         out = mod(*args, **kwargs)
                     if mod is candidate:
-                        ran = runs
+                        ran, breaks = runs, _new_breaks(breaks, dynamo_graph_breaks())
                     results.append((out, _gradients(mod, out, inputs, 2)))
                 except Exception as exc:
                     if mod is original and dtype == torch.float64:
@@ -490,6 +493,8 @@ def _probe_copies(module: nn.Module, recording, backend: str, dtype: torch.dtype
             "Python when a graph break falls inside a loop (a Python loop over a tensor's "
             "values, or an .item() in a loop), which leaves nothing to convert"
         )
+        if breaks and (SCORES_LEAVE_THE_GRAPH in why or not found or "no tanh" in why):
+            why += f" (TorchDynamo's graph break: {'; '.join(breaks)})"
         return f"not the fused op's form: {why}", ""
     tolerances = {}
     if dtype == torch.float32:
@@ -500,6 +505,21 @@ def _probe_copies(module: nn.Module, recording, backend: str, dtype: torch.dtype
     if difference is not None:
         return f"differs from the fused op on its first call's input: {difference}", ""
     return None, "; ".join(matched)
+
+
+def _new_breaks(before: dict[str, int], after: dict[str, int]) -> list[str]:
+    """The graph breaks counted between ``before`` and ``after``, each as its reason's first line
+    and explanation (TorchDynamo's message runs to a page)."""
+    out = []
+    for reason, count in after.items():
+        if count > before.get(reason, 0):
+            lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
+            said = lines[0] if lines else reason
+            explained = next((x for x in lines[1:] if x.startswith("Explanation:")), None)
+            if explained is not None:
+                said += f" ({explained.removeprefix('Explanation:').strip()})"
+            out.append(said[:300])
+    return list(dict.fromkeys(out))
 
 
 # A first call whose memory has one key: its trace cannot tell the memory's axis (size 1) from

@@ -203,10 +203,15 @@ class _Watcher(TorchFunctionMode):
         first = self.marks.get(id(inputs[0])) if inputs else None
         first_kind = first[2] if first is not None and first[0] is inputs[0] else None
         call = self.call
-        if name in ("tanh", "tanh_") and first_kind in ("sum", "affine", "joined_linear"):
+        # a tanh of a plain tensor (no sum, no projection: Att-BLSTM's ``w . tanh(H)``) counts
+        # too, as a tanh layer's does: nothing to report unless a softmax follows
+        plain = first_kind is None and not events and inputs and inputs[0].dim() >= 2
+        if name in ("tanh", "tanh_") and (
+            first_kind in ("sum", "affine", "joined_linear") or plain
+        ):
             event = next(call.events)
             events = frozenset({event})  # an energy of its own (not of what made its inputs)
-            if first_kind in ("affine", "joined_linear"):
+            if first_kind in ("affine", "joined_linear") or plain:
                 call.affine.add(event)
             if call.inside_decided_module():
                 call.claimed.add(event)  # inside a module that has taken its attention already
@@ -240,12 +245,12 @@ class _Watcher(TorchFunctionMode):
                 # softmax follows (a gated attention's softmax is reported, with why). Scores
                 # times a 0/1 mask are not a gate: a hand-written softmax may follow
                 call.not_scores |= events
-            elif name not in _CARRIES:
+            elif name not in _CARRIES and not _pointwise_conv(name, args, kwargs):
                 if isinstance(out, Tensor):  # (not .size(), .dim(): they read no values)
                     for event in events:
                         call.ended.setdefault(event, name)
                 events = frozenset()  # e.g. an RNN over a tanh's output: no longer its energies
-            kind = _kind_of(name, first_kind, inputs, out)
+            kind = _kind_of(name, first_kind, args, kwargs, inputs, out)
         if isinstance(out, Tensor) and (events or kind):
             self.marks[id(out)] = (out, events, kind)
         return out
@@ -255,7 +260,7 @@ class _Watcher(TorchFunctionMode):
 _MATMUL_NAMES = frozenset({"matmul", "__matmul__", "mm"})
 
 
-def _kind_of(name: str, first_kind: str | None, inputs: list, out) -> str | None:
+def _kind_of(name: str, first_kind: str | None, args, kwargs, inputs: list, out) -> str | None:
     """What ``out`` is on the way to a tanh: a sum of terms, a join (torch.cat) of them, a
     projection of a join (the concat form's sum) or an affine map; None for anything else."""
     if name in _ADD_NAMES and len(inputs) >= 2:
@@ -268,6 +273,8 @@ def _kind_of(name: str, first_kind: str | None, inputs: list, out) -> str | None
         return "joined_linear" if first_kind == "joined" else "affine"
     elif name in _MATMUL_NAMES and len(inputs) == 2 and inputs[1].dim() == 2:
         return "affine"  # x @ W: a projection written out (W a [D, H] weight)
+    elif _pointwise_conv(name, args, kwargs):
+        return "affine"  # a kernel-size-1 convolution over [B, C, T]: a projection of channels
     elif (
         first_kind in ("sum", "joined_linear")
         and isinstance(out, Tensor)
@@ -285,6 +292,17 @@ def _kind_of(name: str, first_kind: str | None, inputs: list, out) -> str | None
     return None
 
 
+def _pointwise_conv(name: str, args, kwargs) -> bool:
+    """``F.conv1d`` / ``F.conv2d`` with a kernel of size 1 (wespeaker's and ECAPA's attentive
+    pooling over [B, C, T], mmocr SAR's score layer): a Linear over the channel axis."""
+    if name not in ("conv1d", "conv2d") or len(args) < 2 or kwargs.get("groups", 1) != 1:
+        return False
+    weight = args[1]
+    return (
+        isinstance(weight, Tensor) and weight.dim() >= 3 and all(k == 1 for k in weight.shape[2:])
+    )
+
+
 def _outputs(name: str, args, kwargs, inputs: list, energies_first: bool) -> int | None:
     """How many outputs an F.linear or an ``energies @ W`` (W a matrix) maps each row onto, where
     that is more than one (a projection onto a vector is one); None otherwise."""
@@ -292,6 +310,9 @@ def _outputs(name: str, args, kwargs, inputs: list, energies_first: bool) -> int
         weight = args[1] if len(args) > 1 else kwargs.get("weight")
         if isinstance(weight, Tensor) and weight.dim() == 2 and weight.shape[0] != 1:
             return weight.shape[0]
+    elif _pointwise_conv(name, args, kwargs):
+        if args[1].shape[0] != 1:
+            return args[1].shape[0]
     elif name in _MATMUL_NAMES and energies_first and len(inputs) == 2:
         if inputs[1].dim() == 2 and inputs[1].shape[1] != 1:
             return inputs[1].shape[1]
