@@ -1274,3 +1274,50 @@ def test_a_tanh_of_the_keys_themselves_against_a_learned_vector(dtype):
             for m, out in ((model, got), (original, want))
         ]
         _assert_close(list(grads[0]), list(grads[1]), dtype, "gradients")
+
+
+class _MaxShiftedSoftmax(torch.nn.Module):
+    """kenchan0226/keyphrase-generation-rl's ``MaskedSoftmax`` after its concat attention: the
+    row's max subtracted before the softmax (``torch.max(e, dim, keepdim=True)[0]``, or ``amax``,
+    or detached), the mask multiplied after it and the weights renormalised."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.memory_proj = torch.nn.Linear(6, 5, bias=False)
+        self.decode_proj = torch.nn.Linear(4, 5)
+        self.v = torch.nn.Linear(5, 1, bias=False)
+
+    def forward(self, query, memory, mask):
+        e = self.v(torch.tanh(self.memory_proj(memory) + self.decode_proj(query).unsqueeze(1)))
+        e = e.squeeze(-1)
+        if self.how == "max":
+            top = torch.max(e, dim=1, keepdim=True)[0]
+        elif self.how == "amax":
+            top = e.amax(-1, keepdim=True)
+        else:
+            top = e.max(1, keepdim=True)[0].detach()
+        w = torch.softmax(e - top, dim=1) * mask
+        w = w / w.sum(1, keepdim=True)
+        return torch.bmm(w.unsqueeze(1), memory).squeeze(1), w
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("how", ["max", "amax", "detached"])
+def test_the_row_max_subtracted_before_the_softmax(how, dtype):
+    """Refused: "the scores are used 2 times": the max read them, and so did the subtraction. A
+    shift of each row the softmax cancels (it subtracts the max itself) is left out."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(14)
+
+    def call(batch, frames):
+        lengths = torch.randint(1, frames + 1, (batch,), generator=gen)
+        mask = (torch.arange(frames) < lengths[:, None]).to(dtype)
+        return (
+            torch.randn(batch, 4, generator=gen, dtype=dtype),
+            torch.randn(batch, frames, 6, generator=gen, dtype=dtype),
+            mask,
+        )
+
+    report = _converts_and_matches(_MaxShiftedSoftmax(how), dtype, call, (3, 6), ((4, 7), (2, 3)))
+    assert "1 query and 1 key term(s)" in report, report

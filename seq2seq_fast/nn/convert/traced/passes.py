@@ -13,6 +13,8 @@ from seq2seq_fast.nn.convert.traced.nodes import (
     _LINEAR,
     _REPEATS,
     _SHAPE_OPS,
+    _SOFTMAX,
+    _SUBS,
     _TANH,
     NoMatch,
     _ancestors,
@@ -448,3 +450,51 @@ def _broadcasts_as_expands(graph: fx.Graph) -> None:
 
 def _same_shape(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _drop_max_shifts(graph: fx.Graph) -> None:
+    """``softmax(e - e.max(d, keepdim=True)[0], d)`` (or ``amax``, the max detached): the shift a
+    softmax over d cancels (the stability idiom of hand-written masked softmaxes, kenchan's
+    keyphrase-generation-rl): the softmax reads e itself, as its own max shift is built in."""
+    for softmax in [n for n in graph.nodes if _is(n, _SOFTMAX)]:
+        shifted = _arg(softmax, 0, "input")
+        if not (_is(shifted, _SUBS) and len(shifted.args) == 2 and len(shifted.users) == 1):
+            continue
+        scores, top = shifted.args
+        while isinstance(top, fx.Node) and _is(top, {"detach"}):
+            top = top.args[0]
+        dim = _max_dim_of(top, scores)
+        shape = _shape(softmax)
+        if dim is None or shape is None:
+            continue
+        asked = _arg(softmax, 1, "dim")
+        if not isinstance(asked, int) or asked % len(shape) != dim % len(shape):
+            continue
+        softmax.replace_input_with(shifted, scores)
+        chain = [shifted]  # the subtraction, then the max and what it passed, as none reads them
+        node = shifted.args[1]
+        while isinstance(node, fx.Node) and node is not scores:
+            chain.append(node)
+            node = node.args[0] if node.args else None
+        for dead in chain:
+            if not dead.users:
+                graph.erase_node(dead)
+
+
+def _max_dim_of(node: object, scores: fx.Node) -> int | None:
+    """d where ``node`` is ``scores.max(d, keepdim=True)[0]`` or ``scores.amax(d, keepdim=True)``;
+    else None."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0:
+        node = node.args[0]
+        if not _is(node, {torch.max, "max"}):
+            return None
+    elif not _is(node, {torch.amax, "amax"}):
+        return None
+    if _arg(node, 0, "input") is not scores or not _arg(node, 2, "keepdim", False):
+        return None
+    dim = _arg(node, 1, "dim")
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    return dim if isinstance(dim, int) else None

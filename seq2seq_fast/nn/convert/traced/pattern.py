@@ -77,6 +77,7 @@ from seq2seq_fast.nn.convert.traced.nodes import (
 from seq2seq_fast.nn.convert.traced.passes import (
     _broadcasts_as_expands,
     _check_not_written,
+    _drop_max_shifts,
     _drop_views_of_the_tanh_to_its_shape,
     _functionalize_arithmetic,
     _tanh_before_flattening,
@@ -1068,6 +1069,7 @@ def find_matches(graph: fx.Graph) -> tuple[list[Plan], list[str]]:
     graph passes (passes.py) run first."""
     _functionalize_arithmetic(graph)
     _broadcasts_as_expands(graph)
+    _drop_max_shifts(graph)
     _drop_views_of_the_tanh_to_its_shape(graph)
     _tanh_before_flattening(graph)  # (first: a flattened sum is not rows, for the next)
     _unflatten_rows(graph)
