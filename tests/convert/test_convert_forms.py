@@ -1321,3 +1321,26 @@ def test_the_row_max_subtracted_before_the_softmax(how, dtype):
 
     report = _converts_and_matches(_MaxShiftedSoftmax(how), dtype, call, (3, 6), ((4, 7), (2, 3)))
     assert "1 query and 1 key term(s)" in report, report
+
+
+@pytest.mark.parametrize("name", ["join_scorer", "learned_query_pool"])
+def test_a_converted_module_under_a_non_reentrant_checkpoint(name):
+    """The first call with gradients at a new shape, inside ``checkpoint(use_reentrant=False)``,
+    raised CheckpointError ("Number of tensors saved during forward: 10 / during recomputation:
+    8"): the trace's rewrite computed its new nodes' example values with autograd on, and the
+    checkpoint counted what they saved."""
+    from torch.utils.checkpoint import checkpoint
+
+    case = next(c for c in T.CASES if c.name == name)
+    torch.manual_seed(0)
+    model = case.make().double()
+    original = copy.deepcopy(model)
+    report = fuse_attention_report(model, example_inputs=case.inputs(2, 5, torch.float64))
+    assert report.count == 1, str(report)
+    args = case.inputs(3, 7, torch.float64)
+    grads = []
+    for m in (model, original):
+        out = checkpoint(m, *args, use_reentrant=False)
+        out = out[0] if isinstance(out, tuple) else out
+        grads.append(torch.autograd.grad(out.sum(), list(m.parameters())))
+    _assert_close(list(grads[0]), list(grads[1]), torch.float64, "gradients")

@@ -104,11 +104,15 @@ class _Rewriter:
                     self.frame_compiles.get(frame_id, 0), before + 1
                 )
         try:
-            plans, misses = find_matches(gm.graph)
-            described = []
-            for plan in plans:
-                described.append(plan.describe())
-                rewrite(gm.graph, plan, self.backend)
+            # without gradients: the passes compute their new nodes' example values on the
+            # trace's tensors, and under a non-reentrant checkpoint each one recorded for backward
+            # was a saved tensor more in the forward than in its recomputation (CheckpointError)
+            with torch.no_grad():
+                plans, misses = find_matches(gm.graph)
+                described = []
+                for plan in plans:
+                    described.append(plan.describe())
+                    rewrite(gm.graph, plan, self.backend)
             gm.graph.eliminate_dead_code(is_impure_node=_impure)
             gm.graph.lint()
             gm.recompile()
