@@ -1344,3 +1344,35 @@ def test_a_converted_module_under_a_non_reentrant_checkpoint(name):
         out = out[0] if isinstance(out, tuple) else out
         grads.append(torch.autograd.grad(out.sum(), list(m.parameters())))
     _assert_close(list(grads[0]), list(grads[1]), torch.float64, "gradients")
+
+
+def test_no_first_call_warning_under_a_checkpoint_after_example_inputs():
+    """The model around a converted attention (no tanh of its own: watched quietly after the
+    example call) warned at its call under a checkpoint that it "is watched by the general path
+    ... pass example_inputs", which had been passed."""
+    from torch.utils.checkpoint import checkpoint
+
+    from tests.layouts import TutorialAttention
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.attn = TutorialAttention(8)
+
+        def forward(self, q, k):
+            context, _ = self.attn(self.lin(q), k)
+            return context.sin()
+
+    torch.manual_seed(0)
+    model = Model()
+    report = fuse_attention_report(
+        model, example_inputs=(torch.randn(2, 1, 8), torch.randn(2, 5, 8))
+    )
+    assert report.count == 1, str(report)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = checkpoint(model, torch.randn(3, 1, 8), torch.randn(3, 7, 8), use_reentrant=False)
+        out.sum().backward()
+    ours = [str(w.message) for w in caught if "fuse_attention" in str(w.message)]
+    assert ours == [], ours

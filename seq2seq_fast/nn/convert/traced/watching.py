@@ -376,7 +376,7 @@ def _pre_hook(module: nn.Module, args, kwargs):
             warnings.warn(FIRST_CALL_COMPILED.format(watch.path, class_name(module)), stacklevel=2)
         return None
     if saved_tensors_hooks_active():  # checkpointing: the watch waits for a call outside it
-        if not watch.warned_hooks:
+        if not watch.warned_hooks and not watch.quiet_calls:  # (as above)
             watch.warned_hooks = True
             warnings.warn(FIRST_CALL_HOOKED.format(watch.path, class_name(module)), stacklevel=2)
         return None
