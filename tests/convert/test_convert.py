@@ -204,3 +204,31 @@ def test_bad_arguments():
         fuse_attention(nn.Sequential(), check="yes")
     with pytest.raises(ValueError, match="wrap it"):
         fuse_attention_report(copy.deepcopy(TutorialAttention(3)))
+
+
+def test_a_stand_in_is_an_instance_of_the_original_class_and_pickles():
+    """A named stand-in was not an instance of the project's class: code dispatching on it
+    (ESPnet2's calculate_all_attentions: ``isinstance(m, AttLoc)``) found nothing. Its class is
+    now a subclass of both, rebuilt as such by pickle and deepcopy."""
+    import io
+    import pickle
+
+    torch.manual_seed(0)
+    original = nn.Sequential(TutorialAttention(4))
+    model = copy.deepcopy(original)
+    assert fuse_attention(model) == 1
+    assert isinstance(model[0], FusedStandIn) and isinstance(model[0], TutorialAttention)
+    query, keys = torch.randn(2, 1, 4), torch.randn(2, 5, 4)
+    want = original[0](query, keys)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for again in (
+        copy.deepcopy(model),
+        pickle.loads(pickle.dumps(model)),
+        torch.load(buffer, weights_only=False),
+    ):
+        assert type(again[0]) is type(model[0]) and isinstance(again[0], TutorialAttention)
+        for got, expected in zip(again[0](query, keys), want, strict=True):
+            torch.testing.assert_close(got, expected)
+    assert "Fused" in repr(model)  # (its own repr, not the original's)

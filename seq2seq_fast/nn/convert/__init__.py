@@ -44,6 +44,7 @@ from seq2seq_fast.nn.convert._base import (
     Layout,
     Replaced,
     Skipped,
+    as_original,
     check_equivalent,
     class_name,
     forked_random,
@@ -116,6 +117,7 @@ def _convert_one(module: nn.Module, path: str, backend: str, check: bool, report
             if reason is None:
                 fused.train(module.training)
                 fused.keep_parts(type(module))
+                as_original(fused, type(module))
                 report.replaced.append(Replaced(path, layout.name, class_name(module)))
                 return fused
         reasons.append(reason if len(matched) == 1 else f"{layout.name}: {reason}")
@@ -252,7 +254,9 @@ def fuse_attention_report(
 
     The stand-ins keep the original Parameter objects (optimisers keep working, ``state_dict``
     keys are unchanged), the call signature and the return values; a module the traced runtime
-    converts stays the same object, its class swapped for a traced subclass. A module reached
+    converts stays the same object, its class swapped for a traced subclass, and a named stand-in
+    is an instance of the original's class too (code that dispatches on it still finds it).
+    A module reached
     by two paths is converted once. The report is also logged at debug level.
     """
     if not isinstance(model, nn.Module):

@@ -137,6 +137,51 @@ class FusedStandIn(nn.Module):
         return getattr(original, name)(view, *args, **kwargs)
 
 
+# The class of each (stand-in class, original class): a stand-in that is an instance of the
+# project's class too (a memo, not state; one class per pair keeps pickling stable).
+_AS_ORIGINAL: dict[tuple[type, type], type] = {}
+
+
+def as_original(stand_in: FusedStandIn, original: type) -> None:
+    """Make ``stand_in`` an instance of ``original`` as well: its class becomes a subclass of both
+    (the stand-in's methods first, then the original's), so that code dispatching on the
+    project's class (ESPnet2's ``calculate_all_attentions``: ``isinstance(m, AttLoc)``) still
+    finds it, and the original's other methods are there. Left as it is where Python cannot
+    make such a class (a layout conflict, another metaclass)."""
+    cls = type(stand_in)
+    if issubclass(cls, original):
+        return
+    key = (cls, original)
+    if key not in _AS_ORIGINAL:
+        try:
+            new = type(
+                cls.__name__,
+                (cls, original),
+                {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+            )
+        except TypeError:
+            return
+        # (set after the class is made: __init_subclass__ guards public methods it defines)
+        new.__reduce_ex__ = _reduce_as_original
+        new._fuse_attention_pair = (cls, original)
+        new.extra_repr = cls.extra_repr  # (the stand-in's, not the original's: other state)
+        _AS_ORIGINAL[key] = new
+    stand_in.__class__ = _AS_ORIGINAL[key]
+
+
+def _reduce_as_original(self, protocol):
+    """Pickles and deep copies name the two importable classes and rebuild the pair's class."""
+    state = object.__reduce_ex__(self, protocol)[2]
+    return (_rebuild_as_original, type(self)._fuse_attention_pair, state)
+
+
+def _rebuild_as_original(cls: type, original: type) -> nn.Module:
+    """An empty stand-in of the pair's class (pickle then sets its state)."""
+    module = object.__new__(cls)
+    as_original(module, original)
+    return module
+
+
 # Attributes every nn.Module has (_parameters, _buffers, _modules, hooks); everything else in a
 # module's __dict__ is its own state.
 MODULE_INTERNALS = frozenset(vars(nn.Module()))
