@@ -202,6 +202,19 @@ def _converts_and_matches(attention, dtype, call, example: tuple, shapes: tuple)
     return str(report)
 
 
+def _state_and_time_major_memory(seed: int, dtype, state: int, key: int):
+    """A call maker for ``(state [B, state], memory [T, B, key])`` of a given (batch, frames)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def call(batch, frames):
+        return (
+            torch.randn(batch, state, generator=gen, dtype=dtype),
+            torch.randn(frames, batch, key, generator=gen, dtype=dtype),
+        )
+
+    return call
+
+
 class _MatmulPooling(torch.nn.Module):
     """Learned-query pooling with its projection written out, tanh(h @ W + b) against a context
     vector (HAN's matrix_mul, vectorised), over time-major or batch-major h, the bias [A] or
@@ -783,14 +796,7 @@ def test_time_first_rows_with_the_state_expanded_over_time(view, dtype):
     """Refused: with the view, "the tanh goes into 'view'"; without, "every term of the sum
     varies along the softmax's axis" (only a state expanded along axis 1 was seen through)."""
     torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(7)
-
-    def call(batch, frames):
-        return (
-            torch.randn(batch, 5, generator=gen, dtype=dtype),
-            torch.randn(frames, batch, 6, generator=gen, dtype=dtype),
-        )
-
+    call = _state_and_time_major_memory(7, dtype, 5, 6)
     report = _converts_and_matches(_TimeFirstRows(view), dtype, call, (3, 7), ((2, 5), (4, 3)))
     assert "1 query and 1 key term(s)" in report, report
 
@@ -1194,14 +1200,7 @@ def test_a_time_major_sum_flattened_before_the_tanh(dtype):
     for keys flattened into rows before their projection took the flattened sum for rows and
     formed the tanh again on its one term; the tanh now moves before the view first."""
     torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(12)
-
-    def call(batch, frames):
-        return (
-            torch.randn(batch, 4, generator=gen, dtype=dtype),
-            torch.randn(frames, batch, 6, generator=gen, dtype=dtype),
-        )
-
+    call = _state_and_time_major_memory(12, dtype, 4, 6)
     report = _converts_and_matches(_TimeMajorSumFlattened(), dtype, call, (3, 6), ((4, 7), (2, 3)))
     assert "1 query and 1 key term(s)" in report, report
 
