@@ -403,9 +403,7 @@ def _unflatten_projection(graph: fx.Graph) -> None:
 def _same_but_ones(a: tuple, b: tuple) -> bool:
     """Whether two shapes are the same once their 1-axes are left out (a view between them
     moves no element)."""
-    a = [d for d in a if not _is_one(d)]
-    b = [d for d in b if not _is_one(d)]
-    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return _same_shape(tuple(d for d in a if not _is_one(d)), tuple(d for d in b if not _is_one(d)))
 
 
 def _broadcasts_as_expands(graph: fx.Graph) -> None:
@@ -449,6 +447,7 @@ def _broadcasts_as_expands(graph: fx.Graph) -> None:
 
 
 def _same_shape(a: tuple, b: tuple) -> bool:
+    """Whether two shapes (of ints or TorchDynamo's sizes) are the same."""
     return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
 
 
