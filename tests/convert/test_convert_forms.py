@@ -1375,3 +1375,24 @@ def test_no_first_call_warning_under_a_checkpoint_after_example_inputs():
         out.sum().backward()
     ours = [str(w.message) for w in caught if "fuse_attention" in str(w.message)]
     assert ours == [], ours
+
+
+def test_torch_jit_trace_of_a_model_the_general_path_converted():
+    """torch.jit.trace raised "Detected that you are using FX to torch.jit.trace a
+    dynamo-optimized function": the traced path's forward runs through TorchDynamo. Under
+    jit.trace it runs the module's own code, so the TorchScript is the original's; eager calls
+    stay fused."""
+    case = next(c for c in T.CASES if c.name == "join_scorer")
+    torch.manual_seed(0)
+    model = case.make().eval()
+    original = copy.deepcopy(model)
+    args = case.inputs(2, 5, torch.float32)
+    assert fuse_attention_report(model, example_inputs=args).count == 1
+    scripted = torch.jit.trace(model, args, check_trace=False)
+    others = case.inputs(3, 5, torch.float32)
+    for got, want in zip(scripted(*others), original(*others), strict=True):
+        torch.testing.assert_close(got, want)
+    calls = TracedWeights.calls
+    for got, want in zip(model(*others), original(*others), strict=True):
+        torch.testing.assert_close(got, want)
+    assert TracedWeights.calls > calls

@@ -312,6 +312,10 @@ def traced_class(cls: type, backend: str) -> type:
     if key not in _CLASSES:
 
         def forward(self, *args, **kwargs):
+            if torch.jit.is_tracing():
+                # torch.jit.trace records the module's own ops: it cannot trace a TorchDynamo
+                # function, and its TorchScript then runs as the original's, without this package
+                return cls.forward(self, *args, **kwargs)
             state = _traced_state(self, cls, backend)
             if torch.compiler.is_compiling():  # inside the user's own torch.compile
                 # TorchDynamo inlines this forward into the user's graph: the module's own code

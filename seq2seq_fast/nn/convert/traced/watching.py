@@ -371,6 +371,8 @@ def _pre_hook(module: nn.Module, args, kwargs):
     watch = _watch_of(module)
     if watch is None or watch.done:
         return None
+    if torch.jit.is_tracing():  # torch.jit.trace: the watch waits for an eager call, quietly
+        return None
     if torch.compiler.is_compiling():  # a trace of the user's: the watch waits for an eager call
         if not watch.quiet_calls:  # (one whose first call had no tanh: said nothing of it)
             warnings.warn(FIRST_CALL_COMPILED.format(watch.path, class_name(module)), stacklevel=2)
