@@ -787,7 +787,7 @@ def _chain_step(chain: _Chain, user: fx.Node) -> None:
             raise NoMatch("a shape op takes the scores as other than its input")
         chain.origin = _shape_op_origin(user, chain.origin)
         chain.shape_ops.append(user)
-    elif _is(user, _MASKED_FILL) or _is(user, {"masked_fill_"}):
+    elif _is(user, {*_MASKED_FILL, "masked_fill_"}):
         if user.args[0] is not node:
             raise NoMatch("masked_fill takes the scores as its mask")
         _fill_step(chain, user, "masked_fill")

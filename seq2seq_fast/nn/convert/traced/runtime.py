@@ -475,11 +475,11 @@ def _probe_copies(module: nn.Module, recording, backend: str, dtype: torch.dtype
             for mod in (original, candidate):
                 args, kwargs, inputs = _leaves_for_grad(recording.args, recording.kwargs, dtype)
                 try:
-                    breaks = dynamo_graph_breaks()
+                    counted = dynamo_graph_breaks()
                     with forked_random(seed=1), recorded_runs() as runs:
                         out = mod(*args, **kwargs)
                     if mod is candidate:
-                        ran, breaks = runs, _new_breaks(breaks, dynamo_graph_breaks())
+                        ran, breaks = runs, _new_breaks(counted, dynamo_graph_breaks())
                     results.append((out, _gradients(mod, out, inputs, 2)))
                 except Exception as exc:
                     if mod is original and dtype == torch.float64:
