@@ -179,24 +179,24 @@ inline float pack_rows_of(const KernelTable<float>& kt, const Bf16* src, int64_t
 }
 template <typename T>
 void scores_of(const KernelTable<T>& kt, int path, const T* A, int64_t nq, const T* Bk, int64_t nk,
-               int64_t Hp, const T* veff, T offset, T* out, int64_t ldo) {
-  kt.scores(path, A, nq, Bk, nk, Hp, veff, offset, out, ldo);
+               int64_t Hp, const T* veff, T offset, T* out, int64_t ldo, int flags) {
+  kt.scores(path, A, nq, Bk, nk, Hp, veff, offset, out, ldo, flags);
 }
 inline void scores_of(const KernelTable<float>& kt, int path, const float* A, int64_t nq,
                       const Bf16* Bk, int64_t nk, int64_t Hp, const float* veff, float offset,
-                      float* out, int64_t ldo) {
-  kt.scores_bf16(path, A, nq, Bk, nk, Hp, veff, offset, out, ldo);
+                      float* out, int64_t ldo, int flags) {
+  kt.scores_bf16(path, A, nq, Bk, nk, Hp, veff, offset, out, ldo, flags);
 }
 template <typename T>
 void fused_grads_of(const KernelTable<T>& kt, int path, const T* A, int64_t nq, const T* Bk,
                     int64_t nk, int64_t Hp, const T* de, int64_t ldd, T* gq, T* gk, T* gv,
-                    const T* kscale) {
-  kt.fused_grads(path, A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
+                    const T* kscale, int flags) {
+  kt.fused_grads(path, A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale, flags);
 }
 inline void fused_grads_of(const KernelTable<float>& kt, int path, const float* A, int64_t nq,
                            const Bf16* Bk, int64_t nk, int64_t Hp, const float* de, int64_t ldd,
-                           float* gq, float* gk, float* gv, const float* kscale) {
-  kt.fused_grads_bf16(path, A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
+                           float* gq, float* gk, float* gv, const float* kscale, int flags) {
+  kt.fused_grads_bf16(path, A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale, flags);
 }
 template <typename T>
 void weighted_rows_of(const KernelTable<T>& kt, const T* w, int64_t so, int64_t si, int64_t n_out,
@@ -339,9 +339,9 @@ void item_scores(const KernelTable<T>& kt, const ItemKeys<T, M>& keys, const Sco
   const T* veff = prod ? sv.product.data() : sv.rational.data();
   const T offset = prod ? sv.sum_v : T(0);
   if (keys.raw != nullptr) {
-    scores_of(kt, keys.path, qbuf, nq, keys.raw, nk, Hp, veff, offset, out, ldo);
+    scores_of(kt, keys.path, qbuf, nq, keys.raw, nk, Hp, veff, offset, out, ldo, kStreamed);
   } else {
-    kt.scores(keys.path, qbuf, nq, keys.packed, nk, Hp, veff, offset, out, ldo);
+    kt.scores(keys.path, qbuf, nq, keys.packed, nk, Hp, veff, offset, out, ldo, 0);
   }
 }
 // In place: scores -> softmax weights over the valid keys of each of nq rows (row stride Tk;
@@ -747,25 +747,34 @@ struct BackwardPass {
     return sum_de;
   }
 
-  // The pass over the (query, key) pairs. Unpadded rows that the item owns get their dkeys
-  // written in place, already scaled; otherwise from the item's scratch (still in cache), copied
-  // (rounded for bfloat16) or, when accumulating, added.
+  // The pass over the (query, key) pairs. Unpadded T rows that the item owns get their dkeys
+  // written in place, already scaled, or, when accumulating, added there by the kernel
+  // (kAddGrads: a decoder step's keys' gradient goes into the sum over the steps without a pass
+  // through scratch); otherwise (and for a location-aware step, whose pass reads s.gk) from the
+  // item's scratch (still in cache), copied (rounded for bfloat16) or added.
   void key_and_query_grads(const ItemKeys<T, M>& keys, const T* qbuf, int64_t nq, int64_t nk,
                            const T* de, const T* scale, DK* dk_rows, Scratch& s, T* gv) const {
     const bool add_into_rows = acc && !split;  // (split rows write their own slots)
     T* gk_out = s.gk;
+    int flags = keys.raw != nullptr ? kStreamed : 0;
     if constexpr (std::is_same_v<DK, T>) {
-      if (n.H == Hp && !add_into_rows) gk_out = dk_rows;
+      if (n.H == Hp && loc == nullptr) {  // (a location-aware step reads s.gk afterwards)
+        gk_out = dk_rows;
+        if (add_into_rows) flags |= kAddGrads;
+      }
     }
     std::fill(s.gq, s.gq + nq * Hp, T(0));
     if (keys.raw != nullptr) {
-      fused_grads_of(kt, keys.path, qbuf, nq, keys.raw, nk, Hp, de, n.Tk, s.gq, gk_out, gv, scale);
+      fused_grads_of(kt, keys.path, qbuf, nq, keys.raw, nk, Hp, de, n.Tk, s.gq, gk_out, gv, scale,
+                     flags);
     } else {
-      kt.fused_grads(keys.path, qbuf, nq, keys.packed, nk, Hp, de, n.Tk, s.gq, gk_out, gv, scale);
+      kt.fused_grads(keys.path, qbuf, nq, keys.packed, nk, Hp, de, n.Tk, s.gq, gk_out, gv, scale,
+                     flags);
     }
+    if (gk_out != s.gk) return;
     if (add_into_rows) {
       for (int64_t k = 0; k < nk; ++k) add_rows(s.gk + k * Hp, n.H, dk_rows + k * n.H);
-    } else if (gk_out == s.gk) {
+    } else {
       for (int64_t k = 0; k < nk; ++k) store_rows(kt, s.gk + k * Hp, n.H, dk_rows + k * n.H);
     }
   }

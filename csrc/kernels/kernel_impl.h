@@ -15,6 +15,19 @@
 inline typename S::T scalar(typename S::T x) { return x; }
 inline typename S::T scalar(Bf16 x) { return typename S::T(bf16_to_float(x)); }
 
+// Hints that the cache line at p will be read (prefetch_line) or written (prefetch_line_for_write)
+// soon; no-ops where the compiler has no prefetch.
+inline void prefetch_line([[maybe_unused]] const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+inline void prefetch_line_for_write([[maybe_unused]] const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 1, 3);
+#endif
+}
+
 // kProductCapped: 1 + A B is capped at 2^120 before the reciprocal. An item takes it when its
 // ranges allow A B to overflow (max |a| + max |b| above the safe sum, kernels.h): the SIMD
 // reciprocal's Newton step would turn 1 / inf into inf * 0 = NaN. The cap keeps the reciprocal's
@@ -51,9 +64,12 @@ inline typename S::V deriv(typename S::V y, typename S::V one) {
   }
 }
 
-template <int P, int QB, int KB, typename K>
+// STREAM (one query, keys read from memory: kStreamed): the rows `ahead` (KB of them, a later
+// tile's) are prefetched a cache line per load, so they arrive while this tile computes.
+template <int P, int QB, int KB, typename K, bool STREAM = false>
 void score_tile(const typename S::T* A, const K* Bk, int64_t Hp,
-                const typename S::T* veff, typename S::T offset, typename S::T* out, int64_t ldo) {
+                const typename S::T* veff, typename S::T offset, typename S::T* out, int64_t ldo,
+                const K* ahead = nullptr) {
   using V = typename S::V;
   using T = typename S::T;
   const V one = S::set1(T(1));
@@ -66,6 +82,7 @@ void score_tile(const typename S::T* A, const K* Bk, int64_t Hp,
     V a[QB];
     for (int i = 0; i < QB; ++i) a[i] = S::load(A + i * Hp + h);
     for (int j = 0; j < KB; ++j) {
+      if constexpr (STREAM) prefetch_line(ahead + j * Hp + h);
       const V b = S::load(Bk + j * Hp + h);
       for (int i = 0; i < QB; ++i) {
         acc[i][j] = S::fma(vv, elem<P>(a[i], b, one, cap), acc[i][j]);
@@ -76,15 +93,22 @@ void score_tile(const typename S::T* A, const K* Bk, int64_t Hp,
     for (int j = 0; j < KB; ++j) out[i * ldo + j] = offset + S::hsum(acc[i][j]);
 }
 
+// The rows two tiles of KB after row s, or row s's own where fewer are left (already in cache).
+template <int KB, typename K>
+const K* tile_ahead(const K* Bk, int64_t s, int64_t nk, int64_t Hp) {
+  return Bk + (s + 3 * KB <= nk ? s + 2 * KB : s) * Hp;
+}
+
 // One query (a decoding step) takes wider key tiles where the registers allow (S::KB1): v and
 // the query are loaded once per KB1 keys, and the loop has more independent chains.
-template <int P, int QB, typename K>
+template <int P, int QB, typename K, bool STREAM = false>
 void score_cols(const typename S::T* A, const K* Bk, int64_t nk, int64_t Hp,
                 const typename S::T* veff, typename S::T offset, typename S::T* out, int64_t ldo) {
   constexpr int KB = QB == 1 ? S::KB1 : S::KB;
   int64_t s = 0;
   for (; s + KB <= nk; s += KB)
-    score_tile<P, QB, KB>(A, Bk + s * Hp, Hp, veff, offset, out + s, ldo);
+    score_tile<P, QB, KB, K, STREAM>(A, Bk + s * Hp, Hp, veff, offset, out + s, ldo,
+                                     tile_ahead<KB>(Bk, s, nk, Hp));
   if constexpr (KB > S::KB) {
     for (; s + S::KB <= nk; s += S::KB)
       score_tile<P, QB, S::KB>(A, Bk + s * Hp, Hp, veff, offset, out + s, ldo);
@@ -95,7 +119,11 @@ void score_cols(const typename S::T* A, const K* Bk, int64_t nk, int64_t Hp,
 template <int P, typename K>
 void scores_rows(const typename S::T* A, int64_t nq, const K* Bk, int64_t nk,
                  int64_t Hp, const typename S::T* veff, typename S::T offset, typename S::T* out,
-                 int64_t ldo) {
+                 int64_t ldo, int flags) {
+  if (nq == 1 && (flags & kStreamed)) {
+    score_cols<P, 1, K, true>(A, Bk, nk, Hp, veff, offset, out, ldo);
+    return;
+  }
   for (int64_t t = 0; t < nq; t += S::QB) {
     const int64_t qn = nq - t < S::QB ? nq - t : S::QB;
     const auto* a = A + t * Hp;
@@ -112,14 +140,16 @@ void scores_rows(const typename S::T* A, int64_t nq, const K* Bk, int64_t nk,
 template <typename K>
 void scores(int path, const typename S::T* A, int64_t nq, const K* Bk, int64_t nk,
             int64_t Hp, const typename S::T* veff, typename S::T offset, typename S::T* out,
-            int64_t ldo) {
+            int64_t ldo, int flags) {
   switch (path) {
-    case kProduct: scores_rows<kProduct>(A, nq, Bk, nk, Hp, veff, offset, out, ldo); break;
+    case kProduct: scores_rows<kProduct>(A, nq, Bk, nk, Hp, veff, offset, out, ldo, flags); break;
     case kProductCapped:
-      scores_rows<kProductCapped>(A, nq, Bk, nk, Hp, veff, offset, out, ldo);
+      scores_rows<kProductCapped>(A, nq, Bk, nk, Hp, veff, offset, out, ldo, flags);
       break;
-    case kProductBf16: scores_rows<kProductBf16>(A, nq, Bk, nk, Hp, veff, offset, out, ldo); break;
-    default: scores_rows<kRational>(A, nq, Bk, nk, Hp, veff, offset, out, ldo); break;
+    case kProductBf16:
+      scores_rows<kProductBf16>(A, nq, Bk, nk, Hp, veff, offset, out, ldo, flags);
+      break;
+    default: scores_rows<kRational>(A, nq, Bk, nk, Hp, veff, offset, out, ldo, flags); break;
   }
 }
 
@@ -128,11 +158,15 @@ void scores(int path, const typename S::T* A, int64_t nq, const K* Bk, int64_t n
 //   u = y - y^2 (kProduct, = sech^2 / 4) or 1 - y^2 (kRational, = sech^2)
 //   gq[t] += d u,  gv += d y,  gk[s] = kscale * sum_t d u (written scaled, overwritten)
 // DIRECT: the tile holds every query of the item, so each gk row is complete when the tile ends:
-// it is written straight away (no zeroing, reloading or second scaling pass over gk).
-template <int P, int QB, int KB, bool DIRECT, typename K>
+// it is written straight away (no zeroing, reloading or second scaling pass over gk). ADD (with
+// DIRECT): gk[s] += kscale * sum_t d u instead (kAddGrads). STREAM (kStreamed): the key rows and
+// gk rows of a later tile (`ahead`, `gk_ahead`) are prefetched a line per load, as in score_tile.
+template <int P, int QB, int KB, bool DIRECT, typename K, bool ADD = false, bool STREAM = false>
 void fused_grad_tile(const typename S::T* A, const K* Bk, int64_t Hp,
                      const typename S::T* de, int64_t ldd, typename S::T* gq, typename S::T* gk,
-                     typename S::T* gv, const typename S::T* kscale) {
+                     typename S::T* gv, const typename S::T* kscale, const K* ahead = nullptr,
+                     const typename S::T* gk_ahead = nullptr) {
+  static_assert(DIRECT || !ADD, "kAddGrads adds complete rows (one query tile)");
   using V = typename S::V;
   using T = typename S::T;
   const V one = S::set1(T(1));
@@ -148,6 +182,10 @@ void fused_grad_tile(const typename S::T* A, const K* Bk, int64_t Hp,
     }
     V gva[2] = {S::load(gv + h), S::zero()};
     for (int j = 0; j < KB; ++j) {
+      if constexpr (STREAM) {
+        prefetch_line(ahead + j * Hp + h);
+        prefetch_line_for_write(gk_ahead + j * Hp + h);
+      }
       const V b = S::load(Bk + j * Hp + h);
       V gka = DIRECT ? S::zero() : S::load(gk + j * Hp + h);
       for (int i = 0; i < QB; ++i) {
@@ -157,31 +195,73 @@ void fused_grad_tile(const typename S::T* A, const K* Bk, int64_t Hp,
         gka = S::fma(d[i][j], u, gka);
         gva[(i + j) & 1] = S::fma(d[i][j], y, gva[(i + j) & 1]);
       }
-      S::store(gk + j * Hp + h, DIRECT ? S::mul(gka, S::load(kscale + h)) : gka);
+      if constexpr (ADD) {
+        S::store(gk + j * Hp + h, S::fma(gka, S::load(kscale + h), S::load(gk + j * Hp + h)));
+      } else {
+        S::store(gk + j * Hp + h, DIRECT ? S::mul(gka, S::load(kscale + h)) : gka);
+      }
     }
     for (int i = 0; i < QB; ++i) S::store(gq + i * Hp + h, gqa[i]);
     S::store(gv + h, S::add(gva[0], gva[1]));
   }
 }
 
-template <int P, int QB, bool DIRECT, typename K>
+template <int P, int QB, bool DIRECT, typename K, bool ADD = false, bool STREAM = false>
 void fused_grad_cols(const typename S::T* A, const K* Bk, int64_t nk, int64_t Hp,
                      const typename S::T* de, int64_t ldd, typename S::T* gq, typename S::T* gk,
                      typename S::T* gv, const typename S::T* kscale) {
+  constexpr int KB = S::KB;
   int64_t s = 0;
-  for (; s + S::KB <= nk; s += S::KB)
-    fused_grad_tile<P, QB, S::KB, DIRECT>(A, Bk + s * Hp, Hp, de + s, ldd, gq, gk + s * Hp, gv,
-                                          kscale);
+  for (; s + KB <= nk; s += KB)
+    fused_grad_tile<P, QB, KB, DIRECT, K, ADD, STREAM>(A, Bk + s * Hp, Hp, de + s, ldd, gq,
+                                                       gk + s * Hp, gv, kscale,
+                                                       tile_ahead<KB>(Bk, s, nk, Hp),
+                                                       tile_ahead<KB>(gk, s, nk, Hp));
   for (; s < nk; ++s)
-    fused_grad_tile<P, QB, 1, DIRECT>(A, Bk + s * Hp, Hp, de + s, ldd, gq, gk + s * Hp, gv,
-                                      kscale);
+    fused_grad_tile<P, QB, 1, DIRECT, K, ADD>(A, Bk + s * Hp, Hp, de + s, ldd, gq, gk + s * Hp,
+                                              gv, kscale);
+}
+
+// Every query tile's scaled sum added into gk (kAddGrads): each tile's rows are complete, so
+// the tiles add in turn.
+template <int P, typename K>
+void fused_grads_add(const typename S::T* A, int64_t nq, const K* Bk, int64_t nk, int64_t Hp,
+                     const typename S::T* de, int64_t ldd, typename S::T* gq, typename S::T* gk,
+                     typename S::T* gv, const typename S::T* kscale, bool stream) {
+  if (nq == 1 && stream) {
+    fused_grad_cols<P, 1, true, K, true, true>(A, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
+    return;
+  }
+  for (int64_t t = 0; t < nq; t += S::QB) {
+    const int64_t qn = nq - t < S::QB ? nq - t : S::QB;
+    const auto* a = A + t * Hp;
+    const auto* d = de + t * ldd;
+    auto* g = gq + t * Hp;
+    switch (qn) {
+      case 1: fused_grad_cols<P, 1, true, K, true>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale); break;
+      case 2: fused_grad_cols<P, 2, true, K, true>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale); break;
+      case 3: fused_grad_cols<P, 3, true, K, true>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale); break;
+      default:
+        fused_grad_cols<P, S::QB, true, K, true>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale);
+        break;
+    }
+  }
 }
 
 template <int P, typename K>
 void fused_grads_rows(const typename S::T* A, int64_t nq, const K* Bk, int64_t nk,
                       int64_t Hp, const typename S::T* de, int64_t ldd, typename S::T* gq,
-                      typename S::T* gk, typename S::T* gv, const typename S::T* kscale) {
+                      typename S::T* gk, typename S::T* gv, const typename S::T* kscale,
+                      int flags) {
   using T = typename S::T;
+  if (flags & kAddGrads) {
+    fused_grads_add<P>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale, flags & kStreamed);
+    return;
+  }
+  if (nq == 1 && (flags & kStreamed)) {
+    fused_grad_cols<P, 1, true, K, false, true>(A, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
+    return;
+  }
   if (nq <= S::QB) {  // one query tile: every gk row is final when written
     switch (nq) {
       case 1: fused_grad_cols<P, 1, true>(A, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale); break;
@@ -212,18 +292,20 @@ void fused_grads_rows(const typename S::T* A, int64_t nq, const K* Bk, int64_t n
 template <typename K>
 void fused_grads(int path, const typename S::T* A, int64_t nq, const K* Bk,
                  int64_t nk, int64_t Hp, const typename S::T* de, int64_t ldd, typename S::T* gq,
-                 typename S::T* gk, typename S::T* gv, const typename S::T* kscale) {
+                 typename S::T* gk, typename S::T* gv, const typename S::T* kscale, int flags) {
   switch (path) {
     case kProduct:
-      fused_grads_rows<kProduct>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
+      fused_grads_rows<kProduct>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale, flags);
       break;
     case kProductCapped:
-      fused_grads_rows<kProductCapped>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
+      fused_grads_rows<kProductCapped>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale, flags);
       break;
     case kProductBf16:
-      fused_grads_rows<kProductBf16>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
+      fused_grads_rows<kProductBf16>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale, flags);
       break;
-    default: fused_grads_rows<kRational>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale); break;
+    default:
+      fused_grads_rows<kRational>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale, flags);
+      break;
   }
 }
 
@@ -307,13 +389,6 @@ void weighted_rows_block(const typename S::T* w, int64_t so, int64_t si, int64_t
       out[o * D + d] = acc;
     }
   }
-}
-
-// Hints that the cache line at p will be read soon (no-op where the compiler has no prefetch).
-inline void prefetch_line([[maybe_unused]] const void* p) {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p, 0, 3);
-#endif
 }
 
 // out += sum_{r < R} w[r * si] x[r * D + .] over D, one sweep of the L1-resident out for R rows;

@@ -49,6 +49,15 @@ namespace seq2seq_fast {
 
 enum TanhPath : int { kProduct = 0, kRational = 1, kProductCapped = 2, kProductBf16 = 3 };
 
+// Flags of scores and fused_grads (bits of their `flags` argument):
+//   kStreamed: Bk is read from memory once per call (a decoding step's keys, read where they
+//     are, not a packed copy in cache). With one query the kernels prefetch the key rows two
+//     tiles ahead (fused_grads: and the gk rows it writes), so that the loads of later tiles
+//     overlap this tile's arithmetic instead of waiting on memory at each tile.
+//   kAddGrads: fused_grads adds kscale * (sum over its queries of d u) into gk instead of
+//     overwriting it (a decoder's keys' gradient summed over its steps in place).
+enum KernelFlags : int { kStreamed = 1, kAddGrads = 2 };
+
 // bfloat16 storage: the upper 16 bits of a float32 (c10::BFloat16's layout, so a tensor's
 // data_ptr<at::BFloat16>() can be read as Bf16). To float32: a 16-bit shift, exact. From float32:
 // round to nearest even; NaN becomes the quiet NaN 0x7FC0 (as c10 rounds).
@@ -90,14 +99,14 @@ struct KernelTable {
   // y = f(A[t], B[s]) = r = 1/(1 + A B) (kProduct; veff = -2 v, offset = sum v; kProductBf16 the
   // same r from A = 2 log2(e) a and B = b) or tanh(A + B) (kRational; veff = v).
   void (*scores)(int path, const T* A, int64_t nq, const T* Bk, int64_t nk, int64_t Hp,
-                 const T* veff, T offset, T* out, int64_t ldo);
+                 const T* veff, T offset, T* out, int64_t ldo, int flags);
   // The backward's one pass over the (query, key) pairs, y as above computed in registers, with
   // d = de[t * ldd + s] (A, Bk packed as for scores):
   //   u = y - y^2 (kProduct, = sech^2 / 4) or 1 - y^2 (kRational, = sech^2)
   //   gq[t] += d u,  gv += d y,  gk[s] = kscale * (sum over t of d u)   (rows Hp long; gk
-  //   overwritten, nk rows)
+  //   overwritten, nk rows; with kAddGrads added to)
   void (*fused_grads)(int path, const T* A, int64_t nq, const T* Bk, int64_t nk, int64_t Hp,
-                      const T* de, int64_t ldd, T* gq, T* gk, T* gv, const T* kscale);
+                      const T* de, int64_t ldd, T* gq, T* gk, T* gv, const T* kscale, int flags);
   // out[i] = tanh(a[i] + b[i]) as the kernels evaluate it (test hook); n a multiple of 16.
   // kProduct expects a, b already mapped to exp(2a), exp(2b); kProductBf16 a mapped to
   // 2 log2(e) a.
@@ -124,10 +133,10 @@ struct KernelTable {
   // to_bf16 rounds a (cache-resident) row segment to the bfloat16 output.
   T (*pack_rows_bf16)(const Bf16* src, int64_t rows, int64_t H, const T* add, T* dst, int64_t Hp);
   void (*scores_bf16)(int path, const T* A, int64_t nq, const Bf16* Bk, int64_t nk, int64_t Hp,
-                      const T* veff, T offset, T* out, int64_t ldo);
+                      const T* veff, T offset, T* out, int64_t ldo, int flags);
   void (*fused_grads_bf16)(int path, const T* A, int64_t nq, const Bf16* Bk, int64_t nk,
                            int64_t Hp, const T* de, int64_t ldd, T* gq, T* gk, T* gv,
-                           const T* kscale);
+                           const T* kscale, int flags);
   void (*weighted_rows_bf16)(const T* w, int64_t so, int64_t si, int64_t n_out, int64_t n_in,
                              const Bf16* x, int64_t D, T* out);
   void (*dots_bf16)(const Bf16* a, int64_t na, const Bf16* b, int64_t nb, int64_t D, T* out,

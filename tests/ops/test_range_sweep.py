@@ -36,6 +36,7 @@ from tests.reliability import (
 ISAS = ("portable", "avx2", "avx512")
 SPLITS = ("same", "query", "keys", "opposite", "cancel")
 COVERED_ISAS: set[str] = set()  # read by tests/conftest.py's terminal summary
+BF16_EPS = torch.finfo(torch.bfloat16).eps
 
 
 def magnitudes(step: float = 0.5, coarse_from: float = 120.0) -> torch.Tensor:
@@ -249,6 +250,101 @@ def test_cpu_kernels_over_the_whole_range(isa, dtype, path, kind, bias_shift, mo
         tol = 2 * torch.finfo(torch.bfloat16).eps
     allowed = allowed_errors(inputs, lengths, mask, step, truth, dtype, tol)
     assert_sweep_matches(ours, truth, rows, allowed)
+    COVERED_ISAS.add(isa)
+
+
+def run_steps(fn, inputs, *, lengths, mask, dtype, memory: bool):
+    """Two decoder steps over the same keys and values (queries: the inputs' and half of it), as
+    run(): outputs of both steps, then the gradients. With memory, through a StepwiseMemory: the
+    steps' backwards add their keys' gradients into one sum in place (the accumulating kernel,
+    its second step into a sum that is not zero)."""
+    from seq2seq_fast.nn.stepwise import StepwiseMemory
+
+    leaves = [t.detach().to(dtype).requires_grad_(True) for t in inputs]
+    query, keys, values, v, bias = leaves
+    stepwise = StepwiseMemory.for_training(keys, values, "fused") if memory else None
+    if memory:
+        assert stepwise is not None, f"no step memory for {dtype}"
+        keys, values = stepwise.keys, stepwise.values
+    outs, loss = [], 0
+    gen = torch.Generator().manual_seed(5)
+    for scale in (1.0, 0.5):
+        extra = {"stepwise": stepwise, "backend": "fused"} if memory else {}
+        context, weights = fn(
+            query * scale, keys, values, v, bias, lengths=lengths, mask=mask, **extra
+        )
+        gc = torch.randn(context.shape, generator=gen, dtype=torch.float64).to(context)
+        gw = torch.randn(weights.shape, generator=gen, dtype=torch.float64).to(weights)
+        loss = loss + (context * gc).sum() + (weights * gw).sum()
+        outs += [context.detach(), weights.detach()]
+    return [*outs, *torch.autograd.grad(loss, leaves)]
+
+
+def _folded_ref(query, keys, values, v, bias, **kwargs):
+    """The reference with the kernels' association, (q + bias) + k (run_folded's)."""
+    return additive_attention_ref(query + bias, keys, values, v, torch.zeros_like(bias), **kwargs)
+
+
+STEP_NAMES = (
+    "context 1",
+    "weights 1",
+    "context 2",
+    "weights 2",
+    *(f"grad {n}" for n in GRAD_NAMES),
+)
+
+
+@requires_cpp
+@pytest.mark.parametrize("isa,dtype", CPP_CASES)
+@pytest.mark.parametrize("num_queries", [1, 3])
+@pytest.mark.parametrize("kind", ["none", "lengths", "mask"])
+@pytest.mark.parametrize("hidden", [32, 37], ids=["H32", "H37"])
+def test_cpu_decoder_steps_over_the_whole_range(isa, dtype, num_queries, kind, hidden, monkeypatch):
+    """The decoder-step path (StepwiseMemory: the accumulating backward) through the range. 40
+    keys per row, so that one query's kernels run whole key tiles with tiles ahead to prefetch
+    (kStreamed) and the keys' gradient is added into the sum by the kernel (kAddGrads; H = 32,
+    rows unpadded); H = 37 takes the packed rows and the scratch."""
+    _use_isa(isa, monkeypatch)
+    *inputs, _, rows = sweep_inputs(num_queries, 40, hidden, 3, bias_shift=0.0, seed=7)
+    inputs = [t.to(dtype).double() for t in inputs]
+    lengths, mask = key_validity(kind, len(rows), 40)
+    truth = run_steps(
+        additive_attention_ref,
+        inputs,
+        lengths=lengths,
+        mask=mask,
+        dtype=torch.float64,
+        memory=False,
+    )
+    ours = run_steps(
+        additive_attention, inputs, lengths=lengths, mask=mask, dtype=dtype, memory=True
+    )
+    if dtype == torch.float64:
+        tol = dict.fromkeys(STEP_NAMES, 1e-10)
+    else:
+        floor = fp32_tolerance(inputs[3]) if dtype == torch.float32 else 2 * BF16_EPS
+        plain, folded = (
+            run_steps(fn, inputs, lengths=lengths, mask=mask, dtype=dtype, memory=False)
+            for fn in (additive_attention_ref, _folded_ref)
+        )
+        tol = {}
+        for name, base, base2, want in zip(STEP_NAMES, plain, folded, truth, strict=True):
+            if name in ("grad v", "grad bias"):
+                tol[name] = floor + 2 * max(whole_error(base, want), whole_error(base2, want))
+            else:
+                err = torch.maximum(row_errors(base, want), row_errors(base2, want))
+                tol[name] = floor + 2 * err.nan_to_num(posinf=0.0)
+    failures = []
+    for name, got, want in zip(STEP_NAMES, ours, truth, strict=True):
+        assert got.shape == want.shape and got.dtype == dtype, name
+        if name in ("grad v", "grad bias"):
+            if not whole_error(got, want) <= tol[name]:
+                failures.append(f"{name}: {whole_error(got, want):.3g} > {tol[name]:.3g}")
+            continue
+        errs = row_errors(got, want)
+        bad = (~(errs <= tol[name])).nonzero().flatten().tolist()
+        failures += [f"{name}, {rows[b][1]} {rows[b][0]:g}: {errs[b]:.3g}" for b in bad[:4]]
+    assert not failures, "\n".join(failures)
     COVERED_ISAS.add(isa)
 
 
