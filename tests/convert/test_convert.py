@@ -169,6 +169,18 @@ def test_report_lists_replaced_and_skipped(caplog):
     assert "2 replaced, 1 skipped" in caplog.text
 
 
+def test_a_second_call_lists_what_was_fused_before():
+    model = Parent()
+    first = fuse_attention_report(model)
+    assert first.fused_before == []
+    second = fuse_attention_report(model)
+    assert second.count == 0 and second.replaced == []
+    # each fused module once, by its first path; the skipped one is still skipped
+    assert second.fused_before == ["encoder.1", "decoder.gnmt"]
+    assert [s.path for s in second.skipped] == ["other"]
+    assert "already fused before this call: encoder.1, decoder.gnmt" in str(second)
+
+
 def test_stand_ins_keep_the_training_mode():
     model = nn.Sequential(TutorialAttention(4), TutorialAttention(4))
     model[1].eval()

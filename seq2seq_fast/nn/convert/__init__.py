@@ -279,7 +279,7 @@ def fuse_attention_report(
             f"model itself is a recognised attention module ({type(model).__name__}); fuse_attention "
             "replaces submodules in place: wrap it in a parent module (e.g. nn.Sequential) first"
         )
-    report = ConversionReport()
+    report = ConversionReport(fused_before=_fused_before(model))
     # id(original) -> (original, its stand-in or None); the original is held so its id stays its own
     done: dict[int, tuple[nn.Module, nn.Module | None]] = {}
     queue = deque([(model, "")] if named else [])
@@ -301,6 +301,18 @@ def fuse_attention_report(
             _call_once(uncompiled(model), example_inputs)
     logger.debug("%s", report)
     return report
+
+
+def _fused_before(model: nn.Module) -> list[str]:
+    """The paths of ``model``'s submodules that are fused already (stand-ins, traced classes,
+    seq2seq_fast's own attention), outermost only."""
+    paths: list[str] = []
+    for path, module in model.named_modules():
+        if not path or any(path.startswith(f"{p}.") for p in paths):
+            continue
+        if isinstance(module, (FusedStandIn, BahdanauAttention)):
+            paths.append(path)
+    return paths
 
 
 def _call_once(model: nn.Module, example_inputs) -> None:

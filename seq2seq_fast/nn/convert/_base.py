@@ -309,6 +309,9 @@ class ConversionReport:
     # modules the general path (``traced/``) watches until their first call; it adds them to
     # ``replaced`` or ``skipped`` then
     watching: list[str] = field(default_factory=list)
+    # modules that were fused before this call (an earlier fuse_attention, or seq2seq_fast's own
+    # attention modules): not counted, listed so that a second call does not look like a miss
+    fused_before: list[str] = field(default_factory=list)
 
     @property
     def count(self) -> int:
@@ -325,6 +328,8 @@ class ConversionReport:
             f"  skipped {s.path} ({s.original}; matched {', '.join(s.layouts)}): {s.reason}"
             for s in self.skipped
         ]
+        if self.fused_before:
+            lines.append(f"  already fused before this call: {', '.join(self.fused_before)}")
         if self.watching:
             lines.append(
                 f"  watching {len(self.watching)} module(s) until their first call "
