@@ -256,8 +256,9 @@ def fuse_attention_report(
     keys are unchanged), the call signature and the return values; a module the traced runtime
     converts stays the same object, its class swapped for a traced subclass, and a named stand-in
     is an instance of the original's class too (code that dispatches on it still finds it).
-    A module reached
-    by two paths is converted once. The report is also logged at debug level.
+    A module reached by two paths is converted once. Modules fused before the call (an earlier
+    call's, seq2seq_fast's own) are listed in ``report.fused_before``, not counted. The report is
+    also logged at debug level.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -415,7 +416,8 @@ def fuse_attention(
     returns: every named layout's, thin matchers included. With ``example_inputs`` that is every
     conversion the call reaches. Without it, the general path's other conversions come later,
     at each watched module's first call, and are not in the count
-    (``fuse_attention_report(...).watching`` lists the modules still watched)."""
+    (``fuse_attention_report(...).watching`` lists the modules still watched). Modules fused
+    by an earlier call are not counted again."""
     report = fuse_attention_report(
         model,
         backend=backend,
