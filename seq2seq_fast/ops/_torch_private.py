@@ -25,6 +25,11 @@ from torch.utils import _pytree as pytree  # noqa: F401 (re-exported)
 PRIVATE_APIS: tuple[tuple[str, str], ...] = (
     ("torch._C._are_functorch_transforms_active", "ops._autograd.traced_or_transformed"),
     ("torch._C._current_graph_task_id", "ops._autograd.StepGradients (per backward pass)"),
+    (
+        "torch._functorch.pyfunctorch.retrieve_all_functorch_interpreters",
+        "ops.additive_attention (the reference under torch.func.vmap)",
+    ),
+    ("torch._C._functorch.TransformType.Vmap", "ops.additive_attention (the same)"),
     ("torch._C._functions.DelayedError", "ops._autograd.guard_double_backward"),
     (
         "torch._C._autograd._top_saved_tensors_default_hooks",
@@ -108,6 +113,16 @@ def functorch_transforms_active() -> bool:
     """Inside a torch.func transform (grad, vmap, ...). Why private: torch has no public test,
     and the Functions with Python-side state must stay out of transforms."""
     return torch._C._are_functorch_transforms_active()
+
+
+def vmap_active() -> bool:
+    """Inside torch.func.vmap (at any level of nested transforms). Why private: torch has no
+    public test; the fused attention's Function has no batching rule, so its dispatch runs the
+    reference (plain PyTorch ops, which vmap batches) there."""
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
 
 
 def current_graph_task_id() -> int:

@@ -49,6 +49,7 @@ from seq2seq_fast.ops._library import (
     new_output_like,
     warn_fallback_once,
 )
+from seq2seq_fast.ops._torch_private import functorch_transforms_active, vmap_active
 
 if TYPE_CHECKING:
     from seq2seq_fast.ops.stepwise import StepwiseMemory
@@ -425,6 +426,8 @@ def _use_reference(backend: str, query: Tensor) -> bool:
     per device and dtype; :func:`~seq2seq_fast.ops._library.force_reference` silently)."""
     if backend == "reference" or (check_backend(backend) and forced_reference("attention")):
         return True
+    if functorch_transforms_active() and vmap_active():
+        return True  # (the Function has no batching rule; the reference's ops have: exact)
     reason = kernel_unavailable_reason("attention", query)
     if reason is None:
         return False

@@ -181,6 +181,18 @@ def test_a_second_call_lists_what_was_fused_before():
     assert "already fused before this call: encoder.1, decoder.gnmt" in str(second)
 
 
+def test_vmap_over_inputs_through_a_stand_in_gives_the_originals_results():
+    torch.manual_seed(0)
+    original = TutorialAttention(8).double()
+    model = nn.Sequential(copy.deepcopy(original))
+    assert fuse_attention(model) == 1
+    query, keys = torch.randn(3, 2, 1, 8).double(), torch.randn(3, 2, 4, 8).double()
+    got = torch.func.vmap(model[0])(query, keys)
+    want = torch.func.vmap(original)(query, keys)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_stand_ins_keep_the_training_mode():
     model = nn.Sequential(TutorialAttention(4), TutorialAttention(4))
     model[1].eval()

@@ -681,6 +681,34 @@ def test_torch_func_grad_works():
     torch.testing.assert_close(fused, reference)
 
 
+def test_torch_func_vmap_runs_the_reference():
+    # The fused Function has no batching rule: under vmap (also vmap of grad) the dispatch runs
+    # the reference, whose plain ops vmap batches; the results are a loop's over the batch.
+    query, keys, values, v, bias = make_inputs(2, 3, 4, 8, 3, torch.float64)
+    stacked = torch.stack([query, 2 * query, -query])
+    lengths = torch.tensor([4, 2])
+
+    def attend(q, k):
+        return additive_attention(q, k, values, v, bias, lengths=lengths, backend="fused")
+
+    context, weights = torch.func.vmap(attend, in_dims=(0, None))(stacked, keys)
+    for i, q in enumerate(stacked):
+        want = additive_attention_ref(q, keys, values, v, bias, lengths=lengths)
+        torch.testing.assert_close(context[i], want[0])
+        torch.testing.assert_close(weights[i], want[1])
+
+    def loss(k, q, fn):
+        return fn(q, k, values, v, bias, lengths=lengths)[0].sum()
+
+    per_query = torch.func.vmap(
+        torch.func.grad(lambda k, q: loss(k, q, additive_attention)), in_dims=(None, 0)
+    )(keys, stacked)
+    for i, q in enumerate(stacked):
+        k = keys.clone().requires_grad_(True)
+        loss(k, q, additive_attention_ref).backward()
+        torch.testing.assert_close(per_query[i], k.grad)
+
+
 def test_lengths_checked_once_per_version():
     # A decoder passes the same lengths every step: their range is read once, and again after an
     # in-place change (or against another Tk).
