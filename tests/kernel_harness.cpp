@@ -216,7 +216,7 @@ template <typename T>
 void check_pairs(const char* name, const KernelTable<T>& kt) {
   Rng gen(3);
   char what[160];
-  const int64_t hps[] = {16, 48}, nks[] = {1, 3, 4, 5, 9};
+  const int64_t hps[] = {16, 48}, nks[] = {1, 3, 4, 5, 9, 29};  // 29: whole tiles ahead
   const int paths[] = {kRational, kProduct, kProductCapped};
   for (int path : paths) {
     const char* pname =
@@ -246,39 +246,46 @@ void check_pairs(const char* name, const KernelTable<T>& kt) {
               for (int64_t h = 0; h < Hp; ++h) e += double(v[h]) * y(t, s, h);
               want[t * ldo + s] = e + 0.25;
             }
-          kt.scores(path, A.data(), nq, B.data(), nk, Hp, v.data(), T(0.25), out.data(), ldo);
-          snprintf(what, sizeof what, "scores %s nq=%lld nk=%lld Hp=%lld", pname,
-                   static_cast<long long>(nq), static_cast<long long>(nk),
-                   static_cast<long long>(Hp));
-          expect_close<T>(name, what, out.data(), want, 4.0);
+          // flags: 0, kStreamed (one query: rows ahead prefetched), kAddGrads (gk added to)
+          for (int flags = 0; flags < 4; ++flags) {
+            kt.scores(path, A.data(), nq, B.data(), nk, Hp, v.data(), T(0.25), out.data(), ldo,
+                      flags & kStreamed);
+            snprintf(what, sizeof what, "scores %s nq=%lld nk=%lld Hp=%lld flags=%d", pname,
+                     static_cast<long long>(nq), static_cast<long long>(nk),
+                     static_cast<long long>(Hp), flags & kStreamed);
+            expect_close<T>(name, what, out.data(), want, 4.0);
 
-          Buf<T> de(nq * ldo), kscale(Hp), gq(nq * Hp), gv(Hp), gk(nk * Hp, T(9));
-          randomize(de, gen, 1.0);
-          randomize(kscale, gen, 1.0);
-          randomize(gq, gen, 1.0);  // accumulated into
-          randomize(gv, gen, 1.0);  // accumulated into; gk is overwritten
-          Buf<double> wq(gq), wv(gv), wk(nk * Hp);
-          for (int64_t t = 0; t < nq; ++t)
-            for (int64_t s = 0; s < nk; ++s)
-              for (int64_t h = 0; h < Hp; ++h) {
-                const double yy = y(t, s, h), d = double(de[t * ldo + s]);
-                const double u = path != kRational ? yy - yy * yy : 1.0 - yy * yy;
-                wq[t * Hp + h] += d * u;
-                wk[s * Hp + h] += d * u * double(kscale[h]);
-                wv[h] += d * yy;
-              }
-          kt.fused_grads(path, A.data(), nq, B.data(), nk, Hp, de.data(), ldo, gq.data(),
-                         gk.data(), gv.data(), kscale.data());
-          snprintf(what, sizeof what, "fused_grads %s nq=%lld nk=%lld Hp=%lld", pname,
-                   static_cast<long long>(nq), static_cast<long long>(nk),
-                   static_cast<long long>(Hp));
-          const size_t len = strlen(what);
-          snprintf(what + len, sizeof what - len, " (gq)");
-          expect_close<T>(name, what, gq.data(), wq, 4.0);
-          snprintf(what + len, sizeof what - len, " (gk)");
-          expect_close<T>(name, what, gk.data(), wk, 4.0);
-          snprintf(what + len, sizeof what - len, " (gv)");
-          expect_close<T>(name, what, gv.data(), wv, 4.0);
+            Buf<T> de(nq * ldo), kscale(Hp), gq(nq * Hp), gv(Hp), gk(nk * Hp, T(9));
+            randomize(de, gen, 1.0);
+            randomize(kscale, gen, 1.0);
+            randomize(gq, gen, 1.0);  // accumulated into
+            randomize(gv, gen, 1.0);  // accumulated into; gk is overwritten, or added to
+            if (flags & kAddGrads) randomize(gk, gen, 1.0);
+            Buf<double> wq(gq), wv(gv), wk(nk * Hp);
+            if (flags & kAddGrads)
+              for (size_t i = 0; i < wk.size(); ++i) wk[i] = double(gk[i]);
+            for (int64_t t = 0; t < nq; ++t)
+              for (int64_t s = 0; s < nk; ++s)
+                for (int64_t h = 0; h < Hp; ++h) {
+                  const double yy = y(t, s, h), d = double(de[t * ldo + s]);
+                  const double u = path != kRational ? yy - yy * yy : 1.0 - yy * yy;
+                  wq[t * Hp + h] += d * u;
+                  wk[s * Hp + h] += d * u * double(kscale[h]);
+                  wv[h] += d * yy;
+                }
+            kt.fused_grads(path, A.data(), nq, B.data(), nk, Hp, de.data(), ldo, gq.data(),
+                           gk.data(), gv.data(), kscale.data(), flags);
+            snprintf(what, sizeof what, "fused_grads %s nq=%lld nk=%lld Hp=%lld flags=%d", pname,
+                     static_cast<long long>(nq), static_cast<long long>(nk),
+                     static_cast<long long>(Hp), flags);
+            const size_t len = strlen(what);
+            snprintf(what + len, sizeof what - len, " (gq)");
+            expect_close<T>(name, what, gq.data(), wq, 4.0);
+            snprintf(what + len, sizeof what - len, " (gk)");
+            expect_close<T>(name, what, gk.data(), wk, 4.0);
+            snprintf(what + len, sizeof what - len, " (gv)");
+            expect_close<T>(name, what, gv.data(), wv, 4.0);
+          }
         }
       }
     }
@@ -452,16 +459,17 @@ void check_bf16(const char* name, const KernelTable<float>& kt) {
   for (int path : paths) {
     const float* A = path == kRational ? qf.data() : qexp.data();
     // kernels on bf16 keys read the rows as they are (the rational path of a decoding step)
-    kt.scores_bf16(path, A, rows, kb.data(), rows, Hp, v.data(), 0.5f, scores_got.data(), rows);
-    kt.scores(path, A, rows, kf.data(), rows, Hp, v.data(), 0.5f, scores_want.data(), rows);
+    kt.scores_bf16(path, A, rows, kb.data(), rows, Hp, v.data(), 0.5f, scores_got.data(), rows,
+                   0);
+    kt.scores(path, A, rows, kf.data(), rows, Hp, v.data(), 0.5f, scores_want.data(), rows, 0);
     expect_equal(name, "scores_bf16", scores_got.data(), scores_want.data(), rows * rows);
     Buf<float> de(rows * rows), gq1(rows * Hp), gq2(rows * Hp), gk1(rows * Hp), gk2(rows * Hp);
     Buf<float> gv1(Hp), gv2(Hp);
     randomize(de, gen, 1.0);
     kt.fused_grads_bf16(path, A, rows, kb.data(), rows, Hp, de.data(), rows, gq1.data(),
-                        gk1.data(), gv1.data(), v.data());
+                        gk1.data(), gv1.data(), v.data(), 0);
     kt.fused_grads(path, A, rows, kf.data(), rows, Hp, de.data(), rows, gq2.data(), gk2.data(),
-                   gv2.data(), v.data());
+                   gv2.data(), v.data(), 0);
     expect_equal(name, "fused_grads_bf16 gq", gq1.data(), gq2.data(), rows * Hp);
     expect_equal(name, "fused_grads_bf16 gk", gk1.data(), gk2.data(), rows * Hp);
     expect_equal(name, "fused_grads_bf16 gv", gv1.data(), gv2.data(), Hp);
