@@ -31,8 +31,8 @@ def test_no_mutable_module_globals_in_the_general_path():
 
     from seq2seq_fast.nn.convert.traced import runtime, watching
 
-    # a memo of derived classes and the probes' lock (see runtime.py): not state
-    allowed_mutable = {"_CLASSES", "_PROBE_LOCK"}
+    # a memo of derived classes and the lock around TorchDynamo (see runtime.py): not state
+    allowed_mutable = {"_CLASSES", "_DYNAMO_LOCK"}
     for module in (watching, runtime, traced_package):
         for name, value in vars(module).items():
             if name.startswith("__") or isinstance(
@@ -76,6 +76,40 @@ def test_two_models_convert_in_two_threads_each_with_its_own_report():
     for model, report in zip(models, reports, strict=True):
         assert [r.path for r in report.replaced] == [path], str(report)
         assert isinstance(model.get_submodule(path), FusedStandIn)
+
+
+def test_the_probe_changes_no_other_threads_default_dtype():
+    """The probe leaves torch's default dtype alone. It set it to float64, process-wide: a
+    thread that built its model during another thread's probe got float64 weights, and its
+    float32 call failed ("mat1 and mat2 must have the same dtype")."""
+    case = _case()
+    errors: list[BaseException] = []
+    made: list[torch.dtype] = []
+    barrier = threading.Barrier(4)
+
+    def build_and_call(seed):
+        try:
+            barrier.wait()
+            for attempt in range(3):
+                torch.manual_seed(seed * 10 + attempt)
+                model = case.make()  # float32: parameters in the default dtype
+                made.extend(p.dtype for p in model.parameters())
+                fuse_attention_report(model)
+                model(*case.inputs(3, 5, torch.float32))  # the watched first call, then the probe
+                made.extend(
+                    t.dtype for t in case.inputs(2, 4, torch.float32) if t.is_floating_point()
+                )
+                made.append(torch.zeros(2).dtype)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=build_and_call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors, errors
+    assert set(made) == {torch.float32}
 
 
 def test_a_watched_call_adds_no_process_wide_module_hooks():

@@ -327,7 +327,7 @@ def traced_class(cls: type, backend: str) -> type:
             if watching_now():  # inside a caller's watched first call: this call runs unfused
                 return cls.forward(self, *args, **kwargs)
             before = len(state.rewriter.found)
-            with recorded_runs() as ran:
+            with _DYNAMO_LOCK, recorded_runs() as ran:
                 out = state.call(self, args, kwargs)
             if not ran:  # this call ran unfused
                 traces = len(state.rewriter.found)
@@ -395,14 +395,17 @@ class _OriginalFailed(Exception):
     """The original module itself could not run on the probe's float64 copies."""
 
 
-# The probe sets torch's default dtype (tensors the forward makes itself, in the probe's dtype),
-# which is process-wide, not per thread: probes run one at a time (once per converted module).
-_PROBE_LOCK = threading.RLock()
+# TorchDynamo is not thread-safe (pytorch/pytorch#118260: its caches and configuration are
+# process-wide). Every call into the converted modules' compiled forwards, and every probe (which
+# traces and compiles too), holds this lock: one at a time in the process. Uncontended it costs
+# well under a microsecond a call; threads that run converted modules at once wait for each
+# other there (the rest of their models runs in parallel).
+_DYNAMO_LOCK = threading.RLock()
 
 
 def _probe(module: nn.Module, recording, backend: str) -> tuple[str | None, str]:
     """(None or why not, what was found) for the traced version of ``module``."""
-    with _PROBE_LOCK, without_autocast(), quiet_trace_errors():
+    with _DYNAMO_LOCK, without_autocast(), quiet_trace_errors():
         return _probe_unlocked(module, recording, backend)
 
 
@@ -464,29 +467,28 @@ def _probe_copies(module: nn.Module, recording, backend: str, dtype: torch.dtype
     cls = traced_class(type(module), probe_backend)
     candidate.__class__ = cls
     results = []
-    default_dtype = torch.get_default_dtype()
+    ran: list = []
+    breaks: list[str] = []
+    # Tensors the forward makes itself (zeros for a state, a mask) stay in torch's default
+    # dtype, the same in both runs. (The probe set the default dtype to its own once; that is
+    # process-wide, and another thread building a model meanwhile got float64 weights.) Where a
+    # float32 tensor made so meets the float64 copies in an op that wants one dtype, the
+    # original fails in float64 and the probe runs in float32 (_probe_unlocked).
     with torch.enable_grad(), torch.inference_mode(False), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # tensors the forward makes itself (zeros for a state, a mask) in the probe's dtype too
-        torch.set_default_dtype(dtype)
-        ran: list = []
-        breaks: list[str] = []
-        try:
-            for mod in (original, candidate):
-                args, kwargs, inputs = _leaves_for_grad(recording.args, recording.kwargs, dtype)
-                try:
-                    counted = dynamo_graph_breaks()
-                    with forked_random(seed=1), recorded_runs() as runs:
-                        out = mod(*args, **kwargs)
-                    if mod is candidate:
-                        ran, breaks = runs, _new_breaks(counted, dynamo_graph_breaks())
-                    results.append((out, _gradients(mod, out, inputs, 2)))
-                except Exception as exc:
-                    if mod is original and dtype == torch.float64:
-                        raise _OriginalFailed from exc
-                    raise
-        finally:
-            torch.set_default_dtype(default_dtype)
+        for mod in (original, candidate):
+            args, kwargs, inputs = _leaves_for_grad(recording.args, recording.kwargs, dtype)
+            try:
+                counted = dynamo_graph_breaks()
+                with forked_random(seed=1), recorded_runs() as runs:
+                    out = mod(*args, **kwargs)
+                if mod is candidate:
+                    ran, breaks = runs, _new_breaks(counted, dynamo_graph_breaks())
+                results.append((out, _gradients(mod, out, inputs, 2)))
+            except Exception as exc:
+                if mod is original and dtype == torch.float64:
+                    raise _OriginalFailed from exc
+                raise
     # what the candidate's call ran, and what its traces found
     matched = list(dict.fromkeys(replacement.description for replacement in ran))
     state = candidate.__dict__.get("_fuse_attention_traced")
