@@ -306,6 +306,30 @@ def _warn_unmatched(module: nn.Module, state: _TracedState, found: list) -> None
 _CLASSES: dict[tuple[type, str], type] = {}
 
 
+def _inside_compile(module: nn.Module, state: _TracedState, args, kwargs):
+    """A converted module's call inside the user's torch.compile (or another tracer): TorchDynamo
+    inlines its forward into the user's graph: the module's own code (the user's backend
+    compiles it), unfused. Said at each trace that reaches it (the warning is replayed at its
+    graph's calls; Python's filter says it once)."""
+    if not state.inside_converted:  # (not the trace of a converted module around)
+        warnings.warn(INSIDE_COMPILE.format(state.path, class_name(module)), stacklevel=3)
+    return state.compiled(module, *args, **kwargs)
+
+
+def _after_an_unfused_call(module: nn.Module, cls: type, state: _TracedState, before: int) -> None:
+    """After a call that ran the module's own code: give up on a module that keeps tracing,
+    trace again capturing scalars where the scores left the graph, or say what was missed."""
+    traces = len(state.rewriter.found)
+    compiles = state.compiles()
+    found = state.rewriter.found[before:]
+    if compiles >= max(dynamo_config().recompile_limit, TRACE_LIMIT):
+        _put_back(module, cls, compiles)
+    elif not state.capture_scalars and any(SCORES_LEAVE_THE_GRAPH in missed for _, missed in found):
+        _retrace_capturing_scalars(module, state, cls)
+    elif traces > before:
+        _warn_unmatched(module, state, found)
+
+
 def traced_class(cls: type, backend: str) -> type:
     """The subclass of ``cls`` whose forward is ``cls.forward`` traced and rewritten."""
     key = (cls, backend)
@@ -317,30 +341,20 @@ def traced_class(cls: type, backend: str) -> type:
                 # function, and its TorchScript then runs as the original's, without this package
                 return cls.forward(self, *args, **kwargs)
             state = _traced_state(self, cls, backend)
-            if torch.compiler.is_compiling():  # inside the user's own torch.compile
-                # TorchDynamo inlines this forward into the user's graph: the module's own code
-                # (the user's backend compiles it), unfused. Said at each trace that reaches it
-                # (the warning is replayed at its graph's calls; Python's filter says it once).
-                if not state.inside_converted:  # (not the trace of a converted module around)
-                    warnings.warn(INSIDE_COMPILE.format(state.path, class_name(self)), stacklevel=2)
-                return state.compiled(self, *args, **kwargs)
-            if watching_now():  # inside a caller's watched first call: this call runs unfused
-                return cls.forward(self, *args, **kwargs)
-            before = len(state.rewriter.found)
-            with _DYNAMO_LOCK, recorded_runs() as ran:
-                out = state.call(self, args, kwargs)
-            if not ran:  # this call ran unfused
-                traces = len(state.rewriter.found)
-                compiles = state.compiles()
-                found = state.rewriter.found[before:]
-                if compiles >= max(dynamo_config().recompile_limit, TRACE_LIMIT):
-                    _put_back(self, cls, compiles)
-                elif not state.capture_scalars and any(
-                    SCORES_LEAVE_THE_GRAPH in missed for _, missed in found
-                ):
-                    _retrace_capturing_scalars(self, state, cls)
-                elif traces > before:
-                    _warn_unmatched(self, state, found)
+            if torch.compiler.is_dynamo_compiling():  # inside the user's own torch.compile
+                return _inside_compile(self, state, args, kwargs)
+            with _DYNAMO_LOCK:  # (one thread in TorchDynamo at a time: see _DYNAMO_LOCK)
+                # torch.compiler.is_compiling() is a process-wide flag: read under the lock, so
+                # that another thread's probe (which holds it) is not taken for a compile here
+                if torch.compiler.is_compiling():  # another tracer on this thread (torch.export)
+                    return _inside_compile(self, state, args, kwargs)
+                if watching_now():  # inside a caller's watched first call: this call runs unfused
+                    return cls.forward(self, *args, **kwargs)
+                before = len(state.rewriter.found)
+                with recorded_runs() as ran:
+                    out = state.call(self, args, kwargs)
+                if not ran:  # this call ran unfused
+                    _after_an_unfused_call(self, cls, state, before)
             return out
 
         def __reduce_ex__(self, protocol):
