@@ -222,27 +222,22 @@ void fused_grad_cols(const typename S::T* A, const K* Bk, int64_t nk, int64_t Hp
                                               gv, kscale);
 }
 
-// Every query tile's scaled sum added into gk (kAddGrads): each tile's rows are complete, so
-// the tiles add in turn.
-template <int P, typename K>
-void fused_grads_add(const typename S::T* A, int64_t nq, const K* Bk, int64_t nk, int64_t Hp,
-                     const typename S::T* de, int64_t ldd, typename S::T* gq, typename S::T* gk,
-                     typename S::T* gv, const typename S::T* kscale, bool stream) {
-  if (nq == 1 && stream) {
-    fused_grad_cols<P, 1, true, K, true, true>(A, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
-    return;
-  }
+// fused_grad_cols over the query tiles of nq queries (S::QB at a time, the last one shorter).
+template <int P, bool DIRECT, bool ADD, typename K>
+void query_tiles(const typename S::T* A, int64_t nq, const K* Bk, int64_t nk, int64_t Hp,
+                 const typename S::T* de, int64_t ldd, typename S::T* gq, typename S::T* gk,
+                 typename S::T* gv, const typename S::T* kscale) {
   for (int64_t t = 0; t < nq; t += S::QB) {
     const int64_t qn = nq - t < S::QB ? nq - t : S::QB;
     const auto* a = A + t * Hp;
     const auto* d = de + t * ldd;
     auto* g = gq + t * Hp;
     switch (qn) {
-      case 1: fused_grad_cols<P, 1, true, K, true>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale); break;
-      case 2: fused_grad_cols<P, 2, true, K, true>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale); break;
-      case 3: fused_grad_cols<P, 3, true, K, true>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale); break;
+      case 1: fused_grad_cols<P, 1, DIRECT, K, ADD>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale); break;
+      case 2: fused_grad_cols<P, 2, DIRECT, K, ADD>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale); break;
+      case 3: fused_grad_cols<P, 3, DIRECT, K, ADD>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale); break;
       default:
-        fused_grad_cols<P, S::QB, true, K, true>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale);
+        fused_grad_cols<P, S::QB, DIRECT, K, ADD>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale);
         break;
     }
   }
@@ -254,36 +249,25 @@ void fused_grads_rows(const typename S::T* A, int64_t nq, const K* Bk, int64_t n
                       typename S::T* gk, typename S::T* gv, const typename S::T* kscale,
                       int flags) {
   using T = typename S::T;
-  if (flags & kAddGrads) {
-    fused_grads_add<P>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale, flags & kStreamed);
+  const bool add = flags & kAddGrads;
+  if (nq == 1 && (flags & kStreamed)) {
+    if (add) {
+      fused_grad_cols<P, 1, true, K, true, true>(A, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
+    } else {
+      fused_grad_cols<P, 1, true, K, false, true>(A, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
+    }
     return;
   }
-  if (nq == 1 && (flags & kStreamed)) {
-    fused_grad_cols<P, 1, true, K, false, true>(A, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
+  if (add) {  // each query tile's rows are complete: the tiles add in turn
+    query_tiles<P, true, true>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
     return;
   }
   if (nq <= S::QB) {  // one query tile: every gk row is final when written
-    switch (nq) {
-      case 1: fused_grad_cols<P, 1, true>(A, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale); break;
-      case 2: fused_grad_cols<P, 2, true>(A, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale); break;
-      case 3: fused_grad_cols<P, 3, true>(A, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale); break;
-      default: fused_grad_cols<P, S::QB, true>(A, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale); break;
-    }
+    query_tiles<P, true, false>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
     return;
   }
   for (int64_t i = 0; i < nk * Hp; ++i) gk[i] = T(0);
-  for (int64_t t = 0; t < nq; t += S::QB) {
-    const int64_t qn = nq - t < S::QB ? nq - t : S::QB;
-    const auto* a = A + t * Hp;
-    const auto* d = de + t * ldd;
-    auto* g = gq + t * Hp;
-    switch (qn) {
-      case 1: fused_grad_cols<P, 1, false>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale); break;
-      case 2: fused_grad_cols<P, 2, false>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale); break;
-      case 3: fused_grad_cols<P, 3, false>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale); break;
-      default: fused_grad_cols<P, 4, false>(a, Bk, nk, Hp, d, ldd, g, gk, gv, kscale); break;
-    }
-  }
+  query_tiles<P, false, false>(A, nq, Bk, nk, Hp, de, ldd, gq, gk, gv, kscale);
   for (int64_t s = 0; s < nk; ++s)
     for (int64_t h = 0; h < Hp; h += S::W)
       S::store(gk + s * Hp + h, S::mul(S::load(gk + s * Hp + h), S::load(kscale + h)));
